@@ -1,0 +1,256 @@
+"""Frozen configuration: the model's architecture facts and the engine's settings.
+
+`ModelConfig` holds only what the checkpoint's config.json says; `EngineConfig` holds what the
+user chose. Runtime facts (number of cache blocks, EOS ids from the tokenizer) live elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+CONFIG_DIR = PACKAGE_DIR / "configs"
+FULL_CONFIG = CONFIG_DIR / "qwen3.6-35b-a3b.json"
+DEFAULT_MODEL_DIR = PACKAGE_DIR / "assets" / "default"
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Qwen3.5/3.6-MoE text model (`qwen3_5_moe_text`)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_key_head_dim: int
+    linear_num_value_heads: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MoE
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    # misc
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    attn_output_gate: bool = True
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_hidden_layers}")
+        bad = set(self.layer_types) - {LINEAR, FULL}
+        if bad:
+            raise ValueError(f"unknown layer types {sorted(bad)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError("num_experts_per_tok must be in [1, num_experts]")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary dim {self.rotary_dim} must be even and in (0, head_dim]")
+        if not self.attn_output_gate:
+            raise ValueError("only attn_output_gate=true models are supported")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and f.name.endswith(("_size", "_heads", "_dim")):
+                if v <= 0:
+                    raise ValueError(f"{f.name} must be positive, got {v}")
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Accepts a `qwen3_5_moe` config (nested `text_config`) or a `qwen3_5_moe_text` one."""
+        model_type = raw.get("model_type")
+        if "text_config" in raw:
+            text = dict(raw["text_config"])
+            if model_type not in (None, "qwen3_5_moe"):
+                raise ValueError(f"unsupported model_type {model_type!r}")
+        else:
+            text = dict(raw)
+        if text.get("model_type") not in (None, "qwen3_5_moe_text"):
+            raise ValueError(f"unsupported text model_type {text.get('model_type')!r}")
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported")
+        n_layers = int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        try:
+            return cls(
+                vocab_size=int(text["vocab_size"]),
+                hidden_size=int(text["hidden_size"]),
+                num_hidden_layers=n_layers,
+                layer_types=tuple(layer_types),
+                num_attention_heads=int(text["num_attention_heads"]),
+                num_key_value_heads=int(text["num_key_value_heads"]),
+                head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
+                rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+                partial_rotary_factor=float(
+                    rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+                ),
+                linear_num_key_heads=int(text["linear_num_key_heads"]),
+                linear_key_head_dim=int(text["linear_key_head_dim"]),
+                linear_num_value_heads=int(text["linear_num_value_heads"]),
+                linear_value_head_dim=int(text["linear_value_head_dim"]),
+                linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+                num_experts=int(text["num_experts"]),
+                num_experts_per_tok=int(text["num_experts_per_tok"]),
+                moe_intermediate_size=int(text["moe_intermediate_size"]),
+                shared_expert_intermediate_size=int(text["shared_expert_intermediate_size"]),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+                tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+                mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
+                bos_token_id=text.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                attn_output_gate=bool(text.get("attn_output_gate", True)),
+                hidden_act=str(text.get("hidden_act", "silu")),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Reads a model directory's config.json (or a config JSON file itself)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json at {p}")
+        return cls.from_dict(json.loads(p.read_text()))
+
+    def to_hf_text_dict(self) -> dict[str, Any]:
+        """The equivalent `qwen3_5_moe_text` config.json (what transformers' reference is built from)."""
+        d: dict[str, Any] = {
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
+            "hidden_act": self.hidden_act,
+            "attn_output_gate": self.attn_output_gate,
+        }
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        return d
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZATIONS = (None, "fp8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user chose. `model` is a directory, `dummy:CONFIG_JSON`, or empty for the default."""
+
+    model: str = ""
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available
+    quantization: str | None = None
+    load_format: str = "auto"  # auto | safetensors | dummy
+    seed: int = 0
+    max_model_len: int = 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096  # per-step token budget (chunked prefill)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization (CUDA) or a CPU default
+    num_state_slots: int | None = None  # None: max_num_seqs
+    gpu_memory_utilization: float = 0.90
+    enforce_eager: bool = True
+    tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {self.quantization!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError("num_kv_blocks must be positive")
+        if self.num_state_slots is not None and self.num_state_slots <= 0:
+            raise ValueError("num_state_slots must be positive")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")

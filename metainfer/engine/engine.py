@@ -1,0 +1,255 @@
+"""The engine: validation, the step loop (schedule -> run -> update), stop checks, outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence
+
+from metainfer.config import EngineConfig, ModelConfig
+from metainfer.engine.cache import CacheManager
+from metainfer.engine.request import Request, RequestOutput, SamplingParams, Status
+from metainfer.engine.runner import ModelRunner, ModelSource, StepResult
+from metainfer.engine.scheduler import ScheduledBatch, Scheduler
+from metainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+log = logging.getLogger("metainfer.engine")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message is meant for the client."""
+
+
+class LLMEngine:
+    def __init__(self, ecfg: EngineConfig, progress: bool = True) -> None:
+        self.ecfg = ecfg
+        self.source = ModelSource.parse(ecfg.model, ecfg.load_format)
+        self.model_config = ModelConfig.from_hf(self.source.config_path)
+        model_dir = self.source.config_path.parent
+        self.tokenizer: Tokenizer = load_tokenizer(ecfg.tokenizer or model_dir)
+        self.max_model_len = min(ecfg.max_model_len, self.model_config.max_position_embeddings)
+        self.runner = ModelRunner(ecfg, self.model_config, self.source, progress=progress)
+        self.cache = CacheManager(self.runner.num_blocks, ecfg.block_size, self.runner.num_slots)
+        self.scheduler = Scheduler(self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens)
+        eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(ecfg.seed)
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
+
+    # ---- requests -----------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        score_only: bool = False,
+    ) -> str:
+        """Validates and queues a request; raises RequestError with a client-facing message."""
+        params = params or SamplingParams()
+        rid = request_id or self.new_request_id()
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise RequestError("prompt token ids must be integers") from None
+        if not ids:
+            raise RequestError("the prompt is empty: at least one token is needed")
+        V = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of vocabulary [0, {V})")
+        limit = self.max_model_len
+        if len(ids) >= limit and not score_only or len(ids) > limit:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} tokens"
+            )
+        if params.max_tokens is None:
+            max_tokens = limit - len(ids)
+        else:
+            max_tokens = params.max_tokens
+            if len(ids) + max_tokens > limit and not score_only:
+                raise RequestError(
+                    f"this model's maximum context length is {limit} tokens; the request asks for "
+                    f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)"
+                )
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < V]
+        if bad_stop:
+            raise RequestError(f"stop token id {bad_stop[0]} is out of vocabulary [0, {V})")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        det = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if params.detokenize else None
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params,
+            seed=seed % (2**64),
+            max_tokens=max_tokens,
+            eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+            detokenizer=det,
+            score_only=score_only,
+        )
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops a request at once and frees its cache; returns its final output (or None)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        self._finish(req, "abort")
+        self.stats["aborted"] += 1
+        return self._output(req, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled batch; returns an output for every request that advanced or ended."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        now = time.monotonic()
+        for req, _ in batch.items:
+            req.first_scheduled_time = req.first_scheduled_time or now
+        try:
+            result = self.runner.execute(batch)
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("step failed")
+            return self._fail_batch(batch, f"internal error while running the model: {e}")
+        self.stats["steps"] += 1
+        return self._update(batch, result)
+
+    def _update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for req, n in batch.items:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.stats["prompt_tokens"] += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            rid = req.request_id
+            if rid in result.prompt_logprobs:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)
+                req.prompt_logprobs.extend(result.prompt_logprobs[rid])
+            if req.score_only:
+                if rid in result.score_logits:
+                    req.score_logits.append(result.score_logits[rid])
+                if req.num_computed_tokens == req.num_tokens:
+                    self.scheduler.remove(req)
+                    self._finish(req, "length")
+                    outputs.append(self._output(req, [], ""))
+                continue
+            if rid not in result.sampled:
+                continue
+            tok = result.sampled[rid]
+            req.output_token_ids.append(tok)
+            self.stats["generation_tokens"] += 1
+            if rid in result.logprobs:
+                req.logprobs.append(result.logprobs[rid])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            delta = req.detokenizer.add([tok]) if req.detokenizer else ""
+            reason = self._check_stop(req, tok)
+            if reason is not None:
+                delta = self._apply_stop_string(req, delta)
+                self.scheduler.remove(req)
+                self._finish(req, reason)
+            else:
+                req.text += delta
+            outputs.append(self._output(req, [tok], delta))
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> str | None:
+        n_out = len(req.output_token_ids)
+        if n_out >= req.params.min_tokens:
+            if tok in req.eos_token_ids:
+                req.stop_reason = None
+                return "stop"
+            if tok in req.params.stop_token_ids:
+                req.stop_reason = tok
+                return "stop"
+            if req.params.stop and req.detokenizer is not None:
+                text = req.text + (req.detokenizer.text[len(req.text) :])
+                for s in req.params.stop:
+                    if s in text[max(0, len(req.text) - len(s)) :]:
+                        req.stop_reason = s
+                        return "stop"
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _apply_stop_string(self, req: Request, delta: str) -> str:
+        """Final text: truncated at a matched stop string; returns the part not yet emitted."""
+        full = req.text + delta
+        if isinstance(req.stop_reason, str):
+            cut = full.find(req.stop_reason, max(0, len(req.text) - len(req.stop_reason)))
+            end = cut + (len(req.stop_reason) if req.params.include_stop_str_in_output else 0)
+            full = full[:end]
+        elif req.detokenizer is not None:
+            full += req.detokenizer.flush()
+        new = full[len(req.text) :] if len(full) >= len(req.text) else ""
+        req.text = full
+        return new
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        self.stats["finished"] += 1
+
+    def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        outs = []
+        for req, _ in batch.items:
+            self.scheduler.remove(req)
+            req.error = message
+            self._finish(req, "error")
+            outs.append(self._output(req, [], ""))
+        return outs
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        score = None
+        if req.score_only and req.finished and req.score_logits:
+            import torch
+
+            score = torch.cat(req.score_logits, dim=0)
+            req.score_logits = []
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=req.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+            error=req.error,
+            num_preemptions=req.num_preemptions,
+            ttft=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+            e2e=(req.finish_time - req.arrival_time) if req.finish_time else None,
+            score_logits=score,
+        )

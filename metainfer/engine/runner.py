@@ -1,0 +1,254 @@
+"""The model runner: owns the model and every device tensor; turns a ScheduledBatch into tokens."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from metainfer.config import DEFAULT_MODEL_DIR, EngineConfig, ModelConfig
+from metainfer.engine.request import Request, TokenLogprob
+from metainfer.engine.sampler import SamplingBatch, sample, top_logprobs
+from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.model.meta import CacheTensors, ForwardMeta
+from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
+from metainfer.model.weights import build_model, init_dummy, load_checkpoint
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CPU_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where weights come from: a directory with safetensors, or a config with seeded dummy init."""
+
+    config_path: Path
+    weights_dir: Path | None  # None: dummy weights
+    label: str
+
+    @classmethod
+    def parse(cls, model: str, load_format: str = "auto") -> ModelSource:
+        if not model:
+            return cls(DEFAULT_MODEL_DIR / "config.json", _weights_dir(DEFAULT_MODEL_DIR, load_format), "default")
+        if model.startswith("dummy:"):
+            p = Path(model[len("dummy:") :]).expanduser()
+            cfg = p / "config.json" if p.is_dir() else p
+            if not cfg.is_file():
+                raise FileNotFoundError(f"dummy model config not found: {cfg}")
+            return cls(cfg, None, model)
+        d = Path(model).expanduser()
+        if not d.is_dir():
+            raise FileNotFoundError(f"model directory not found: {d}")
+        return cls(d / "config.json", _weights_dir(d, load_format), str(d))
+
+
+def _weights_dir(d: Path, load_format: str) -> Path | None:
+    if load_format == "dummy":
+        return None
+    has = any(d.glob("*.safetensors"))
+    if load_format == "safetensors" and not has:
+        raise FileNotFoundError(f"no *.safetensors in {d}")
+    return d if has else None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("CUDA was requested but is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    score_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, ecfg: EngineConfig, model_cfg: ModelConfig, source: ModelSource, progress: bool = True) -> None:
+        self.ecfg, self.cfg = ecfg, model_cfg
+        self.device = resolve_device(ecfg.device)
+        self.dtype = resolve_dtype(ecfg.dtype, self.device)
+        torch.manual_seed(ecfg.seed)
+        self.model: Qwen3_5MoeModel = build_model(model_cfg, self.dtype, self.device)
+        if source.weights_dir is None:
+            init_dummy(self.model, ecfg.seed)
+        else:
+            load_checkpoint(self.model, source.weights_dir, progress=progress)
+        if ecfg.quantization == "fp8":
+            from metainfer.model.fp8 import quantize_model_fp8
+
+            quantize_model_fp8(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.num_slots = ecfg.num_state_slots or ecfg.max_num_seqs
+        self.num_blocks = self._num_kv_blocks()
+        self.caches = self._allocate_caches()
+        # test/oracle seam: called with (owners, logits [R, V]) every step that computes logits
+        self.logits_hook = None
+
+    # ---- cache sizing -------------------------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        c = self.cfg
+        elt = torch.finfo(self.dtype).bits // 8
+        return len(c.full_layer_ids) * 2 * self.ecfg.block_size * c.num_key_value_heads * c.head_dim * elt
+
+    def _bytes_per_slot(self) -> int:
+        c = self.cfg
+        elt = torch.finfo(self.dtype).bits // 8
+        conv = (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim * elt
+        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        return len(c.linear_layer_ids) * (conv + ssm)
+
+    def _num_kv_blocks(self) -> int:
+        e = self.ecfg
+        per_seq = math.ceil(e.max_model_len / e.block_size)
+        if e.num_kv_blocks is not None:
+            n = e.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = (1 - e.gpu_memory_utilization) * total
+            act = max(2 << 30, 3 * e.max_num_batched_tokens * self.cfg.vocab_size * 4)
+            budget = free - reserve - act - (self.num_slots + 1) * self._bytes_per_slot()
+            n = int(budget // self._bytes_per_block())
+            n = min(n, e.max_num_seqs * per_seq)
+        else:
+            n = min(e.max_num_seqs * per_seq, CPU_CACHE_BYTES // max(1, self._bytes_per_block()))
+        if n < per_seq:
+            raise ValueError(
+                f"KV cache of {n} blocks x {e.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={e.max_model_len}; lower max_model_len or raise the cache size"
+            )
+        return n
+
+    def _allocate_caches(self) -> CacheTensors:
+        c, dev, dt = self.cfg, self.device, self.dtype
+        nb, bs = self.num_blocks + 1, self.ecfg.block_size  # +1: block 0 is the null block
+        ns = self.num_slots + 1
+        kv_shape = (nb, bs, c.num_key_value_heads, c.head_dim)
+        n_full, n_lin = len(c.full_layer_ids), len(c.linear_layer_ids)
+        return CacheTensors(
+            k=[torch.zeros(kv_shape, dtype=dt, device=dev) for _ in range(n_full)],
+            v=[torch.zeros(kv_shape, dtype=dt, device=dev) for _ in range(n_full)],
+            conv=[
+                torch.zeros(ns, c.linear_conv_kernel_dim - 1, c.linear_conv_dim, dtype=dt, device=dev)
+                for _ in range(n_lin)
+            ],
+            ssm=[
+                torch.zeros(ns, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                            dtype=torch.float32, device=dev)
+                for _ in range(n_lin)
+            ],
+        )
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        row_owner: list[tuple[Request, str, int]] = []  # (request, kind, position) per logits row
+        for req, n in items:
+            start = req.num_computed_tokens
+            base = len(ids)
+            ids.extend(req.tokens_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            completes = start + n == req.num_tokens
+            want_prompt = req.score_only or (
+                req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
+            )
+            if want_prompt:
+                for j in range(n):
+                    logits_rows.append(base + j)
+                    row_owner.append((req, "prompt", start + j))
+            elif completes:
+                logits_rows.append(base + n - 1)
+                row_owner.append((req, "sample", start + n - 1))
+        meta = ForwardMeta.build(
+            query_lens=[n for _, n in items],
+            context_lens=[r.num_computed_tokens for r, _ in items],
+            block_tables=[r.block_ids for r, _ in items],
+            state_slots=[r.state_slot for r, _ in items],
+            block_size=self.ecfg.block_size,
+            logits_rows=logits_rows,
+            device=self.device,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, pos, meta, self.caches)
+        result = StepResult()
+        if not logits_rows:
+            return result
+        logits = self.model.compute_logits(hidden[meta.logits_indices])  # [R, V] fp32
+        self._collect(logits, row_owner, result)
+        return result
+
+    def _collect(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: StepResult) -> None:
+        if self.logits_hook is not None:
+            self.logits_hook(owners, logits)
+        sample_rows = [i for i, (r, kind, p) in enumerate(owners) if kind == "sample" or self._samples_after_prompt(r, kind, p)]
+        tokens_host: list[int] = []
+        if sample_rows:
+            reqs = [owners[i][0] for i in sample_rows]
+            sb = SamplingBatch.build(
+                [(r.params.temperature, max(r.params.top_k, 0), r.params.top_p, r.params.min_p, r.seed,
+                  len(r.output_token_ids)) for r in reqs],
+                self.device,
+            )
+            rows = torch.tensor(sample_rows, device=self.device)
+            sub = logits[rows]
+            toks = sample(sub, sb)
+            n_lp = max((r.params.logprobs or 0) for r in reqs)
+            want_lp = any(r.params.logprobs is not None for r in reqs)
+            if want_lp:
+                chosen, tv, ti = top_logprobs(sub, toks, n_lp)
+                chosen, tv, ti = chosen.tolist(), tv.tolist(), ti.tolist()
+            tokens_host = toks.tolist()
+            for j, r in enumerate(reqs):
+                out.sampled[r.request_id] = tokens_host[j]
+                if want_lp and r.params.logprobs is not None:
+                    k = r.params.logprobs
+                    out.logprobs[r.request_id] = TokenLogprob(
+                        tokens_host[j], chosen[j], list(zip(ti[j][:k], tv[j][:k]))
+                    )
+        prompt_rows = [i for i, (r, kind, p) in enumerate(owners) if kind == "prompt"]
+        if prompt_rows:
+            self._prompt_outputs(logits, owners, prompt_rows, out)
+
+    @staticmethod
+    def _samples_after_prompt(req: Request, kind: str, pos: int) -> bool:
+        """A prompt-logprob row at the last token also samples the first output token."""
+        return kind == "prompt" and not req.score_only and pos == req.num_tokens - 1
+
+    def _prompt_outputs(self, logits, owners, rows, out: StepResult) -> None:
+        by_req: dict[str, list[int]] = {}
+        for i in rows:
+            by_req.setdefault(owners[i][0].request_id, []).append(i)
+        for rid, idx in by_req.items():
+            req = owners[idx[0]][0]
+            sub = logits[torch.tensor(idx, device=logits.device)]
+            if req.score_only:
+                out.score_logits[rid] = sub
+                continue
+            positions = [owners[i][2] for i in idx]
+            nxt = [req.token_at(p + 1) if p + 1 < req.num_prompt_tokens else 0 for p in positions]
+            k = req.params.prompt_logprobs or 0
+            chosen, tv, ti = top_logprobs(sub, torch.tensor(nxt, device=sub.device), k)
+            chosen, tv, ti = chosen.tolist(), tv.tolist(), ti.tolist()
+            lst = []
+            for j, p in enumerate(positions):
+                if p + 1 < req.num_prompt_tokens:
+                    lst.append(TokenLogprob(nxt[j], chosen[j], list(zip(ti[j], tv[j]))))
+            out.prompt_logprobs[rid] = lst

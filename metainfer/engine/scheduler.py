@@ -1,0 +1,107 @@
+"""Continuous batching: FCFS, chunked prefill under a token budget, decodes and prefills in one
+step, preemption by recompute when KV blocks run out. Host state only."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from metainfer.engine.cache import CacheManager
+from metainfer.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: (request, number of new tokens) in scheduling order."""
+
+    items: list[tuple[Request, int]]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    # ---- queue --------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Takes a request out (finished or aborted) and frees its cache."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.token_budget
+        items: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        scheduled: set[str] = set()
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.cache.can_grow(req, n):
+                victim = self.running[-1]
+                if victim.request_id in scheduled:  # never undo work already scheduled
+                    victim = req
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                continue
+            self.cache.grow(req, n)
+            items.append((req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                if self.cache.slots.num_free == 0:
+                    break
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.cache.can_grow(req, n):
+                    break
+                self.waiting.popleft()
+                self.cache.assign_slot(req)
+                self.cache.grow(req, n)
+                req.status = Status.RUNNING
+                self.running.append(req)
+                items.append((req, n))
+                scheduled.add(req.request_id)
+                budget -= n
+        return ScheduledBatch(items, preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.release(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,104 @@
+"""`metainfer generate`: run prompts through the engine as one continuous batch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _token_ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by generate, serve, verify and bench offline."""
+    p.add_argument("--model", default="", help="model dir, dummy:CONFIG_JSON, or empty for the embedded default")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "fp8"],
+                   help="fp8 = bfloat16 activations with FP8 (e4m3, 128x128 block) weights")
+    p.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    dtype, quant = args.dtype, args.quantization
+    if dtype == "fp8":
+        dtype, quant = "bfloat16", "fp8"
+    return dict(
+        dtype=dtype,
+        quantization=quant,
+        device=args.device,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=args.engine_seed,
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for prompts (one continuous batch)")
+    add_engine_args(p)
+    p.add_argument("prompts", nargs="*", help="prompt texts")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt text (repeatable)")
+    p.add_argument("--prompt-token-ids", action="append", default=[], type=_token_ids,
+                   help="a prompt as comma-separated token ids (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from metainfer.engine.engine import RequestError
+    from metainfer.engine.request import SamplingParams
+    from metainfer.llm import LLM
+
+    texts = list(args.prompts) + list(args.prompt)
+    if not texts and not args.prompt_token_ids:
+        texts = ["Hello"]
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(model=args.model, progress=not args.json, **engine_kwargs(args))
+    try:
+        outs = llm.generate(texts or None, params, prompt_token_ids=args.prompt_token_ids or None)
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for o in outs:
+        if args.json:
+            print(json.dumps({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "text": o.text,
+                              "finish_reason": o.finish_reason}))
+        else:
+            prompt = llm.tokenizer.decode(o.prompt_token_ids)
+            print(f"{prompt}\033[1m{o.text}\033[0m" if sys.stdout.isatty() else f"{prompt}{o.text}")
+            print(f"[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,1 @@
+"""Triton kernels, their PyTorch references, and the dispatch the model calls (`ops`)."""

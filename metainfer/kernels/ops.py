@@ -1,0 +1,134 @@
+"""The ops the model calls. Each picks a Triton kernel for CUDA tensors when one is registered and
+enabled, else the PyTorch reference (always on CPU).
+
+Kernels are enabled by `use_kernels(True)` (the runner does this on CUDA unless --no-kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer.kernels import reference as ref
+
+_ENABLED = False
+_KERNELS: dict[str, object] = {}
+
+
+def use_kernels(flag: bool) -> None:
+    """Turns the Triton kernels on or off for CUDA tensors (process-wide, set once at start)."""
+    global _ENABLED
+    _ENABLED = bool(flag)
+    if _ENABLED and not _KERNELS:
+        try:
+            from metainfer.kernels import registry
+
+            _KERNELS.update(registry.load())
+        except ImportError:
+            _ENABLED = False
+
+
+def kernels_enabled() -> bool:
+    return _ENABLED
+
+
+def _kernel(name: str, x: torch.Tensor):
+    if _ENABLED and x.is_cuda:
+        return _KERNELS.get(name)
+    return None
+
+
+# ---- the ops -------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = _kernel("rms_norm", x)
+    return k(x, weight, eps) if k else ref.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    k = _kernel("add_rms_norm", x)
+    return k(x, residual, weight, eps) if k else ref.add_rms_norm(x, residual, weight, eps)
+
+
+def gated_rms_norm(x, z, weight, eps):
+    k = _kernel("gated_rms_norm", x)
+    return k(x, z, weight, eps) if k else ref.gated_rms_norm(x, z, weight, eps)
+
+
+rope_inv_freq = ref.rope_inv_freq
+
+
+def apply_rope(x, positions, inv_freq):
+    return ref.apply_rope(x, positions, inv_freq)
+
+
+def route(router_logits: torch.Tensor, top_k: int):
+    return ref.route(router_logits, top_k)
+
+
+def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None, down_scale=None):
+    k = _kernel("moe_experts", x)
+    if k:
+        return k(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
+    if gate_up_scale is not None:
+        w_gate_up = ref_dequant_fp8(w_gate_up, gate_up_scale, x.dtype)
+        w_down = ref_dequant_fp8(w_down, down_scale, x.dtype)
+    return ref.moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    k = _kernel("fp8_linear", x)
+    if k:
+        return k(x, weight, scale_inv)
+    return torch.nn.functional.linear(x, ref_dequant_fp8(weight, scale_inv, x.dtype))
+
+
+def ref_dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: int = 128) -> torch.Tensor:
+    """[..., N, K] e4m3 with [..., ceil(N/b), ceil(K/b)] scales -> dequantised [..., N, K]."""
+    N, K = w.shape[-2:]
+    s = scale_inv.repeat_interleave(block, dim=-2)[..., :N, :].repeat_interleave(block, dim=-1)[..., :K]
+    return (w.float() * s.float()).to(dtype)
+
+
+def causal_conv1d_update(x, conv_state, weight, slots, has_state):
+    k = _kernel("causal_conv1d_update", x)
+    if k:
+        return k(x, conv_state, weight, slots, has_state)
+    return ref.causal_conv1d_update(x, conv_state, weight, slots, has_state)
+
+
+def causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state):
+    return ref.causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state)
+
+
+def gdn_decode(q, k, v, g, beta, ssm_state, slots, has_state):
+    """One gated-delta-rule step per sequence on its state slot (updated in place).
+
+    q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; ssm_state [S, Hv, Dk, Dv] fp32. -> [B, Hv, Dv].
+    """
+    kern = _kernel("gdn_decode", q)
+    if kern:
+        return kern(q, k, v, g, beta, ssm_state, slots, has_state)
+    init = ssm_state[slots] * has_state[:, None, None, None].to(ssm_state.dtype)
+    out, final = ref.gated_delta_rule_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], init)
+    ssm_state[slots] = final
+    return out[:, 0]
+
+
+def gdn_prefill(q, k, v, g, beta, initial_state):
+    """Chunked gated delta rule over one sequence. -> (out [L, Hv, Dv], final state fp32)."""
+    return ref.gated_delta_rule_chunked(q, k, v, g, beta, initial_state)
+
+
+def paged_attention(q, k_cache, v_cache, meta, scale):
+    """Causal attention of this step's tokens over the paged cache. q [T, Hq, D] -> [T, Hq, D]."""
+    kern = _kernel("paged_attention", q)
+    if kern:
+        return kern(q, k_cache, v_cache, meta, scale)
+    return ref.paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu, meta.seq_lens_cpu, scale
+    )
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Stores this step's keys/values [T, Hkv, D] at flat cache slots [T]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

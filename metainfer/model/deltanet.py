@@ -1,0 +1,75 @@
+"""Gated DeltaNet token mixer (the 30 `linear_attention` layers).
+
+x -> in_proj -> [qkv | z | b | a]; qkv -> causal conv1d (state) -> SiLU -> q, k, v;
+g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); gated delta rule (fp32 state);
+gated RMSNorm with z; out_proj. Decodes run batched over state slots, prefills per sequence in
+the chunked form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metainfer.config import ModelConfig
+from metainfer.kernels import ops
+from metainfer.model.layers import Linear
+from metainfer.model.meta import ForwardMeta
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.hk, self.dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        self.hv, self.dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.eps = cfg.rms_norm_eps
+        self.in_proj = Linear(
+            H,
+            {"in_proj_qkv": cfg.linear_conv_dim, "in_proj_z": self.value_dim, "in_proj_b": self.hv, "in_proj_a": self.hv},
+        )
+        self.conv_weight = nn.Parameter(torch.empty(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
+        self.out_proj = Linear(self.value_dim, {"out_proj": H})
+
+    def gating(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (g [T, Hv] fp32 log decay, beta [T, Hv] model dtype)."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return g, b.sigmoid()
+
+    def forward(
+        self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> torch.Tensor:  # [T, H] -> [T, H]
+        T = x.shape[0]
+        mixed, z, b, a = self.in_proj.split(self.in_proj(x))
+        core = torch.empty(T, self.hv, self.dv, dtype=x.dtype, device=x.device)  # [T, Hv, Dv]
+        nd = meta.num_decodes
+        if nd:
+            slots, has_state = meta.state_slots[:nd], meta.context_lens[:nd] > 0
+            y = ops.causal_conv1d_update(mixed[:nd], conv_state, self.conv_weight, slots, has_state)
+            q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            g, beta = self.gating(a[:nd], b[:nd])
+            core[:nd] = ops.gdn_decode(
+                q.view(nd, self.hk, self.dk), k.view(nd, self.hk, self.dk), v.view(nd, self.hv, self.dv),
+                g, beta, ssm_state, slots, has_state,
+            )
+        qsl = meta.query_start_loc_cpu
+        for i in range(nd, meta.num_seqs):
+            s, e, slot = qsl[i], qsl[i + 1], meta.state_slots_cpu[i]
+            fresh = meta.context_lens_cpu[i] == 0
+            y = ops.causal_conv1d(mixed[s:e], conv_state, self.conv_weight, [0, e - s], [slot], [not fresh])
+            q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            g, beta = self.gating(a[s:e], b[s:e])
+            init = torch.zeros_like(ssm_state[slot]) if fresh else ssm_state[slot]
+            out, final = ops.gdn_prefill(
+                q.view(-1, self.hk, self.dk), k.view(-1, self.hk, self.dk), v.view(-1, self.hv, self.dv),
+                g, beta, init,
+            )
+            core[s:e] = out
+            ssm_state[slot] = final
+        h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
+        return self.out_proj(h.view(T, self.value_dim))

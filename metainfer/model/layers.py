@@ -1,0 +1,98 @@
+"""Building blocks: norms, (merged) linear layers, rotary embedding, the sparse MoE block."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metainfer.config import ModelConfig
+from metainfer.kernels import ops
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (1 + w)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """y = x W^T with W [out, in], bias-free. Rows may be several checkpoint tensors stacked
+    (`parts`: checkpoint-name suffix -> row count), split again by `split()` after the matmul.
+
+    FP8: `weight` is e4m3 and `weight_scale_inv` [ceil(out/128), ceil(in/128)] holds the block scales.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int]) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = dict(parts)
+        self.out_features = sum(parts.values())
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.weight_scale_inv: torch.Tensor | None = None
+
+    def row_offset(self, part: str) -> tuple[int, int]:
+        off = 0
+        for name, n in self.parts.items():
+            if name == part:
+                return off, n
+            off += n
+        raise KeyError(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is not None:
+            return ops.fp8_linear(x, self.weight, self.weight_scale_inv)
+        return F.linear(x, self.weight)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, list(self.parts.values()), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Partial NeoX RoPE on the first `rotary_dim` dims (mrope collapses to this for text)."""
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", ops.rope_inv_freq(rotary_dim, theta), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return ops.apply_rope(x, positions, self.inv_freq)
+
+
+class SparseMoE(nn.Module):
+    """Top-k of E experts (fp32 softmax, renormalised) plus a sigmoid-gated shared expert.
+
+    The router and the shared-expert gate are one [E+1, H] matrix: logits[:, :E] route,
+    logits[:, E] gates the shared expert.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k = E, cfg.num_experts_per_tok
+        self.router = Linear(H, {"gate": E, "shared_expert_gate": 1})
+        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)  # [E, 2I, H]
+        self.w_down = nn.Parameter(torch.empty(E, H, I), requires_grad=False)  # [E, H, I]
+        self.w_gate_up_scale: torch.Tensor | None = None  # FP8 block scales
+        self.w_down_scale: torch.Tensor | None = None
+        Is = cfg.shared_expert_intermediate_size
+        self.shared_gate_up = Linear(H, {"gate_proj": Is, "up_proj": Is})
+        self.shared_down = Linear(Is, {"down_proj": H})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        logits = self.router(x)  # [T, E+1]
+        weights, ids = ops.route(logits[:, : self.num_experts], self.top_k)
+        routed = ops.moe_experts(x, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale)
+        gate, up = self.shared_gate_up.split(self.shared_gate_up(x))
+        shared = self.shared_down(F.silu(gate) * up)
+        return routed + torch.sigmoid(logits[:, self.num_experts :]) * shared

