@@ -1,0 +1,34 @@
+"""Maps op names (see `ops.py`) to Triton launchers. Each launcher has exactly the signature of
+the op it replaces and is tested against the reference in tests/kernels. A module that is absent
+or fails to import (no Triton) simply leaves its ops on the reference path."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+log = logging.getLogger("metainfer.kernels")
+
+# op name -> (module, function)
+KERNELS: dict[str, tuple[str, str]] = {
+    "rms_norm": ("metainfer.kernels.norm", "rms_norm"),
+    "add_rms_norm": ("metainfer.kernels.norm", "add_rms_norm"),
+    "gated_rms_norm": ("metainfer.kernels.norm", "gated_rms_norm"),
+    "causal_conv1d_update": ("metainfer.kernels.conv1d", "causal_conv1d_update"),
+    "gdn_decode": ("metainfer.kernels.gdn_decode", "gdn_decode"),
+    "paged_attention": ("metainfer.kernels.attention", "paged_attention"),
+    "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
+    "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
+}
+
+
+def load(only: set[str] | None = None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, (mod, fn) in KERNELS.items():
+        if only is not None and name not in only:
+            continue
+        try:
+            out[name] = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            log.info("kernel %s unavailable (%s); using the reference", name, e)
+    return out
