@@ -207,8 +207,10 @@ def _all_layers(model: Qwen3_5MoeModel) -> list[tuple[str, DecoderLayer]]:
 
 
 # ---- dummy weights -------------------------------------------------------------------------------
-LM_HEAD_GAIN = 4.0  # logits std ~ LM_HEAD_GAIN: a peaked next-token distribution
+LM_HEAD_GAIN = 10.0  # logits std ~ LM_HEAD_GAIN: a peaked next-token distribution
 ROUTER_GAIN = 2.0  # decisive routing
+RESIDUAL_GAIN = 0.2  # residual writers scaled down: BF16 rounding is amplified less through 40 layers
+RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 
 
 def dummy_init_(name: str, t: torch.Tensor, cfg: ModelConfig, gen: torch.Generator) -> None:
@@ -237,6 +239,8 @@ def dummy_init_(name: str, t: torch.Tensor, cfg: ModelConfig, gen: torch.Generat
         t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
     elif name.endswith("mlp.gate.weight"):
         t.normal_(0.0, ROUTER_GAIN / math.sqrt(t.shape[-1]), generator=gen)
+    elif name.endswith(RESIDUAL_WRITERS):
+        t.normal_(0.0, RESIDUAL_GAIN / math.sqrt(t.shape[-1]), generator=gen)
     elif t.dim() >= 2:
         t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
     else:

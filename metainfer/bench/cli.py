@@ -1,0 +1,358 @@
+"""`metainfer bench serve | offline | roofline | compare | report`.
+
+Exit codes: 0 ok; 1 a run failed (failed or short requests, server not healthy, no result); 2 usage
+error. Results are written (with `--json` / `--out`) before a failing exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from metainfer.config import FULL_CONFIG
+
+
+def _err(msg: str) -> int:
+    print(f"metainfer bench: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The full command, every option spelled out (defaults included), rebuilt from the parsed args."""
+    parser: argparse.ArgumentParser = args.bench_parser
+    out = ["metainfer", "bench", args.bench_command]
+    positionals: list[str] = []
+    for a in parser._actions:
+        if a.dest in ("help", "func", "bench_parser"):
+            continue
+        v = getattr(args, a.dest, None)
+        if not a.option_strings:
+            positionals += [str(x) for x in (v if isinstance(v, list) else [v])]
+        elif a.nargs == 0:  # a flag
+            out += [a.option_strings[0]] if v else []
+        elif isinstance(v, list):
+            for x in v:
+                out += [a.option_strings[0], str(x)]
+        elif v is not None:
+            out += [a.option_strings[0], str(v)]
+    return out + positionals
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="OUT", help="write the result JSON here")
+    p.add_argument("--verdict", metavar="PATH", help="oracle verdict JSON this result relies on")
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="streaming load test of an OpenAI-compatible /v1/completions server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name sent in requests (default: from /v1/models)")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--dataset", default="random", help="random | structured | file:PATH (JSONL)")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals; inf: all at once"
+    )
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="untimed requests sent first")
+    p.add_argument("--tokenizer", default=None, help="model dir with tokenizer.json (default: Qwen3.6)")
+    p.add_argument("--vocab-limit", type=int, default=None, help="random token ids stay below this")
+    p.add_argument("--label", default="server", help="engine name recorded in the result")
+    p.add_argument("--workload", default=None, help="workload name recorded in the result")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="model config for the roofline (default: --model if a "
+        "path or dummy:PATH, else the full Qwen3.6 config)",
+    )
+    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="roofline precision")
+    p.add_argument("--lm-head-dtype", choices=("bfloat16", "fp8"), default=None)
+    p.add_argument("--bandwidth", type=float, default=4.3, help="TB/s for the roofline")
+    p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout (s)")
+    _add_common(p)
+    p.set_defaults(func=cmd_serve, bench_parser=p)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from metainfer.bench.client import ClientConfig
+    from metainfer.bench.datasets import DatasetSpec
+    from metainfer.bench.env import write_json
+    from metainfer.bench.roofline import resolve_config_path
+    from metainfer.bench.serve import RooflineSpec, run_ok, serve_benchmark
+
+    try:
+        if args.config:
+            resolve_config_path(args.config, strict=True)
+        dataset = DatasetSpec.parse(
+            args.dataset,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            num_prompts=args.num_prompts,
+            range_ratio=args.range_ratio,
+            seed=args.seed,
+            vocab_limit=args.vocab_limit,
+        )
+        if args.model is None:
+            import asyncio
+
+            from metainfer.bench.client import served_model_name
+
+            args.model = asyncio.run(served_model_name(args.base_url)) or "default"
+        client = ClientConfig(
+            base_url=args.base_url,
+            model=args.model,
+            endpoint=args.endpoint,
+            max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate,
+            ignore_eos=args.ignore_eos,
+            seed=args.seed,
+            warmup=args.warmup,
+            timeout_s=args.timeout,
+        )
+        roof = RooflineSpec(
+            model=args.config or args.model,
+            dtype=args.dtype,
+            lm_head_dtype=args.lm_head_dtype,
+            bandwidth=args.bandwidth,
+        )
+        obj, table, run = serve_benchmark(
+            client,
+            dataset,
+            roof,
+            engine=args.label,
+            workload=args.workload,
+            verdict=args.verdict,
+            argv=_argv(args),
+            tokenizer_dir=args.tokenizer,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        return _err(str(e))
+    print(table)
+    if args.json:
+        print(f"wrote {write_json(args.json, obj)}")
+    return 0 if run_ok(run.metrics) else 1
+
+
+def _add_offline(sub: Any) -> None:
+    p = sub.add_parser("offline", help="the engine's Python API without HTTP (prefill and decode timing)")
+    p.add_argument("--model", default="", help="model dir, dummy:CONFIG, or '' for the default model")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "fp8"), default="bfloat16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth", type=float, default=4.3)
+    _add_common(p)
+    p.set_defaults(func=cmd_offline, bench_parser=p)
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from metainfer.bench.env import write_json
+    from metainfer.bench.offline import OfflineConfig, offline_benchmark
+
+    try:
+        cfg = OfflineConfig(
+            model=args.model,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            batch_size=args.batch_size,
+            num_iters=args.num_iters,
+            warmup=args.warmup,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            bandwidth=args.bandwidth,
+        )
+    except ValueError as e:
+        return _err(str(e))
+    try:
+        obj, text, m = offline_benchmark(cfg, verdict=args.verdict, argv=_argv(args))
+    except ImportError as e:
+        print(f"metainfer bench offline: the engine API is not available: {e}", file=sys.stderr)
+        return 1
+    print(text)
+    if args.json:
+        print(f"wrote {write_json(args.json, obj)}")
+    return 1 if m.short_outputs else 0
+
+
+def _add_roofline(sub: Any) -> None:
+    p = sub.add_parser("roofline", help="bytes and FLOPs per decode step / prefill, and the ceilings")
+    p.add_argument("--model", default=str(FULL_CONFIG), help="config.json, model dir or dummy:CONFIG")
+    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument("--lm-head-dtype", choices=("bfloat16", "fp8"), default=None, help="default: bfloat16")
+    p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument("--bandwidth", type=float, default=4.3, help="TB/s")
+    p.add_argument("--tflops", type=float, default=None, help="peak TFLOP/s (default 790 BF16, 1580 FP8)")
+    p.add_argument("--context", type=int, default=0, help="cached tokens per sequence at decode")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--prefill-len", type=int, default=1024)
+    p.add_argument(
+        "--markdown", action="store_true", help="print the byte-count tables (benchmarks/README.md)"
+    )
+    p.add_argument("--json", metavar="OUT")
+    p.set_defaults(func=cmd_roofline, bench_parser=p)
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from metainfer.bench.env import build_result, write_json
+    from metainfer.bench.roofline import decode_ceiling, format_ceiling, load_config, prefill_floor
+
+    try:
+        cfg, path = load_config(args.model, strict=True)
+        dec = decode_ceiling(
+            cfg,
+            args.dtype,
+            args.concurrency,
+            args.context,
+            args.bandwidth,
+            args.lm_head_dtype,
+            args.kv_dtype,
+            args.tflops,
+        )
+        pre = prefill_floor(
+            cfg, args.dtype, args.prefill_len, args.bandwidth, args.lm_head_dtype, args.kv_dtype, args.tflops
+        )
+    except (ValueError, FileNotFoundError) as e:
+        return _err(str(e))
+    if args.markdown:
+        from metainfer.bench.roofline_doc import markdown_tables
+
+        print(markdown_tables(cfg, args.bandwidth, design=path == FULL_CONFIG), end="")
+        return 0
+    print(f"config: {path}")
+    print(format_ceiling(dec, "decode step"))
+    print(format_ceiling(pre, "prefill"))
+    if args.json:
+        obj = build_result(
+            kind="roofline",
+            engine="-",
+            workload="roofline",
+            config=vars_clean(args),
+            metrics={"decode": dec.to_dict(), "prefill": pre.to_dict()},
+            argv=_argv(args),
+        )
+        print(f"wrote {write_json(args.json, obj)}")
+    return 0
+
+
+def vars_clean(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("func", "bench_parser")}
+
+
+def _add_compare(sub: Any) -> None:
+    p = sub.add_parser("compare", help="start each engine's server in turn and run the same workloads")
+    p.add_argument("--engine", action="append", default=None, help="metainfer | vllm | a --engine-cmd name")
+    p.add_argument(
+        "--engine-cmd",
+        action="append",
+        default=[],
+        metavar="NAME=TEMPLATE",
+        help="server command with {port} {model} {model_dir} {config}",
+    )
+    p.add_argument(
+        "--model", default=f"dummy:{FULL_CONFIG}", help="dummy:CONFIG (same config for every engine)"
+    )
+    p.add_argument("--workload", default="c1,ttft,c32", help="comma list of c1, ttft, cN")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="override per workload (c1: 4, ttft: 8, cN: 4N)"
+    )
+    p.add_argument("--dataset", default="random")
+    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--tokenizer-dir", default=None, help="tokenizer files copied into vLLM's model dir")
+    p.add_argument("--bandwidth", type=float, default=4.3)
+    p.add_argument("--baseline", default=None, help="engine the report's ratios divide by (default vllm)")
+    p.add_argument("--verdict", metavar="PATH")
+    p.add_argument("--out", default="out/bench-compare")
+    p.set_defaults(func=cmd_compare, bench_parser=p)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from metainfer.bench.compare import CompareConfig, parse_workloads, run_compare
+    from metainfer.bench.report import write_report
+
+    try:
+        templates = []
+        for item in args.engine_cmd:
+            name, sep, tmpl = item.partition("=")
+            if not sep or not name or not tmpl:
+                raise ValueError(f"--engine-cmd needs NAME=TEMPLATE, got {item!r}")
+            templates.append((name, tmpl))
+        engines = args.engine or (["metainfer", "vllm"] if not templates else [])
+        engines += [n for n, _ in templates if n not in engines]
+        cfg = CompareConfig(
+            engines=tuple(engines),
+            model=args.model,
+            workloads=tuple(
+                parse_workloads(args.workload, args.input_len, args.output_len, args.num_prompts)
+            ),
+            out_dir=Path(args.out),
+            dtype=args.dtype,
+            dataset=args.dataset,
+            seed=args.seed,
+            warmup=args.warmup,
+            startup_timeout_s=args.startup_timeout,
+            tokenizer_dir=args.tokenizer_dir,
+            templates=tuple(templates),
+            bandwidth=args.bandwidth,
+            verdict=args.verdict,
+            baseline=args.baseline,
+        )
+        from metainfer.bench.compare import config_file
+
+        if not config_file(cfg.model).is_file():
+            raise ValueError(f"no config at {config_file(cfg.model)}")
+    except ValueError as e:
+        return _err(str(e))
+    files, ok = run_compare(cfg, argv=_argv(args))
+    if files:
+        md, pngs = write_report(files, cfg.out_dir, cfg.baseline)
+        print(f"wrote {len(files)} results, {md} and {len(pngs)} plots")
+    return 0 if ok else 1
+
+
+def _add_report(sub: Any) -> None:
+    p = sub.add_parser("report", help="markdown table and PNG plots from result JSONs")
+    p.add_argument("results", nargs="+", help="result JSON files or directories")
+    p.add_argument("--out", default="out/bench-report")
+    p.add_argument("--baseline", default=None, help="engine for ratios (default: vllm if present)")
+    p.set_defaults(func=cmd_report, bench_parser=p)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from metainfer.bench.report import write_report
+
+    try:
+        md, pngs = write_report(args.results, args.out, args.baseline)
+    except ValueError as e:
+        return _err(str(e))
+    print(md.read_text())
+    print(f"wrote {md} and {len(pngs)} plots")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    bench = subparsers.add_parser("bench", help="serving/offline benchmarks, roofline, compare, report")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+    _add_serve(sub)
+    _add_offline(sub)
+    _add_roofline(sub)
+    _add_compare(sub)
+    _add_report(sub)

@@ -1,0 +1,174 @@
+"""Result metadata: machine, software, commit, date, command line, oracle verdict; JSON writing.
+
+Every result file written by `metainfer bench` is one JSON object:
+`{"kind", "engine", "workload", "env", "command", "config", "metrics", "roofline", "verdict", ...}`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    gpu: str  # torch.cuda device name, else nvidia-smi's, else "none"
+    gpu_count: int
+    driver: str | None
+    torch: str | None
+    triton: str | None
+    python: str
+    git_commit: str | None
+    git_dirty: bool | None
+    date_utc: str  # ISO 8601
+    hostname: str
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _nvidia_smi() -> tuple[list[str], str | None]:
+    if not shutil.which("nvidia-smi"):
+        return [], None
+    out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if not out:
+        return [], None
+    rows = [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+    return [r[0] for r in rows], (rows[0][1] if rows and len(rows[0]) > 1 else None)
+
+
+def _torch_gpus() -> list[str]:
+    """CUDA device names via torch; torch is imported only when a GPU may be present."""
+    maybe_gpu = "torch" in sys.modules or shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl")
+    if not maybe_gpu:
+        return []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:
+        return []
+    return []
+
+
+@lru_cache(maxsize=1)
+def _static_env() -> tuple[str, int, str | None, str | None]:
+    smi_gpus, driver = _nvidia_smi()
+    gpus = _torch_gpus() or smi_gpus
+    return (gpus[0] if gpus else "none"), len(gpus), driver, _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
+
+
+def collect_env() -> RunEnv:
+    gpu, count, driver, commit = _static_env()
+    status = _run(["git", "status", "--porcelain"], REPO_ROOT) if commit else None
+    return RunEnv(
+        gpu=gpu,
+        gpu_count=count,
+        driver=driver,
+        torch=_version("torch"),
+        triton=_version("triton"),
+        python=sys.version.split()[0],
+        git_commit=commit,
+        git_dirty=(bool(status) if status is not None else None),
+        date_utc=utc_now(),
+        hostname=os.uname().nodename,
+    )
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    import shlex
+
+    args = sys.argv if argv is None else argv
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def verdict_info(path: str | None) -> dict[str, Any] | None:
+    """The oracle verdict a result relies on: its path and `passed` field (None if unreadable)."""
+    if not path:
+        return None
+    p = Path(path)
+    passed: bool | None = None
+    error = None
+    try:
+        passed = json.loads(p.read_text()).get("passed")
+    except (OSError, ValueError, AttributeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    info: dict[str, Any] = {"path": str(p.resolve()), "passed": passed}
+    if error:
+        info["error"] = error
+    return info
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def build_result(
+    kind: str,
+    engine: str,
+    workload: str,
+    config: dict[str, Any],
+    metrics: dict[str, Any],
+    roofline: dict[str, Any] | None = None,
+    verdict: str | None = None,
+    argv: list[str] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A result object with full metadata (not yet written)."""
+    return {
+        "kind": kind,
+        "engine": engine,
+        "workload": workload,
+        "env": asdict(collect_env()),
+        "command": command_line(argv),
+        "process_argv": list(sys.argv),
+        "config": config,
+        "metrics": metrics,
+        "roofline": roofline,
+        "verdict": verdict_info(verdict),
+        **extra,
+    }
+
+
+def write_json(path: str | Path, obj: dict[str, Any]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    return p

@@ -1,0 +1,81 @@
+"""`bench serve` against our own server (`metainfer serve`, default tiny model, CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from metainfer.bench.client import wait_for_health
+from metainfer.bench.compare import ServerProcess, free_port
+from metainfer.cli import main
+from metainfer.config import DEFAULT_MODEL_DIR, ModelConfig
+
+pytestmark = pytest.mark.skipif(
+    find_spec("metainfer.server.cli") is None,
+    reason="metainfer.server.cli is not importable yet (the server is being written)",
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_short_run_against_metainfer_serve(tmp_path: Path) -> None:
+    port = free_port()
+    server = ServerProcess(
+        [sys.executable, "-m", "metainfer.cli", "serve", "--port", str(port), "--device", "cpu"],
+        tmp_path / "server.log",
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        if not asyncio.run(wait_for_health(url, 120.0, server.alive)):
+            pytest.fail(f"server not healthy within 120 s:\n{server.log_tail()}")
+        cfg_path = DEFAULT_MODEL_DIR / "config.json"
+        vocab = ["--vocab-limit", str(ModelConfig.from_hf(cfg_path).vocab_size)] if cfg_path.is_file() else []
+        tok = (
+            ["--tokenizer", str(DEFAULT_MODEL_DIR)]
+            if (DEFAULT_MODEL_DIR / "tokenizer.json").is_file()
+            else []
+        )
+        out = tmp_path / "r.json"
+        from metainfer.bench.client import served_model_name
+
+        name = asyncio.run(served_model_name(url)) or "default"
+        rc = main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                url,
+                "--model",
+                name,
+                "--input-len",
+                "8",
+                "--output-len",
+                "8",
+                "--num-prompts",
+                "4",
+                "--max-concurrency",
+                "2",
+                "--ignore-eos",
+                "--json",
+                str(out),
+                *vocab,
+                *tok,
+            ]
+        )
+        obj = json.loads(out.read_text())
+        m = obj["metrics"]
+        assert rc == 0, obj["summary"]["errors"]
+        assert m["completed"] == 4 and m["failed"] == 0 and m["num_short_outputs"] == 0
+        assert m["total_output_tokens"] == 32 and m["total_input_tokens"] == 32
+        for r in obj["requests"]:
+            assert r["output_tokens"] == 8 and r["usage_prompt_tokens"] in (None, 8)
+            assert r["num_chunks"] <= 8
+        assert m["usage_missing"] == 0, "the server should send usage with stream_options.include_usage"
+    finally:
+        server.stop()
