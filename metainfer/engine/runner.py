@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 from metainfer.config import DEFAULT_MODEL_DIR, EngineConfig, ModelConfig
+from metainfer.engine.cuda_graph import DecodeGraphs
 from metainfer.engine.request import Request, TokenLogprob
 from metainfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.kernels import ops
 from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 from metainfer.model.weights import build_model, init_dummy, load_checkpoint
@@ -97,6 +99,22 @@ class ModelRunner:
         self.caches = self._allocate_caches()
         # test/oracle seam: called with (owners, logits [R, V]) every step that computes logits
         self.logits_hook = None
+        self.decode = self._decode_path()
+
+    def _decode_path(self) -> DecodeGraphs | None:
+        """Persistent-buffer decode (CUDA graphs when the decode kernels are all present)."""
+        if self.ecfg.extra.get("no_decode_buffers"):
+            return None
+        if self.device.type == "cuda" and not self.ecfg.extra.get("no_kernels"):
+            ops.use_kernels(True)
+        graphable = ops.kernels_enabled() and all(
+            ops.has_kernel(k) for k in ("paged_attention", "moe_experts", "gdn_decode", "causal_conv1d_update")
+        )
+        max_blocks = -(-self.ecfg.max_model_len // self.ecfg.block_size)
+        dg = DecodeGraphs(self.model, self.caches, self.ecfg.max_num_seqs, max_blocks, self.device,
+                          use_graphs=graphable and not self.ecfg.enforce_eager)
+        dg.capture()
+        return dg
 
     # ---- cache sizing -------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -156,6 +174,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
+        if self.decode is not None and self._pure_decode(items):
+            return self._execute_decode(items)
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -193,6 +213,30 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # [R, V] fp32
         self._collect(logits, row_owner, result)
+        return result
+
+    def _pure_decode(self, items: list[tuple[Request, int]]) -> bool:
+        return len(items) <= self.decode.max_bs and all(
+            n == 1 and r.num_computed_tokens == r.num_tokens - 1 and not r.score_only
+            and (r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= r.num_prompt_tokens)
+            for r, n in items
+        )
+
+    def _execute_decode(self, items: list[tuple[Request, int]]) -> StepResult:
+        bs_ = self.ecfg.block_size
+        reqs = [r for r, _ in items]
+        pos = [r.num_computed_tokens for r in reqs]
+        logits = self.decode.run(
+            ids=[r.token_at(p) for r, p in zip(reqs, pos)],
+            positions=pos,
+            slot_mapping=[r.block_ids[p // bs_] * bs_ + p % bs_ for r, p in zip(reqs, pos)],
+            state_slots=[r.state_slot for r in reqs],
+            context_lens=pos,
+            seq_lens=[p + 1 for p in pos],
+            tables=[r.block_ids for r in reqs],
+        )
+        result = StepResult()
+        self._collect(logits, [(r, "sample", p) for r, p in zip(reqs, pos)], result)
         return result
 
     def _collect(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: StepResult) -> None:

@@ -31,6 +31,10 @@ def kernels_enabled() -> bool:
     return _ENABLED
 
 
+def has_kernel(name: str) -> bool:
+    return _ENABLED and name in _KERNELS
+
+
 def _kernel(name: str, x: torch.Tensor):
     if _ENABLED and x.is_cuda:
         return _KERNELS.get(name)

@@ -1,0 +1,299 @@
+"""Causal GQA attention of a step's query tokens over the paged KV cache.
+
+Decode rows (the first `num_decodes` sequences, one query each): flash-decoding. Each program takes
+one (sequence, KV head, split) and all G = Hq / Hkv query heads of that KV head, so every K/V row
+is read once per KV head. A sequence's context is cut into num_splits equal parts on the device;
+the split count depends only on host ints (num_decodes, the block-table width), so the launch is
+CUDA-graph capturable. A reduce kernel merges the splits by their log-sum-exp.
+
+Prefill rows: varlen flash attention over the paged cache. A program takes BLOCK_M query tokens of
+one sequence times the G heads of one KV head (BLOCK_M * G rows); query i of a sequence sits at
+position seq_len - q_len + i and sees keys 0..that position. Online softmax, fp32 accumulators.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from metainfer.model.meta import ForwardMeta
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass
+class DecodeConfig:
+    block_n: int = 64  # keys per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 264  # about 2 programs per SM on the 132-SM H200
+    min_split_tokens: int = 64  # no split shorter than this (at the block-table capacity)
+    max_splits: int = 128
+    reduce_chunk: int = 16  # splits merged per step of the reduce kernel
+
+
+@dataclass
+class PrefillConfig:
+    block_rows: int = 128  # query rows per program: BLOCK_M tokens x G heads (K/V reuse per load)
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+DECODE = DecodeConfig()
+PREFILL = PrefillConfig()
+
+
+@triton.jit
+def _mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST only under TRITON_INTERPRET, whose dot multiplies bf16 bit patterns as integers
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    sq_t, sq_h, so_t, so_h, sk_blk, sk_tok, sk_h, sbt, scale_log2, num_splits,
+    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # q: [B, HQ, D] rows of the decodes; caches: [N, BLOCK_SIZE, Hkv, D]; bt: [B, max_blocks]
+    # SPLIT: part_o [B, HQ, num_splits, D] fp32, part_lse [B, HQ, num_splits] fp32 (log2 units);
+    # else (num_splits == 1) the result goes straight to out [B, HQ, D]
+    b = tl.program_id(0).to(tl.int64)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < G
+    dmask = d < D
+    heads = hkv * G + g
+    q = tl.load(q_ptr + b * sq_t + heads[:, None] * sq_h + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for s in range(start, end, BLOCK_N):
+        tok = s + tl.arange(0, BLOCK_N)
+        nmask = tok < end
+        blk = tl.load(bt_ptr + b * sbt + tok // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = blk * sk_blk + (tok % BLOCK_SIZE) * sk_tok + hkv * sk_h  # [BLOCK_N]
+        kvmask = dmask[:, None] & nmask[None, :]
+        kt = tl.load(k_ptr + row[None, :] + d[:, None], mask=kvmask, other=0.0)  # [BLOCK_D, BLOCK_N]
+        sc = _mma(q, kt, PREC, UPCAST) * scale_log2  # [G_PAD, BLOCK_N]
+        sc = tl.where(nmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
+        m = m_new
+    nonempty = lsum > 0
+    o = acc / tl.where(nonempty, lsum, 1.0)[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if SPLIT:
+        part = (b * HQ + heads) * num_splits + split  # [G_PAD]
+        tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=omask & nonempty[:, None])
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=gmask)
+    else:
+        tl.store(out_ptr + b * so_t + heads[:, None] * so_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, so_t, so_h, num_splits,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # part_o: [B, HQ, num_splits, D] fp32; part_lse: [B, HQ, num_splits]; out: [B, HQ, D]
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (b * HQ + h) * num_splits
+    cs = tl.arange(0, CHUNK)
+    mv = tl.full([CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        lse = tl.load(part_lse_ptr + base + c + cs, mask=c + cs < num_splits, other=float("-inf"))
+        mv = tl.maximum(mv, lse)
+    m = tl.max(mv, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (padding) yields zeros
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    wv = tl.zeros([CHUNK], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        lse = tl.load(part_lse_ptr + base + c + cs, mask=c + cs < num_splits, other=float("-inf"))
+        w = tl.exp2(lse - m)
+        used = lse > float("-inf")  # empty splits wrote no partial output
+        o = tl.load(part_o_ptr + (base + c + cs)[:, None] * D + d[None, :],
+                    mask=used[:, None] & dmask[None, :], other=0.0)
+        wv += w
+        acc += tl.sum(w[:, None] * o, axis=0)
+    total = tl.sum(wv, axis=0)
+    acc = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * so_t + h * so_h + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit(do_not_specialize=["seq_offset"])
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, seq_offset,
+    sq_t, sq_h, so_t, so_h, sk_blk, sk_tok, sk_h, sbt, scale_log2,
+    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # q, out: [T, HQ, D]; row r of a program is token m0 + r // G_P2, head hkv * G + r % G_P2
+    mblk = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
+    i = (seq_offset + tl.program_id(1)).to(tl.int64)
+    hkv = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + i)
+    q_len = tl.load(qsl_ptr + i + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + i)
+    ctx = seq_len - q_len
+    m0 = mblk * BLOCK_M
+
+    r = tl.arange(0, BLOCK_M * G_P2)
+    t = m0 + r // G_P2
+    gg = r % G_P2
+    rmask = (t < q_len) & (gg < G)
+    heads = hkv * G + gg
+    tok_row = (q_start + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qmask = rmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + tok_row[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    qpos = ctx + t  # [R]
+    hi = tl.where(m0 < q_len, tl.minimum(seq_len, ctx + m0 + BLOCK_M), 0)
+
+    m = tl.full([BLOCK_M * G_P2], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M * G_P2], tl.float32)
+    acc = tl.zeros([BLOCK_M * G_P2, BLOCK_D], tl.float32)
+    for s in range(0, hi, BLOCK_N):
+        kpos = s + tl.arange(0, BLOCK_N)
+        nmask = kpos < hi
+        blk = tl.load(bt_ptr + i * sbt + kpos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = blk * sk_blk + (kpos % BLOCK_SIZE) * sk_tok + hkv * sk_h
+        kt = tl.load(k_ptr + row[None, :] + d[:, None], mask=dmask[:, None] & nmask[None, :], other=0.0)
+        sc = _mma(q, kt, PREC, UPCAST) * scale_log2  # [R, BLOCK_N]
+        visible = (kpos[None, :] <= qpos[:, None]) & nmask[None, :]
+        sc = tl.where(visible, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
+        m = m_new
+    o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    tl.store(out_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def decode_num_splits(num_decodes: int, num_kv_heads: int, capacity: int, cfg: DecodeConfig) -> int:
+    """Splits per sequence from host ints only: enough programs to fill the GPU, none shorter than
+    cfg.min_split_tokens at the block-table capacity (max_blocks * block_size)."""
+    want = triton.cdiv(cfg.target_programs, max(1, num_decodes * num_kv_heads))
+    return max(1, min(want, triton.cdiv(capacity, cfg.min_split_tokens), cfg.max_splits))
+
+
+def _check(q, k_cache, v_cache, meta: ForwardMeta) -> None:
+    assert q.dim() == 3 and q.stride(2) == 1, "q: [T, Hq, D] with contiguous D"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "k/v caches: same strides"
+    assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), q.dtype
+    assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
+    bt = meta.block_tables
+    assert bt.dtype == torch.int32 and bt.dim() == 2 and bt.stride(1) == 1, (bt.dtype, bt.shape)
+    assert meta.seq_lens.dtype == torch.int32 and meta.query_start_loc.dtype == torch.int32
+    assert meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()
+
+
+def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: DecodeConfig,
+            num_splits: int | None = None) -> None:
+    nd = meta.num_decodes
+    _, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    bt = meta.block_tables
+    ns = num_splits or decode_num_splits(nd, Hkv, bt.shape[1] * bs, cfg)
+    if ns > 1:
+        part_o = torch.empty(nd, Hq, ns, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(nd, Hq, ns, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    block_d = triton.next_power_of_2(D)
+    _decode_split_kernel[(nd, Hkv, ns)](
+        q, k_cache, v_cache, bt, meta.seq_lens, out, part_o, part_lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), scale * _LOG2E, ns,
+        HQ=Hq, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
+        BLOCK_SIZE=bs, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if ns > 1:
+        _decode_reduce_kernel[(nd, Hq)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), ns,
+            HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, num_warps=4,
+        )
+
+
+def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: PrefillConfig) -> None:
+    nd, B = meta.num_decodes, meta.num_seqs
+    qsl = meta.query_start_loc_cpu
+    max_q = max(qsl[i + 1] - qsl[i] for i in range(nd, B))
+    if max_q == 0:
+        return
+    _, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    g_p2 = triton.next_power_of_2(G)
+    block_m = max(1, cfg.block_rows // g_p2)
+    bt = meta.block_tables
+    _prefill_kernel[(triton.cdiv(max_q, block_m), B - nd, Hkv)](
+        q, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens, nd,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), scale * _LOG2E,
+        G=G, G_P2=g_p2, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D] normed and rotated; decodes' rows first
+    k_cache: torch.Tensor,  # [N, block_size, Hkv, D] already holding this step's keys
+    v_cache: torch.Tensor,  # [N, block_size, Hkv, D]
+    meta: ForwardMeta,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached sequence. -> [T, Hq, D]."""
+    _check(q, k_cache, v_cache, meta)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        return out
+    if meta.num_decodes:
+        _decode(q, k_cache, v_cache, meta, scale, out, DECODE)
+    if meta.num_seqs > meta.num_decodes:
+        _prefill(q, k_cache, v_cache, meta, scale, out, PREFILL)
+    return out

@@ -1,0 +1,98 @@
+"""One gated-delta-rule decode step per sequence on its fp32 state slot (updated in place).
+
+Memory-bound: each program owns a [Dk, BLOCK_V] column block of one value head's state, holds the
+whole Dk column in registers, and reads and writes each state element exactly once. Grid:
+(B, Hv, Dv / BLOCK_V).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
+BLOCK_V = 32
+NUM_WARPS = 4
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr,
+    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
+    HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state: [S, HV, DK, DV] fp32; out: [B, HV, DV]
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < DK
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = vv < DV
+
+    q = tl.load(q_ptr + b * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + b * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
+    beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
+
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    n_k = DK * tl.load(has_ptr + b).to(tl.int32)  # DK when the slot holds state, else 0
+    s_ptrs = state_ptr + (slot * HV + h) * (DK * DV) + kk[:, None] * DV + vv[None, :]  # [BLOCK_K, BLOCK_V]
+    smask = kmask[:, None] & vmask[None, :]
+    S = tl.load(s_ptrs, mask=(kk < n_k)[:, None] & vmask[None, :], other=0.0, eviction_policy="evict_first")
+    S = S * decay
+    kv = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
+    delta = (v - kv) * beta
+    S = S + k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], axis=0)
+    tl.store(s_ptrs, S, mask=smask, eviction_policy="evict_first")
+    tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
+
+
+def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_warps: int) -> torch.Tensor:
+    B, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    assert k.shape == q.shape and v.shape[0] == B, (q.shape, k.shape, v.shape)
+    assert Hv % Hk == 0, (Hv, Hk)
+    for t in (q, k, v):
+        assert t.stride(2) == 1, "q, k, v: last dim must be contiguous"
+        assert t.dtype in _TL_DTYPES, t.dtype
+    assert g.shape == (B, Hv) and g.dtype == torch.float32 and g.stride(1) == 1, (g.shape, g.dtype)
+    assert beta.shape == (B, Hv) and beta.stride(1) == 1 and beta.dtype in _TL_DTYPES, beta.shape
+    assert ssm_state.dtype == torch.float32 and ssm_state.is_contiguous(), ssm_state.dtype
+    assert ssm_state.dim() == 4 and ssm_state.shape[1:] == (Hv, Dk, Dv), (ssm_state.shape, Hv, Dk, Dv)
+    assert slots.shape == (B,) and slots.dtype == torch.int64, (slots.shape, slots.dtype)
+    assert has_state.shape == (B,) and has_state.dtype == torch.bool, (has_state.shape, has_state.dtype)
+    out = torch.empty(B, Hv, Dv, dtype=v.dtype, device=v.device)
+    if B == 0:
+        return out
+    block_v = min(block_v, triton.next_power_of_2(Dv))
+    _gdn_decode_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
+        q, k, v, g, beta, ssm_state, slots, has_state.view(torch.uint8), out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), Dk**-0.5,
+        HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def gdn_decode(
+    q: torch.Tensor,  # [B, Hk, Dk]
+    k: torch.Tensor,  # [B, Hk, Dk]
+    v: torch.Tensor,  # [B, Hv, Dv]
+    g: torch.Tensor,  # [B, Hv] fp32 log decay
+    beta: torch.Tensor,  # [B, Hv]
+    ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32, updated in place at `slots`
+    slots: torch.Tensor,  # [B] int64
+    has_state: torch.Tensor,  # [B] bool; False: the step starts from a zero state
+) -> torch.Tensor:
+    """S = S * exp(g); S += k (x) beta (v - S^T k); out = S^T q, with l2-normalised q, k. -> [B, Hv, Dv]."""
+    return _launch(q, k, v, g, beta, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS)

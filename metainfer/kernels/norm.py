@@ -1,0 +1,166 @@
+"""RMSNorm kernels: Qwen's x / rms(x) * (1 + w), the fused residual add + norm, and the DeltaNet
+gated norm (plain w, times silu(z)). fp32 math; outputs in x's dtype.
+
+Rows are normalised over the last dim. Inputs may be strided views with up to two leading dims
+(q/k head views of a projection output) as long as the last dim is contiguous; outputs are
+contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+# elements per program (rows * padded row length) and warps; tuned on H200 by benchmarks/kernels_a.py
+ROW_ELEMS = 4096
+NUM_WARPS = 4
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr,
+    n_rows, R2, sx0, sx1, N, eps,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # x: [R1, R2, N] with strides (sx0, sx1, 1); out: [R1 * R2, N] contiguous
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    xoff = (rows // R2).to(tl.int64) * sx0 + (rows % R2).to(tl.int64) * sx1
+    x = tl.load(x_ptr + xoff[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # [BLOCK_R]
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = x * rstd[:, None] * (1.0 + w)[None, :]
+    ooff = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out_ptr + ooff, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    n_rows, sx0, sr0, N, eps,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # x, res: [n_rows, N] with row strides sx0, sr0; out, new_res: [n_rows, N] contiguous
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * sx0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    off = rows64 * N + cols[None, :]
+    r = (x + res).to(new_res_ptr.dtype.element_ty)  # the residual stream is rounded before the norm
+    tl.store(new_res_ptr + off, r, mask=mask)
+    rf = r.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(rf * rf, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = rf * rstd[:, None] * (1.0 + w)[None, :]
+    tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr,
+    n_rows, R2, sx0, sx1, sz0, sz1, N, eps,
+    MID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # x, z: [R1, R2, N] strided (last dim contiguous); out: [R1 * R2, N] contiguous
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    r1 = (rows // R2).to(tl.int64)
+    r2 = (rows % R2).to(tl.int64)
+    x = tl.load(x_ptr + (r1 * sx0 + r2 * sx1)[:, None] + cols[None, :], mask=mask, other=0.0)
+    z = tl.load(z_ptr + (r1 * sz0 + r2 * sz1)[:, None] + cols[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+    # casting order of reference.gated_rms_norm: normed -> x dtype; w * normed -> promoted dtype
+    h = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    h = (h * w[None, :]).to(MID).to(tl.float32)
+    zf = z.to(tl.float32)
+    y = h * (zf * tl.sigmoid(zf))
+    ooff = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out_ptr + ooff, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] with at most two leading dims -> [R1, R2, N] view."""
+    assert x.dim() in (1, 2, 3), f"expected 1-3 dims, got {tuple(x.shape)}"
+    if x.dim() == 1:
+        return x[None, None]
+    if x.dim() == 2:
+        return x[:, None]
+    return x
+
+
+def _tile(n_cols: int) -> tuple[int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    return max(1, ROW_ELEMS // block_n), block_n
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] (last dim contiguous, <= 2 leading dims), weight [N] -> x / rms(x) * (1 + w)."""
+    N = x.shape[-1]
+    assert x.stride(-1) == 1, "last dim of x must be contiguous"
+    assert weight.shape == (N,) and weight.is_contiguous(), (weight.shape, N)
+    assert x.dtype in _TL_DTYPE and weight.device == x.device
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x3 = _as_3d(x)
+    n_rows = x3.shape[0] * x3.shape[1]
+    block_r, block_n = _tile(N)
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+        x3, weight, out, n_rows, x3.shape[1], x3.stride(0), x3.stride(1), N, eps,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, N] -> (rms_norm(x + residual), x + residual); residual None: (rms_norm(x), x)."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    assert x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1, "x, residual: [T, N], N contiguous"
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+    T, N = x.shape
+    assert weight.shape == (N,) and weight.is_contiguous() and x.dtype in _TL_DTYPE
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out, new_res
+    block_r, block_n = _tile(N)
+    _add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
+        x, residual, weight, out, new_res, T, x.stride(0), residual.stride(0), N, eps,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )
+    return out, new_res
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, z [T, Hv, Dv] (last dim contiguous), weight [Dv] -> (w * x / rms(x)) * silu(z) per head."""
+    N = x.shape[-1]
+    assert x.shape == z.shape and x.dtype == z.dtype, (x.shape, z.shape, x.dtype, z.dtype)
+    assert x.stride(-1) == 1 and z.stride(-1) == 1, "last dims of x and z must be contiguous"
+    assert weight.shape == (N,) and weight.is_contiguous() and x.dtype in _TL_DTYPE
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x3, z3 = _as_3d(x), _as_3d(z)
+    n_rows = x3.shape[0] * x3.shape[1]
+    block_r, block_n = _tile(N)
+    mid = _TL_DTYPE[torch.promote_types(weight.dtype, x.dtype)]
+    _gated_rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+        x3, z3, weight, out, n_rows, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
+        N, eps, MID=mid, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )
+    return out

@@ -1,0 +1,106 @@
+"""paged_attention kernels vs the reference (TRITON_INTERPRET on CPU): split-KV decode (forced split
+counts, empty splits), varlen causal prefill with cached prefixes, GQA groups, block sizes 4 and 16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels import attention as attn
+from metainfer.kernels import reference as ref
+from metainfer.model.meta import ForwardMeta
+from tests.helpers import rel_rmse
+
+# (relative RMSE, max abs); bf16 is loose: the interpreter truncates fp32 -> bf16 casts
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 6e-2)}
+
+
+def _setup(query_lens, context_lens, Hq, Hkv, D, bs, dtype, seed):
+    """Random caches (every block, used or not), scattered block tables, random q."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    need = [-(-n // bs) for n in seq_lens]
+    N = sum(need) + 3
+    perm = (torch.randperm(N - 1, generator=g) + 1).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    meta = ForwardMeta.build(
+        query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+        state_slots=list(range(len(query_lens))), block_size=bs, logits_rows=[], device="cpu",
+        max_blocks=max(need) + 2,
+    )
+    k_cache = torch.randn(N, bs, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(N, bs, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), Hq, D, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def _want(q, k_cache, v_cache, meta, scale):
+    return ref.paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu, meta.seq_lens_cpu, scale
+    )
+
+
+def _close(got, want, dtype):
+    rr, ma = TOL[dtype]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.isfinite(got.float()).all()
+    assert rel_rmse(got, want) < rr, rel_rmse(got, want)
+    assert (got.float() - want.float()).abs().max().item() < ma
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_decode_splits(bs, num_splits):
+    ctx = [0, 4, 16, 32]  # seq_lens 1, 5, 17, 33
+    q, kc, vc, meta = _setup([1] * 4, ctx, Hq=4, Hkv=2, D=32, bs=bs, dtype=torch.float32, seed=bs * 7)
+    scale = 32**-0.5
+    out = torch.empty_like(q)
+    cfg = attn.DecodeConfig(block_n=8)
+    attn._decode(q, kc, vc, meta, scale, out, cfg, num_splits=num_splits)
+    _close(out, _want(q, kc, vc, meta, scale), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch(dtype):
+    """Two decodes, then prefills: fresh (7 tokens), chunked over a cached prefix (3 after 14),
+    and a one-token chunk after the decodes (handled by the prefill kernel)."""
+    query_lens, ctx = [1, 1, 7, 3, 1], [4, 16, 0, 14, 9]
+    q, kc, vc, meta = _setup(query_lens, ctx, Hq=4, Hkv=2, D=32, bs=4, dtype=dtype, seed=1)
+    assert meta.num_decodes == 2
+    scale = 32**-0.5
+    _close(attn.paged_attention(q, kc, vc, meta, scale), _want(q, kc, vc, meta, scale), dtype)
+
+
+def test_gqa_group_of_8_prefill_blocks():
+    """G = 8 heads per KV head (as in the model); prefill rows span several query blocks."""
+    query_lens, ctx = [1, 1, 5, 17], [32, 2, 0, 3]
+    q, kc, vc, meta = _setup(query_lens, ctx, Hq=8, Hkv=1, D=16, bs=16, dtype=torch.float32, seed=2)
+    scale = 0.3
+    out = torch.empty_like(q)
+    attn._decode(q, kc, vc, meta, scale, out, attn.DecodeConfig(block_n=16), num_splits=2)
+    attn._prefill(q, kc, vc, meta, scale, out, attn.PrefillConfig(block_rows=32, block_n=16))
+    _close(out, _want(q, kc, vc, meta, scale), torch.float32)
+
+
+def test_prefill_only_and_empty():
+    q, kc, vc, meta = _setup([6, 2], [0, 5], Hq=2, Hkv=2, D=32, bs=4, dtype=torch.float32, seed=3)
+    assert meta.num_decodes == 0
+    _close(attn.paged_attention(q, kc, vc, meta, 0.2), _want(q, kc, vc, meta, 0.2), torch.float32)
+    empty = attn.paged_attention(q[:0], kc, vc, meta, 0.2)
+    assert empty.shape == (0, 2, 32)
+
+
+def test_num_splits_from_host_ints():
+    cfg = attn.DecodeConfig()
+    assert attn.decode_num_splits(1, 2, 8192, cfg) == min(cfg.max_splits, 8192 // cfg.min_split_tokens)
+    assert attn.decode_num_splits(256, 2, 8192, cfg) == 1
+    assert attn.decode_num_splits(1, 2, 16, cfg) == 1
+
+
+def test_registered():
+    from metainfer.kernels import registry
+
+    assert registry.load({"paged_attention"}) == {"paged_attention": attn.paged_attention}

@@ -1,0 +1,68 @@
+"""gdn_decode kernel vs the recurrent reference (TRITON_INTERPRET on CPU), incl. the in-place state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels import gdn_decode as gdn
+from metainfer.kernels import reference as ref
+from tests.helpers import rel_rmse
+
+# (relative RMSE, max abs) for the output; the fp32 state gets the fp32 pair.
+# bf16 is loose: the interpreter truncates fp32 -> bf16 casts.
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}
+
+
+def _reference(q, k, v, g, beta, state, slots, has):
+    init = state[slots] * has[:, None, None, None].float()
+    out, final = ref.gated_delta_rule_recurrent(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], init
+    )
+    state = state.clone()
+    state[slots] = final
+    return out[:, 0], state
+
+
+def _inputs(B, Hk, Hv, Dk, Dv, S, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, 2 * Hk * Dk + Hv * Dv, generator=gen).to(dtype)  # strided views, as in the model
+    q, k, v = torch.split(qkv, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.view(B, Hk, Dk), k.view(B, Hk, Dk), v.view(B, Hv, Dv)
+    g = -torch.rand(B, Hv, generator=gen) * 2
+    beta = torch.rand(B, Hv, generator=gen).to(dtype)
+    state = torch.randn(S, Hv, Dk, Dv, generator=gen) * 0.5
+    slots = torch.randperm(S, generator=gen)[:B]
+    has = torch.rand(B, generator=gen) > 0.3
+    has[0] = True
+    if B > 1:
+        has[1] = False
+    return q, k, v, g, beta, state, slots, has
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,Hk,Hv,Dk,Dv", [(1, 2, 4, 16, 16), (3, 1, 2, 16, 24), (5, 2, 2, 8, 16)])
+def test_gdn_decode(B, Hk, Hv, Dk, Dv, dtype):
+    q, k, v, g, beta, state, slots, has = _inputs(B, Hk, Hv, Dk, Dv, S=7, dtype=dtype, seed=B * 31 + Dv)
+    want, want_state = _reference(q, k, v, g, beta, state, slots, has)
+    got = gdn._launch(q, k, v, g, beta, state, slots, has, block_v=8, num_warps=1)
+    rr, ma = TOL[dtype]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_rmse(got, want) < rr and (got.float() - want.float()).abs().max() < ma
+    assert rel_rmse(state, want_state) < 1e-5 and (state - want_state).abs().max() < 1e-4
+    others = torch.ones(state.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(state[others], want_state[others])
+
+
+def test_gdn_decode_default_launcher():
+    q, k, v, g, beta, state, slots, has = _inputs(2, 2, 4, 16, 16, S=3, dtype=torch.float32, seed=9)
+    want, want_state = _reference(q, k, v, g, beta, state, slots, has)
+    got = gdn.gdn_decode(q, k, v, g, beta, state, slots, has)
+    assert rel_rmse(got, want) < 1e-5 and rel_rmse(state, want_state) < 1e-5
+
+
+def test_registered():
+    from metainfer.kernels import registry
+
+    assert registry.load({"gdn_decode"}) == {"gdn_decode": gdn.gdn_decode}

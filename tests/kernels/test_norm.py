@@ -1,0 +1,92 @@
+"""Norm kernels vs the references (TRITON_INTERPRET on CPU): odd widths, strided head views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels import norm
+from metainfer.kernels import reference as ref
+from tests.helpers import rel_rmse
+
+# (relative RMSE, max abs) vs the reference. bf16 is loose because the interpreter truncates
+# fp32 -> bf16 casts (the GPU rounds to nearest; tests/gpu checks bf16 tightly).
+TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (2e-2, 1e-1)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    rr, ma = TOL[dtype]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_rmse(got, want) < rr, rel_rmse(got, want)
+    assert (got.float() - want.float()).abs().max().item() < ma
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 7])
+def test_rms_norm(T, dtype):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 48, generator=g).to(dtype)
+    w = (torch.randn(48, generator=g) * 0.1).to(dtype)
+    _close(norm.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_heads(dtype):
+    """q = qg[..., :D] of a [T, H, 2D] projection: rows strided per token and per head."""
+    g = torch.Generator().manual_seed(1)
+    T, H, D = 5, 3, 24
+    qg = torch.randn(T, H, 2 * D, generator=g).to(dtype)
+    q = qg[..., :D]
+    w = (torch.randn(D, generator=g) * 0.1).to(dtype)
+    _close(norm.rms_norm(q, w, 1e-6), ref.rms_norm(q, w, 1e-6), dtype)
+    kv = torch.randn(T, 3 * H * D, generator=g).to(dtype)
+    k = torch.split(kv, [H * D, 2 * H * D], dim=-1)[0].view(T, H, D)
+    _close(norm.rms_norm(k, w, 1e-6), ref.rms_norm(k, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 7])
+def test_add_rms_norm(T, dtype):
+    g = torch.Generator().manual_seed(10 + T)
+    x = torch.randn(T, 48, generator=g).to(dtype)
+    r = torch.randn(T, 48, generator=g).to(dtype)
+    w = (torch.randn(48, generator=g) * 0.1).to(dtype)
+    x0, r0 = x.clone(), r.clone()
+    out, new_r = norm.add_rms_norm(x, r, w, 1e-6)
+    want_out, want_r = ref.add_rms_norm(x, r, w, 1e-6)
+    _close(new_r, want_r, dtype)
+    _close(out, want_out, dtype)
+    assert torch.equal(x, x0) and torch.equal(r, r0)
+    xs = torch.randn(T, 80, generator=g).to(dtype)[:, 16:64]  # strided rows
+    _close(norm.add_rms_norm(xs, r, w, 1e-6)[0], ref.add_rms_norm(xs, r, w, 1e-6)[0], dtype)
+    out, same = norm.add_rms_norm(x, None, w, 1e-6)
+    assert same is x
+    _close(out, ref.rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hv,Dv", [(1, 4, 16), (3, 3, 24), (7, 2, 16)])
+def test_gated_rms_norm(T, Hv, Dv, dtype):
+    g = torch.Generator().manual_seed(T * 100 + Dv)
+    x = torch.randn(T, Hv, Dv, generator=g).to(dtype)
+    zz = torch.randn(T, 2 * Hv * Dv, generator=g).to(dtype)
+    z = zz[:, Hv * Dv :].view(T, Hv, Dv)  # strided rows, as split from the in_proj output
+    w = (1 + 0.1 * torch.randn(Dv, generator=g)).to(dtype)
+    _close(norm.gated_rms_norm(x, z, w, 1e-6), ref.gated_rms_norm(x, z, w, 1e-6), dtype)
+
+
+def test_gated_rms_norm_fp32_weight_bf16_x():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2, 16, generator=g).bfloat16()
+    z = torch.randn(3, 2, 16, generator=g).bfloat16()
+    w = 1 + 0.1 * torch.randn(16, generator=g)
+    want = ref.gated_rms_norm(x, z, w, 1e-6)
+    _close(norm.gated_rms_norm(x, z, w, 1e-6), want, torch.bfloat16)
+
+
+def test_registered():
+    from metainfer.kernels import registry
+
+    names = ("rms_norm", "add_rms_norm", "gated_rms_norm")
+    assert registry.load(set(names)) == {n: getattr(norm, n) for n in names}
