@@ -16,7 +16,7 @@ import os
 import platform
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -71,16 +71,18 @@ def compare_logits(llm: LLM, hf, lengths: list[int], seed: int) -> list[dict]:
         lp_ref, lp_eng = ref.log_softmax(-1), e.log_softmax(-1)
         kl = (pr * (lp_ref - lp_eng)).sum(-1)
         top2 = ref.topk(2, -1).values
-        rows.append({
-            "prompt_len": len(p),
-            "rel_rmse": rel_rmse(e, ref),
-            "kl_mean": float(kl.mean()),
-            "kl_max": float(kl.max()),
-            "top1_agree": float((e.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "ref_entropy": float(-(pr * lp_ref).sum(-1).mean()),
-            "ref_top1_prob": float(pr.max(-1).values.mean()),
-            "ref_top1_logit_margin": float((top2[:, 0] - top2[:, 1]).mean()),
-        })
+        rows.append(
+            {
+                "prompt_len": len(p),
+                "rel_rmse": rel_rmse(e, ref),
+                "kl_mean": float(kl.mean()),
+                "kl_max": float(kl.max()),
+                "top1_agree": float((e.argmax(-1) == ref.argmax(-1)).float().mean()),
+                "ref_entropy": float(-(pr * lp_ref).sum(-1).mean()),
+                "ref_top1_prob": float(pr.max(-1).values.mean()),
+                "ref_top1_logit_margin": float((top2[:, 0] - top2[:, 1]).mean()),
+            }
+        )
     return rows
 
 
@@ -107,14 +109,22 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, gen: int, seed: int) -> d
     steady = sorted(step_times[2:]) or sorted(step_times)
     med = steady[len(steady) // 2]
     return {
-        "batch": batch, "prompt_len": prompt_len, "gen": gen, "decode_steps": len(step_times),
-        "step_ms_median": med * 1e3, "decode_tok_s": batch / med, "prefill_s": prefill_time,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "gen": gen,
+        "decode_steps": len(step_times),
+        "step_ms_median": med * 1e3,
+        "decode_tok_s": batch / med,
+        "prefill_s": prefill_time,
     }
 
 
 def env_info() -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
     try:
         info["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except Exception:
@@ -146,8 +156,15 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"env": env_info(), "config": args.config, "dtype": args.dtype, "kernels": args.kernels}
     t0 = time.perf_counter()
-    llm = LLM(model=f"dummy:{args.config}", device=args.device, dtype=args.dtype, max_model_len=4096,
-              max_num_seqs=64, num_kv_blocks=4096, max_num_batched_tokens=4096)
+    llm = LLM(
+        model=f"dummy:{args.config}",
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=4096,
+        max_num_seqs=64,
+        num_kv_blocks=4096,
+        max_num_batched_tokens=4096,
+    )
     if args.device == "cuda":
         torch.cuda.synchronize()
     result["engine_init_s"] = time.perf_counter() - t0
@@ -167,17 +184,23 @@ def main() -> None:
         result["logits"] = []
     for r in result["logits"]:
         print(json.dumps(r), flush=True)
-    result["decode"] = [time_decode(llm, b, args.prompt_len, args.gen, seed=b) for b in map(int, args.batches.split(","))]
+    result["decode"] = [
+        time_decode(llm, b, args.prompt_len, args.gen, seed=b) for b in map(int, args.batches.split(","))
+    ]
     (Path(args.out) / "engine_smoke.json").write_text(json.dumps(result, indent=1))
     print("\n| prompt | rel RMSE | KL mean | top-1 agree | ref entropy | ref top-1 p |")
     print("|---|---|---|---|---|---|")
     for r in result["logits"]:
-        print(f"| {r['prompt_len']} | {r['rel_rmse']:.2e} | {r['kl_mean']:.2e} | {r['top1_agree']:.3f} | "
-              f"{r['ref_entropy']:.2f} | {r['ref_top1_prob']:.2f} |")
+        print(
+            f"| {r['prompt_len']} | {r['rel_rmse']:.2e} | {r['kl_mean']:.2e} | {r['top1_agree']:.3f} | "
+            f"{r['ref_entropy']:.2f} | {r['ref_top1_prob']:.2f} |"
+        )
     print("\n| batch | step ms | decode tok/s | prefill s |")
     print("|---|---|---|---|")
     for d in result["decode"]:
-        print(f"| {d['batch']} | {d['step_ms_median']:.1f} | {d['decode_tok_s']:.1f} | {d['prefill_s']:.2f} |")
+        print(
+            f"| {d['batch']} | {d['step_ms_median']:.1f} | {d['decode_tok_s']:.1f} | {d['prefill_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

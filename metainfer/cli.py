@@ -24,7 +24,9 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="metainfer", description="MetaInfer: VibeQwen engine, oracle, bench")
+    parser = argparse.ArgumentParser(
+        prog="metainfer", description="MetaInfer: VibeQwen engine, oracle, bench"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     registered: set[str] = set()
     for name, module in COMMANDS.items():

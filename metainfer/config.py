@@ -56,7 +56,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_hidden_layers}")
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, expected {self.num_hidden_layers}"
+            )
         bad = set(self.layer_types) - {LINEAR, FULL}
         if bad:
             raise ValueError(f"unknown layer types {sorted(bad)}")
@@ -74,7 +76,11 @@ class ModelConfig:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, int) and not isinstance(v, bool) and f.name.endswith(("_size", "_heads", "_dim")):
+            if (
+                isinstance(v, int)
+                and not isinstance(v, bool)
+                and f.name.endswith(("_size", "_heads", "_dim"))
+            ):
                 if v <= 0:
                     raise ValueError(f"{f.name} must be positive, got {v}")
 
@@ -151,7 +157,9 @@ class ModelConfig:
                 shared_expert_intermediate_size=int(text["shared_expert_intermediate_size"]),
                 rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-                tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+                tie_word_embeddings=bool(
+                    text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+                ),
                 mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
                 bos_token_id=text.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -207,7 +215,9 @@ class ModelConfig:
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
-            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+            d["eos_token_id"] = (
+                list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+            )
         return d
 
 

@@ -16,9 +16,15 @@ def _token_ids(s: str) -> list[int]:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by generate, serve, verify and bench offline."""
-    p.add_argument("--model", default="", help="model dir, dummy:CONFIG_JSON, or empty for the embedded default")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "fp8"],
-                   help="fp8 = bfloat16 activations with FP8 (e4m3, 128x128 block) weights")
+    p.add_argument(
+        "--model", default="", help="model dir, dummy:CONFIG_JSON, or empty for the embedded default"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32", "fp8"],
+        help="fp8 = bfloat16 activations with FP8 (e4m3, 128x128 block) weights",
+    )
     p.add_argument("--quantization", default=None, choices=[None, "fp8"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -57,8 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("prompts", nargs="*", help="prompt texts")
     p.add_argument("--prompt", action="append", default=[], help="a prompt text (repeatable)")
-    p.add_argument("--prompt-token-ids", action="append", default=[], type=_token_ids,
-                   help="a prompt as comma-separated token ids (repeatable)")
+    p.add_argument(
+        "--prompt-token-ids",
+        action="append",
+        default=[],
+        type=_token_ids,
+        help="a prompt as comma-separated token ids (repeatable)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -81,8 +92,14 @@ def run(args: argparse.Namespace) -> int:
         texts = ["Hello"]
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -95,8 +112,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for o in outs:
         if args.json:
-            print(json.dumps({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "text": o.text,
-                              "finish_reason": o.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt_token_ids": o.prompt_token_ids,
+                        "token_ids": o.token_ids,
+                        "text": o.text,
+                        "finish_reason": o.finish_reason,
+                    }
+                )
+            )
         else:
             prompt = llm.tokenizer.decode(o.prompt_token_ids)
             print(f"{prompt}\033[1m{o.text}\033[0m" if sys.stdout.isatty() else f"{prompt}{o.text}")

@@ -62,7 +62,10 @@ class LLM:
         """Teacher-forced logits: for each prompt, [L, V] fp32 (row i predicts token i+1).
 
         The prompts run as one continuous batch, chunked like any prefill."""
-        ids = [self.engine.add_request(list(p), SamplingParams(max_tokens=1), score_only=True) for p in prompt_token_ids]
+        ids = [
+            self.engine.add_request(list(p), SamplingParams(max_tokens=1), score_only=True)
+            for p in prompt_token_ids
+        ]
         outs = self._run(ids)
         return [o.score_logits for o in outs]
 

@@ -52,7 +52,9 @@ def save_hf_model(d: Path, seed: int = 0, **overrides) -> torch.nn.Module:
     eng = build_model(mc, torch.float32, "cpu")
     init_dummy(eng, seed)
     sd = {k: v.clone() for k, v in hf_state_dict(eng).items()}
-    hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "architectures"})
+    hf_cfg = Qwen3_5MoeTextConfig(
+        **{k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "architectures"}
+    )
     hf = Qwen3_5MoeForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     assert not unexpected, unexpected

@@ -29,6 +29,7 @@ class DecodeGraphs:
         caches: CacheTensors,
         max_bs: int,
         max_blocks: int,
+        num_slots: int,
         device: torch.device,
         capture_sizes: Sequence[int] | None = None,
         use_graphs: bool = True,
@@ -38,21 +39,24 @@ class DecodeGraphs:
         self.sizes = sorted(capture_sizes or default_capture_sizes(max_bs))
         i32, i64 = torch.int32, torch.int64
         z = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        self.input_ids = z(max_bs, dtype=i64)
-        self.positions = z(max_bs, dtype=i64)
-        self.slot_mapping = z(max_bs, dtype=i64)
-        self.state_slots = z(max_bs, dtype=i64)
+        pin = device.type == "cuda"
+        # packed per-row inputs: ids, positions, slot_mapping, state_slot, context_len, seq_len
+        self._cols = 6
+        self._host = torch.zeros(self._cols, max_bs, dtype=i64, pin_memory=pin)
+        self._packed = z(self._cols, max_bs, dtype=i64)  # rows stay contiguous when sliced [:bs]
+        self.input_ids, self.positions, self.slot_mapping, self.state_slots = (
+            self._packed[i] for i in range(4)
+        )
         self.context_lens = z(max_bs, dtype=i32)
         self.seq_lens = z(max_bs, dtype=i32)
-        self.block_tables = z(max_bs, max_blocks, dtype=i32)
+        # block tables indexed by state slot (row 0: the null slot, all null blocks); a step gathers
+        # its rows on the device, so the host only writes the blocks a request newly received
+        self.host_slot_tables = torch.zeros(num_slots + 1, max_blocks, dtype=i32, pin_memory=pin)
+        self.slot_tables = z(num_slots + 1, max_blocks, dtype=i32)
+        self._synced: dict[int, tuple[str, int]] = {}  # slot -> (request id, blocks written)
+        self._tables_dirty = True
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
         self.logits_indices = torch.arange(max_bs, dtype=i64, device=device)
-        # one packed host staging buffer -> one H2D copy per step
-        self._cols = 6
-        pin = device.type == "cuda"
-        self._host = torch.zeros(max_bs, self._cols, dtype=i64, pin_memory=pin)
-        self._host_tables = torch.zeros(max_bs, max_blocks, dtype=i32, pin_memory=pin)
-        self._dev_packed = z(max_bs, self._cols, dtype=i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.use_graphs = use_graphs and device.type == "cuda"
@@ -60,7 +64,9 @@ class DecodeGraphs:
     def padded_size(self, bs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, bs)]
 
-    def meta(self, bs: int, seq_lens_cpu: list[int] | None = None, state_slots_cpu: list[int] | None = None) -> ForwardMeta:
+    def meta(
+        self, bs: int, seq_lens_cpu: list[int] | None = None, state_slots_cpu: list[int] | None = None
+    ) -> ForwardMeta:
         """Metadata over the persistent buffers for a pure decode of `bs` rows. Host copies of the
         lengths are given on the eager path only: captured kernels read the device tensors."""
         seq_lens_cpu = seq_lens_cpu or []
@@ -68,7 +74,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             context_lens=self.context_lens[:bs],
-            block_tables=self.block_tables[:bs],
+            block_tables=self.slot_tables.index_select(0, self.state_slots[:bs]),
             slot_mapping=self.slot_mapping[:bs],
             state_slots=self.state_slots[:bs],
             logits_indices=self.logits_indices[:bs],
@@ -89,7 +95,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         if not self.use_graphs:
             return
-        self._fill([], [], [], [], [], [], [], 0)  # all rows are padding
+        self._fill([], 0)  # all rows are padding
         pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -106,40 +112,45 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
-    def _fill(self, ids, positions, slot_mapping, state_slots, context_lens, seq_lens, tables, bs: int) -> int:
-        """Stages one decode batch into the persistent buffers; returns the padded size."""
+    def sync_tables(self, slot: int, owner_key: str, block_ids: list[int]) -> None:
+        """Writes the blocks of the request now holding `slot` that the device table lacks.
+        `owner_key` must change whenever the slot's blocks are reassigned (new request, preemption)."""
+        owner, n = self._synced.get(slot, ("", 0))
+        if owner != owner_key:
+            n = 0
+        if len(block_ids) > n:
+            row = self.host_slot_tables[slot]
+            row[n : len(block_ids)] = torch.tensor(block_ids[n:], dtype=torch.int32)
+            self._synced[slot] = (owner_key, len(block_ids))
+            self._tables_dirty = True
+
+    def _fill(self, rows: list[tuple[int, int, int, int]], bs: int) -> int:
+        """Stages one decode batch (token, position, kv slot, state slot per row) into the buffers;
+        returns the padded size. Padding rows decode one token at position 0 on the null slot."""
         pbs = self.padded_size(bs) if bs else self.max_bs
         h = self._host
-        h[:pbs].zero_()
+        h[:, :pbs].zero_()
         if bs:
-            h[:bs, 0] = torch.tensor(ids, dtype=torch.int64)
-            h[:bs, 1] = torch.tensor(positions, dtype=torch.int64)
-            h[:bs, 2] = torch.tensor(slot_mapping, dtype=torch.int64)
-            h[:bs, 3] = torch.tensor(state_slots, dtype=torch.int64)
-            h[:bs, 4] = torch.tensor(context_lens, dtype=torch.int64)
-            h[:bs, 5] = torch.tensor(seq_lens, dtype=torch.int64)
-        h[bs:pbs, 5] = 1  # padding rows: one token at position 0 in the null block, fresh state
-        ht = self._host_tables
-        ht[:pbs].zero_()
-        for i, t in enumerate(tables):
-            ht[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self._dev_packed[:pbs]
-        dev.copy_(h[:pbs], non_blocking=True)
-        self.block_tables[:pbs].copy_(ht[:pbs], non_blocking=True)
-        self.input_ids[:pbs].copy_(dev[:, 0])
-        self.positions[:pbs].copy_(dev[:, 1])
-        self.slot_mapping[:pbs].copy_(dev[:, 2])
-        self.state_slots[:pbs].copy_(dev[:, 3])
-        self.context_lens[:pbs].copy_(dev[:, 4])
-        self.seq_lens[:pbs].copy_(dev[:, 5])
+            t = torch.tensor(rows, dtype=torch.int64).t()  # [4, bs]
+            h[:4, :bs] = t
+            h[4, :bs] = t[1]
+            h[5, :bs] = t[1] + 1
+        h[5, bs:pbs] = 1
+        self._packed[:, :pbs].copy_(h[:, :pbs], non_blocking=True)
+        self.context_lens[:pbs].copy_(self._packed[4, :pbs])
+        self.seq_lens[:pbs].copy_(self._packed[5, :pbs])
+        if self._tables_dirty:
+            self.slot_tables.copy_(self.host_slot_tables, non_blocking=True)
+            self._tables_dirty = False
         return pbs
 
-    def run(self, ids, positions, slot_mapping, state_slots, context_lens, seq_lens, tables) -> torch.Tensor:
-        """One decode step of bs rows -> logits [bs, V] fp32."""
-        bs = len(ids)
-        pbs = self._fill(ids, positions, slot_mapping, state_slots, context_lens, seq_lens, tables, bs)
+    def run(self, rows: list[tuple[int, int, int, int]]) -> torch.Tensor:
+        """One decode step; rows are (token, position, kv slot, state slot). -> logits [bs, V] fp32."""
+        bs = len(rows)
+        pbs = self._fill(rows, bs)
         if self.use_graphs and pbs in self.graphs:
             self.graphs[pbs].replay()
             return self.outputs[pbs][:bs]
         pad = pbs - bs
-        return self._forward(pbs, list(seq_lens) + [1] * pad, list(state_slots) + [0] * pad)[:bs]
+        seq_lens = [r[1] + 1 for r in rows] + [1] * pad
+        return self._forward(pbs, seq_lens, [r[3] for r in rows] + [0] * pad)[:bs]

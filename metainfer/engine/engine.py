@@ -87,7 +87,9 @@ class LLMEngine:
         if bad_stop:
             raise RequestError(f"stop token id {bad_stop[0]} is out of vocabulary [0, {V})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        det = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if params.detokenize else None
+        det = (
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if params.detokenize else None
+        )
         req = Request(
             request_id=rid,
             prompt_token_ids=ids,

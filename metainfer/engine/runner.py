@@ -33,7 +33,9 @@ class ModelSource:
     @classmethod
     def parse(cls, model: str, load_format: str = "auto") -> ModelSource:
         if not model:
-            return cls(DEFAULT_MODEL_DIR / "config.json", _weights_dir(DEFAULT_MODEL_DIR, load_format), "default")
+            return cls(
+                DEFAULT_MODEL_DIR / "config.json", _weights_dir(DEFAULT_MODEL_DIR, load_format), "default"
+            )
         if model.startswith("dummy:"):
             p = Path(model[len("dummy:") :]).expanduser()
             cfg = p / "config.json" if p.is_dir() else p
@@ -78,7 +80,9 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, ecfg: EngineConfig, model_cfg: ModelConfig, source: ModelSource, progress: bool = True) -> None:
+    def __init__(
+        self, ecfg: EngineConfig, model_cfg: ModelConfig, source: ModelSource, progress: bool = True
+    ) -> None:
         self.ecfg, self.cfg = ecfg, model_cfg
         self.device = resolve_device(ecfg.device)
         self.dtype = resolve_dtype(ecfg.dtype, self.device)
@@ -108,11 +112,19 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.ecfg.extra.get("no_kernels"):
             ops.use_kernels(True)
         graphable = ops.kernels_enabled() and all(
-            ops.has_kernel(k) for k in ("paged_attention", "moe_experts", "gdn_decode", "causal_conv1d_update")
+            ops.has_kernel(k)
+            for k in ("paged_attention", "moe_experts", "gdn_decode", "causal_conv1d_update")
         )
         max_blocks = -(-self.ecfg.max_model_len // self.ecfg.block_size)
-        dg = DecodeGraphs(self.model, self.caches, self.ecfg.max_num_seqs, max_blocks, self.device,
-                          use_graphs=graphable and not self.ecfg.enforce_eager)
+        dg = DecodeGraphs(
+            self.model,
+            self.caches,
+            self.ecfg.max_num_seqs,
+            max_blocks,
+            self.num_slots,
+            self.device,
+            use_graphs=graphable and not self.ecfg.enforce_eager,
+        )
         dg.capture()
         return dg
 
@@ -164,8 +176,14 @@ class ModelRunner:
                 for _ in range(n_lin)
             ],
             ssm=[
-                torch.zeros(ns, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                            dtype=torch.float32, device=dev)
+                torch.zeros(
+                    ns,
+                    c.linear_num_value_heads,
+                    c.linear_key_head_dim,
+                    c.linear_value_head_dim,
+                    dtype=torch.float32,
+                    device=dev,
+                )
                 for _ in range(n_lin)
             ],
         )
@@ -217,43 +235,59 @@ class ModelRunner:
 
     def _pure_decode(self, items: list[tuple[Request, int]]) -> bool:
         return len(items) <= self.decode.max_bs and all(
-            n == 1 and r.num_computed_tokens == r.num_tokens - 1 and not r.score_only
+            n == 1
+            and r.num_computed_tokens == r.num_tokens - 1
+            and not r.score_only
             and (r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= r.num_prompt_tokens)
             for r, n in items
         )
 
     def _execute_decode(self, items: list[tuple[Request, int]]) -> StepResult:
         bs_ = self.ecfg.block_size
-        reqs = [r for r, _ in items]
-        pos = [r.num_computed_tokens for r in reqs]
-        logits = self.decode.run(
-            ids=[r.token_at(p) for r, p in zip(reqs, pos)],
-            positions=pos,
-            slot_mapping=[r.block_ids[p // bs_] * bs_ + p % bs_ for r, p in zip(reqs, pos)],
-            state_slots=[r.state_slot for r in reqs],
-            context_lens=pos,
-            seq_lens=[p + 1 for p in pos],
-            tables=[r.block_ids for r in reqs],
-        )
+        rows = []
+        for r, _ in items:
+            p = r.num_computed_tokens
+            self.decode.sync_tables(r.state_slot, f"{r.request_id}#{r.num_preemptions}", r.block_ids)
+            rows.append((r.token_at(p), p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot))
+        logits = self.decode.run(rows)
         result = StepResult()
-        self._collect(logits, [(r, "sample", p) for r, p in zip(reqs, pos)], result)
+        self._collect(logits, [(r, "sample", r.num_computed_tokens) for r, _ in items], result)
         return result
 
     def _collect(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: StepResult) -> None:
         if self.logits_hook is not None:
             self.logits_hook(owners, logits)
-        sample_rows = [i for i, (r, kind, p) in enumerate(owners) if kind == "sample" or self._samples_after_prompt(r, kind, p)]
+        sample_rows = [
+            i
+            for i, (r, kind, p) in enumerate(owners)
+            if kind == "sample" or self._samples_after_prompt(r, kind, p)
+        ]
         tokens_host: list[int] = []
         if sample_rows:
             reqs = [owners[i][0] for i in sample_rows]
-            sb = SamplingBatch.build(
-                [(r.params.temperature, max(r.params.top_k, 0), r.params.top_p, r.params.min_p, r.seed,
-                  len(r.output_token_ids)) for r in reqs],
-                self.device,
+            sub = (
+                logits
+                if len(sample_rows) == len(owners)
+                else logits[torch.tensor(sample_rows, device=self.device)]
             )
-            rows = torch.tensor(sample_rows, device=self.device)
-            sub = logits[rows]
-            toks = sample(sub, sb)
+            if all(r.params.greedy for r in reqs):
+                toks = sub.argmax(dim=-1)
+            else:
+                sb = SamplingBatch.build(
+                    [
+                        (
+                            r.params.temperature,
+                            max(r.params.top_k, 0),
+                            r.params.top_p,
+                            r.params.min_p,
+                            r.seed,
+                            len(r.output_token_ids),
+                        )
+                        for r in reqs
+                    ],
+                    self.device,
+                )
+                toks = sample(sub, sb)
             n_lp = max((r.params.logprobs or 0) for r in reqs)
             want_lp = any(r.params.logprobs is not None for r in reqs)
             if want_lp:

@@ -46,7 +46,9 @@ class SamplingBatch:
     any_min_p: bool
 
     @classmethod
-    def build(cls, rows: list[tuple[float, int, float, float, int, int]], device: torch.device | str) -> SamplingBatch:
+    def build(
+        cls, rows: list[tuple[float, int, float, float, int, int]], device: torch.device | str
+    ) -> SamplingBatch:
         """rows: (temperature, top_k, top_p, min_p, seed, step) per logits row."""
         t, k, p, m, s, st = zip(*rows)
         s = [x - 2**64 if x >= 2**63 else x for x in s]  # keep seeds in int64 range, bits unchanged
@@ -99,7 +101,9 @@ def _top_k_top_p(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw-model logprobs: (logprob of `tokens` [B], top-n logprobs [B, n], their ids [B, n])."""
     lp = logits.log_softmax(dim=-1)
     chosen = lp.gather(-1, tokens[:, None])[:, 0]

@@ -65,7 +65,9 @@ def apply_rope(x, positions, inv_freq):
 
 
 def route(router_logits: torch.Tensor, top_k: int):
-    return ref.route(router_logits, top_k)
+    """-> (weights [T, k] fp32 renormalised, ids [T, k] int64)."""
+    k = _kernel("route", router_logits)
+    return k(router_logits, top_k) if k else ref.route(router_logits, top_k)
 
 
 def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None, down_scale=None):
@@ -85,7 +87,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     return torch.nn.functional.linear(x, ref_dequant_fp8(weight, scale_inv, x.dtype))
 
 
-def ref_dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: int = 128) -> torch.Tensor:
+def ref_dequant_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: int = 128
+) -> torch.Tensor:
     """[..., N, K] e4m3 with [..., ceil(N/b), ceil(K/b)] scales -> dequantised [..., N, K]."""
     N, K = w.shape[-2:]
     s = scale_inv.repeat_interleave(block, dim=-2)[..., :N, :].repeat_interleave(block, dim=-1)[..., :K]
@@ -112,7 +116,9 @@ def gdn_decode(q, k, v, g, beta, ssm_state, slots, has_state):
     if kern:
         return kern(q, k, v, g, beta, ssm_state, slots, has_state)
     init = ssm_state[slots] * has_state[:, None, None, None].to(ssm_state.dtype)
-    out, final = ref.gated_delta_rule_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], init)
+    out, final = ref.gated_delta_rule_recurrent(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], init
+    )
     ssm_state[slots] = final
     return out[:, 0]
 

@@ -17,6 +17,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "causal_conv1d_update": ("metainfer.kernels.conv1d", "causal_conv1d_update"),
     "gdn_decode": ("metainfer.kernels.gdn_decode", "gdn_decode"),
     "paged_attention": ("metainfer.kernels.attention", "paged_attention"),
+    "route": ("metainfer.kernels.moe", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
 }

@@ -21,7 +21,9 @@ class GatedAttention(nn.Module):
         H = cfg.hidden_size
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.d**-0.5
-        self.qkv_proj = Linear(H, {"q_proj": 2 * self.hq * self.d, "k_proj": self.hkv * self.d, "v_proj": self.hkv * self.d})
+        self.qkv_proj = Linear(
+            H, {"q_proj": 2 * self.hq * self.d, "k_proj": self.hkv * self.d, "v_proj": self.hkv * self.d}
+        )
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.o_proj = Linear(self.hq * self.d, {"o_proj": H})

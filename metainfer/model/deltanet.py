@@ -28,9 +28,16 @@ class GatedDeltaNet(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.in_proj = Linear(
             H,
-            {"in_proj_qkv": cfg.linear_conv_dim, "in_proj_z": self.value_dim, "in_proj_b": self.hv, "in_proj_a": self.hv},
+            {
+                "in_proj_qkv": cfg.linear_conv_dim,
+                "in_proj_z": self.value_dim,
+                "in_proj_b": self.hv,
+                "in_proj_a": self.hv,
+            },
         )
-        self.conv_weight = nn.Parameter(torch.empty(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim), requires_grad=False)
+        self.conv_weight = nn.Parameter(
+            torch.empty(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim), requires_grad=False
+        )
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
@@ -54,8 +61,14 @@ class GatedDeltaNet(nn.Module):
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
             g, beta = self.gating(a[:nd], b[:nd])
             core[:nd] = ops.gdn_decode(
-                q.view(nd, self.hk, self.dk), k.view(nd, self.hk, self.dk), v.view(nd, self.hv, self.dv),
-                g, beta, ssm_state, slots, has_state,
+                q.view(nd, self.hk, self.dk),
+                k.view(nd, self.hk, self.dk),
+                v.view(nd, self.hv, self.dv),
+                g,
+                beta,
+                ssm_state,
+                slots,
+                has_state,
             )
         qsl = meta.query_start_loc_cpu
         for i in range(nd, meta.num_seqs):
@@ -66,8 +79,12 @@ class GatedDeltaNet(nn.Module):
             g, beta = self.gating(a[s:e], b[s:e])
             init = torch.zeros_like(ssm_state[slot]) if fresh else ssm_state[slot]
             out, final = ops.gdn_prefill(
-                q.view(-1, self.hk, self.dk), k.view(-1, self.hk, self.dk), v.view(-1, self.hv, self.dv),
-                g, beta, init,
+                q.view(-1, self.hk, self.dk),
+                k.view(-1, self.hk, self.dk),
+                v.view(-1, self.hv, self.dv),
+                g,
+                beta,
+                init,
             )
             core[s:e] = out
             ssm_state[slot] = final

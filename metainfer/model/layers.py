@@ -21,7 +21,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
@@ -92,7 +94,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         logits = self.router(x)  # [T, E+1]
         weights, ids = ops.route(logits[:, : self.num_experts], self.top_k)
-        routed = ops.moe_experts(x, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale)
+        routed = ops.moe_experts(
+            x, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale
+        )
         gate, up = self.shared_gate_up.split(self.shared_gate_up(x))
         shared = self.shared_down(F.silu(gate) * up)
         return routed + torch.sigmoid(logits[:, self.num_experts :]) * shared

@@ -54,7 +54,11 @@ def _layer_targets(targets: dict[str, Target], layer: DecoderLayer, p: str, cfg:
     else:
         d = layer.linear_attn
         q = f"{p}.linear_attn"
-        _linear(targets, d.in_proj, {x: f"{q}.{x}.weight" for x in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")})
+        _linear(
+            targets,
+            d.in_proj,
+            {x: f"{q}.{x}.weight" for x in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+        )
         _linear(targets, d.out_proj, {"out_proj": f"{q}.out_proj.weight"})
         C, K = d.conv_weight.shape
         targets[f"{q}.conv1d.weight"] = Target(d.conv_weight.data, (C, 1, K))
@@ -62,7 +66,11 @@ def _layer_targets(targets: dict[str, Target], layer: DecoderLayer, p: str, cfg:
         targets[f"{q}.dt_bias"] = Target(d.dt_bias.data, (d.hv,))
         targets[f"{q}.norm.weight"] = Target(d.norm_weight.data, (d.dv,))
     m = layer.mlp
-    _linear(targets, m.router, {"gate": f"{p}.mlp.gate.weight", "shared_expert_gate": f"{p}.mlp.shared_expert_gate.weight"})
+    _linear(
+        targets,
+        m.router,
+        {"gate": f"{p}.mlp.gate.weight", "shared_expert_gate": f"{p}.mlp.shared_expert_gate.weight"},
+    )
     targets[f"{p}.mlp.experts.gate_up_proj"] = Target(m.w_gate_up.data, tuple(m.w_gate_up.shape))
     targets[f"{p}.mlp.experts.down_proj"] = Target(m.w_down.data, tuple(m.w_down.shape))
     _linear(
@@ -77,7 +85,9 @@ def param_targets(model: Qwen3_5MoeModel) -> dict[str, Target]:
     """Every canonical checkpoint name -> where it lands in `model`."""
     cfg = model.cfg
     t: dict[str, Target] = {
-        "model.embed_tokens.weight": Target(model.embed_tokens.weight.data, (cfg.vocab_size, cfg.hidden_size)),
+        "model.embed_tokens.weight": Target(
+            model.embed_tokens.weight.data, (cfg.vocab_size, cfg.hidden_size)
+        ),
         "model.norm.weight": Target(model.norm.weight.data, (cfg.hidden_size,)),
     }
     if not cfg.tie_word_embeddings:
@@ -163,7 +173,7 @@ def load_checkpoint(model: Qwen3_5MoeModel, model_dir: Path, progress: bool = Tr
                 tgt.hf_view().copy_(src)
                 filled.add(name)
     bar.close()
-    for e_name, (fused, parts) in _expert_groups(model).items():
+    for fused, parts in _expert_groups(model).values():
         if all(p in filled for p in parts):
             filled.add(fused)
     missing = sorted(set(targets) - filled)

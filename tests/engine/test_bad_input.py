@@ -89,6 +89,8 @@ def test_failed_step_fails_only_its_requests(llm, monkeypatch):
     outs = eng.step()
     assert outs[0].request_id == rid and outs[0].finish_reason == "error" and "injected" in outs[0].error
     monkeypatch.setattr(eng.runner, "execute", real)
-    res = llm.generate(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
+    res = llm.generate(
+        prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True)
+    )
     assert len(res[0].token_ids) == 2
     assert eng.cache.usage()["kv_blocks_used"] == 0

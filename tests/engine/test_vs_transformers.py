@@ -63,7 +63,10 @@ def test_decode_step_logits(tiny):
 
     llm.engine.runner.logits_hook = hook
     prompts = prompts_of([3, 9, 41])
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    )
     for p, o in zip(prompts, outs):
         full = p + o.token_ids
         ref = hf_logits(hf, full)
@@ -74,7 +77,9 @@ def test_decode_step_logits(tiny):
 
 
 def _greedy_batch(llm, prompts, n):
-    return llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return llm.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    )
 
 
 def test_greedy_continuous_batching_chunked(tiny):
@@ -91,8 +96,16 @@ def test_greedy_with_preemption(tiny):
     d, hf = tiny
     prompts = prompts_of([2, 6, 17, 30, 45, 64], seed=4)
     # 16 blocks x 8 tokens: the six sequences (up to 96 tokens each) cannot all stay resident
-    llm = LLM(model=str(d), device="cpu", dtype="float32", max_num_batched_tokens=24, block_size=8,
-              num_kv_blocks=16, max_model_len=128, max_num_seqs=6)
+    llm = LLM(
+        model=str(d),
+        device="cpu",
+        dtype="float32",
+        max_num_batched_tokens=24,
+        block_size=8,
+        num_kv_blocks=16,
+        max_model_len=128,
+        max_num_seqs=6,
+    )
     outs = _greedy_batch(llm, prompts, 32)
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.num_preemptions for o in outs) > 0

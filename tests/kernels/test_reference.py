@@ -31,7 +31,10 @@ def test_conv_update_matches_sequence_conv():
     state_a = torch.zeros(2, K - 1, C)
     full = ref.causal_conv1d(x, state_a, w, [0, L], [1], [False])
     state_b = torch.zeros(2, K - 1, C)
-    steps = [ref.causal_conv1d_update(x[i : i + 1], state_b, w, torch.tensor([1]), torch.tensor([i > 0])) for i in range(L)]
+    steps = [
+        ref.causal_conv1d_update(x[i : i + 1], state_b, w, torch.tensor([1]), torch.tensor([i > 0]))
+        for i in range(L)
+    ]
     assert torch.allclose(full, torch.cat(steps), atol=1e-5)
     assert torch.allclose(state_a, state_b)
 
@@ -51,7 +54,10 @@ def test_paged_attention_matches_dense():
         vc[table[i // bs], i % bs] = v[i]
     out = ref.paged_attention(q[-3:], kc, vc, table[None], [0, 3], [n], D**-0.5)
     dense = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
-        is_causal=True, scale=D**-0.5,
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        is_causal=True,
+        scale=D**-0.5,
     ).transpose(0, 1)
     assert torch.allclose(out, dense[-3:], atol=1e-5)

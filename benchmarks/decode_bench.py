@@ -1,0 +1,179 @@
+"""Engine decode throughput, TTFT and a per-kernel profile on the full config (dummy weights).
+
+For each batch size: `batch` random 1k-token prompts run together (greedy, ignore_eos); the
+steady decode step time (all sequences decoding, CUDA-graph replay when available) gives tok/s,
+shown with its % of the memory-bandwidth ceiling. TTFT: one 1k-token prompt on an idle engine,
+max_tokens=1, median of 5. Profile: CUDA time per kernel over a few decode steps at batch 1.
+
+    python benchmarks/decode_bench.py --dtype bfloat16 --out $OUT
+    python benchmarks/decode_bench.py --dtype fp8 --batches 1,32 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_smoke import env_info  # noqa: E402
+
+from metainfer.bench.roofline import decode_ceiling  # noqa: E402
+from metainfer.config import FULL_CONFIG, ModelConfig  # noqa: E402
+from metainfer.engine.request import SamplingParams  # noqa: E402
+from metainfer.llm import LLM  # noqa: E402
+
+
+def random_prompts(n: int, length: int, seed: int, vocab: int = 248000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def decode_run(llm: LLM, batch: int, prompt_len: int, gen: int, seed: int) -> dict:
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    for p in random_prompts(batch, prompt_len, seed):
+        eng.add_request(p, sp)
+    steps, other = [], 0.0
+    while eng.has_unfinished():
+        decode_only = not eng.scheduler.waiting and all(
+            r.num_computed_tokens == r.num_tokens - 1 for r in eng.scheduler.running
+        )
+        n = len(eng.scheduler.running)
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        if decode_only and n == batch:
+            steps.append(dt)
+        else:
+            other += dt
+    steady = steps[3:] or steps
+    med = statistics.median(steady)
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "gen": gen,
+        "steps": len(steps),
+        "step_ms_median": med * 1e3,
+        "step_ms_p90": sorted(steady)[int(0.9 * (len(steady) - 1))] * 1e3,
+        "decode_tok_s": batch / med,
+        "non_decode_s": other,
+    }
+
+
+def ttft(llm: LLM, prompt_len: int, reps: int = 5) -> dict:
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i, p in enumerate(random_prompts(reps + 1, prompt_len, seed=99)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[p], sampling_params=sp)
+        if i:  # first one warms up
+            times.append(time.perf_counter() - t0)
+    return {
+        "prompt_len": prompt_len,
+        "ttft_ms_median": statistics.median(times) * 1e3,
+        "ttft_ms_all": [t * 1e3 for t in times],
+    }
+
+
+def profile_decode(llm: LLM, prompt_len: int, steps: int = 6) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    eng.add_request(
+        random_prompts(1, prompt_len, seed=7)[0],
+        SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True),
+    )
+    for _ in range(3):
+        eng.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": ev.key[:90], "calls_per_step": ev.count / steps, "us_per_step": t / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(FULL_CONFIG))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "fp8"])
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    quant = "fp8" if args.dtype == "fp8" else None
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=f"dummy:{args.config}",
+        device="cuda",
+        dtype="bfloat16",
+        quantization=quant,
+        max_model_len=args.prompt_len + args.gen + 64,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=8192,
+        enforce_eager=args.eager,
+    )
+    init_s = time.perf_counter() - t0
+    graphs = bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs)
+    print(
+        f"engine init {init_s:.1f}s (graphs: {graphs})",
+        flush=True,
+    )
+    cfg = ModelConfig.from_hf(args.config)
+    roof_dtype = "fp8" if quant else "bfloat16"
+    res = {
+        "env": env_info(),
+        "config": args.config,
+        "dtype": args.dtype,
+        "init_s": init_s,
+        "cuda_graphs": bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs),
+        "decode": [],
+    }
+    for b in batches:
+        r = decode_run(llm, b, args.prompt_len, args.gen, seed=b)
+        ceil = decode_ceiling(cfg, roof_dtype, concurrency=b, context=args.prompt_len + args.gen // 2)
+        r["ceiling_tok_s"] = ceil.tok_s
+        r["pct_of_ceiling"] = 100 * r["decode_tok_s"] / ceil.tok_s
+        res["decode"].append(r)
+        print(json.dumps(r), flush=True)
+    res["ttft"] = ttft(llm, args.prompt_len)
+    print(json.dumps(res["ttft"]), flush=True)
+    if not args.no_profile:
+        try:
+            res["profile_bs1"] = profile_decode(llm, args.prompt_len)
+        except Exception as e:  # profiling is optional
+            res["profile_error"] = repr(e)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"decode_bench_{args.dtype}.json").write_text(json.dumps(res, indent=1))
+    print(f"\n[{args.dtype}] | batch | step ms | tok/s | % ceiling |")
+    for r in res["decode"]:
+        print(
+            f"| {r['batch']} | {r['step_ms_median']:.2f} | {r['decode_tok_s']:.0f} "
+            f"| {r['pct_of_ceiling']:.0f}% |"
+        )
+    print(f"TTFT 1k: {res['ttft']['ttft_ms_median']:.1f} ms")
+    for row in res.get("profile_bs1", [])[:25]:
+        print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:.0f}  {row['kernel']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""FP8 block-scaled linear: y = x W^T, W [N, K] e4m3 with fp32 scale_inv [ceil(N/128), ceil(K/128)].
+
+The token count T picks the kernel:
+- T <= SKINNY_MAX_T (decode): `_skinny_kernel` streams every weight tile once and dequantises it in
+  registers (W8A16). The weight scale of each 128x128 block multiplies the activation chunk, so the
+  inner loop is a plain e4m3 -> bf16 convert plus an FMA/MMA. T == 1 reduces on the CUDA cores,
+  2..64 tokens use a swapped-operand MMA (W tile as the M side, tokens as the N side). Split-K keeps
+  4 (T == 1) or 2 CTAs per SM busy even for N = 2048; the last CTA of each N tile to finish adds
+  the fp32 partials in split order (deterministic, one launch, counters reset by that CTA).
+- larger T (prefill, compute-bound): activations are quantised per token and 128-column group
+  (`_act_quant_kernel`, the published checkpoint's dynamic activation scheme), then `_w8a8_kernel`
+  runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
+  block. METAINFER_FP8_GEMM=cublas routes this case to torch._scaled_mm's blockwise
+  (1x128, 128x128) recipe instead (torch >= 2.9 with cuBLASLt >= 12.9 on sm_90 only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+BLOCK = 128  # the checkpoint's weight_block_size
+SKINNY_MAX_T = 64
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_NUM_SMS: dict[torch.device, int] = {}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b; UPCAST: fp32 operands (the interpreter's bf16 dot is wrong; fp32 inputs)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype), acc)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Rounds fp32 to the nearest e4m3 value (ties to even), saturating at +-448, still as fp32.
+
+    The later cast to float8e4nv is then exact on every backend (the interpreter's own rounding
+    drops the carry into the exponent)."""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep sign, exponent, 3 mantissa bits
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0  # multiples of 2^-9 below 2^-6
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
+    T, N, K, stride_xt, stride_yt, stride_sn, iters_per_split,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    n_mask = offs_n < N
+    t_mask = offs_t < T
+    s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # BLOCK_N divides 128
+    k_lo = pid_k * iters_per_split
+    k_hi = tl.minimum(k_lo + iters_per_split, tl.cdiv(K, BLOCK_K))
+    if BLOCK_T == 1:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+    for ki in tl.range(k_lo, k_hi, num_stages=STAGES):  # per-loop stages: pipelines non-dot loads too
+        offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN, BK]
+        s = tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
+        if BLOCK_T == 1:
+            xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc2 += w.to(tl.float32) * (xv * s)[None, :]
+        else:
+            x_mask = t_mask[None, :] & k_mask[:, None]
+            xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
+            xs = (xt.to(tl.float32) * s[:, None]).to(xt.dtype)
+            acc = _mma(w.to(xt.dtype), xs, acc, UPCAST)
+    if BLOCK_T == 1:
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+    y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
+    y_mask = n_mask[:, None] & t_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
+        n_tiles = tl.num_programs(0)
+        tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+            for sk in tl.static_range(SPLIT_K):
+                src = part_ptr + (sk * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile
+                total += tl.load(src, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexpr):
+    """Per token and 128-column group: s = amax / 448, q = e4m3(x / s). s is stored [ceil(K/128), T]."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kb = tl.program_id(1)
+    offs_k = kb * 128 + tl.arange(0, 128)
+    t_mask = offs_t < T
+    mask = t_mask[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    q = _round_e4m3(x / scale[:, None])
+    tl.store(q_ptr + offs_t[:, None] * K + offs_k[None, :], q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + kb * T + offs_t, scale, mask=t_mask)
+
+
+@triton.jit
+def _w8a8_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_wsn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % size_m)
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(tl.cdiv(K, 128)):
+        k = kb * 128 + offs_k
+        k_mask = k < K
+        a_mask = m_mask[:, None] & k_mask[None, :]
+        b_mask = n_mask[:, None] & k_mask[None, :]
+        a = tl.load(a_ptr + offs_m[:, None] * K + k[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, 128] e4m3
+        b = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=b_mask, other=0.0)  # [BLOCK_N, 128] e4m3
+        sa = tl.load(as_ptr + kb * M + offs_m, mask=m_mask, other=0.0)
+        sb = tl.load(ws_ptr + (offs_n // 128) * stride_wsn + kb, mask=n_mask, other=0.0)
+        acc += _mma(a, tl.trans(b), None, UPCAST) * (sa[:, None] * sb[None, :])
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
+def _lock_key(device: torch.device) -> tuple[torch.device, int]:
+    return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split-K counters, one set per stream (kernels on one stream run in order, and
+    each leaves its counters at zero). Allocated on a stream's first call, normally the eager
+    warm-up before CUDA-graph capture; one first made during capture lives in the graph's pool."""
+    key = _lock_key(device)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _LOCKS[key] = buf
+    return buf
+
+
+def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
+    """(BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, warps, stages) for the weight-streaming kernel."""
+    block_t = 1 if T == 1 else max(16, triton.next_power_of_2(T))
+    block_n = 32 if T == 1 else 64
+    block_k = 256 if T == 1 else 128
+    tiles = triton.cdiv(N, block_n)
+    k_iters = triton.cdiv(K, block_k)
+    split = max(1, min(k_iters, ((4 if T == 1 else 2) * num_sms) // tiles))
+    per = triton.cdiv(k_iters, split)
+    return dict(BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_K=triton.cdiv(k_iters, per),
+                iters_per_split=per, STAGES=4, num_warps=4)
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, cfg: dict | None = None):
+    T, K = x.shape
+    N = w.shape[0]
+    cfg = dict(cfg or skinny_config(T, N, K, _num_sms(x.device)))
+    assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
+    tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    split = cfg["SPLIT_K"]
+    part = torch.empty(split * tiles * cfg["BLOCK_N"] * cfg["BLOCK_T"] if split > 1 else 1,
+                       dtype=torch.float32, device=x.device)
+    locks = _locks(x.device, tiles)
+    _skinny_kernel[(tiles, split)](
+        x, w, s, y, part, locks, T, N, K, x.stride(0), y.stride(0), s.stride(0),
+        UPCAST=_interpret() or x.dtype == torch.float32, **cfg,
+    )
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K] e4m3, s [ceil(K/128), T] fp32) with x ~ q * s per 128-column group."""
+    T, K = x.shape
+    assert x.stride(-1) == 1
+    q = torch.empty(T, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(triton.cdiv(K, BLOCK), T, dtype=torch.float32, device=x.device)
+    block_t = 16 if T >= 16 else triton.next_power_of_2(T)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(K, BLOCK))
+    _act_quant_kernel[grid](x, q, s, T, K, x.stride(0), BLOCK_T=block_t)
+    return q, s
+
+
+def gemm_config(M: int, N: int) -> dict:
+    if M <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+
+
+def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    xq, xs = act_quant(x)
+    if os.environ.get("METAINFER_FP8_GEMM") == "cublas" and x.is_cuda:
+        # scale_a [M, K/128] M-major and scale_b [K/128, N/128] K-major: the (1x128, 128x128) recipe
+        return torch._scaled_mm(xq, w.t(), scale_a=xs.t(), scale_b=s.t(), out_dtype=x.dtype)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    cfg = cfg or gemm_config(M, N)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _w8a8_kernel[grid](xq, xs, w, s, y, M, N, K, s.stride(0), y.stride(0), UPCAST=_interpret(), **cfg)
+    return y
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] e4m3, scale_inv)^T -> [..., N] in x's dtype."""
+    N, K = weight.shape
+    assert weight.dtype == torch.float8_e4m3fn and weight.is_contiguous(), (weight.dtype, weight.stride())
+    assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
+    assert tuple(scale_inv.shape) == (triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK)), scale_inv.shape
+    assert x.shape[-1] == K and x.dtype in (torch.bfloat16, torch.float16, torch.float32), (x.shape, x.dtype)
+    assert x.device == weight.device == scale_inv.device
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    T = x2.shape[0]
+    if T > SKINNY_MAX_T:
+        return _w8a8(x2, weight, scale_inv).reshape(*lead, N)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
+    if T:
+        _skinny(x2, weight, scale_inv, y)
+    return y.reshape(*lead, N)

@@ -1,0 +1,380 @@
+"""Routed experts: out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j].
+
+Weights are BF16 or FP8 e4m3 with 128x128 block scales, dequantised in registers (W8A16), so
+FP8 follows `ops.moe_experts`' dequantise-then-BF16 semantics. Accumulation is fp32; the
+SiLU*up activation is rounded to x's dtype as in the reference (the large-T path also stores each
+expert's output in x's dtype; the small-T path keeps it in fp32 until the weighted sum).
+No host synchronisation and no allocation sized by device values (CUDA-graph capturable), and
+no float atomics: the same inputs give the same output bits.
+
+Small T (decode, T <= PAIR_MAX_T): `_pair_gate_up_kernel` over (pair, I-block) writes
+silu(gate) * up for each of the T*k (token, slot) pairs; `_pair_down_kernel` over (token, H-block)
+adds the k weighted down projections in slot order (fp32, rounded once). Two launches; each pair
+reads its expert's rows once; both loops pipeline all their loads (`tl.range(num_stages=...)`).
+
+Large T: the pairs are bucketed by expert on the device (`_count_kernel`, then `_bucket_kernel`:
+positions from int atomics), each bucket padded to BLOCK_M rows inside a buffer of worst-case size
+P + min(E, P) * (BLOCK_M - 1). `_grouped_gate_up_kernel` (gate and up tiles of one expert, fused
+SiLU*mul) and `_grouped_down_kernel` run over (M-block, N-block) and read each expert's weights
+once per M-block; the down kernel writes one row per pair and `_combine_kernel` sums each token's
+k rows with its routing weights in slot order. The order of pairs inside a bucket varies between
+runs, but each row is computed independently of its position, so the result does not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PAIR_MAX_T = 8
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _mma(a, b, UPCAST: tl.constexpr):
+    """a @ b with b cast to a's dtype; UPCAST: fp32 operands (interpreter, fp32 activations)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype))
+
+
+# ---- small T: one program per (pair, block) ------------------------------------------------------
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H, I, stride_we, stride_se, stride_sn,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = offs_i < I
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K) * H
+    wg_rows = w_ptr + e * stride_we + offs_i[:, None] * H  # [BLOCK_I, 1] gate rows; up rows at +I*H
+    s_base = s_ptr + e * stride_se
+    acc_g = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+    acc_u = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        m2 = i_mask[:, None] & k_mask[None, :]
+        xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        wg = tl.load(wg_rows + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        wu = tl.load(wg_rows + I * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        if FP8:  # BLOCK_K divides 128: one scale column per step
+            sg = tl.load(s_base + (offs_i // 128) * stride_sn + k0 // 128, mask=i_mask, other=0.0)
+            su = tl.load(s_base + ((offs_i + I) // 128) * stride_sn + k0 // 128, mask=i_mask, other=0.0)
+            wg = wg * sg[:, None]
+            wu = wu * su[:, None]
+        acc_g += wg * xv
+        acc_u += wu * xv
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    tl.store(act_ptr + pair * I + offs_i, (g * tl.sigmoid(g) * u).to(act_ptr.dtype.element_ty), mask=i_mask)
+
+
+@triton.jit
+def _pair_down_kernel(
+    act_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, H, I, stride_we, stride_se, stride_sn,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """One flat loop over (slot, K-block) so the weight stream pipelines across the k experts; the
+    routing weight (and the FP8 block scale: BLOCK_H divides 128) multiply the activation chunk."""
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    h_blk = tl.program_id(1) * BLOCK_H // 128
+    n_k = tl.cdiv(I, BLOCK_K)
+    acc = tl.zeros((BLOCK_H, BLOCK_K), tl.float32)
+    for it in tl.range(0, TOP_K * n_k, num_stages=STAGES):
+        j = it // n_k
+        k0 = (it - j * n_k) * BLOCK_K
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        a = tl.load(act_ptr + pair * I + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a = a * tl.load(tw_ptr + pair)
+        if FP8:
+            a = a * tl.load(s_ptr + e * stride_se + h_blk * stride_sn + k0 // 128)
+        w_mask = h_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + e * stride_we + offs_h[:, None] * I + offs_k[None, :], mask=w_mask, other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    tl.store(out_ptr + t * H + offs_h, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+# ---- large T: bucket by expert, grouped GEMMs ----------------------------------------------------
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    tl.atomic_add(counts_ptr + ids, 1, mask=mask)
+
+
+@triton.jit
+def _bucket_kernel(
+    ids_ptr, counts_ptr, cursor_ptr, ends_ptr, sorted_ptr, P, E,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """sorted[ends[e] - padded[e] + rank] = pair, padded[e] = counts[e] rounded up to BLOCK_M."""
+    offs_e = tl.arange(0, E_P2)
+    cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [E_P2] inclusive
+    if tl.program_id(0) == 0:
+        tl.store(ends_ptr + offs_e, ends, mask=offs_e < E)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    rank = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+    pos = tl.gather(ends - padded, ids, 0) + rank
+    tl.store(sorted_ptr + pos, offs, mask=mask)
+
+
+@triton.jit
+def _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
+    """-> (expert of the M-block starting at padded row row0, its valid-row mask [BLOCK_M])."""
+    offs_e = tl.arange(0, E_P2)
+    ends = tl.load(ends_ptr + offs_e, mask=offs_e < E, other=2147483647)
+    e = tl.minimum(tl.sum((ends <= row0).to(tl.int32)), E - 1)
+    cnt = tl.load(counts_ptr + e)
+    start = tl.load(ends_ptr + e) - (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    return e.to(tl.int64), (row0 - start + tl.arange(0, BLOCK_M)) < cnt
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    if row0 >= tl.load(ends_ptr + E - 1):
+        return
+    e, valid = _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M, E_P2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    tok = tl.load(sorted_ptr + rows, mask=valid, other=0) // TOP_K  # [BLOCK_M]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    wg_rows = w_ptr + e * stride_we + offs_n[:, None] * H  # [BLOCK_N, 1]; up rows at +I*H
+    s_base = s_ptr + e * stride_se
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        a_mask = valid[:, None] & k_mask[None, :]
+        a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
+        wmask = n_mask[:, None] & k_mask[None, :]
+        bg = tl.trans(tl.load(wg_rows + offs_k[None, :], mask=wmask, other=0.0))  # [BLOCK_K, BLOCK_N]
+        bu = tl.trans(tl.load(wg_rows + I * H + offs_k[None, :], mask=wmask, other=0.0))
+        if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
+            sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
+            su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
+            acc_g += _mma(a, bg, UPCAST) * sg[None, :]
+            acc_u += _mma(a, bu, UPCAST) * su[None, :]
+        else:
+            acc_g += _mma(a, bg, UPCAST)
+            acc_u += _mma(a, bu, UPCAST)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_mask = valid[:, None] & n_mask[None, :]
+    tl.store(act_ptr + rows[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn,
+    FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    if row0 >= tl.load(ends_ptr + E - 1):
+        return
+    e, valid = _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M, E_P2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows, mask=valid, other=0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    w_rows = w_ptr + e * stride_we + offs_n[:, None] * I  # [BLOCK_N, 1]
+    s_rows = s_ptr + e * stride_se + (offs_n // 128) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        a_mask = valid[:, None] & k_mask[None, :]
+        a = tl.load(act_ptr + rows[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
+        b = tl.trans(tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0))
+        if FP8:
+            acc += _mma(a, b, UPCAST) * tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
+        else:
+            acc += _mma(a, b, UPCAST)
+    out_mask = valid[:, None] & n_mask[None, :]
+    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, tw_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for j in range(TOP_K):
+        y = tl.load(y_ptr + (t * TOP_K + j) * H + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        acc += tl.load(tw_ptr + t * TOP_K + j) * y
+    tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_lt, TOP_K: tl.constexpr, E_P2: tl.constexpr,
+                  K_P2: tl.constexpr):
+    """One token: fp32 softmax over E logits, top-k by repeated argmax (lowest index on ties),
+    weights renormalised to sum 1."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, E_P2)
+    logit = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, axis=0))
+    p = tl.where(offs < E, p / tl.sum(p, axis=0), -1.0)
+    slot = tl.arange(0, K_P2)
+    vals = tl.zeros((K_P2,), tl.float32)
+    idx = tl.zeros((K_P2,), tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, axis=0)
+        vals = tl.where(slot == j, tl.max(p, axis=0), vals)
+        idx = tl.where(slot == j, best, idx)
+        p = tl.where(offs == best, -1.0, p)
+    vals = vals / tl.sum(vals, axis=0)
+    tl.store(w_ptr + t * TOP_K + slot, vals, mask=slot < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slot, idx.to(tl.int64), mask=slot < TOP_K)
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.route` in one launch: logits [T, E] (rows may be strided) -> (weights [T, k] fp32,
+    ids [T, k] int64)."""
+    T, E = router_logits.shape
+    assert router_logits.stride(1) == 1 and 0 < top_k <= E, (router_logits.stride(), top_k)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T:
+        _route_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), TOP_K=top_k,
+                            E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k))
+    return w, ids
+
+
+def pair_config(T: int) -> dict:
+    return dict(BLOCK_I=16, BLOCK_H=16, BLOCK_K=128, STAGES=3, num_warps=4)
+
+
+def grouped_config(T: int, top_k: int, E: int) -> dict:
+    """Tile sizes by the mean rows per expert (decode batches: 16-row M-blocks, little padding)."""
+    rows = T * top_k / E
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
+    return dict(BLOCK_M=bm, GU_BLOCK_N=64, DN_BLOCK_N=128 if bm >= 64 else 64, BLOCK_K=64,
+                num_warps=4 if bm <= 32 else 8, num_stages=3)
+
+
+def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    if scale is None:
+        return w, 0, 0  # unused pointer
+    E, N, K = w.shape
+    assert scale.dtype == torch.float32 and scale.is_contiguous(), (scale.dtype, scale.stride())
+    assert tuple(scale.shape) == (E, triton.cdiv(N, 128), triton.cdiv(K, 128)), scale.shape
+    return scale, scale.stride(0), scale.stride(1)
+
+
+def _pair_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
+    T, H = x.shape
+    k = ids.shape[1]
+    I = w_down.shape[2]
+    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [T*k, I]
+    _pair_gate_up_kernel[(T * k, triton.cdiv(I, cfg["BLOCK_I"]))](
+        x, w_gate_up, gu[0], ids, act, H, I, w_gate_up.stride(0), gu[1], gu[2],
+        TOP_K=k, FP8=fp8, BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
+        num_warps=cfg["num_warps"],
+    )
+    _pair_down_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](
+        act, w_down, dn[0], ids, tw, out, H, I, w_down.stride(0), dn[1], dn[2],
+        TOP_K=k, FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
+        num_warps=cfg["num_warps"],
+    )
+
+
+def _grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
+    T, H = x.shape
+    E, k, I = w_gate_up.shape[0], ids.shape[1], w_down.shape[2]
+    P, bm = T * k, cfg["BLOCK_M"]
+    max_blocks = (P + min(E, P) * (bm - 1)) // bm
+    e_p2 = triton.next_power_of_2(E)
+    upcast = _interpret() or x.dtype == torch.float32
+    dev = x.device
+    counts = torch.zeros(2 * E, dtype=torch.int32, device=dev)  # [counts | cursor]
+    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    blk = 1024
+    _count_kernel[(triton.cdiv(P, blk),)](ids, counts, P, BLOCK=blk)
+    _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
+                                           BLOCK_M=bm, E_P2=e_p2, BLOCK=blk)
+    act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
+    common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
+        x, w_gate_up, gu[0], sorted_pairs, ends, counts, act, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
+        TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common,
+    )
+    y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
+    _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
+        act, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],
+        BLOCK_N=cfg["DN_BLOCK_N"], **common,
+    )
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h)
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2I, H] x's dtype, or e4m3
+    w_down: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int64/int32
+    gate_up_scale: torch.Tensor | None = None,  # [E, ceil(2I/128), ceil(H/128)] fp32
+    down_scale: torch.Tensor | None = None,  # [E, ceil(H/128), ceil(I/128)] fp32
+    path: str | None = None,  # "pair" | "grouped": overrides the choice by T (tests, benchmarks)
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Same result as `ops.moe_experts` (its FP8 branch dequantises, then the BF16 reference)."""
+    T, H = x.shape
+    E, I2, H2 = w_gate_up.shape
+    I = I2 // 2
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    assert x.is_contiguous(), x.stride()
+    assert H2 == H and I2 == 2 * I and tuple(w_down.shape) == (E, H, I), (w_gate_up.shape, w_down.shape)
+    assert w_gate_up.is_contiguous() and w_down.is_contiguous()
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    assert w_down.dtype == w_gate_up.dtype and (fp8 or w_gate_up.dtype == x.dtype), (w_gate_up.dtype, x.dtype)
+    assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
+    assert topk_ids.dtype in (torch.int32, torch.int64) and topk_ids.is_contiguous() and topk_ids.dim() == 2
+    assert topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+    assert topk_ids.shape[0] == T and topk_weights.shape == topk_ids.shape
+    gu = _scale_args(gate_up_scale, w_gate_up)
+    dn = _scale_args(down_scale, w_down)
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    path = path or ("pair" if T <= PAIR_MAX_T else "grouped")
+    if path == "pair":
+        cfg = config or pair_config(T)
+        assert not fp8 or (128 % cfg["BLOCK_K"] == 0 and 128 % cfg["BLOCK_H"] == 0), cfg
+        _pair_path(x, w_gate_up, w_down, topk_weights, topk_ids, gu, dn, fp8, out, cfg)
+    else:
+        cfg = config or grouped_config(T, topk_ids.shape[1], E)
+        assert not fp8 or 128 % cfg["BLOCK_K"] == 0
+        _grouped_path(x, w_gate_up, w_down, topk_weights, topk_ids, gu, dn, fp8, out, cfg)
+    return out

@@ -1,0 +1,252 @@
+"""FP8 block quantisation, the FP8 linear kernels (Triton interpreter on the CPU) and the model
+conversion / checkpoint placement.
+
+Tolerances (relative RMSE over the output; max-abs relative to the output's max):
+- quantise -> dequantise vs the original: rel RMSE < 4e-2 (e4m3 keeps 3 mantissa bits);
+- W8A16 kernel vs `ops.fp8_linear`'s reference (dequantise to x's dtype, then F.linear): fp32
+  activations rel RMSE < 1e-5, max-abs < 1e-4 (checks the logic); bf16 rel RMSE < 1e-2, max-abs
+  < 2e-2 (both round bf16 products differently; the interpreter truncates fp32 -> bf16);
+- W8A8 kernel vs the same math in torch (quantised x and W): fp32 < 1e-5, bf16 output < 5e-3;
+  vs the dequantised reference: rel RMSE < 6e-2 (per-token-group activation quantisation);
+- any FP8 path vs the original BF16/fp32 weights: rel RMSE < 6e-2;
+- the tiny engine with --quantization fp8 vs unquantised (CPU, fp32): logits rel RMSE < 5e-2
+  (measured ~2e-2), top-1 agreement >= 75%.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metainfer.kernels import fp8_linear as fl
+from metainfer.kernels.ops import ref_dequant_fp8
+from metainfer.model.fp8 import quantize_fp8_block
+from tests.helpers import rel_rmse
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _weight(N: int, K: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.rand(N, 1, generator=g) * 2 + 0.1  # blocks of different magnitude
+    return torch.randn(N, K, generator=g) * rows / K**0.5
+
+
+# ---- quantisation --------------------------------------------------------------------------------
+def test_quantize_block_layout():
+    w = _weight(200, 300)
+    q, s = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (200, 300)
+    assert s.dtype == torch.float32 and s.shape == (2, 3)
+    for i in range(2):
+        for j in range(3):
+            blk = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            assert s[i, j] == blk.abs().max() / 448.0
+            assert q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float().abs().max() == 448.0
+    assert rel_rmse(ref_dequant_fp8(q, s, torch.float32), w) < 4e-2
+
+
+def test_quantize_batched_and_zero_blocks():
+    w = torch.stack([_weight(130, 70, seed=e) for e in range(3)])
+    w[1, :128] = 0.0
+    q, s = quantize_fp8_block(w.bfloat16())
+    assert s.shape == (3, 2, 1)
+    for e in range(3):
+        qe, se = quantize_fp8_block(w[e].bfloat16())
+        assert torch.equal(q[e].view(torch.uint8), qe.view(torch.uint8)) and torch.equal(s[e], se)
+    assert s[1, 0, 0] == 1.0 and not q[1, :128].float().any()
+    assert torch.isfinite(ref_dequant_fp8(q, s, torch.float32)).all()
+
+
+def _act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = x.shape
+    kb = -(-K // 128)
+    xp = F.pad(x.float(), (0, kb * 128 - K)).view(T, kb, 128)
+    s = xp.abs().amax(-1).clamp(min=1e-12) / 448.0  # [T, kb]
+    q = (xp / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(T, kb * 128)[:, :K]
+    return q, s.t().contiguous()
+
+
+def test_act_quant_rounding():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 200, generator=g) * torch.logspace(-3, 2, 5)[:, None]
+    # row 0 has amax 448 (scale 1): carries into the exponent, ties, subnormals, saturation edge
+    special = torch.tensor([448.0, 31.17, -127.58, 15.5, 2**-10, 3 * 2**-10, -0.013, 447.9, 1e-6, 0.0])
+    x[0, : special.numel()] = special
+    x[0, special.numel() :] = x[0, special.numel() :].clamp(-400, 400)
+    q, s = fl.act_quant(x)
+    q_ref, s_ref = _act_quant_ref(x)
+    assert s.shape == (2, 5) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), q_ref.float())  # bit-equal but for the sign of zero
+
+
+# ---- the linear kernels --------------------------------------------------------------------------
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 2e-2)}
+
+
+def _problem(T: int, N: int = 200, K: int = 300, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    w = _weight(N, K, seed)
+    q, s = quantize_fp8_block(w)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    ref = F.linear(x, ref_dequant_fp8(q, s, x.dtype))  # ops.fp8_linear's reference path
+    return x, w, q, s, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_fp8_linear_skinny(T, dtype):
+    x, w, q, s, ref = _problem(T, dtype=dtype)
+    y = fl.fp8_linear(x, q, s)
+    assert y.shape == (T, 200) and y.dtype == dtype
+    rmse, max_abs = TOL[dtype]
+    assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
+    assert rel_rmse(y, F.linear(x.float(), w)) < 6e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5])
+def test_fp8_linear_split_k_fixup(T, dtype):
+    x, _, q, s, ref = _problem(T, dtype=dtype)
+    cfg = fl.skinny_config(T, 200, 300, num_sms=4)
+    cfg.update(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, iters_per_split=2)  # 5 K steps over 3 splits
+    y = torch.empty(T, 200, dtype=x.dtype)
+    fl._skinny(x, q, s, y, cfg)
+    rmse, max_abs = TOL[dtype]
+    assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
+    assert not fl._LOCKS[fl._lock_key(x.device)][:16].any()  # counters are left at zero
+    y2 = torch.empty_like(y)
+    fl._skinny(x, q, s, y2, cfg)
+    assert torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_w8a8(dtype):
+    T = fl.SKINNY_MAX_T + 6
+    x, w, q, s, ref = _problem(T, N=200, K=300, dtype=dtype)
+    y = fl.fp8_linear(x, q, s)
+    xq, xs = _act_quant_ref(x)
+    x_deq = xq.float() * xs.t().repeat_interleave(128, dim=1)[:, :300]  # per token and 128 columns
+    emul = F.linear(x_deq, ref_dequant_fp8(q, s, torch.float32))
+    assert rel_rmse(y, emul) < (1e-5 if dtype == torch.float32 else 5e-3)
+    assert rel_rmse(y, ref) < 6e-2
+    assert rel_rmse(y, F.linear(x.float(), w)) < 6e-2
+
+
+def test_fp8_linear_leading_dims_and_asserts():
+    x, _, q, s, ref = _problem(4)
+    y = fl.fp8_linear(x.view(2, 2, 300), q, s)
+    assert y.shape == (2, 2, 200) and torch.equal(y.view(4, 200), fl.fp8_linear(x, q, s))
+    with pytest.raises(AssertionError):
+        fl.fp8_linear(x, q, s[:1])
+    with pytest.raises(AssertionError):
+        fl.fp8_linear(x, q.float(), s)
+
+
+# ---- model conversion and FP8 checkpoints -------------------------------------------------------
+# 128-aligned stacked parts like the real model (q/k/v, qkv/z, gate/up): only in_proj b|a is staged
+ALIGNED = dict(hidden_size=128, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32,
+               moe_intermediate_size=128, shared_expert_intermediate_size=128, mtp_num_hidden_layers=1,
+               num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def aligned_cfg(tmp_path_factory):
+    from tests.helpers import write_config
+
+    return write_config(tmp_path_factory.mktemp("fp8_tiny"), **ALIGNED)
+
+
+def _model(cfg_path, seed: int):
+    from metainfer.config import ModelConfig
+    from metainfer.model.weights import build_model, init_dummy
+
+    m = build_model(ModelConfig.from_hf(cfg_path), torch.float32, "cpu")
+    init_dummy(m, seed)
+    return m
+
+
+def _fp8_tensors(m) -> dict[str, torch.Tensor]:
+    from metainfer.model.fp8 import fp8_linears, fp8_moes
+
+    out = {}
+    for name, lin in fp8_linears(m):
+        out[name], out[name + ".scale"] = lin.weight.data, lin.weight_scale_inv
+    for i, moe in enumerate(fp8_moes(m)):
+        out[f"moe{i}.gu"], out[f"moe{i}.gus"] = moe.w_gate_up.data, moe.w_gate_up_scale
+        out[f"moe{i}.dn"], out[f"moe{i}.dns"] = moe.w_down.data, moe.w_down_scale
+    return out
+
+
+def test_quantize_model_fp8(aligned_cfg):
+    from metainfer.model.fp8 import fp8_linears, fp8_moes, quantize_model_fp8
+
+    m = _model(aligned_cfg, seed=0)
+    before = {k: v.clone() for k, v in _fp8_tensors(m).items() if not k.endswith(("scale", "gus", "dns"))}
+    router, lm_head = m.layers[0].mlp.router.weight.clone(), m.lm_head.weight.clone()
+    assert quantize_model_fp8(m) == len(fp8_linears(m)) + 2 * len(fp8_moes(m))
+    names = [n for n, _ in fp8_linears(m)]
+    assert "mtp.fc" in names and any("in_proj" in n for n in names) and not any("router" in n for n in names)
+    after = _fp8_tensors(m)
+    for k, w in before.items():
+        q, s = after[k], after[k + ".scale"] if k + ".scale" in after else after[k + "s"]
+        assert q.dtype == torch.float8_e4m3fn
+        assert s.shape[-2:] == (-(-w.shape[-2] // 128), -(-w.shape[-1] // 128))
+        assert rel_rmse(ref_dequant_fp8(q, s, torch.float32), w) < 4e-2, k
+    r = m.layers[0].mlp.router
+    assert r.weight_scale_inv is None and torch.equal(r.weight, router)
+    assert m.lm_head.weight_scale_inv is None and torch.equal(m.lm_head.weight, lm_head)
+    assert quantize_model_fp8(m) == 0
+
+
+def test_fp8_checkpoint_loader(aligned_cfg):
+    from metainfer.model.fp8 import Fp8CheckpointLoader, prepare_fp8_storage, quantize_model_fp8
+    from metainfer.model.weights import hf_state_dict, param_targets
+
+    src = _model(aligned_cfg, seed=0)
+    probe = _model(aligned_cfg, seed=0)
+    prepare_fp8_storage(probe)
+    fp8_names = set(Fp8CheckpointLoader(probe).dests)
+    ckpt: dict[str, torch.Tensor] = {}  # as a published FP8 checkpoint stores it
+    for name, t in hf_state_dict(src, include_mtp=True).items():
+        base = name.removesuffix(".weight")
+        bf16 = name.endswith(("in_proj_a.weight", "in_proj_b.weight", "1.mlp.shared_expert.down_proj.weight"))
+        if bf16 or base not in fp8_names:  # b/a: as published; shared down: BF16 on an aligned part
+            ckpt[name] = t.clone()
+        elif name == "model.layers.0.mlp.experts.gate_up_proj":  # layer 0: unfused expert keys
+            I = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                for part, rows in (("gate_proj", t[e, :I]), ("up_proj", t[e, I:])):
+                    q, s = quantize_fp8_block(rows)
+                    ckpt[f"model.layers.0.mlp.experts.{e}.{part}.weight"] = q
+                    ckpt[f"model.layers.0.mlp.experts.{e}.{part}.weight_scale_inv"] = s
+        else:
+            q, s = quantize_fp8_block(t)
+            ckpt[name] = q
+            ckpt[f"{base}_scale_inv" if "experts." in name else f"{base}.weight_scale_inv"] = s
+    dst = _model(aligned_cfg, seed=7)
+    prepare_fp8_storage(dst)
+    loader, targets = Fp8CheckpointLoader(dst), param_targets(dst)
+    for name in sorted(ckpt, reverse=True):  # scales before weights for some tensors
+        if not loader.load_tensor(name, ckpt[name]):
+            targets[name].hf_view().copy_(ckpt[name])
+    loader.finish()
+    quantize_model_fp8(src)
+    want, got = _fp8_tensors(src), _fp8_tensors(dst)
+    for k in want:
+        assert torch.equal(want[k].view(torch.uint8) if want[k].dtype != torch.float32 else want[k],
+                           got[k].view(torch.uint8) if got[k].dtype != torch.float32 else got[k]), k
+
+
+def test_engine_fp8_on_cpu(aligned_cfg):
+    from metainfer.llm import LLM
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 9)]
+    base = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32").score(prompts)
+    llm = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32", quantization="fp8")
+    assert llm.engine.runner.model.layers[0].mlp.w_gate_up.dtype == torch.float8_e4m3fn
+    for a, b in zip(llm.score(prompts), base):
+        assert rel_rmse(a, b) < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
