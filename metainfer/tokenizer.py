@@ -37,7 +37,9 @@ class QwenTiktokenTokenizer:
         self._tok = get_tokenizer("qwen3.6-35b-a3b")
         self._enc = self._tok._tokenizer  # tiktoken.Encoding
         self._special = dict(self._tok._special_tokens)  # str -> id
-        self._special_ids = set(self._special.values())
+        # skip_special_tokens drops control tokens only: think/tool tags stay in the text (as in HF)
+        keep = {THINK_START, THINK_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
+        self._special_ids = {i for t, i in self._special.items() if t not in keep}
         self.name = "qwen3.6"
         self.vocab_size = self._enc.n_vocab
         self.eos_token_ids = (self._special[IM_END], self._special[ENDOFTEXT])
