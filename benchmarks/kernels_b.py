@@ -131,7 +131,7 @@ class MoeCase:
 def moe_sweep(case: MoeCase, T: int) -> dict:
     """Best tile config per path for one T (decode sizes)."""
     best = {}
-    pair = [dict(BLOCK_I=bi, BLOCK_H=bh, BLOCK_K=128, STAGES=st, num_warps=w)
+    pair = [dict(BLOCK_I=bi, BLOCK_H=bh, BLOCK_K=128, STAGES=st, num_warps=w, DOWN="rows")
             for bi, bh, st, w in itertools.product((8, 16, 32), (8, 16, 32), (2, 4), (2, 4))]
     grouped = [dict(BLOCK_M=16, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=4, num_stages=3)
                for gn, dn, bk in itertools.product((32, 64, 128), (64, 128), (64, 128))]

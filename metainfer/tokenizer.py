@@ -9,6 +9,7 @@ Two back-ends behind one small interface:
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,8 +54,11 @@ class QwenTiktokenTokenizer:
             ids = [i for i in ids if i not in self._special_ids]
         return self._enc.decode(ids, errors="replace")
 
-    def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        return self._enc.decode_bytes([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+    def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
+        ids = [i for i in ids if 0 <= i < self.vocab_size]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._enc.decode_bytes(ids)
 
     def token_to_id(self, token: str) -> int | None:
         if token in self._special:
@@ -168,8 +172,9 @@ def apply_chat_template(
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting UTF-8 characters.
 
-    Keeps a short window of already-emitted ids as context so that byte-level pieces which only
-    form a character together are emitted once complete.
+    Byte-level tokenizers with `decode_bytes` (the Qwen3.6 tiktoken ranks) feed an incremental
+    UTF-8 decoder: O(1) per token. Others re-decode a short window of already-emitted ids as
+    context, so that pieces which only form a character together are emitted once complete.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
@@ -177,11 +182,18 @@ class IncrementalDetokenizer:
         self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
+        self._bytes_mode = hasattr(tokenizer, "decode_bytes")
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] are context already emitted
         self._read_offset = 0
 
     def add(self, new_ids: Sequence[int]) -> str:
-        self.ids.extend(int(i) for i in new_ids)
+        new_ids = [int(i) for i in new_ids]
+        self.ids.extend(new_ids)
+        if self._bytes_mode:
+            delta = self._utf8.decode(self.tok.decode_bytes(new_ids, self.skip))
+            self.text += delta
+            return delta
         prefix = self.tok.decode(self.ids[self._prefix_offset : self._read_offset], self.skip)
         full = self.tok.decode(self.ids[self._prefix_offset :], self.skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
@@ -194,7 +206,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Emits whatever is left (replacement characters for an incomplete tail)."""
-        full = self.tok.decode(self.ids, self.skip)
-        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        if self._bytes_mode:
+            delta = self._utf8.decode(b"", final=True)
+        else:
+            full = self.tok.decode(self.ids, self.skip)
+            delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta

@@ -20,12 +20,14 @@ NUM_WARPS = 4
 
 @triton.jit
 def _gdn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr,
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr,
 ):
     # q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state: [S, HV, DK, DV] fp32; out: [B, HV, DV]
+    # GATED: g_ptr/beta_ptr hold the raw projections a, b; g = -exp(A_log) softplus(a + dt_bias),
+    # beta = sigmoid(b) are computed here (as DeltaNet.gating does)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // REP
@@ -39,8 +41,15 @@ def _gdn_decode_kernel(
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     v = tl.load(v_ptr + b * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
-    beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
+    if GATED:
+        a = tl.load(g_ptr + b * sg0 + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        decay = tl.exp(-tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+        bb = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
+        beta = tl.sigmoid(bb).to(beta_ptr.dtype.element_ty).to(tl.float32)  # rounded like b.sigmoid()
+    else:
+        decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
+        beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
 
     slot = tl.load(slots_ptr + b).to(tl.int64)
     n_k = DK * tl.load(has_ptr + b).to(tl.int32)  # DK when the slot holds state, else 0
@@ -56,7 +65,8 @@ def _gdn_decode_kernel(
     tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
-def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_warps: int) -> torch.Tensor:
+def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_warps: int,
+            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     B, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     assert k.shape == q.shape and v.shape[0] == B, (q.shape, k.shape, v.shape)
@@ -64,7 +74,9 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
     for t in (q, k, v):
         assert t.stride(2) == 1, "q, k, v: last dim must be contiguous"
         assert t.dtype in _TL_DTYPES, t.dtype
-    assert g.shape == (B, Hv) and g.dtype == torch.float32 and g.stride(1) == 1, (g.shape, g.dtype)
+    gated = A_log is not None
+    assert g.shape == (B, Hv) and (gated or g.dtype == torch.float32) and g.stride(1) == 1, (g.shape, g.dtype)
+    assert not gated or (A_log.shape == (Hv,) and dt_bias.shape == (Hv,)), "A_log, dt_bias: [Hv]"
     assert beta.shape == (B, Hv) and beta.stride(1) == 1 and beta.dtype in _TL_DTYPES, beta.shape
     assert ssm_state.dtype == torch.float32 and ssm_state.is_contiguous(), ssm_state.dtype
     assert ssm_state.dim() == 4 and ssm_state.shape[1:] == (Hv, Dk, Dv), (ssm_state.shape, Hv, Dk, Dv)
@@ -76,9 +88,10 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
     block_v = min(block_v, triton.next_power_of_2(Dv))
     _gdn_decode_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
         q, k, v, g, beta, ssm_state, slots, has_state.view(torch.uint8), out,
+        A_log if gated else g, dt_bias if gated else g,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), Dk**-0.5,
-        HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v,
+        HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
         num_warps=num_warps,
     )
     return out
@@ -96,3 +109,19 @@ def gdn_decode(
 ) -> torch.Tensor:
     """S = S * exp(g); S += k (x) beta (v - S^T k); out = S^T q, with l2-normalised q, k. -> [B, Hv, Dv]."""
     return _launch(q, k, v, g, beta, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS)
+
+
+def gdn_decode_gated(
+    q: torch.Tensor,  # [B, Hk, Dk]
+    k: torch.Tensor,  # [B, Hk, Dk]
+    v: torch.Tensor,  # [B, Hv, Dv]
+    a: torch.Tensor,  # [B, Hv] raw in_proj_a output
+    b: torch.Tensor,  # [B, Hv] raw in_proj_b output
+    A_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32, updated in place at `slots`
+    slots: torch.Tensor,  # [B] int64
+    has_state: torch.Tensor,  # [B] bool
+) -> torch.Tensor:
+    """`gdn_decode` with the gating folded in: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias)

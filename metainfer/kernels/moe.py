@@ -110,6 +110,32 @@ def _pair_down_kernel(
     tl.store(out_ptr + t * H + offs_h, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
+@triton.jit
+def _pair_down_rows_kernel(
+    act_ptr, w_ptr, s_ptr, ids_ptr, y_ptr, H, I, stride_we, stride_se, stride_sn,
+    FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):
+    """y[pair, h-block] = down_e(act[pair]) in fp32, one program per (pair, H-block): T*k times
+    more programs than `_pair_down_kernel`, so a single token still spreads over every SM. The
+    weighted sum over a token's slots is `_combine_kernel`'s (fixed slot order)."""
+    pair = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    h_blk = tl.program_id(1) * BLOCK_H // 128
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    acc = tl.zeros((BLOCK_H, BLOCK_K), tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        a = tl.load(act_ptr + pair * I + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if FP8:
+            a = a * tl.load(s_ptr + e * stride_se + h_blk * stride_sn + k0 // 128)
+        w_mask = h_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + e * stride_we + offs_h[:, None] * I + offs_k[None, :], mask=w_mask, other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    tl.store(y_ptr + pair * H + offs_h, tl.sum(acc, axis=1), mask=h_mask)
+
+
 # ---- large T: bucket by expert, grouped GEMMs ----------------------------------------------------
 @triton.jit
 def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
@@ -234,9 +260,10 @@ def _combine_kernel(y_ptr, tw_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_lt, TOP_K: tl.constexpr, E_P2: tl.constexpr,
-                  K_P2: tl.constexpr):
+                  K_P2: tl.constexpr, SHARED: tl.constexpr):
     """One token: fp32 softmax over E logits, top-k by repeated argmax (lowest index on ties),
-    weights renormalised to sum 1."""
+    weights renormalised to sum 1. SHARED: logit E gates the shared expert, stored as slot TOP_K
+    (id E, weight sigmoid(logit E))."""
     t = tl.program_id(0)
     offs = tl.arange(0, E_P2)
     logit = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
@@ -251,26 +278,38 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_lt, TOP_K: tl.constexpr,
         idx = tl.where(slot == j, best, idx)
         p = tl.where(offs == best, -1.0, p)
     vals = vals / tl.sum(vals, axis=0)
-    tl.store(w_ptr + t * TOP_K + slot, vals, mask=slot < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + slot, idx.to(tl.int64), mask=slot < TOP_K)
+    W: tl.constexpr = TOP_K + SHARED
+    tl.store(w_ptr + t * W + slot, vals, mask=slot < TOP_K)
+    tl.store(ids_ptr + t * W + slot, idx.to(tl.int64), mask=slot < TOP_K)
+    if SHARED:
+        g = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
+        tl.store(w_ptr + t * W + TOP_K, tl.sigmoid(g))
+        tl.store(ids_ptr + t * W + TOP_K, E.to(tl.int64))
 
 
 # ---- launchers -----------------------------------------------------------------------------------
-def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(
+    router_logits: torch.Tensor, top_k: int, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.route` in one launch: logits [T, E] (rows may be strided) -> (weights [T, k] fp32,
-    ids [T, k] int64)."""
+    ids [T, k] int64). shared: logits are [T, E+1] and a slot k (id E, weight sigmoid(logit E))
+    is appended for the shared expert, as in `reference.route_with_shared`."""
     T, E = router_logits.shape
+    E -= int(shared)
     assert router_logits.stride(1) == 1 and 0 < top_k <= E, (router_logits.stride(), top_k)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    w = torch.empty(T, top_k + int(shared), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k + int(shared), dtype=torch.int64, device=router_logits.device)
     if T:
         _route_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), TOP_K=top_k,
-                            E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k))
+                            E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k),
+                            SHARED=int(shared))
     return w, ids
 
 
 def pair_config(T: int) -> dict:
-    return dict(BLOCK_I=16, BLOCK_H=16, BLOCK_K=128, STAGES=3, num_warps=4)
+    """DOWN: "rows" = per-pair down programs + combine (parallel over pairs; default), "fused" = one
+    program per (token, H-block) looping over the slots."""
+    return dict(BLOCK_I=16, BLOCK_H=16, BLOCK_K=128, STAGES=3, num_warps=4, DOWN="rows")
 
 
 def grouped_config(T: int, top_k: int, E: int) -> dict:
@@ -300,11 +339,21 @@ def _pair_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict)
         TOP_K=k, FP8=fp8, BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
         num_warps=cfg["num_warps"],
     )
-    _pair_down_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](
-        act, w_down, dn[0], ids, tw, out, H, I, w_down.stride(0), dn[1], dn[2],
-        TOP_K=k, FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
+    if cfg.get("DOWN", "rows") == "fused":
+        _pair_down_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](
+            act, w_down, dn[0], ids, tw, out, H, I, w_down.stride(0), dn[1], dn[2],
+            TOP_K=k, FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
+            num_warps=cfg["num_warps"],
+        )
+        return
+    y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)  # [T*k, H] unweighted
+    _pair_down_rows_kernel[(T * k, triton.cdiv(H, cfg["BLOCK_H"]))](
+        act, w_down, dn[0], ids, y, H, I, w_down.stride(0), dn[1], dn[2],
+        FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
         num_warps=cfg["num_warps"],
     )
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h)
 
 
 def _grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:

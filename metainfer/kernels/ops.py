@@ -70,6 +70,12 @@ def route(router_logits: torch.Tensor, top_k: int):
     return k(router_logits, top_k) if k else ref.route(router_logits, top_k)
 
 
+def route_with_shared(router_logits: torch.Tensor, top_k: int):
+    """logits [T, E+1] -> (weights [T, k+1], ids [T, k+1]); slot k is the shared expert (id E)."""
+    k = _kernel("route", router_logits)
+    return k(router_logits, top_k, shared=True) if k else ref.route_with_shared(router_logits, top_k)
+
+
 def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None, down_scale=None):
     k = _kernel("moe_experts", x)
     if k:
@@ -123,6 +129,15 @@ def gdn_decode(q, k, v, g, beta, ssm_state, slots, has_state):
     return out[:, 0]
 
 
+def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state):
+    """`gdn_decode` from the raw gate projections a, b [B, Hv]. -> [B, Hv, Dv]."""
+    kern = _kernel("gdn_decode_gated", q)
+    if kern:
+        return kern(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    return gdn_decode(q, k, v, g, b.sigmoid(), ssm_state, slots, has_state)
+
+
 def gdn_prefill(q, k, v, g, beta, initial_state):
     """Chunked gated delta rule over one sequence. -> (out [L, Hv, Dv], final state fp32)."""
     return ref.gated_delta_rule_chunked(q, k, v, g, beta, initial_state)
@@ -136,6 +151,17 @@ def paged_attention(q, k_cache, v_cache, meta, scale):
     return ref.paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu, meta.seq_lens_cpu, scale
     )
+
+
+def qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping):
+    """q/k RMSNorm (1 + w), partial NeoX RoPE, k/v into the paged cache. -> q [T, Hq, D]."""
+    kern = _kernel("qk_norm_rope_write", q)
+    if kern:
+        return kern(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    q = ref.apply_rope(rms_norm(q, q_weight, eps), positions, inv_freq)
+    k = ref.apply_rope(rms_norm(k, k_weight, eps), positions, inv_freq)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping):

@@ -223,6 +223,15 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return w / w.sum(dim=-1, keepdim=True), ids
 
 
+def route_with_shared(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E+1]: top-k routing over the first E, plus slot k = the shared expert (id E) with
+    weight sigmoid(logit E). -> (weights [T, k+1] fp32, ids [T, k+1] int64)."""
+    E = router_logits.shape[1] - 1
+    w, ids = route(router_logits[:, :E], top_k)
+    gate = torch.sigmoid(router_logits[:, E:].float())
+    return torch.cat([w, gate], dim=1), torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+
+
 def moe_experts(
     x: torch.Tensor,  # [T, H]
     w_gate_up: torch.Tensor,  # [E, 2I, H]

@@ -41,10 +41,19 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
         qg = qg.view(T, self.hq, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d :]
-        q = self.rotary(self.q_norm(q), positions)  # [T, Hq, D]
-        k = self.rotary(self.k_norm(k.view(T, self.hkv, self.d)), positions)
-        v = v.view(T, self.hkv, self.d)
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = ops.qk_norm_rope_write(  # [T, Hq, D]; keys and values land in the cache
+            q,
+            k.view(T, self.hkv, self.d),
+            v.view(T, self.hkv, self.d),
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            positions,
+            self.rotary.inv_freq,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
         o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.hq * self.d))

@@ -56,16 +56,17 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(T, self.hv, self.dv, dtype=x.dtype, device=x.device)  # [T, Hv, Dv]
         nd = meta.num_decodes
         if nd:
-            slots, has_state = meta.state_slots[:nd], meta.context_lens[:nd] > 0
+            slots, has_state = meta.state_slots[:nd], meta.has_state[:nd]
             y = ops.causal_conv1d_update(mixed[:nd], conv_state, self.conv_weight, slots, has_state)
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            g, beta = self.gating(a[:nd], b[:nd])
-            core[:nd] = ops.gdn_decode(
+            core[:nd] = ops.gdn_decode_gated(
                 q.view(nd, self.hk, self.dk),
                 k.view(nd, self.hk, self.dk),
                 v.view(nd, self.hv, self.dv),
-                g,
-                beta,
+                a[:nd],
+                b[:nd],
+                self.A_log,
+                self.dt_bias,
                 ssm_state,
                 slots,
                 has_state,

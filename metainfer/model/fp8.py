@@ -283,8 +283,9 @@ def _locate(view: torch.Tensor, owners: list[tuple[torch.Tensor, torch.Tensor]])
         R, C = w.shape[-2:]
         if w.dim() == 2:
             return _Dest(w, s, off // C, view.shape[0])
-        if view.dim() == 3:  # the whole fused [E, R, C] tensor
-            return _Dest(w, s, 0, R)
+        if view.dim() == 3:  # whole experts [e0, e0 + n) of the fused [E(+1), R, C] tensor
+            e0, n = off // (R * C), view.shape[0]
+            return _Dest(w[e0 : e0 + n], s[e0 : e0 + n], 0, R)
         e, r = divmod(off // C, R)
         return _Dest(w[e], s[e], r, view.shape[0])
     return None

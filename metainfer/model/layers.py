@@ -75,28 +75,34 @@ class SparseMoE(nn.Module):
     """Top-k of E experts (fp32 softmax, renormalised) plus a sigmoid-gated shared expert.
 
     The router and the shared-expert gate are one [E+1, H] matrix: logits[:, :E] route,
-    logits[:, E] gates the shared expert.
+    logits[:, E] gates the shared expert. When the shared expert has the experts' size it is
+    stored as expert E and runs in the same kernel as a (k+1)-th slot of weight sigmoid(logit E).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        Is = cfg.shared_expert_intermediate_size
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
+        self.fused_shared = Is == I
+        n = E + 1 if self.fused_shared else E
         self.router = Linear(H, {"gate": E, "shared_expert_gate": 1})
-        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)  # [E, 2I, H]
-        self.w_down = nn.Parameter(torch.empty(E, H, I), requires_grad=False)  # [E, H, I]
+        self.w_gate_up = nn.Parameter(torch.empty(n, 2 * I, H), requires_grad=False)  # [E(+1), 2I, H]
+        self.w_down = nn.Parameter(torch.empty(n, H, I), requires_grad=False)  # [E(+1), H, I]
         self.w_gate_up_scale: torch.Tensor | None = None  # FP8 block scales
         self.w_down_scale: torch.Tensor | None = None
-        Is = cfg.shared_expert_intermediate_size
-        self.shared_gate_up = Linear(H, {"gate_proj": Is, "up_proj": Is})
-        self.shared_down = Linear(Is, {"down_proj": H})
+        if not self.fused_shared:
+            self.shared_gate_up = Linear(H, {"gate_proj": Is, "up_proj": Is})
+            self.shared_down = Linear(Is, {"down_proj": H})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         logits = self.router(x)  # [T, E+1]
+        scales = (self.w_gate_up_scale, self.w_down_scale)
+        if self.fused_shared:
+            weights, ids = ops.route_with_shared(logits, self.top_k)  # [T, k+1]
+            return ops.moe_experts(x, self.w_gate_up, self.w_down, weights, ids, *scales)
         weights, ids = ops.route(logits[:, : self.num_experts], self.top_k)
-        routed = ops.moe_experts(
-            x, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale
-        )
+        routed = ops.moe_experts(x, self.w_gate_up, self.w_down, weights, ids, *scales)
         gate, up = self.shared_gate_up.split(self.shared_gate_up(x))
         shared = self.shared_down(F.silu(gate) * up)
         return routed + torch.sigmoid(logits[:, self.num_experts :]) * shared

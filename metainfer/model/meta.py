@@ -37,6 +37,11 @@ class ForwardMeta:
     state_slots_cpu: list[int]
     num_decodes: int
     num_decode_tokens: int  # == num_decodes
+    has_state: torch.Tensor | None = None  # [B] bool: context_lens > 0 (computed once per step)
+
+    def __post_init__(self) -> None:
+        if self.has_state is None:
+            self.has_state = self.context_lens > 0
 
     @property
     def num_seqs(self) -> int:

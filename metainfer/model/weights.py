@@ -71,14 +71,18 @@ def _layer_targets(targets: dict[str, Target], layer: DecoderLayer, p: str, cfg:
         m.router,
         {"gate": f"{p}.mlp.gate.weight", "shared_expert_gate": f"{p}.mlp.shared_expert_gate.weight"},
     )
-    targets[f"{p}.mlp.experts.gate_up_proj"] = Target(m.w_gate_up.data, tuple(m.w_gate_up.shape))
-    targets[f"{p}.mlp.experts.down_proj"] = Target(m.w_down.data, tuple(m.w_down.shape))
-    _linear(
-        targets,
-        m.shared_gate_up,
-        {x: f"{p}.mlp.shared_expert.{x}.weight" for x in ("gate_proj", "up_proj")},
-    )
-    _linear(targets, m.shared_down, {"down_proj": f"{p}.mlp.shared_expert.down_proj.weight"})
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    targets[f"{p}.mlp.experts.gate_up_proj"] = Target(m.w_gate_up.data[:E], (E, 2 * I, cfg.hidden_size))
+    targets[f"{p}.mlp.experts.down_proj"] = Target(m.w_down.data[:E], (E, cfg.hidden_size, I))
+    sp = f"{p}.mlp.shared_expert"
+    if m.fused_shared:  # stored as expert E
+        H = cfg.hidden_size
+        targets[f"{sp}.gate_proj.weight"] = Target(m.w_gate_up.data[E, :I], (I, H))
+        targets[f"{sp}.up_proj.weight"] = Target(m.w_gate_up.data[E, I:], (I, H))
+        targets[f"{sp}.down_proj.weight"] = Target(m.w_down.data[E], (H, I))
+    else:
+        _linear(targets, m.shared_gate_up, {x: f"{sp}.{x}.weight" for x in ("gate_proj", "up_proj")})
+        _linear(targets, m.shared_down, {"down_proj": f"{sp}.down_proj.weight"})
 
 
 def param_targets(model: Qwen3_5MoeModel) -> dict[str, Target]:
@@ -219,7 +223,7 @@ def _all_layers(model: Qwen3_5MoeModel) -> list[tuple[str, DecoderLayer]]:
 # ---- dummy weights -------------------------------------------------------------------------------
 LM_HEAD_GAIN = 10.0  # logits std ~ LM_HEAD_GAIN: a peaked next-token distribution
 ROUTER_GAIN = 2.0  # decisive routing
-RESIDUAL_GAIN = 0.2  # residual writers scaled down: BF16 rounding is amplified less through 40 layers
+RESIDUAL_GAIN = 0.15  # residual writers scaled down: BF16/FP8 rounding is amplified less through 40 layers
 RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 
 
@@ -228,7 +232,8 @@ def dummy_init_(name: str, t: torch.Tensor, cfg: ModelConfig, gen: torch.Generat
 
     Projections ~ N(0, 1/fan_in) keep activations O(1) through 40 layers; the embedding ~ N(0, 1);
     lm_head ~ N(0, (LM_HEAD_GAIN^2)/H) makes logits peaked enough that the judge can see errors;
-    norm weights are small perturbations; A_log and dt_bias follow transformers' init ranges.
+    norm weights are small perturbations; A_log follows transformers' init range and dt_bias Mamba's,
+    so DeltaNet heads keep long memories and the output depends on the history, not only on the last token.
     """
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("embed_tokens.weight"):
@@ -243,8 +248,13 @@ def dummy_init_(name: str, t: torch.Tensor, cfg: ModelConfig, gen: torch.Generat
         t.uniform_(0.9, 1.1, generator=gen)  # applied as w
     elif leaf == "A_log":
         t.copy_(torch.empty(t.shape, device=t.device).uniform_(1.0, 16.0, generator=gen).log_())
-    elif leaf == "dt_bias":
-        t.uniform_(0.5, 1.5, generator=gen)
+    elif leaf == "dt_bias":  # softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Mamba): long memories
+        dt = (
+            torch.empty(t.shape, device=t.device)
+            .uniform_(math.log(1e-3), math.log(1e-1), generator=gen)
+            .exp_()
+        )
+        t.copy_(dt + torch.log(-torch.expm1(-dt)))
     elif name.endswith("conv1d.weight"):
         t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
     elif name.endswith("mlp.gate.weight"):

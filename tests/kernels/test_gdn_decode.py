@@ -66,3 +66,22 @@ def test_registered():
     from metainfer.kernels import registry
 
     assert registry.load({"gdn_decode"}) == {"gdn_decode": gdn.gdn_decode}
+
+
+def test_gated_variant_matches_reference_gating():
+    from metainfer.kernels import ops
+    from metainfer.kernels.gdn_decode import gdn_decode_gated
+
+    g = torch.Generator().manual_seed(11)
+    B, Hk, Hv, Dk, Dv, S = 3, 2, 4, 16, 8, 5
+    q, k = torch.randn(B, Hk, Dk, generator=g), torch.randn(B, Hk, Dk, generator=g)
+    v = torch.randn(B, Hv, Dv, generator=g)
+    ab = torch.randn(B, 2 * Hv + 3, generator=g) * 3  # strided views, as split from in_proj
+    a, b = ab[:, :Hv], ab[:, Hv : 2 * Hv]
+    A_log, dt_bias = torch.rand(Hv, generator=g) * 2, torch.rand(Hv, generator=g)
+    slots, has = torch.tensor([4, 1, 2]), torch.tensor([True, False, True])
+    s1 = torch.randn(S, Hv, Dk, Dv, generator=g)
+    s2 = s1.clone()
+    got = gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s1, slots, has)
+    want = ops.gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s2, slots, has)  # CPU: reference
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and torch.allclose(s1, s2, atol=1e-5, rtol=1e-5)

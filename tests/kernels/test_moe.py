@@ -120,3 +120,41 @@ def test_route_topk(T, E_, k):
     w_ref, ids_ref = ref.route(logits, k)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32
     assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_moe_pair_down_variants_agree(T):
+    x, w_gu, w_dn, tw, ids = _problem(T, seed=5, dtype=F32)
+    want = ref.moe_experts(x, w_gu, w_dn, tw, ids)
+    for down in ("rows", "fused"):
+        cfg = {**moe.pair_config(T), "DOWN": down}
+        got = moe.moe_experts(x, w_gu, w_dn, tw, ids, path="pair", config=cfg)
+        assert rel_rmse(got, want) < 1e-5, down
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_route_with_shared_slot(T):
+    g = torch.Generator().manual_seed(T)
+    logits = (torch.randn(T, E + 1, generator=g) * 3).bfloat16()
+    w, ids = moe.route_topk(logits, K, shared=True)
+    w_ref, ids_ref = ref.route_with_shared(logits, K)
+    assert w.shape == (T, K + 1) and torch.equal(ids, ids_ref)
+    assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+    assert torch.all(ids[:, K] == E)
+
+
+def test_moe_with_shared_expert_slot_matches_separate_shared_mlp():
+    """The shared expert stored as expert E, gated by sigmoid(logit E), equals the separate MLP."""
+    T = 3
+    x, w_gu, w_dn, _, _ = _problem(T, seed=6, dtype=F32)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(T, E + 1, generator=g)
+    s_gu = torch.randn(1, 2 * I, H, generator=g) / H**0.5
+    s_dn = torch.randn(1, H, I, generator=g) / I**0.5
+    tw, ids = ref.route(logits[:, :E], K)
+    gate, up = torch.nn.functional.linear(x, s_gu[0]).chunk(2, dim=-1)
+    shared = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, s_dn[0])
+    want = ref.moe_experts(x, w_gu, w_dn, tw, ids) + torch.sigmoid(logits[:, E:]) * shared
+    tw2, ids2 = ref.route_with_shared(logits, K)
+    got = moe.moe_experts(x, torch.cat([w_gu, s_gu]), torch.cat([w_dn, s_dn]), tw2, ids2, path="pair")
+    assert rel_rmse(got, want) < 1e-5
