@@ -242,7 +242,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization (CUDA) or a CPU default
     num_state_slots: int | None = None  # None: max_num_seqs
     gpu_memory_utilization: float = 0.90
-    enforce_eager: bool = True
+    enforce_eager: bool = False  # CUDA graphs for decode (on CUDA, when the decode kernels exist)
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
