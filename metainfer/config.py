@@ -243,6 +243,7 @@ class EngineConfig:
     num_state_slots: int | None = None  # None: max_num_seqs
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False  # CUDA graphs for decode (on CUDA, when the decode kernels exist)
+    async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 

@@ -144,10 +144,13 @@ class DecodeGraphs:
             self._tables_dirty = False
         return pbs
 
-    def run(self, rows: list[tuple[int, int, int, int]]) -> torch.Tensor:
-        """One decode step; rows are (token, position, kv slot, state slot). -> logits [bs, V] fp32."""
+    def run(self, rows: list[tuple[int, int, int, int]], patch=None) -> torch.Tensor:
+        """One decode step; rows are (token, position, kv slot, state slot). -> logits [bs, V] fp32.
+        `patch(input_ids)` may overwrite staged token ids on the device before the forward."""
         bs = len(rows)
         pbs = self._fill(rows, bs)
+        if patch is not None:
+            patch(self.input_ids)
         if self.use_graphs and pbs in self.graphs:
             self.graphs[pbs].replay()
             return self.outputs[pbs][:bs]

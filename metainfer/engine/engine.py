@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from metainfer.config import EngineConfig, ModelConfig
 from metainfer.engine.cache import CacheManager
 from metainfer.engine.request import Request, RequestOutput, SamplingParams, Status
-from metainfer.engine.runner import ModelRunner, ModelSource, StepResult
+from metainfer.engine.runner import PENDING, InFlight, ModelRunner, ModelSource
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -32,12 +32,18 @@ class LLMEngine:
         self.max_model_len = min(ecfg.max_model_len, self.model_config.max_position_embeddings)
         self.runner = ModelRunner(ecfg, self.model_config, self.source, progress=progress)
         self.cache = CacheManager(self.runner.num_blocks, ecfg.block_size, self.runner.num_slots)
-        self.scheduler = Scheduler(self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, self.max_model_len
+        )
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(ecfg.seed)
+        self.async_scheduling = ecfg.async_scheduling
+        self._pending: InFlight | None = None
+        self.async_scheduling = ecfg.async_scheduling
+        self._pending: InFlight | None = None
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
 
     # ---- requests -----------------------------------------------------------------------------
@@ -110,12 +116,11 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.remove(req)
+        while req.output_token_ids and req.output_token_ids[-1] == PENDING:
+            req.output_token_ids.pop()  # tokens of steps still running are dropped
         self._finish(req, "abort")
         self.stats["aborted"] += 1
         return self._output(req, [], "")
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -127,63 +132,105 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled batch; returns an output for every request that advanced or ended."""
+        """Schedules and launches one batch; returns an output for every request that advanced or
+        ended. With async scheduling the tokens of a plain sampling step are processed during the
+        next call, while the GPU runs the step after it (the host never waits on an idle GPU)."""
         batch = self.scheduler.schedule()
         if not batch.items:
-            return []
+            return self._drain()
+        sync = not self._async_ok(batch)
+        outputs = self._drain() if sync else []
         now = time.monotonic()
         for req, _ in batch.items:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
-            result = self.runner.execute(batch)
+            inflight = self.runner.launch(batch)
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed")
-            return self._fail_batch(batch, f"internal error while running the model: {e}")
+            return (
+                outputs
+                + self._drain()
+                + self._fail_batch(batch.items, f"internal error while running the model: {e}")
+            )
         self.stats["steps"] += 1
-        return self._update(batch, result)
+        self._launched(inflight)
+        outputs += self._drain()
+        if sync:
+            outputs += self._complete(inflight)
+        else:
+            self._pending = inflight
+        return outputs
 
-    def _update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        now = time.monotonic()
-        for req, n in batch.items:
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._pending is not None
+
+    def _async_ok(self, batch: ScheduledBatch) -> bool:
+        return self.async_scheduling and all(
+            not r.score_only and r.params.logprobs is None and r.params.prompt_logprobs is None
+            for r, _ in batch.items
+        )
+
+    def _launched(self, inflight: InFlight) -> None:
+        """Host bookkeeping right after a launch: progress, and a PENDING token per sampling row."""
+        for req, n in inflight.items:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats["prompt_tokens"] += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
+        for req, idx in inflight.samples:
+            assert idx == len(req.output_token_ids)
+            req.output_token_ids.append(PENDING)
+
+    def _drain(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, None
+        return self._complete(pending) if pending is not None else []
+
+    def _complete(self, inflight: InFlight) -> list[RequestOutput]:
+        """Applies a launched step's results to its requests (after waiting for its tokens)."""
+        try:
+            tokens = self.runner.wait(inflight)
+        except Exception as e:
+            log.exception("step failed")
+            return self._fail_batch(inflight.items, f"internal error while running the model: {e}")
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for req, _ in inflight.items:
             rid = req.request_id
-            if rid in result.prompt_logprobs:
+            if req.finished:
+                continue
+            if rid in inflight.prompt_logprobs:
                 if not req.prompt_logprobs:
                     req.prompt_logprobs.append(None)
-                req.prompt_logprobs.extend(result.prompt_logprobs[rid])
+                req.prompt_logprobs.extend(inflight.prompt_logprobs[rid])
             if req.score_only:
-                if rid in result.score_logits:
-                    req.score_logits.append(result.score_logits[rid])
+                if rid in inflight.score_logits:
+                    req.score_logits.append(inflight.score_logits[rid])
                 if req.num_computed_tokens == req.num_tokens:
                     self.scheduler.remove(req)
                     self._finish(req, "length")
                     outputs.append(self._output(req, [], ""))
+        for (req, idx), tok in zip(inflight.samples, tokens):
+            if req.finished:  # aborted, or stopped by an earlier token while this step ran
                 continue
-            if rid not in result.sampled:
-                continue
-            tok = result.sampled[rid]
-            req.output_token_ids.append(tok)
+            req.output_token_ids[idx] = tok
             self.stats["generation_tokens"] += 1
-            if rid in result.logprobs:
-                req.logprobs.append(result.logprobs[rid])
+            if req.request_id in inflight.logprobs:
+                req.logprobs.append(inflight.logprobs[req.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
             delta = req.detokenizer.add([tok]) if req.detokenizer else ""
-            reason = self._check_stop(req, tok)
+            reason = self._check_stop(req, tok, idx + 1)
             if reason is not None:
+                del req.output_token_ids[idx + 1 :]  # a token of a step still running, if any
                 delta = self._apply_stop_string(req, delta)
                 self.scheduler.remove(req)
                 self._finish(req, reason)
             else:
                 req.text += delta
-            outputs.append(self._output(req, [tok], delta))
+            outputs.append(self._output(req, [tok], delta, n_out=idx + 1))
         return outputs
 
-    def _check_stop(self, req: Request, tok: int) -> str | None:
-        n_out = len(req.output_token_ids)
+    def _check_stop(self, req: Request, tok: int, n_out: int) -> str | None:
+        """n_out: tokens generated up to and including `tok`."""
         if n_out >= req.params.min_tokens:
             if tok in req.eos_token_ids:
                 req.stop_reason = None
@@ -192,12 +239,12 @@ class LLMEngine:
                 req.stop_reason = tok
                 return "stop"
             if req.params.stop and req.detokenizer is not None:
-                text = req.text + (req.detokenizer.text[len(req.text) :])
+                text = req.detokenizer.text
                 for s in req.params.stop:
                     if s in text[max(0, len(req.text) - len(s)) :]:
                         req.stop_reason = s
                         return "stop"
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             return "length"
         return None
 
@@ -221,16 +268,21 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.stats["finished"] += 1
 
-    def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+    def _fail_batch(self, items: list[tuple[Request, int]], message: str) -> list[RequestOutput]:
         outs = []
-        for req, _ in batch.items:
+        for req, _ in items:
+            if req.finished:
+                continue
             self.scheduler.remove(req)
             req.error = message
             self._finish(req, "error")
             outs.append(self._output(req, [], ""))
         return outs
 
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(
+        self, req: Request, new_ids: list[int], new_text: str, n_out: int | None = None
+    ) -> RequestOutput:
+        """n_out: how many output tokens are known (later ones may belong to a step still running)."""
         score = None
         if req.score_only and req.finished and req.score_logits:
             import torch
@@ -240,7 +292,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
+            token_ids=req.output_token_ids[:n_out] if n_out is not None else list(req.output_token_ids),
             text=req.text,
             new_token_ids=new_ids,
             new_text=new_text,

@@ -71,9 +71,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+PENDING = -1  # placeholder for a token sampled by a step whose results are not on the host yet
+
+
 @dataclass
-class StepResult:
-    sampled: dict[str, int] = field(default_factory=dict)
+class InFlight:
+    """A launched step. `samples`: the requests that sample a token, with the index that token
+    takes in their `output_token_ids`; the tokens arrive in `host` once `event` has fired."""
+
+    items: list[tuple[Request, int]]
+    samples: list[tuple[Request, int]] = field(default_factory=list)
+    host: torch.Tensor | None = None  # [R] int64 (pinned on CUDA)
+    event: torch.cuda.Event | None = None
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     score_logits: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -103,6 +112,8 @@ class ModelRunner:
         self.caches = self._allocate_caches()
         # test/oracle seam: called with (owners, logits [R, V]) every step that computes logits
         self.logits_hook = None
+        self._tok_buf = torch.zeros(max(ecfg.max_num_seqs, 1), dtype=torch.int64, device=self.device)
+        self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
 
     def _decode_path(self) -> DecodeGraphs | None:
@@ -190,48 +201,42 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def launch(self, batch: ScheduledBatch) -> InFlight:
+        """Enqueues one step: forward, logits, sampling on the device. Returns without waiting for
+        the GPU unless the batch asks for host-side extras (logprobs, prompt logprobs, scores).
+
+        A request's last token may still be PENDING (sampled by the previous, unfinished step): its
+        id is taken on the device from that step's token buffer."""
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
         if self.decode is not None and self._pure_decode(items):
-            return self._execute_decode(items)
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        row_owner: list[tuple[Request, str, int]] = []  # (request, kind, position) per logits row
-        for req, n in items:
-            start = req.num_computed_tokens
-            base = len(ids)
-            ids.extend(req.tokens_slice(start, start + n))
-            positions.extend(range(start, start + n))
-            completes = start + n == req.num_tokens
-            want_prompt = req.score_only or (
-                req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
-            )
-            if want_prompt:
-                for j in range(n):
-                    logits_rows.append(base + j)
-                    row_owner.append((req, "prompt", start + j))
-            elif completes:
-                logits_rows.append(base + n - 1)
-                row_owner.append((req, "sample", start + n - 1))
-        meta = ForwardMeta.build(
-            query_lens=[n for _, n in items],
-            context_lens=[r.num_computed_tokens for r, _ in items],
-            block_tables=[r.block_ids for r, _ in items],
-            state_slots=[r.state_slot for r, _ in items],
-            block_size=self.ecfg.block_size,
-            logits_rows=logits_rows,
-            device=self.device,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, pos, meta, self.caches)
-        result = StepResult()
-        if not logits_rows:
-            return result
-        logits = self.model.compute_logits(hidden[meta.logits_indices])  # [R, V] fp32
-        self._collect(logits, row_owner, result)
-        return result
+            logits, owners, dst = self._decode_logits(items)
+        else:
+            logits, owners, dst = self._eager_logits(items)
+        inflight = InFlight(items=items)
+        if logits is not None:
+            if self.logits_hook is not None:
+                self.logits_hook(owners, logits)
+            self._sample(logits, owners, inflight)
+            self._extras(logits, owners, inflight)
+        self._prev_rows = {r.request_id: j for j, (r, _) in enumerate(inflight.samples)}
+        return inflight
+
+    def wait(self, inflight: InFlight) -> list[int]:
+        """The sampled tokens of a launched step, in `inflight.samples` order (blocks until ready)."""
+        if inflight.event is not None:
+            inflight.event.synchronize()
+        return inflight.host.tolist() if inflight.host is not None else []
+
+    def _pending_source(self, req: Request, pos: int) -> int:
+        """Row of the previous step's token buffer holding `req`'s token at `pos` (a PENDING one)."""
+        assert pos == req.num_tokens - 1, "only a request's last token can still be pending"
+        return self._prev_rows[req.request_id]
+
+    def _patch_pending(self, input_ids: torch.Tensor, dst: list[tuple[int, int]]) -> None:
+        """input_ids[d] = previous step's token row s, on the device, for (d, s) in dst."""
+        if dst:
+            idx = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)  # [n, 2]
+            input_ids[idx[:, 0]] = self._tok_buf[idx[:, 1]]
 
     def _pure_decode(self, items: list[tuple[Request, int]]) -> bool:
         return len(items) <= self.decode.max_bs and all(
@@ -242,78 +247,114 @@ class ModelRunner:
             for r, n in items
         )
 
-    def _execute_decode(self, items: list[tuple[Request, int]]) -> StepResult:
+    def _decode_logits(self, items):
         bs_ = self.ecfg.block_size
-        rows = []
-        for r, _ in items:
+        rows, dst = [], []
+        for i, (r, _) in enumerate(items):
             p = r.num_computed_tokens
             self.decode.sync_tables(r.state_slot, f"{r.request_id}#{r.num_preemptions}", r.block_ids)
-            rows.append((r.token_at(p), p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot))
-        logits = self.decode.run(rows)
-        result = StepResult()
-        self._collect(logits, [(r, "sample", r.num_computed_tokens) for r, _ in items], result)
-        return result
+            tok = r.token_at(p)
+            if tok == PENDING:
+                dst.append((i, self._pending_source(r, p)))
+                tok = 0
+            rows.append((tok, p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot))
+        logits = self.decode.run(rows, lambda ids: self._patch_pending(ids, dst))
+        return logits, [(r, "sample", r.num_computed_tokens) for r, _ in items], dst
 
-    def _collect(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: StepResult) -> None:
-        if self.logits_hook is not None:
-            self.logits_hook(owners, logits)
-        sample_rows = [
+    def _eager_logits(self, items):
+        ids: list[int] = []
+        positions: list[int] = []
+        dst: list[tuple[int, int]] = []
+        logits_rows: list[int] = []
+        owners: list[tuple[Request, str, int]] = []  # (request, kind, position) per logits row
+        for req, n in items:
+            start = req.num_computed_tokens
+            base = len(ids)
+            toks = req.tokens_slice(start, start + n)
+            if toks and toks[-1] == PENDING:
+                dst.append((base + n - 1, self._pending_source(req, start + n - 1)))
+                toks = toks[:-1] + [0]
+            ids.extend(toks)
+            positions.extend(range(start, start + n))
+            if req.score_only or (
+                req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
+            ):
+                for j in range(n):
+                    logits_rows.append(base + j)
+                    owners.append((req, "prompt", start + j))
+            elif start + n == req.num_tokens:
+                logits_rows.append(base + n - 1)
+                owners.append((req, "sample", start + n - 1))
+        meta = ForwardMeta.build(
+            query_lens=[n for _, n in items],
+            context_lens=[r.num_computed_tokens for r, _ in items],
+            block_tables=[r.block_ids for r, _ in items],
+            state_slots=[r.state_slot for r, _ in items],
+            block_size=self.ecfg.block_size,
+            logits_rows=logits_rows,
+            device=self.device,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._patch_pending(input_ids, dst)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, pos, meta, self.caches)
+        if not logits_rows:
+            return None, owners, dst
+        return self.model.compute_logits(hidden[meta.logits_indices]), owners, dst  # [R, V] fp32
+
+    def _sample(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight) -> None:
+        rows = [
             i
             for i, (r, kind, p) in enumerate(owners)
-            if kind == "sample" or self._samples_after_prompt(r, kind, p)
+            if kind == "sample" or (kind == "prompt" and not r.score_only and p == r.num_tokens - 1)
         ]
-        tokens_host: list[int] = []
-        if sample_rows:
-            reqs = [owners[i][0] for i in sample_rows]
-            sub = (
-                logits
-                if len(sample_rows) == len(owners)
-                else logits[torch.tensor(sample_rows, device=self.device)]
+        if not rows:
+            return
+        reqs = [owners[i][0] for i in rows]
+        sub = logits if len(rows) == len(owners) else logits[torch.tensor(rows, device=self.device)]
+        if all(r.params.greedy for r in reqs):
+            toks = sub.argmax(dim=-1)
+        else:
+            sb = SamplingBatch.build(
+                [
+                    (
+                        r.params.temperature,
+                        max(r.params.top_k, 0),
+                        r.params.top_p,
+                        r.params.min_p,
+                        r.seed,
+                        len(r.output_token_ids),
+                    )
+                    for r in reqs
+                ],
+                self.device,
             )
-            if all(r.params.greedy for r in reqs):
-                toks = sub.argmax(dim=-1)
-            else:
-                sb = SamplingBatch.build(
-                    [
-                        (
-                            r.params.temperature,
-                            max(r.params.top_k, 0),
-                            r.params.top_p,
-                            r.params.min_p,
-                            r.seed,
-                            len(r.output_token_ids),
-                        )
-                        for r in reqs
-                    ],
-                    self.device,
-                )
-                toks = sample(sub, sb)
+            toks = sample(sub, sb)
+        R = len(reqs)
+        self._tok_buf[:R].copy_(toks)  # the next step reads pending tokens from here
+        out.samples = [(r, len(r.output_token_ids)) for r in reqs]
+        out.host = torch.empty(R, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        out.host.copy_(toks, non_blocking=True)
+        if self.device.type == "cuda":
+            out.event = torch.cuda.Event()
+            out.event.record()
+        if any(r.params.logprobs is not None for r in reqs):
             n_lp = max((r.params.logprobs or 0) for r in reqs)
-            want_lp = any(r.params.logprobs is not None for r in reqs)
-            if want_lp:
-                chosen, tv, ti = top_logprobs(sub, toks, n_lp)
-                chosen, tv, ti = chosen.tolist(), tv.tolist(), ti.tolist()
-            tokens_host = toks.tolist()
+            chosen, tv, ti = (t.tolist() for t in top_logprobs(sub, toks, n_lp))
+            host = toks.tolist()
             for j, r in enumerate(reqs):
-                out.sampled[r.request_id] = tokens_host[j]
-                if want_lp and r.params.logprobs is not None:
+                if r.params.logprobs is not None:
                     k = r.params.logprobs
                     out.logprobs[r.request_id] = TokenLogprob(
-                        tokens_host[j], chosen[j], list(zip(ti[j][:k], tv[j][:k]))
+                        host[j], chosen[j], list(zip(ti[j][:k], tv[j][:k]))
                     )
-        prompt_rows = [i for i, (r, kind, p) in enumerate(owners) if kind == "prompt"]
-        if prompt_rows:
-            self._prompt_outputs(logits, owners, prompt_rows, out)
 
-    @staticmethod
-    def _samples_after_prompt(req: Request, kind: str, pos: int) -> bool:
-        """A prompt-logprob row at the last token also samples the first output token."""
-        return kind == "prompt" and not req.score_only and pos == req.num_tokens - 1
-
-    def _prompt_outputs(self, logits, owners, rows, out: StepResult) -> None:
+    def _extras(self, logits, owners, out: InFlight) -> None:
+        """Prompt logprobs and scoring logits (synchronous)."""
         by_req: dict[str, list[int]] = {}
-        for i in rows:
-            by_req.setdefault(owners[i][0].request_id, []).append(i)
+        for i, (r, kind, _) in enumerate(owners):
+            if kind == "prompt":
+                by_req.setdefault(r.request_id, []).append(i)
         for rid, idx in by_req.items():
             req = owners[idx[0]][0]
             sub = logits[torch.tensor(idx, device=logits.device)]
@@ -323,10 +364,9 @@ class ModelRunner:
             positions = [owners[i][2] for i in idx]
             nxt = [req.token_at(p + 1) if p + 1 < req.num_prompt_tokens else 0 for p in positions]
             k = req.params.prompt_logprobs or 0
-            chosen, tv, ti = top_logprobs(sub, torch.tensor(nxt, device=sub.device), k)
-            chosen, tv, ti = chosen.tolist(), tv.tolist(), ti.tolist()
-            lst = []
-            for j, p in enumerate(positions):
-                if p + 1 < req.num_prompt_tokens:
-                    lst.append(TokenLogprob(nxt[j], chosen[j], list(zip(ti[j], tv[j]))))
-            out.prompt_logprobs[rid] = lst
+            chosen, tv, ti = (t.tolist() for t in top_logprobs(sub, torch.tensor(nxt, device=sub.device), k))
+            out.prompt_logprobs[rid] = [
+                TokenLogprob(nxt[j], chosen[j], list(zip(ti[j], tv[j])))
+                for j, p in enumerate(positions)
+                if p + 1 < req.num_prompt_tokens
+            ]

@@ -26,8 +26,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
         self.cache = cache
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -63,7 +66,7 @@ class Scheduler:
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or self._done_pending(req):
                 continue
             while not self.cache.can_grow(req, n):
                 victim = self.running[-1]
@@ -97,6 +100,11 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= n
         return ScheduledBatch(items, preempted)
+
+    def _done_pending(self, req: Request) -> bool:
+        """Its last scheduled step already produces its final token (the result is in flight)."""
+        n_out = len(req.output_token_ids)
+        return n_out > 0 and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -80,15 +80,15 @@ def test_abort_frees_cache(llm):
 def test_failed_step_fails_only_its_requests(llm, monkeypatch):
     eng = llm.engine
     rid = eng.add_request([1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
-    real = eng.runner.execute
+    real = eng.runner.launch
 
     def boom(batch):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(eng.runner, "execute", boom)
+    monkeypatch.setattr(eng.runner, "launch", boom)
     outs = eng.step()
     assert outs[0].request_id == rid and outs[0].finish_reason == "error" and "injected" in outs[0].error
-    monkeypatch.setattr(eng.runner, "execute", real)
+    monkeypatch.setattr(eng.runner, "launch", real)
     res = llm.generate(
         prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True)
     )
