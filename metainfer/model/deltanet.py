@@ -53,13 +53,15 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:  # [T, H] -> [T, H]
         T = x.shape[0]
         mixed, z, b, a = self.in_proj.split(self.in_proj(x))
-        core = torch.empty(T, self.hv, self.dv, dtype=x.dtype, device=x.device)  # [T, Hv, Dv]
         nd = meta.num_decodes
+        core = (
+            None if nd == T else torch.empty(T, self.hv, self.dv, dtype=x.dtype, device=x.device)
+        )  # [T, Hv, Dv]
         if nd:
             slots, has_state = meta.state_slots[:nd], meta.has_state[:nd]
             y = ops.causal_conv1d_update(mixed[:nd], conv_state, self.conv_weight, slots, has_state)
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            core[:nd] = ops.gdn_decode_gated(
+            out = ops.gdn_decode_gated(
                 q.view(nd, self.hk, self.dk),
                 k.view(nd, self.hk, self.dk),
                 v.view(nd, self.hv, self.dv),
@@ -71,6 +73,10 @@ class GatedDeltaNet(nn.Module):
                 slots,
                 has_state,
             )
+            if core is None:  # a pure decode step: no copy
+                core = out
+            else:
+                core[:nd] = out
         qsl = meta.query_start_loc_cpu
         for i in range(nd, meta.num_seqs):
             s, e, slot = qsl[i], qsl[i + 1], meta.state_slots_cpu[i]
