@@ -16,6 +16,8 @@ from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 from metainfer.oracle.compare import GATES
 from tests.oracle.oracle_helpers import verify
 
+pytest.importorskip("transformers")
+
 LOGIT_CHECKS = {
     f"{p}.{c}" for p in ("prefill", "decode") for c in ("rel_rmse", "kl_mean", "kl_max", "top1_clear")
 }
@@ -114,3 +116,17 @@ def test_small_bias_on_one_token(tiny, monkeypatch, precision):
             v.failed
         )
         assert v.figures["prefill_bias"]["token"] == 123
+
+
+def test_logits_depend_on_the_batch(tiny, monkeypatch):
+    """Numerics that change with how many rows share the step: alone and batched runs disagree."""
+    original = Qwen3_5MoeModel.compute_logits
+
+    def batch_dependent(self, hidden):
+        out = original(self, hidden)
+        return out + 1e-3 * (hidden.shape[0] - 1) * out.roll(1, dims=-1)
+
+    monkeypatch.setattr(Qwen3_5MoeModel, "compute_logits", batch_dependent)
+    v = verify(tiny)
+    assert not v.passed
+    assert "batch.rel_rmse" in v.failed

@@ -1,0 +1,79 @@
+"""`metainfer verify`: judge the engine against transformers' reference on the same weights.
+
+Exit code 0 when every check passes, 1 when any fails, 2 on a usage error (bad flags, a model that
+cannot be found, a precision this build cannot run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from metainfer.generate_cli import add_engine_args
+
+    p = sub.add_parser(
+        "verify",
+        help="accuracy oracle: engine vs transformers' Qwen3_5MoeForCausalLM on the same weights",
+        description="Runs a seeded prompt suite through the engine as one continuous batch, teacher-forces "
+        "transformers' reference along the engine's continuations, and prints every check with its "
+        "figure and gate. Exit 0: pass, 1: fail, 2: usage error.",
+    )
+    add_engine_args(p)
+    p.add_argument(
+        "--suite",
+        default="auto",
+        choices=["auto", "quick", "full"],
+        help="quick: small, for CPU CI; full: 1..4000-token prompts and real text (auto: full on CUDA)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt suite")
+    p.add_argument(
+        "--reference",
+        default="auto",
+        choices=["auto", "shared", "checkpoint"],
+        help="HF dirs: load the checkpoint again with transformers (checkpoint) or reuse the "
+        "engine's loaded tensors (shared); auto loads it again when it fits",
+    )
+    p.add_argument("--json", default=None, metavar="OUT", help="write the JSON verdict here")
+    # unset means: sized to the suite (see metainfer.oracle.build.engine_defaults)
+    p.set_defaults(func=run, max_num_batched_tokens=None, max_model_len=None, max_num_seqs=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from metainfer.generate_cli import engine_kwargs
+    from metainfer.oracle.build import OracleSetupError, build_setup
+    from metainfer.oracle.compare import GATES
+    from metainfer.oracle.report import format_table, write_verdict
+    from metainfer.oracle.verify import run_verify
+
+    suite = args.suite
+    if suite == "auto":
+        cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+        suite = "full" if cuda else "quick"
+    kwargs = engine_kwargs(args)
+    try:
+        setup = build_setup(args.model, suite, kwargs, seed=args.seed, reference=args.reference)
+    except (OracleSetupError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: verify needs transformers (pip install 'metainfer[oracle]'): {e}", file=sys.stderr)
+        return 2
+    s = setup.suite
+    print(
+        f"verify: model={args.model or 'default'} precision={setup.precision} "
+        f"device={setup.llm.engine.runner.device} suite={s.name} ({len(s.prompts)} prompts, "
+        f"{min(len(p) for p in s.prompts)}..{max(len(p) for p in s.prompts)} tokens, "
+        f"{s.gen_tokens} generated each, chunk {setup.llm.engine.ecfg.max_num_batched_tokens})",
+        file=sys.stderr,
+    )
+    verdict = run_verify(setup.llm, setup.reference, s, GATES[setup.precision], setup.context(args.model))
+    print(format_table(verdict))
+    for note in setup.notes:
+        print(f"note: {note}")
+    if args.json:
+        print(f"verdict written to {write_verdict(args.json, verdict)}", file=sys.stderr)
+    return 0 if verdict.passed else 1

@@ -1,0 +1,151 @@
+"""The reference: transformers' own `Qwen3_5MoeForCausalLM`, code this project does not write.
+
+It shares nothing with the engine but the weights. The configuration is read from the model's
+config.json by transformers itself (not through the engine's `ModelConfig`), and the forward is
+transformers' (sdpa attention, its MoE and gated-delta-rule implementations). Two ways to get the
+weights:
+
+- `Reference.from_weights`: canonical-named tensors (`model.layers.N...`, `lm_head.weight`), e.g.
+  views of the engine's dummy weights: built on the meta device and assigned, so the 70 GB model
+  is never copied;
+- `Reference.from_pretrained`: transformers loads a checkpoint directory itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class ReferenceInfo:
+    implementation: str  # transformers class
+    transformers_version: str
+    weights: str  # "shared" (the engine's tensors, as loaded) | "checkpoint" (loaded by transformers)
+    dtype: str
+    device: str
+    attn_implementation: str
+    experts_implementation: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def text_config(config_path: str | Path):
+    """transformers' `Qwen3_5MoeTextConfig` from a config.json (nested `text_config` or flat)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    raw = json.loads(Path(config_path).read_text())
+    text = dict(raw["text_config"]) if "text_config" in raw else dict(raw)
+    text.pop("architectures", None)
+    text["model_type"] = "qwen3_5_moe_text"
+    return Qwen3_5MoeTextConfig.from_dict(text)
+
+
+class Reference:
+    """Teacher-forced logits of one sequence per call: `logits(ids)` -> [L, V] fp32."""
+
+    def __init__(self, model: torch.nn.Module, info: ReferenceInfo) -> None:
+        self.model = model.eval()
+        self.info = info
+        self.device = torch.device(info.device)
+
+    @classmethod
+    def from_weights(cls, config_path: str | Path, weights: Mapping[str, torch.Tensor]) -> Reference:
+        """Built on the meta device, then every parameter is assigned one of `weights` (no copy);
+        the rotary buffers are computed on the weights' device."""
+        import transformers
+        from transformers import Qwen3_5MoeForCausalLM
+
+        cfg = text_config(config_path)
+        first = next(iter(weights.values()))
+        device, dtype = first.device, first.dtype
+        with torch.device("meta"):
+            model = Qwen3_5MoeForCausalLM(cfg)
+        sd = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+        if cfg.tie_word_embeddings and "lm_head.weight" not in sd:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+        if unexpected:
+            raise ValueError(f"reference: weights the model does not have: {unexpected[:5]}")
+        if missing:
+            raise ValueError(f"reference: {len(missing)} weights missing, e.g. {missing[:5]}")
+        _rebuild_rotary(model, cfg, device)
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ValueError(f"reference: tensors still on the meta device: {left[:5]}")
+        return cls(model, _info(model, transformers.__version__, "shared", dtype, device))
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype
+    ) -> Reference:
+        """transformers loads the checkpoint itself; every weight must be found."""
+        import transformers
+        from transformers import Qwen3_5MoeForCausalLM
+
+        cfg = text_config(Path(model_dir) / "config.json")
+        device = torch.device(device)
+        placed = device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
+        model, info = Qwen3_5MoeForCausalLM.from_pretrained(
+            str(model_dir),
+            config=cfg,
+            dtype=dtype,
+            output_loading_info=True,
+            **({"device_map": str(device)} if placed else {}),
+        )
+        missing = [m for m in info.get("missing_keys", []) if "rotary" not in m]
+        if missing:
+            raise ValueError(
+                f"reference: checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}"
+            )
+        if not placed:
+            model = model.to(device)
+        return cls(model, _info(model, transformers.__version__, "checkpoint", dtype, torch.device(device)))
+
+    @torch.inference_mode()
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """[L, V] fp32 on the reference's device; row i predicts token i + 1. A float32 reference
+        computes in float32 (no TF32 matmuls or convolutions on CUDA)."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        with _no_tf32():
+            out = self.model(input_ids=ids, use_cache=False)
+        return out.logits[0].float()
+
+
+@contextmanager
+def _no_tf32() -> Iterator[None]:
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def _rebuild_rotary(model: torch.nn.Module, cfg, device: torch.device) -> None:
+    """Rotary embeddings hold computed (non-persistent) buffers: construct them on `device`."""
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            if "RotaryEmbedding" in type(child).__name__:
+                with torch.device(device):
+                    setattr(parent, name, type(child)(cfg))
+
+
+def _info(model, version: str, weights: str, dtype: torch.dtype, device: torch.device) -> ReferenceInfo:
+    c = model.config
+    return ReferenceInfo(
+        implementation=f"transformers.{type(model).__name__}",
+        transformers_version=version,
+        weights=weights,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        attn_implementation=str(getattr(c, "_attn_implementation", None)),
+        experts_implementation=str(getattr(c, "_experts_implementation", None)),
+    )
