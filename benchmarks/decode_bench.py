@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--sync-too", action="store_true", help="also time batch 1 with async scheduling off")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -154,6 +155,12 @@ def main() -> None:
         r["pct_of_ceiling"] = 100 * r["decode_tok_s"] / ceil.tok_s
         res["decode"].append(r)
         print(json.dumps(r), flush=True)
+    if args.sync_too:
+        llm.engine.async_scheduling = False
+        r = decode_run(llm, 1, args.prompt_len, args.gen, seed=1)
+        llm.engine.async_scheduling = True
+        res["decode_sync_bs1"] = r
+        print("sync scheduling:", json.dumps(r), flush=True)
     res["ttft"] = ttft(llm, args.prompt_len)
     print(json.dumps(res["ttft"]), flush=True)
     if not args.no_profile:
@@ -170,6 +177,8 @@ def main() -> None:
             f"| {r['batch']} | {r['step_ms_median']:.2f} | {r['decode_tok_s']:.0f} "
             f"| {r['pct_of_ceiling']:.0f}% |"
         )
+    if "decode_sync_bs1" in res:
+        print(f"bs1 with async scheduling off: {res['decode_sync_bs1']['decode_tok_s']:.0f} tok/s")
     print(f"TTFT 1k: {res['ttft']['ttft_ms_median']:.1f} ms")
     for row in res.get("profile_bs1", [])[:25]:
         print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:.0f}  {row['kernel']}")

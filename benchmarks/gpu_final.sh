@@ -11,6 +11,6 @@ for dt in bfloat16 fp8; do
     --json $OUT/verify_$dt.json 2>&1 | grep -v "falling back" | tee $OUT/verify_$dt.log | tail -30
 done
 for dt in bfloat16 fp8; do
-  timeout ${T_DECODE:-140} python benchmarks/decode_bench.py --dtype $dt --batches 1,8,32,64,128 --gen 32 \
+  timeout ${T_DECODE:-140} python benchmarks/decode_bench.py --dtype $dt --batches 1,8,32,64,128 --gen 32 --sync-too \
     --out $OUT 2>&1 | grep -v "falling back" | tail -14
 done
