@@ -138,9 +138,21 @@ def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
     return gdn_decode(q, k, v, g, b.sigmoid(), ssm_state, slots, has_state)
 
 
-def gdn_prefill(q, k, v, g, beta, initial_state):
-    """Chunked gated delta rule over one sequence. -> (out [L, Hv, Dv], final state fp32)."""
-    return ref.gated_delta_rule_chunked(q, k, v, g, beta, initial_state)
+def gdn_prefill_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out):
+    """Chunked gated delta rule over N sequences at rows cu[n]:cu[n+1] of q, k, v [T, H, D];
+    initial states read from and final states written to ssm_state at `slots` (zeros where
+    not has_state). Writes out[cu[0]:cu[N]] ([T, Hv, Dv]) and returns `out`."""
+    kern = _kernel("gdn_prefill_varlen", q)
+    if kern:
+        return kern(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out=out)
+    cu = cu_seqlens.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        s, e = cu[i], cu[i + 1]
+        init = ssm_state[slot] if bool(has_state[i]) else torch.zeros_like(ssm_state[slot])
+        o, final = ref.gated_delta_rule_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
+        out[s:e] = o
+        ssm_state[slot] = final
+    return out
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale):

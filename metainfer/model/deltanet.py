@@ -77,23 +77,28 @@ class GatedDeltaNet(nn.Module):
                 core = out
             else:
                 core[:nd] = out
-        qsl = meta.query_start_loc_cpu
-        for i in range(nd, meta.num_seqs):
-            s, e, slot = qsl[i], qsl[i + 1], meta.state_slots_cpu[i]
-            fresh = meta.context_lens_cpu[i] == 0
-            y = ops.causal_conv1d(mixed[s:e], conv_state, self.conv_weight, [0, e - s], [slot], [not fresh])
+        if meta.num_seqs > nd:  # the prefilling sequences, all at once
+            qsl = meta.query_start_loc_cpu
+            s0 = qsl[nd]
+            rel = [x - s0 for x in qsl[nd:]]
+            has = [c > 0 for c in meta.context_lens_cpu[nd:]]
+            y = ops.causal_conv1d(
+                mixed[s0:], conv_state, self.conv_weight, rel, meta.state_slots_cpu[nd:], has
+            )
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            g, beta = self.gating(a[s:e], b[s:e])
-            init = torch.zeros_like(ssm_state[slot]) if fresh else ssm_state[slot]
-            out, final = ops.gdn_prefill(
+            g, beta = self.gating(a[s0:], b[s0:])
+            ops.gdn_prefill_varlen(
                 q.view(-1, self.hk, self.dk),
                 k.view(-1, self.hk, self.dk),
                 v.view(-1, self.hv, self.dv),
                 g,
                 beta,
-                init,
+                meta.query_start_loc[nd:] - s0,
+                ssm_state,
+                meta.state_slots[nd:],
+                meta.has_state[nd:],
+                max(b_ - a_ for a_, b_ in zip(rel, rel[1:])),
+                core[s0:],
             )
-            core[s:e] = out
-            ssm_state[slot] = final
         h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
         return self.out_proj(h.view(T, self.value_dim))

@@ -1,0 +1,147 @@
+"""gdn_prefill kernels vs the chunked and recurrent references (TRITON_INTERPRET on CPU): one sequence
+and the varlen entry with in-place state slots, on tiny odd shapes with strided inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels import gdn_prefill as gp
+from metainfer.kernels import reference as ref
+from tests.helpers import rel_rmse
+
+# (relative RMSE, max abs) vs the fp32 chunked reference on the same inputs. The interpreter computes
+# dots in exact fp32 but rounds exactly as the GPU does (round-to-nearest bf16 casts), so the errors
+# here are the GPU's: EXACT with state_prec="ieee"; the default state path (bf16x3, ~2^-16 per
+# product) ~5e-6; bf16 inputs take the bf16 output path and a bf16 output (~4e-3).
+EXACT = (1e-5, 1e-4)
+TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (1e-2, 3e-2)}
+STATE_TOL = (2e-5, 1e-4)
+IEEE = gp.PrefillConfig(state_prec="ieee")
+
+
+def _inputs(T, Hk, Hv, Dk, Dv, dtype, seed, strong_decay=False):
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * Hk * Dk + Hv * Dv + 5  # strided views of one fused projection, as in the model
+    qkv = torch.randn(T, width, generator=gen).to(dtype)
+    q, k, v = torch.split(qkv[:, :-5], [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.view(T, Hk, Dk), k.view(T, Hk, Dk), v.view(T, Hv, Dv)
+    gb = torch.rand(T, 2 * Hv + 1, generator=gen)
+    g = -gb[:, :Hv] * 2
+    if strong_decay:
+        g[::7] = -60.0
+    beta = gb[:, Hv : 2 * Hv].to(dtype)
+    return q, k, v, g, beta
+
+
+def _recurrent_fp64(q, k, v, g, beta, state):
+    rep = v.shape[1] // q.shape[1]
+    q, k = (ref.l2norm(t.double(), 1e-6).repeat_interleave(rep, dim=1) for t in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    S, outs = state.double().clone(), []
+    for t in range(v.shape[0]):
+        S = S * g[t].double().exp()[:, None, None]
+        delta = (v[t].double() - torch.einsum("hkv,hk->hv", S, k[t])) * beta[t].double()[:, None]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
+    return torch.stack(outs), S
+
+
+def _close(got, want, tol, what):
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype)
+    assert torch.isfinite(got.float()).all(), what
+    err, mx = rel_rmse(got, want), (got.float() - want.float()).abs().max().item()
+    assert err < tol[0] and mx < tol[1], (what, err, mx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L", [1, 5, 63, 64, 65, 130])
+def test_gdn_prefill_single(L, dtype):
+    Hk, Hv, Dk, Dv = 2, 4, 16, 16
+    q, k, v, g, beta = _inputs(L, Hk, Hv, Dk, Dv, dtype, seed=L)
+    init = torch.randn(Hv, Dk, Dv, generator=torch.Generator().manual_seed(L + 1)) * 0.5
+    want, want_state = ref.gated_delta_rule_chunked(q, k, v, g, beta, init)
+    init_copy = init.clone()
+    got, got_state = gp.gdn_prefill(q, k, v, g, beta, init)
+    assert torch.equal(init, init_copy)
+    _close(got, want, TOL[dtype], "out")
+    _close(got_state, want_state, STATE_TOL, "state")
+    if dtype == torch.float32:
+        exact, exact_state = gp.gdn_prefill(q, k, v, g, beta, init, cfg=IEEE)
+        _close(exact, want, EXACT, "out, ieee")
+        _close(exact_state, want_state, EXACT, "state, ieee")
+        batch = (t[None] for t in (q, k, v, g, beta, init))
+        rec, rec_state = ref.gated_delta_rule_recurrent(*batch)
+        _close(exact, rec[0], EXACT, "out vs recurrent")
+        _close(exact_state, rec_state[0], EXACT, "state vs recurrent")
+
+
+@pytest.mark.parametrize("L,Dv", [(65, 8), (40, 24)])
+def test_gdn_prefill_padded_dims_and_strong_decay(L, Dv):
+    q, k, v, g, beta = _inputs(L, 1, 2, 16, Dv, torch.float32, seed=7 * L, strong_decay=True)
+    init = torch.randn(2, 16, Dv, generator=torch.Generator().manual_seed(3))
+    want, want_state = _recurrent_fp64(q, k, v, g, beta, init)
+    got, got_state = gp.gdn_prefill(q, k, v, g, beta, init, cfg=gp.PrefillConfig(block_v=16))
+    # e^c spans e^-600..1 here: the fp32 chunked reference is itself ~1e-5 off the fp64 recurrence
+    _close(got.double(), want, (5e-5, 1e-4), "out")
+    _close(got_state.double(), want_state, (5e-5, 1e-4), "state")
+
+
+@pytest.mark.parametrize(
+    "cfg,tol",
+    [
+        (gp.PrefillConfig(sub_block=8, state_prec="ieee"), EXACT),
+        (gp.PrefillConfig(sub_block=32, block_v=16, state_prec="tf32x3"), EXACT),
+        (gp.PrefillConfig(sub_block=64), TOL[torch.float32]),
+        (gp.PrefillConfig(sub_block=16, state_prec="tf32", out_prec="bf16"), TOL[torch.bfloat16]),
+    ],
+)
+def test_gdn_prefill_configs(cfg, tol):
+    q, k, v, g, beta = _inputs(100, 2, 4, 16, 32, torch.float32, seed=5)
+    init = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(6))
+    want, want_state = ref.gated_delta_rule_chunked(q, k, v, g, beta, init)
+    got, got_state = gp.gdn_prefill(q, k, v, g, beta, init, cfg=cfg)
+    _close(got, want, tol, "out")
+    _close(got_state, want_state, STATE_TOL, "state")
+
+
+def test_gdn_prefill_empty():
+    q, k, v, g, beta = _inputs(0, 2, 4, 16, 8, torch.float32, seed=0)
+    init = torch.randn(4, 16, 8)
+    out, final = gp.gdn_prefill(q, k, v, g, beta, init)
+    assert out.shape == (0, 4, 8) and torch.equal(final, init)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_prefill_varlen(dtype):
+    Hk, Hv, Dk, Dv, S = 2, 4, 16, 16, 7
+    lens, has_list, slot_list = [70, 1, 0, 33], [True, False, False, True], [4, 0, 5, 2]
+    lead, tail = 3, 2  # rows outside cu[0]:cu[N] (e.g. the step's decode tokens) stay untouched
+    T = lead + sum(lens) + tail
+    q, k, v, g, beta = _inputs(T, Hk, Hv, Dk, Dv, dtype, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    state = torch.randn(S, Hv, Dk, Dv, generator=gen) * 0.5
+    before = state.clone()
+    cu_list = [lead]
+    for n in lens:
+        cu_list.append(cu_list[-1] + n)
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    slots, has = torch.tensor(slot_list), torch.tensor(has_list)
+    out = torch.full((T, Hv, Dv), 7.0, dtype=dtype)
+    ret = gp.gdn_prefill_varlen(q, k, v, g, beta, cu, state, slots, has, max(lens), out=out)
+    assert ret is out
+    assert torch.equal(out[:lead], torch.full_like(out[:lead], 7.0))
+    assert torch.equal(out[cu_list[-1] :], torch.full_like(out[cu_list[-1] :], 7.0))
+    for i, (s, e) in enumerate(zip(cu_list[:-1], cu_list[1:])):
+        init = before[slot_list[i]] if has_list[i] else torch.zeros_like(before[0])
+        if e == s:  # an empty sequence leaves its start state (zeros when it has none)
+            assert torch.equal(state[slot_list[i]], init)
+            continue
+        want, want_state = ref.gated_delta_rule_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
+        _close(out[s:e], want, TOL[dtype], f"out {i}")
+        _close(state[slot_list[i]], want_state, STATE_TOL, f"state {i}")
+    others = [i for i in range(S) if i not in slot_list]
+    assert torch.equal(state[others], before[others])
+    fresh = gp.gdn_prefill_varlen(q, k, v, g, beta, cu[:2], before.clone(), slots[:1], has[:1], lens[0])
+    assert fresh.shape == (T, Hv, Dv)
+    assert torch.equal(fresh[lead : cu_list[1]], out[lead : cu_list[1]])
