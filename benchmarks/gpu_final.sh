@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # On the H200, one build: GPU tests, oracle verdicts (BF16, FP8) on the full config, decode benchmark.
-#   bash benchmarks/gpu_final.sh        (OUT set; wheels carried in .whl)
+#   PHASES="tests verify decode" bash benchmarks/gpu_final.sh        (OUT set; wheels carried in .whl)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 CFG=metainfer/configs/qwen3.6-35b-a3b.json
-timeout ${T_TESTS:-120} python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -6
-for dt in bfloat16 fp8; do
-  timeout ${T_VERIFY:-220} python -m metainfer.cli verify --model dummy:$CFG --dtype $dt --device cuda --suite full \
-    --json $OUT/verify_$dt.json 2>&1 | grep -v "falling back" | tee $OUT/verify_$dt.log | tail -30
-done
-for dt in bfloat16 fp8; do
-  timeout ${T_DECODE:-140} python benchmarks/decode_bench.py --dtype $dt --batches 1,8,32,64,128 --gen 32 --sync-too \
-    --out $OUT 2>&1 | grep -v "falling back" | tail -14
-done
+PHASES=${PHASES:-tests verify decode}
+if [[ $PHASES == *tests* ]]; then
+  timeout ${T_TESTS:-150} python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -8
+fi
+if [[ $PHASES == *verify* ]]; then
+  for dt in bfloat16 fp8; do
+    timeout ${T_VERIFY:-200} python -m metainfer.cli verify --model dummy:$CFG --dtype $dt --device cuda --suite full \
+      --json $OUT/verify_$dt.json 2>&1 | grep -v "falling back" | tee $OUT/verify_$dt.log | tail -32
+  done
+fi
+if [[ $PHASES == *decode* ]]; then
+  for dt in bfloat16 fp8; do
+    timeout ${T_DECODE:-130} python benchmarks/decode_bench.py --dtype $dt --batches 1,8,32,64,128 --gen 32 --sync-too \
+      --out $OUT 2>&1 | grep -v "falling back" | tail -16
+  done
+fi
