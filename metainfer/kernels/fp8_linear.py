@@ -58,10 +58,25 @@ def _round_e4m3(v):
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
-    T, N, K, stride_xt, stride_yt, stride_sn, iters_per_split,
-    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    lock_ptr,
+    T,
+    N,
+    K,
+    stride_xt,
+    stride_yt,
+    stride_sn,
+    iters_per_split,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -128,8 +143,20 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexp
 
 @triton.jit
 def _w8a8_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_wsn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_wsn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -183,8 +210,33 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+TUNED_ENV = "METAINFER_FP8_TUNED"
+_TUNED: dict[str, dict] | None = None
+
+
+def tuned_table() -> dict[str, dict]:
+    """Measured skinny configs keyed "N,K,T" (benchmarks/tune_fp8_skinny.py): the committed H200
+    table next to this file, overridden by a JSON file named in $METAINFER_FP8_TUNED."""
+    global _TUNED
+    if _TUNED is None:
+        import json
+        from pathlib import Path
+
+        _TUNED = {}
+        for f in (
+            Path(__file__).with_name("fp8_skinny_h200.json"),
+            Path(os.environ.get(TUNED_ENV, "") or "/nonexistent"),
+        ):
+            if f.is_file():
+                _TUNED.update(json.loads(f.read_text()).get("configs", {}))
+    return _TUNED
+
+
 def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
     """(BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, warps, stages) for the weight-streaming kernel."""
+    hit = tuned_table().get(f"{N},{K},{T}")
+    if hit is not None:
+        return dict(hit)
     block_t = 1 if T == 1 else max(16, triton.next_power_of_2(T))
     block_n = 32 if T == 1 else 64
     block_k = 256 if T == 1 else 128
@@ -192,8 +244,15 @@ def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
     k_iters = triton.cdiv(K, block_k)
     split = max(1, min(k_iters, ((4 if T == 1 else 2) * num_sms) // tiles))
     per = triton.cdiv(k_iters, split)
-    return dict(BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_K=triton.cdiv(k_iters, per),
-                iters_per_split=per, STAGES=4, num_warps=4)
+    return dict(
+        BLOCK_N=block_n,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        SPLIT_K=triton.cdiv(k_iters, per),
+        iters_per_split=per,
+        STAGES=4,
+        num_warps=4,
+    )
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, cfg: dict | None = None):
@@ -203,12 +262,27 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, 
     assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
-    part = torch.empty(split * tiles * cfg["BLOCK_N"] * cfg["BLOCK_T"] if split > 1 else 1,
-                       dtype=torch.float32, device=x.device)
+    part = torch.empty(
+        split * tiles * cfg["BLOCK_N"] * cfg["BLOCK_T"] if split > 1 else 1,
+        dtype=torch.float32,
+        device=x.device,
+    )
     locks = _locks(x.device, tiles)
     _skinny_kernel[(tiles, split)](
-        x, w, s, y, part, locks, T, N, K, x.stride(0), y.stride(0), s.stride(0),
-        UPCAST=_interpret() or x.dtype == torch.float32, **cfg,
+        x,
+        w,
+        s,
+        y,
+        part,
+        locks,
+        T,
+        N,
+        K,
+        x.stride(0),
+        y.stride(0),
+        s.stride(0),
+        UPCAST=_interpret() or x.dtype == torch.float32,
+        **cfg,
     )
 
 
