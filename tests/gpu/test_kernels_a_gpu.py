@@ -261,8 +261,10 @@ _COMPILE = textwrap.dedent(
 )
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile and run every kernel")
 def test_kernels_compile_for_sm90():
-    """Every kernel at the full-model constexprs compiles to sm_90 cubin (ptxas ships with Triton)."""
+    """Every kernel at the full-model constexprs compiles to sm_90 cubin (ptxas ships with Triton):
+    a CPU-only machine's check that the GPU build of each kernel is valid."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
