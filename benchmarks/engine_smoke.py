@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -120,24 +119,18 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, gen: int, seed: int) -> d
 
 
 def env_info() -> dict:
+    from metainfer.runinfo import git, package_version
+
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": git("rev-parse", "HEAD"),
+        "transformers": package_version("transformers"),
+        "triton": package_version("triton"),
     }
-    try:
-        info["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        info["commit"] = os.environ.get("GIT_COMMIT", "unknown")
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    try:
-        import transformers
-        import triton
-
-        info["transformers"], info["triton"] = transformers.__version__, triton.__version__
-    except ImportError:
-        pass
     return info
 
 

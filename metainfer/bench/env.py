@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from metainfer.runinfo import git, jsonable, package_version, run
 
 
 @dataclass(frozen=True)
@@ -36,25 +33,10 @@ class RunEnv:
     hostname: str
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
-    try:
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _nvidia_smi() -> tuple[list[str], str | None]:
     if not shutil.which("nvidia-smi"):
         return [], None
-    out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    out = run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
     if not out:
         return [], None
     rows = [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
@@ -80,18 +62,18 @@ def _torch_gpus() -> list[str]:
 def _static_env() -> tuple[str, int, str | None, str | None]:
     smi_gpus, driver = _nvidia_smi()
     gpus = _torch_gpus() or smi_gpus
-    return (gpus[0] if gpus else "none"), len(gpus), driver, _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
+    return (gpus[0] if gpus else "none"), len(gpus), driver, git("rev-parse", "HEAD")
 
 
 def collect_env() -> RunEnv:
     gpu, count, driver, commit = _static_env()
-    status = _run(["git", "status", "--porcelain"], REPO_ROOT) if commit else None
+    status = git("status", "--porcelain") if commit else None
     return RunEnv(
         gpu=gpu,
         gpu_count=count,
         driver=driver,
-        torch=_version("torch"),
-        triton=_version("triton"),
+        torch=package_version("torch"),
+        triton=package_version("triton"),
         python=sys.version.split()[0],
         git_commit=commit,
         git_dirty=(bool(status) if status is not None else None),
@@ -128,18 +110,6 @@ def verdict_info(path: str | None) -> dict[str, Any] | None:
     return info
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    return x
-
-
 def build_result(
     kind: str,
     engine: str,
@@ -170,5 +140,5 @@ def build_result(
 def write_json(path: str | Path, obj: dict[str, Any]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    p.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n")
     return p

@@ -6,29 +6,11 @@ import datetime as _dt
 import json
 import math
 import platform
-import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from metainfer.oracle.verify import Verdict
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _git(*args: str) -> str | None:
-    try:
-        r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+from metainfer.runinfo import git, jsonable, package_version
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -38,14 +20,14 @@ def environment(device: str) -> dict[str, Any]:
     gpu = "none"
     if device.startswith("cuda") and torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(torch.device(device))
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no")
     return {
         "gpu": gpu,
         "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "triton": _version("triton"),
+        "transformers": package_version("transformers"),
+        "triton": package_version("triton"),
         "python": platform.python_version(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": None if status is None else bool(status),
         "date_utc": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         "hostname": platform.node(),
@@ -76,22 +58,8 @@ def format_table(v: Verdict) -> str:
     return "\n".join(out)
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float):
-        return None if math.isnan(x) else (("inf" if x > 0 else "-inf") if math.isinf(x) else x)
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    if hasattr(x, "item") and callable(x.item):
-        return _jsonable(x.item())
-    return x
-
-
 def write_verdict(path: str | Path, v: Verdict) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(_jsonable(v.to_dict()), indent=2) + "\n")
+    p.write_text(json.dumps(jsonable(v.to_dict()), indent=2) + "\n")
     return p

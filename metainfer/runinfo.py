@@ -1,0 +1,51 @@
+"""Facts every result file records: git commit, package versions, and JSON-safe values."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    """A command's stripped stdout, or None when it is missing or fails."""
+    try:
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def git(*args: str) -> str | None:
+    """`git ARGS` in this checkout; $GIT_COMMIT stands in for rev-parse where there is no .git."""
+    out = run(["git", *args], cwd=REPO_ROOT)
+    if out is None and args == ("rev-parse", "HEAD"):
+        return os.environ.get("GIT_COMMIT")
+    return out
+
+
+def package_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def jsonable(x: Any) -> Any:
+    """NaN -> None, +-inf -> "inf"/"-inf", Paths -> str, 0-d tensors/numpy scalars -> numbers."""
+    if isinstance(x, float):
+        return None if math.isnan(x) else (("inf" if x > 0 else "-inf") if math.isinf(x) else x)
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if hasattr(x, "item") and callable(x.item):
+        return jsonable(x.item())
+    return x
