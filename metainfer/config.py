@@ -14,7 +14,7 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE_DIR / "configs"
 FULL_CONFIG = CONFIG_DIR / "qwen3.6-35b-a3b.json"
-DEFAULT_MODEL_DIR = PACKAGE_DIR / "assets" / "default"
+DEFAULT_MODEL_DIR = PACKAGE_DIR / "assets" / "stdlib"  # trained by scripts/train_default_model.py
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

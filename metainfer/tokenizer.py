@@ -95,6 +95,8 @@ class HFJsonTokenizer:
         self.eos_token_ids = tuple(eos)
 
     def encode(self, text: str) -> list[int]:
+        # lone surrogates (valid in a Python str, not in UTF-8) become U+FFFD, as tiktoken does
+        text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

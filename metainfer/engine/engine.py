@@ -217,15 +217,16 @@ class LLMEngine:
                 req.logprobs.append(inflight.logprobs[req.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
-            delta = req.detokenizer.add([tok]) if req.detokenizer else ""
+            if req.detokenizer is not None:
+                req.detokenizer.add([tok])
             reason = self._check_stop(req, tok, idx + 1)
             if reason is not None:
                 del req.output_token_ids[idx + 1 :]  # a token of a step still running, if any
-                delta = self._apply_stop_string(req, delta)
+                delta = self._final_text(req)
                 self.scheduler.remove(req)
                 self._finish(req, reason)
             else:
-                req.text += delta
+                delta = self._emit_text(req)
             outputs.append(self._output(req, [tok], delta, n_out=idx + 1))
         return outputs
 
@@ -248,18 +249,39 @@ class LLMEngine:
             return "length"
         return None
 
-    def _apply_stop_string(self, req: Request, delta: str) -> str:
-        """Final text: truncated at a matched stop string; returns the part not yet emitted."""
-        full = req.text + delta
+    @staticmethod
+    def _emit_text(req: Request) -> str:
+        """Moves decoded text to the emitted text (`req.text`), holding back a tail that could still
+        become the start of a stop string, so a stream never shows text the final output drops."""
+        if req.detokenizer is None:
+            return ""
+        full = req.detokenizer.text
+        upto = len(full)
+        for s in req.params.stop:  # the earliest position whose suffix is a proper prefix of s
+            for i in range(max(len(req.text), len(full) - len(s) + 1), len(full)):
+                if s.startswith(full[i:]):
+                    upto = min(upto, i)
+                    break
+        delta = full[len(req.text) : upto]
+        req.text = full[:upto]
+        return delta
+
+    @staticmethod
+    def _final_text(req: Request) -> str:
+        """Final text: truncated at a matched stop string, else everything decoded; returns the part
+        not yet emitted."""
+        if req.detokenizer is None:
+            return ""
         if isinstance(req.stop_reason, str):
+            full = req.detokenizer.text
             cut = full.find(req.stop_reason, max(0, len(req.text) - len(req.stop_reason)))
-            end = cut + (len(req.stop_reason) if req.params.include_stop_str_in_output else 0)
-            full = full[:end]
-        elif req.detokenizer is not None:
-            full += req.detokenizer.flush()
-        new = full[len(req.text) :] if len(full) >= len(req.text) else ""
+            full = full[: cut + (len(req.stop_reason) if req.params.include_stop_str_in_output else 0)]
+        else:
+            req.detokenizer.flush()
+            full = req.detokenizer.text
+        delta = full[len(req.text) :]
         req.text = full
-        return new
+        return delta
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
