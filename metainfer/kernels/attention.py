@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
 from metainfer.model.meta import ForwardMeta
 
 _LOG2E = 1.4426950408889634
@@ -63,7 +64,9 @@ def _decode_split_kernel(
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # q: [B, HQ, D] rows of the decodes; caches: [N, BLOCK_SIZE, Hkv, D]; bt: [B, max_blocks]
     # SPLIT: part_o [B, HQ, num_splits, D] fp32, part_lse [B, HQ, num_splits] fp32 (log2 units);
     # else (num_splits == 1) the result goes straight to out [B, HQ, D]
@@ -118,7 +121,9 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, so_t, so_h, num_splits,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # part_o: [B, HQ, num_splits, D] fp32; part_lse: [B, HQ, num_splits]; out: [B, HQ, D]
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -154,7 +159,9 @@ def _prefill_kernel(
     G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # q, out: [T, HQ, D]; row r of a program is token m0 + r // G_P2, head hkv * G + r % G_P2
     mblk = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
     i = (seq_offset + tl.program_id(1)).to(tl.int64)
@@ -248,12 +255,12 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         HQ=Hq, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
         BLOCK_SIZE=bs, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
     )
     if ns > 1:
         _decode_reduce_kernel[(nd, Hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), ns,
-            HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, num_warps=4,
+            HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, num_warps=4, **pdl.kw(),
         )
 
 
@@ -276,7 +283,7 @@ def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Pre
         G=G, G_P2=g_p2, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
     )
 
 

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 # channels per program and warps; tuned on H200 by benchmarks/kernels_a.py
@@ -19,7 +21,9 @@ def _conv_update_kernel(
     x_ptr, state_ptr, w_ptr, out_ptr, slots_ptr, has_ptr,
     C, sx0, s_slot, s_k,
     K: tl.constexpr, Y_DT: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # x: [B, C] rows strided by sx0; state: [S, K-1, C] strides (s_slot, s_k, 1); w: [C, K]; out: [B, C]
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -66,6 +70,6 @@ def causal_conv1d_update(
     _conv_update_kernel[(B, triton.cdiv(C, BLOCK_C))](
         x, conv_state, weight, out, slots, has_state.view(torch.uint8),
         C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
-        K=K, Y_DT=_TL_DTYPE[weight.dtype], BLOCK_C=BLOCK_C, num_warps=NUM_WARPS,
+        K=K, Y_DT=_TL_DTYPE[weight.dtype], BLOCK_C=BLOCK_C, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out

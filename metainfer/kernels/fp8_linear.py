@@ -3,8 +3,12 @@
 The token count T picks the kernel:
 - T <= SKINNY_MAX_T (decode): `_skinny_kernel` streams every weight tile once and dequantises it in
   registers (W8A16). The weight scale of each 128x128 block multiplies the activation chunk, so the
-  inner loop is a plain e4m3 -> bf16 convert plus an FMA/MMA. T == 1 reduces on the CUDA cores,
-  2..64 tokens use a swapped-operand MMA (W tile as the M side, tokens as the N side). Split-K keeps
+  inner loop is a plain e4m3 convert plus an FMA/MMA. BLOCK_T == 1 reduces on the CUDA cores
+  (e4m3 -> fp32 per element); BLOCK_T >= 16 (any T, a single token padded) runs a swapped-operand
+  MMA (W tile as the M side, tokens as the N side) over 128-wide K steps on exact operands and
+  multiplies the fp32 product by the step's block scale; DOT_F16 makes the operands fp16 (one
+  packed e4m3x2 -> f16x2 convert; bf16 activations are exact in fp16 below 65504, which the
+  normalised inputs of every dense projection are). Split-K keeps
   4 (T == 1) or 2 CTAs per SM busy even for N = 2048; the last CTA of each N tile to finish adds
   the fp32 partials in split order (deterministic, one launch, counters reset by that CTA).
 - larger T (prefill, compute-bound): activations are quantised per token and 128-column group
@@ -21,6 +25,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from metainfer.kernels import pdl
 
 FP8_MAX = 448.0
 BLOCK = 128  # the checkpoint's weight_block_size
@@ -40,6 +46,18 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b.to(a.dtype), acc)
+
+
+@triton.jit
+def wdot(w, x, UPCAST: tl.constexpr, DOT_F16: tl.constexpr):
+    """w [M, K] (e4m3 or x's dtype) @ x [K, N] on exact operands, fp32 result. DOT_F16: fp16
+    operands (e4m3 -> fp16 is one packed convert per two values; bf16 x is exact in fp16 while
+    |x| < 65504); otherwise w is converted to x's dtype. UPCAST: fp32 (interpreter, fp32 x)."""
+    if UPCAST:
+        return tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+    if DOT_F16:
+        return tl.dot(w.to(tl.float16), x.to(tl.float16))
+    return tl.dot(w.to(x.dtype), x)
 
 
 @triton.jit
@@ -77,7 +95,10 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_F16: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,15 +117,15 @@ def _skinny_kernel(
         k_mask = offs_k < K
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN, BK]
-        s = tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
-        if BLOCK_T == 1:
+        if BLOCK_T == 1:  # CUDA cores: e4m3 -> fp32 per element, FMA with the scaled activation
+            s = tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
             xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             acc2 += w.to(tl.float32) * (xv * s)[None, :]
-        else:
+        else:  # tensor cores (BLOCK_K == 128): exact e4m3 and x operands, the tile's scale after
+            s = tl.load(s_row + ki)
             x_mask = t_mask[None, :] & k_mask[:, None]
             xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
-            xs = (xt.to(tl.float32) * s[:, None]).to(xt.dtype)
-            acc = _mma(w.to(xt.dtype), xs, acc, UPCAST)
+            acc += wdot(w, xt, UPCAST, DOT_F16) * s
     if BLOCK_T == 1:
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
@@ -127,8 +148,9 @@ def _skinny_kernel(
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexpr):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """Per token and 128-column group: s = amax / 448, q = e4m3(x / s). s is stored [ceil(K/128), T]."""
+    pdl.wait(USE_PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     kb = tl.program_id(1)
     offs_k = kb * 128 + tl.arange(0, 128)
@@ -157,7 +179,9 @@ def _w8a8_kernel(
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -211,25 +235,27 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
 
 
 TUNED_ENV = "METAINFER_FP8_TUNED"
-_TUNED: dict[str, dict] | None = None
+_TUNED: dict[str, dict[str, dict]] = {}
 
 
-def tuned_table() -> dict[str, dict]:
-    """Measured skinny configs keyed "N,K,T" (benchmarks/tune_fp8_skinny.py): the committed H200
-    table next to this file, overridden by a JSON file named in $METAINFER_FP8_TUNED."""
-    global _TUNED
-    if _TUNED is None:
+def load_tuned(committed: str, env: str) -> dict[str, dict]:
+    """Measured kernel configs: the committed H200 table `committed` (next to this file), each key
+    overridden by the JSON file named in $env (same format: {"configs": {key: config}}). Cached."""
+    if committed not in _TUNED:
         import json
         from pathlib import Path
 
-        _TUNED = {}
-        for f in (
-            Path(__file__).with_name("fp8_skinny_h200.json"),
-            Path(os.environ.get(TUNED_ENV, "") or "/nonexistent"),
-        ):
+        table: dict[str, dict] = {}
+        for f in (Path(__file__).with_name(committed), Path(os.environ.get(env, "") or "/nonexistent")):
             if f.is_file():
-                _TUNED.update(json.loads(f.read_text()).get("configs", {}))
-    return _TUNED
+                table.update(json.loads(f.read_text()).get("configs", {}))
+        _TUNED[committed] = table
+    return _TUNED[committed]
+
+
+def tuned_table() -> dict[str, dict]:
+    """Skinny configs keyed "N,K,T" (benchmarks/tune_fp8_skinny.py)."""
+    return load_tuned("fp8_skinny_h200.json", TUNED_ENV)
 
 
 def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
@@ -260,6 +286,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, 
     N = w.shape[0]
     cfg = dict(cfg or skinny_config(T, N, K, _num_sms(x.device)))
     assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
+    assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] == 128, "the tensor-core loop takes one scale per K step"
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
     part = torch.empty(
@@ -282,7 +309,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, 
         y.stride(0),
         s.stride(0),
         UPCAST=_interpret() or x.dtype == torch.float32,
-        **cfg,
+        **cfg, **pdl.kw(),
     )
 
 
@@ -294,7 +321,7 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(triton.cdiv(K, BLOCK), T, dtype=torch.float32, device=x.device)
     block_t = 16 if T >= 16 else triton.next_power_of_2(T)
     grid = (triton.cdiv(T, block_t), triton.cdiv(K, BLOCK))
-    _act_quant_kernel[grid](x, q, s, T, K, x.stride(0), BLOCK_T=block_t)
+    _act_quant_kernel[grid](x, q, s, T, K, x.stride(0), BLOCK_T=block_t, **pdl.kw())
     return q, s
 
 
@@ -314,7 +341,8 @@ def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = cfg or gemm_config(M, N)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _w8a8_kernel[grid](xq, xs, w, s, y, M, N, K, s.stride(0), y.stride(0), UPCAST=_interpret(), **cfg)
+    _w8a8_kernel[grid](xq, xs, w, s, y, M, N, K, s.stride(0), y.stride(0), UPCAST=_interpret(), **cfg,
+                       **pdl.kw())
     return y
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
+
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
@@ -24,7 +26,9 @@ def _gdn_decode_kernel(
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state: [S, HV, DK, DV] fp32; out: [B, HV, DV]
     # GATED: g_ptr/beta_ptr hold the raw projections a, b; g = -exp(A_log) softplus(a + dt_bias),
     # beta = sigmoid(b) are computed here (as DeltaNet.gating does)
@@ -92,7 +96,7 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.kw(),
     )
     return out
 

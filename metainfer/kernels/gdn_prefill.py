@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
+
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK = 64
 
@@ -173,7 +175,9 @@ def _prep_kernel(
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, B: tl.constexpr, VARLEN: tl.constexpr,
     SPREC: tl.constexpr, OPREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # q, k: [T, Hk, DK]; v: [T, HV, DV]; g: [T, HV] fp32; beta: [T, HV]; cu: [N+1] int32
     # writes at the chunk's rows: w, ke [T, HV, DK] fp32 (SPREC bf16x3: [2, T, HV, DK] bf16 hi, lo);
     # u [T, HV, DV] fp32; qe [T, HV, DK]; a [T, HV, C] (row i, chunk column j: q_i.k_j e^(c_i - c_j)
@@ -235,7 +239,9 @@ def _scan_kernel(
     HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, VARLEN: tl.constexpr, SLOTS: tl.constexpr,
     SPREC: tl.constexpr, OPREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # w, u, ke, qe, a, c: from _prep_kernel; init/final: [S, HV, DK, DV] fp32 (the same tensor when
     # SLOTS, else slot 0 of each); slots: [N] int64; has: [N] uint8; out: [T, HV, DV]
     n = tl.program_id(0)
@@ -326,12 +332,12 @@ def _launch(q, k, v, g, beta, cu, init, final, slots, has, out, n_seqs: int, max
             q, k, v, g, beta, cu, w, u, ke, qe, a, c,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), beta.stride(0), T, Dk**-0.5,
-            REP=Hv // Hk, BV=bva, B=cfg.sub_block, **common, num_warps=cfg.prep_warps,
+            REP=Hv // Hk, BV=bva, B=cfg.sub_block, **common, num_warps=cfg.prep_warps, **pdl.kw(),
         )
     use_slots = slots is not None
     _scan_kernel[(n_seqs, Hv, triton.cdiv(Dv, bv))](
         w, u, ke, qe, a, c, cu, init, final, slots if use_slots else cu, has if use_slots else cu, out, T,
-        BV=bv, SLOTS=use_slots, **common, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
+        BV=bv, SLOTS=use_slots, **common, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages, **pdl.kw(),
     )
 
 

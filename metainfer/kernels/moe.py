@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
+from metainfer.kernels.fp8_linear import load_tuned, wdot
+
 PAIR_MAX_T = 8
 
 
@@ -49,8 +52,13 @@ def _mma(a, b, UPCAST: tl.constexpr):
 def _pair_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H, I, stride_we, stride_se, stride_sn,
     TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, MMA: tl.constexpr = 0, UPCAST: tl.constexpr = 0, DOT_F16: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
+    """MMA: the weight tiles go through the tensor cores against a 16-column operand holding the
+    activation in column 0 (exact operands, no per-element convert + FMA on the CUDA cores; FP8:
+    the row scales multiply each 128-wide step's product). Otherwise fp32 FMA on the CUDA cores."""
+    pdl.wait(USE_PDL)
     pair = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_mask = offs_i < I
@@ -58,22 +66,35 @@ def _pair_gate_up_kernel(
     x_row = x_ptr + (pair // TOP_K) * H
     wg_rows = w_ptr + e * stride_we + offs_i[:, None] * H  # [BLOCK_I, 1] gate rows; up rows at +I*H
     s_base = s_ptr + e * stride_se
-    acc_g = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
-    acc_u = tl.zeros((BLOCK_I, BLOCK_K), tl.float32)
+    ACC_N: tl.constexpr = 16 if MMA else BLOCK_K
+    col = tl.arange(0, 16)
+    acc_g = tl.zeros((BLOCK_I, ACC_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_I, ACC_N), tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < H
         m2 = i_mask[:, None] & k_mask[None, :]
-        xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        wg = tl.load(wg_rows + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-        wu = tl.load(wg_rows + I * H + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+        wg = tl.load(wg_rows + offs_k[None, :], mask=m2, other=0.0)
+        wu = tl.load(wg_rows + I * H + offs_k[None, :], mask=m2, other=0.0)
+        if MMA:
+            xb = tl.where(col[None, :] == 0, xv[:, None], 0.0).to(xv.dtype)  # [BLOCK_K, 16]
+            pg = wdot(wg, xb, UPCAST, DOT_F16)
+            pu = wdot(wu, xb, UPCAST, DOT_F16)
+        else:
+            pg = wg.to(tl.float32)
+            pu = wu.to(tl.float32)
         if FP8:  # BLOCK_K divides 128: one scale column per step
             sg = tl.load(s_base + (offs_i // 128) * stride_sn + k0 // 128, mask=i_mask, other=0.0)
             su = tl.load(s_base + ((offs_i + I) // 128) * stride_sn + k0 // 128, mask=i_mask, other=0.0)
-            wg = wg * sg[:, None]
-            wu = wu * su[:, None]
-        acc_g += wg * xv
-        acc_u += wu * xv
+            pg = pg * sg[:, None]
+            pu = pu * su[:, None]
+        if MMA:
+            acc_g += pg
+            acc_u += pu
+        else:
+            acc_g += pg * xv.to(tl.float32)[None, :]
+            acc_u += pu * xv.to(tl.float32)[None, :]
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     tl.store(act_ptr + pair * I + offs_i, (g * tl.sigmoid(g) * u).to(act_ptr.dtype.element_ty), mask=i_mask)
@@ -84,9 +105,11 @@ def _pair_down_kernel(
     act_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, H, I, stride_we, stride_se, stride_sn,
     TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     """One flat loop over (slot, K-block) so the weight stream pipelines across the k experts; the
     routing weight (and the FP8 block scale: BLOCK_H divides 128) multiply the activation chunk."""
+    pdl.wait(USE_PDL)
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -114,31 +137,45 @@ def _pair_down_kernel(
 def _pair_down_rows_kernel(
     act_ptr, w_ptr, s_ptr, ids_ptr, y_ptr, H, I, stride_we, stride_se, stride_sn,
     FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    MMA: tl.constexpr = 0, UPCAST: tl.constexpr = 0, DOT_F16: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
     """y[pair, h-block] = down_e(act[pair]) in fp32, one program per (pair, H-block): T*k times
     more programs than `_pair_down_kernel`, so a single token still spreads over every SM. The
-    weighted sum over a token's slots is `_combine_kernel`'s (fixed slot order)."""
+    weighted sum over a token's slots is `_combine_kernel`'s (fixed slot order). MMA as in
+    `_pair_gate_up_kernel` (BLOCK_H and BLOCK_K divide 128: one FP8 scale per step)."""
+    pdl.wait(USE_PDL)
     pair = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     h_blk = tl.program_id(1) * BLOCK_H // 128
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    acc = tl.zeros((BLOCK_H, BLOCK_K), tl.float32)
+    ACC_N: tl.constexpr = 16 if MMA else BLOCK_K
+    col = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_H, ACC_N), tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < I
-        a = tl.load(act_ptr + pair * I + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if FP8:
-            a = a * tl.load(s_ptr + e * stride_se + h_blk * stride_sn + k0 // 128)
+        a = tl.load(act_ptr + pair * I + offs_k, mask=k_mask, other=0.0)
         w_mask = h_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + e * stride_we + offs_h[:, None] * I + offs_k[None, :], mask=w_mask, other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
+        if MMA:
+            p = wdot(w, tl.where(col[None, :] == 0, a[:, None], 0.0).to(a.dtype), UPCAST, DOT_F16)
+            if FP8:
+                p = p * tl.load(s_ptr + e * stride_se + h_blk * stride_sn + k0 // 128)
+            acc += p
+        else:
+            af = a.to(tl.float32)
+            if FP8:
+                af = af * tl.load(s_ptr + e * stride_se + h_blk * stride_sn + k0 // 128)
+            acc += w.to(tl.float32) * af[None, :]
     tl.store(y_ptr + pair * H + offs_h, tl.sum(acc, axis=1), mask=h_mask)
 
 
 # ---- large T: bucket by expert, grouped GEMMs ----------------------------------------------------
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    pdl.wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < P
     ids = tl.load(ids_ptr + offs, mask=mask, other=0)
@@ -149,8 +186,10 @@ def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
 def _bucket_kernel(
     ids_ptr, counts_ptr, cursor_ptr, ends_ptr, sorted_ptr, P, E,
     BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     """sorted[ends[e] - padded[e] + rank] = pair, padded[e] = counts[e] rounded up to BLOCK_M."""
+    pdl.wait(USE_PDL)
     offs_e = tl.arange(0, E_P2)
     cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -181,7 +220,9 @@ def _grouped_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
     TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
         return
@@ -220,7 +261,9 @@ def _grouped_down_kernel(
     act_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn,
     FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
         return
@@ -247,7 +290,9 @@ def _grouped_down_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, tw_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(y_ptr, tw_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    USE_PDL: tl.constexpr = 0):
+    pdl.wait(USE_PDL)
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -260,10 +305,11 @@ def _combine_kernel(y_ptr, tw_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_lt, TOP_K: tl.constexpr, E_P2: tl.constexpr,
-                  K_P2: tl.constexpr, SHARED: tl.constexpr):
+                  K_P2: tl.constexpr, SHARED: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """One token: fp32 softmax over E logits, top-k by repeated argmax (lowest index on ties),
     weights renormalised to sum 1. SHARED: logit E gates the shared expert, stored as slot TOP_K
     (id E, weight sigmoid(logit E))."""
+    pdl.wait(USE_PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, E_P2)
     logit = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
@@ -302,7 +348,7 @@ def route_topk(
     if T:
         _route_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), TOP_K=top_k,
                             E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k),
-                            SHARED=int(shared))
+                            SHARED=int(shared), **pdl.kw())
     return w, ids
 
 
@@ -311,6 +357,9 @@ def pair_config(T: int, fp8: bool = False) -> dict:
     2026-11-30): T=1 BF16 21.4 µs, FP8 16.2 µs with 8-row gate/up blocks; T=32 FP8 180 µs with 16.
     DOWN: "rows" = per-pair down programs + combine (parallel over pairs), "fused" = one program per
     (token, H-block) looping over the slots."""
+    hit = load_tuned("moe_pair_h200.json", "METAINFER_MOE_TUNED").get(f"{'fp8' if fp8 else 'bf16'},{T}")
+    if hit is not None:  # measured (benchmarks/sweep_decode_kernels.py); MMA = the tensor-core variant
+        return dict(hit)
     return dict(BLOCK_I=8 if T <= 4 else 16, BLOCK_H=32, BLOCK_K=128, STAGES=4, num_warps=2, DOWN="rows")
 
 
@@ -345,26 +394,28 @@ def _pair_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict)
     k = ids.shape[1]
     I = w_down.shape[2]
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [T*k, I]
+    mma = dict(MMA=cfg.get("MMA", 0), UPCAST=int(_interpret() or x.dtype == torch.float32),
+               DOT_F16=cfg.get("DOT_F16", 0) if fp8 else 0)  # BF16 weights stay exact
     _pair_gate_up_kernel[(T * k, triton.cdiv(I, cfg["BLOCK_I"]))](
         x, w_gate_up, gu[0], ids, act, H, I, w_gate_up.stride(0), gu[1], gu[2],
         TOP_K=k, FP8=fp8, BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **mma, **pdl.kw(),
     )
     if cfg.get("DOWN", "rows") == "fused":
         _pair_down_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](
             act, w_down, dn[0], ids, tw, out, H, I, w_down.stride(0), dn[1], dn[2],
             TOP_K=k, FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
-            num_warps=cfg["num_warps"],
+            num_warps=cfg["num_warps"], **pdl.kw(),
         )
         return
     y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)  # [T*k, H] unweighted
     _pair_down_rows_kernel[(T * k, triton.cdiv(H, cfg["BLOCK_H"]))](
         act, w_down, dn[0], ids, y, H, I, w_down.stride(0), dn[1], dn[2],
         FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **mma, **pdl.kw(),
     )
     block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h)
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h, **pdl.kw())
 
 
 def _grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
@@ -379,23 +430,23 @@ def _grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: di
     ends = torch.empty(E, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
     blk = 1024
-    _count_kernel[(triton.cdiv(P, blk),)](ids, counts, P, BLOCK=blk)
+    _count_kernel[(triton.cdiv(P, blk),)](ids, counts, P, BLOCK=blk, **pdl.kw())
     _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
-                                           BLOCK_M=bm, E_P2=e_p2, BLOCK=blk)
+                                           BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
     act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
     common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
         x, w_gate_up, gu[0], sorted_pairs, ends, counts, act, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
-        TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common,
+        TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
     )
     y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
     _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
         act, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],
-        BLOCK_N=cfg["DN_BLOCK_N"], **common,
+        BLOCK_N=cfg["DN_BLOCK_N"], **common, **pdl.kw(),
     )
     block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h)
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h, **pdl.kw())
 
 
 def moe_experts(

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 # elements per program (rows * padded row length) and warps; tuned on H200 by benchmarks/kernels_a.py
@@ -24,7 +26,9 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     n_rows, R2, sx0, sx1, N, eps,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # x: [R1, R2, N] with strides (sx0, sx1, 1); out: [R1 * R2, N] contiguous
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
@@ -44,7 +48,9 @@ def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     n_rows, sx0, sr0, N, eps,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # x, res: [n_rows, N] with row strides sx0, sr0; out, new_res: [n_rows, N] contiguous
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
@@ -68,7 +74,9 @@ def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
     n_rows, R2, sx0, sx1, sz0, sz1, N, eps,
     MID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     # x, z: [R1, R2, N] strided (last dim contiguous); out: [R1 * R2, N] contiguous
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
@@ -119,7 +127,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block_r, block_n = _tile(N)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x3, weight, out, n_rows, x3.shape[1], x3.stride(0), x3.stride(1), N, eps,
-        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out
 
@@ -141,7 +149,7 @@ def add_rms_norm(
     block_r, block_n = _tile(N)
     _add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
         x, residual, weight, out, new_res, T, x.stride(0), residual.stride(0), N, eps,
-        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out, new_res
 
@@ -161,6 +169,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     mid = _TL_DTYPE[torch.promote_types(weight.dtype, x.dtype)]
     _gated_rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x3, z3, weight, out, n_rows, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
-        N, eps, MID=mid, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        N, eps, MID=mid, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
+
 
 @triton.jit
 def _qk_norm_rope_kernel(
@@ -39,7 +41,9 @@ def _qk_norm_rope_kernel(
     D: tl.constexpr,
     RD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -123,6 +127,6 @@ def qk_norm_rope_write(
             HQ=Hq,
             D=D,
             RD=2 * inv_freq.numel(),
-            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_D=triton.next_power_of_2(D), **pdl.kw(),
         )
     return q_out

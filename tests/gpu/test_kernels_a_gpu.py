@@ -220,9 +220,10 @@ _COMPILE = textwrap.dedent(
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from metainfer.kernels import attention as A, conv1d, gdn_decode, norm
+    from metainfer.kernels import attention as A, conv1d, fp8_linear as fl, gdn_decode, moe, norm
 
     def build(kernel, types, consts, num_warps, num_stages=2):
+        consts = dict(consts, USE_PDL=1)  # the launch-with-PDL build (griddepcontrol) for sm_90
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
         div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
                if sig[n][0] == "*" or sig[n] == "i64"}
@@ -258,12 +259,26 @@ _COMPILE = textwrap.dedent(
           seq_lens_ptr="*i32", scale_log2="fp32"),
           dict(G=8, G_P2=8, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=pc.block_rows // 8, BLOCK_N=pc.block_n,
                PREC="tf32", UPCAST=False), pc.num_warps, pc.num_stages)
+    f8 = "*fp8e4nv"
+    for bt, f16 in ((1, 0), (16, 1)):
+        build(fl._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32"),
+              dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=128, STAGES=5, UPCAST=0, DOT_F16=f16), 4)
+    for fp8, mma in ((0, 0), (1, 0), (1, 1)):
+        wt = f8 if fp8 else bf
+        build(moe._pair_gate_up_kernel, dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf),
+              dict(TOP_K=9, FP8=fp8, BLOCK_I=16, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
+        build(moe._pair_down_rows_kernel, dict(act_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", y_ptr=f32),
+              dict(FP8=fp8, BLOCK_H=32, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
+    build(moe._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
+    build(moe._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
+          dict(TOP_K=8, E_P2=256, K_P2=8, SHARED=1), 4)
     print("ok")
     """
 )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile and run every kernel")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="on a GPU the kernel tests compile and run every kernel")
 def test_kernels_compile_for_sm90():
     """Every kernel at the full-model constexprs compiles to sm_90 cubin (ptxas ships with Triton):
     a CPU-only machine's check that the GPU build of each kernel is valid."""

@@ -107,11 +107,16 @@ def test_fp8_linear_skinny(T, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 5])
-def test_fp8_linear_split_k_fixup(T, dtype):
+@pytest.mark.parametrize("T,block_t", [(1, 1), (1, 16), (5, 16)])
+def test_fp8_linear_split_k_fixup(T, block_t, dtype):
+    """Split-K fix-up on the CUDA-core (BLOCK_T 1) and tensor-core (BLOCK_T 16, one token padded)
+    loops: 5 K steps of 64 or 3 of 128 (the second ragged) over 3 or 2 splits."""
     x, _, q, s, ref = _problem(T, dtype=dtype)
     cfg = fl.skinny_config(T, 200, 300, num_sms=4)
-    cfg.update(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, iters_per_split=2)  # 5 K steps over 3 splits
+    if block_t == 1:
+        cfg.update(BLOCK_N=16, BLOCK_T=1, BLOCK_K=64, SPLIT_K=3, iters_per_split=2)
+    else:
+        cfg.update(BLOCK_N=32, BLOCK_T=16, BLOCK_K=128, SPLIT_K=2, iters_per_split=2)
     y = torch.empty(T, 200, dtype=x.dtype)
     fl._skinny(x, q, s, y, cfg)
     rmse, max_abs = TOL[dtype]

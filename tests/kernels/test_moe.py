@@ -74,6 +74,27 @@ def test_moe_fp8(T, path, dtype):
     assert rel_rmse(got, exact) < 6e-2
 
 
+MMA_CFG = dict(BLOCK_I=16, BLOCK_H=32, BLOCK_K=128, STAGES=2, num_warps=4, DOWN="rows", MMA=1)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T,dtype", [(1, F32), (3, BF16)])
+def test_moe_pair_tensor_core_variant(T, dtype, fp8):
+    """The pair path's MMA variant (the activation as column 0 of a 16-wide operand)."""
+    x, w_gu, w_dn, tw, ids = _problem(T, seed=4, dtype=dtype)
+    args, ref_w = (x, w_gu, w_dn, tw, ids), (w_gu, w_dn)
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
+        ref_w = (ref_dequant_fp8(q_gu, s_gu, dtype), ref_dequant_fp8(q_dn, s_dn, dtype))
+    want = ref.moe_experts(x, *ref_w, tw, ids)
+    got = moe.moe_experts(*args, path="pair", config=MMA_CFG)
+    fma = moe.moe_experts(*args, path="pair", config=dict(MMA_CFG, MMA=0))
+    rmse, max_abs = TOL[dtype]
+    assert rel_rmse(got, want) < rmse and _max_rel(got, want) < max_abs
+    assert rel_rmse(got, fma) < rmse
+
+
 def test_moe_skewed_buckets_deterministic():
     x, w_gu, w_dn, tw, ids = _problem(20, seed=2, skew=True)
     assert (ids == 3).sum() > 16  # expert 3 spans two M-blocks

@@ -1,0 +1,118 @@
+"""Decode (T = 1) tile search for the weight-streaming kernels: the FP8 dense linears and the routed
+experts' per-pair path, CUDA-core (FMA) loops against their tensor-core (MMA) variants.
+
+Every candidate is checked against its reference before it is timed (kernels_b's cases: CUDA-graph
+replay over rotating weight copies, so weights come from HBM). Writes the winners in the formats
+the kernels read, for a run that then judges and times the engine with them:
+
+    python benchmarks/sweep_decode_kernels.py --out $OUT
+    METAINFER_FP8_TUNED=$OUT/fp8_skinny_tuned.json METAINFER_MOE_TUNED=$OUT/moe_pair_tuned.json \\
+        python -m metainfer.cli verify ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_b import LINEARS, LinearCase, MoeCase  # noqa: E402
+
+from metainfer.kernels import fp8_linear as fl  # noqa: E402
+from metainfer.kernels import moe  # noqa: E402
+
+
+def skinny_candidates(T: int, N: int, K: int, sms: int) -> list[dict]:
+    base = fl.skinny_config(T, N, K, sms)
+    out = [base]
+    for bn, mult, st, f16 in itertools.product((32, 64, 128), (1, 2, 4), (3, 5), (0, 1)):
+        tiles, k_iters = triton.cdiv(N, bn), triton.cdiv(K, 128)
+        per = triton.cdiv(k_iters, max(1, min(k_iters, mult * sms // tiles)))
+        out.append(dict(BLOCK_N=bn, BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_K=128,
+                        SPLIT_K=triton.cdiv(k_iters, per), iters_per_split=per, STAGES=st,
+                        num_warps=4, DOT_F16=f16))
+    return out
+
+
+def pair_candidates(T: int, fp8: bool) -> list[dict]:
+    out = [dict(moe.pair_config(T, fp8), MMA=0)]
+    for bi, bh, st, w, f16 in itertools.product((16, 32), (32, 64), (2, 4), (2, 4), (0, 1) if fp8 else (0,)):
+        out.append(dict(BLOCK_I=bi, BLOCK_H=bh, BLOCK_K=128, STAGES=st, num_warps=w, DOWN="rows", MMA=1,
+                        DOT_F16=f16))
+    return out
+
+
+def best_of(label: str, run, cands: list[dict], tol: float) -> tuple[dict, dict, list[dict]]:
+    rows = []
+    for cfg in cands:
+        try:
+            r = run(cfg)
+        except Exception as e:  # a config the compiler rejects (shared memory, registers)
+            print(f"  skip {label} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        ok = r["rel_err"] is not None and r["rel_err"] < tol
+        rows.append(dict(config=cfg, us=r["us"], GBps=r["GBps"], rel_err=r["rel_err"], ok=ok))
+    good = [r for r in rows if r["ok"]]
+    best = min(good, key=lambda r: r["us"])
+    return rows[0], best, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--linears", default="deltanet.in_proj,deltanet.out_proj,attn.qkv")
+    ap.add_argument("--moe", default="fp8,bf16")
+    ap.add_argument("--tokens", default="1")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
+                date=datetime.now(UTC).isoformat())
+    table, skinny_cfgs, pair_cfgs, everything = [], {}, {}, {}
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for name in filter(None, args.linears.split(",")):
+        N, K = LINEARS[name]
+        case = LinearCase(name, N, K)
+        for T in tokens:
+            base, best, rows = best_of(name, lambda c, case=case, T=T: case.run(T, cfg=c, eager=False),
+                                       skinny_candidates(T, N, K, sms), 1e-2)
+            skinny_cfgs[f"{N},{K},{T}"] = best["config"]
+            everything[f"skinny {name} T={T}"] = rows
+            table.append((f"fp8_linear[{name}]", T, base, best))
+        del case
+        torch.cuda.empty_cache()
+    for kind in filter(None, args.moe.split(",")):
+        case = MoeCase(fp8=kind == "fp8")
+        for T in tokens:
+            run = lambda c, case=case, T=T: case.run(T, "pair", c, eager=False)  # noqa: E731
+            base, best, rows = best_of(f"moe {kind}", run,
+                                       pair_candidates(T, kind == "fp8"), 1e-2)
+            pair_cfgs[f"{kind},{T}"] = best["config"]
+            everything[f"moe {kind} T={T}"] = rows
+            table.append((f"moe_{kind}[pair]", T, base, best))
+        del case
+        torch.cuda.empty_cache()
+    (out / "fp8_skinny_tuned.json").write_text(json.dumps(dict(meta, configs=skinny_cfgs), indent=1))
+    (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=pair_cfgs), indent=1))
+    summary = [dict(op=op, T=T, before_us=b["us"], before_GBps=b["GBps"], after_us=a["us"],
+                    after_GBps=a["GBps"], after_rel_err=a["rel_err"], config=a["config"])
+               for op, T, b, a in table]
+    (out / "sweep_decode_kernels.json").write_text(
+        json.dumps(dict(meta, summary=summary, candidates=everything), indent=1))
+    print(f"\n{'op':32s} {'T':>3s} {'before µs':>10s} {'GB/s':>7s} {'after µs':>9s} {'GB/s':>7s}  config")
+    for s in summary:
+        print(f"{s['op']:32s} {s['T']:3d} {s['before_us']:10.2f} {s['before_GBps']:7.0f} "
+              f"{s['after_us']:9.2f} {s['after_GBps']:7.0f}  {s['config']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Programmatic dependent launch (PDL, sm_90+): each kernel of a decode step may be launched while
+the one before it is still running, so its launch and CTA start-up hide behind that kernel's tail.
+
+The contract, kept by every Triton kernel in this package: its first statement is `wait(USE_PDL)`,
+which blocks until every earlier kernel on the stream has finished and its writes are visible
+(`griddepcontrol.wait`), and only then lets the next kernel launch (`launch_dependents`). So at
+most one kernel runs ahead, and it touches no memory before its predecessor is done: no read of
+an output not yet written, no write over an input still being read. Kernels from elsewhere
+(cuBLAS, torch) are launched without the attribute and serialise as usual; a PDL kernel after
+one of them waits for it to complete. CUDA-graph capture records the programmatic edges.
+
+Off on the interpreter, before sm_90, when Triton lacks the intrinsics, or with METAINFER_PDL=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+ENV = "METAINFER_PDL"
+_SUPPORTED: bool | None = None
+
+
+def _supported() -> bool:
+    global _SUPPORTED
+    if _SUPPORTED is None:
+        try:
+            import torch
+
+            _SUPPORTED = (
+                torch.cuda.is_available()
+                and torch.cuda.get_device_capability()[0] >= 9
+                and hasattr(tl.extra.cuda, "gdc_wait")
+                and hasattr(tl.extra.cuda, "gdc_launch_dependents")
+            )
+        except Exception:  # no driver, an old Triton
+            _SUPPORTED = False
+    return _SUPPORTED
+
+
+def enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get(ENV, "1") != "0" and _supported()
+
+
+def kw() -> dict:
+    """Launch keyword arguments: {USE_PDL: 1, launch_pdl: True} when enabled, else {}."""
+    return {"USE_PDL": 1, "launch_pdl": True} if enabled() else {}
+
+
+@triton.jit
+def wait(USE_PDL: tl.constexpr):
+    """First statement of every kernel: wait for the previous kernel, then release the next."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+_ = triton  # the module is imported for @triton.jit
