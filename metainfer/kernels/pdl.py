@@ -5,11 +5,15 @@ The contract, kept by every Triton kernel in this package: its first statement i
 which blocks until every earlier kernel on the stream has finished and its writes are visible
 (`griddepcontrol.wait`), and only then lets the next kernel launch (`launch_dependents`). So at
 most one kernel runs ahead, and it touches no memory before its predecessor is done: no read of
-an output not yet written, no write over an input still being read. Kernels from elsewhere
-(cuBLAS, torch) are launched without the attribute and serialise as usual; a PDL kernel after
-one of them waits for it to complete. CUDA-graph capture records the programmatic edges.
+an output not yet written, no write over an input still being read (tests/kernels/test_pdl.py
+checks the kernels' source). Kernels from elsewhere (cuBLAS, torch) are launched without the
+attribute and serialise as usual; a PDL kernel after one of them waits for it to complete.
+CUDA-graph capture records the programmatic edges.
 
 Off on the interpreter, before sm_90, when Triton lacks the intrinsics, or with METAINFER_PDL=0.
+Measured on the H200 (batch-1 decode): FP8 371 -> 412 tok/s, BF16 317 -> 351 (KB-0009); an L2
+bulk prefetch of each program's weight rows before the wait made it slower (398, 346) and was
+dropped (KB-0010).
 """
 
 from __future__ import annotations
@@ -55,6 +59,3 @@ def wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-_ = triton  # the module is imported for @triton.jit

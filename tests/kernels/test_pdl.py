@@ -39,8 +39,8 @@ def test_every_kernel_waits_first(path):
         assert args[-1].arg == "USE_PDL", (path.name, fn.name)
         assert ast.unparse(args[-1].annotation) == "tl.constexpr" and ast.unparse(fn.args.defaults[-1]) == "0"
         doc = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
-        body = fn.body[1:] if doc else fn.body
-        assert ast.unparse(body[0]) == "pdl.wait(USE_PDL)", (path.name, fn.name, ast.unparse(body[0]))
+        first = fn.body[1] if doc else fn.body[0]
+        assert ast.unparse(first) == "pdl.wait(USE_PDL)", (path.name, fn.name, ast.unparse(first))
 
 
 def test_every_launch_passes_the_flag():
