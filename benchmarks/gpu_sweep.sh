@@ -6,8 +6,8 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 CFG=metainfer/configs/qwen3.6-35b-a3b.json
-timeout ${T_SWEEP:-300} python benchmarks/sweep_decode_kernels.py --out $OUT > $OUT/sweep.log 2>&1
-grep -E "skip" $OUT/sweep.log | head -3; tail -8 $OUT/sweep.log
+timeout ${T_SWEEP:-300} python benchmarks/sweep_decode_kernels.py ${SWEEP_ARGS:-} --out $OUT > $OUT/sweep.log 2>&1
+grep -E "skip" $OUT/sweep.log | head -3; grep -A12 '^op ' $OUT/sweep.log
 export METAINFER_FP8_TUNED=$OUT/fp8_skinny_tuned.json METAINFER_MOE_TUNED=$OUT/moe_pair_tuned.json
 for dt in ${DTYPES:-fp8 bfloat16}; do
   [[ " ${VERIFY:-fp8 bfloat16} " == *" $dt "* ]] && timeout ${T_VERIFY:-150} python -m metainfer.cli verify --model dummy:$CFG --dtype $dt --device cuda --suite full \

@@ -6,6 +6,8 @@ replay over rotating weight copies, so weights come from HBM). Writes the winner
 the kernels read, for a run that then judges and times the engine with them:
 
     python benchmarks/sweep_decode_kernels.py --out $OUT
+    python benchmarks/sweep_decode_kernels.py --linears "" --moe "" \
+        --bf16-linears deltanet.in_proj,deltanet.out_proj,attn.qkv,moe.router --out $OUT
     METAINFER_FP8_TUNED=$OUT/fp8_skinny_tuned.json METAINFER_MOE_TUNED=$OUT/moe_pair_tuned.json \\
         python -m metainfer.cli verify ...
 """
@@ -15,16 +17,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_b import LINEARS, LinearCase, MoeCase  # noqa: E402
+from kernels_b import LINEARS, ROTATE_BYTES, LinearCase, MoeCase, rel_rmse, row, time_graph  # noqa: E402
 
 from metainfer.kernels import fp8_linear as fl  # noqa: E402
 from metainfer.kernels import moe  # noqa: E402
@@ -39,6 +43,47 @@ def skinny_candidates(T: int, N: int, K: int, sms: int) -> list[dict]:
         out.append(dict(BLOCK_N=bn, BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_K=128,
                         SPLIT_K=triton.cdiv(k_iters, per), iters_per_split=per, STAGES=st,
                         num_warps=4, DOT_F16=f16))
+    return out
+
+
+BF16_LINEARS = {name: LINEARS[name] for name in ("deltanet.in_proj", "deltanet.out_proj", "attn.qkv")}
+BF16_LINEARS["moe.router"] = (257, 2048)  # router + shared-expert gate, BF16 in both precisions
+ADOPT = 1.1  # a Triton kernel within 10% of cuBLAS still wins in the step: it keeps the PDL chain
+
+
+class Bf16LinearCase:
+    """An unquantised projection: cuBLAS (F.linear) against the weight-streaming kernel."""
+
+    def __init__(self, name: str, N: int, K: int) -> None:
+        self.name, self.N, self.K = name, N, K
+        copies = max(1, min(64, math.ceil(ROTATE_BYTES / (2 * N * K))))
+        self.w = [(torch.randn(N, K, device="cuda") / K**0.5).bfloat16() for _ in range(copies)]
+
+    def run(self, T: int, cfg: dict | None) -> dict:
+        xs = [torch.randn(T, self.K, device="cuda").bfloat16() for _ in range(4)]
+
+        def call(i):
+            if cfg is None:
+                return F.linear(xs[i % 4], self.w[i])
+            y = torch.empty(T, self.N, dtype=torch.bfloat16, device="cuda")
+            fl._skinny(xs[i % 4], self.w[i], None, y, cfg)
+            return y
+
+        err = rel_rmse(call(0), F.linear(xs[0].float(), self.w[0].float()))
+        us = time_graph(call, len(self.w))
+        return row(f"bf16_linear[{self.name}]{'' if cfg is None else '/skinny'}", T, us, None,
+                   2 * self.N * self.K, 2.0 * T * self.N * self.K, err)
+
+
+def bf16_candidates(T: int, N: int, K: int, sms: int) -> list[dict]:
+    out = []
+    for mma, bn, bk, mult, st in itertools.product((0, 1), (16, 32, 64, 128), (128, 256), (1, 2, 4), (3, 5)):
+        if (mma and (bk != 128 or bn == 16)) or (not mma and bn == 128):
+            continue
+        tiles, k_iters = triton.cdiv(N, bn), triton.cdiv(K, bk)
+        per = triton.cdiv(k_iters, max(1, min(k_iters, mult * sms // tiles)))
+        out.append(dict(BLOCK_N=bn, BLOCK_T=max(16, triton.next_power_of_2(T)) if mma else 1, BLOCK_K=bk,
+                        SPLIT_K=triton.cdiv(k_iters, per), iters_per_split=per, STAGES=st, num_warps=4))
     return out
 
 
@@ -69,6 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--linears", default="deltanet.in_proj,deltanet.out_proj,attn.qkv")
     ap.add_argument("--moe", default="fp8,bf16")
+    ap.add_argument("--bf16-linears", default="", help=f"comma list of {', '.join(BF16_LINEARS)}")
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -88,6 +134,20 @@ def main() -> None:
             skinny_cfgs[f"{N},{K},{T}"] = best["config"]
             everything[f"skinny {name} T={T}"] = rows
             table.append((f"fp8_linear[{name}]", T, base, best))
+        del case
+        torch.cuda.empty_cache()
+    for name in filter(None, args.bf16_linears.split(",")):
+        N, K = BF16_LINEARS[name]
+        case = Bf16LinearCase(name, N, K)
+        for T in tokens:
+            cublas = case.run(T, None)
+            cublas = dict(config="cublas", us=cublas["us"], GBps=cublas["GBps"], rel_err=cublas["rel_err"])
+            run = lambda c, case=case, T=T: case.run(T, c)  # noqa: E731
+            _, best, rows = best_of(name, run, bf16_candidates(T, N, K, sms), 1e-2)
+            if best["us"] <= ADOPT * cublas["us"]:
+                skinny_cfgs[f"bf16:{N},{K},{T}"] = best["config"]
+            everything[f"bf16 {name} T={T}"] = [cublas, *rows]
+            table.append((f"bf16_linear[{name}]", T, cublas, best))
         del case
         torch.cuda.empty_cache()
     for kind in filter(None, args.moe.split(",")):

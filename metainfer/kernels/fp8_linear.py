@@ -96,6 +96,7 @@ def _skinny_kernel(
     STAGES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_F16: tl.constexpr = 0,
+    HAS_SCALE: tl.constexpr = 1,  # 0: unquantised (BF16) weights, s_ptr unused
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
@@ -118,14 +119,17 @@ def _skinny_kernel(
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN, BK]
         if BLOCK_T == 1:  # CUDA cores: e4m3 -> fp32 per element, FMA with the scaled activation
-            s = tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
             xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc2 += w.to(tl.float32) * (xv * s)[None, :]
+            if HAS_SCALE:
+                xv = xv * tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
+            acc2 += w.to(tl.float32) * xv[None, :]
         else:  # tensor cores (BLOCK_K == 128): exact e4m3 and x operands, the tile's scale after
-            s = tl.load(s_row + ki)
             x_mask = t_mask[None, :] & k_mask[:, None]
             xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
-            acc += wdot(w, xt, UPCAST, DOT_F16) * s
+            if HAS_SCALE:
+                acc += wdot(w, xt, UPCAST, DOT_F16) * tl.load(s_row + ki)
+            else:
+                acc += wdot(w, xt, UPCAST, DOT_F16)
     if BLOCK_T == 1:
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
@@ -281,10 +285,15 @@ def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
     )
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, cfg: dict | None = None):
+def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor,
+            cfg: dict | None = None) -> None:
+    """y = x @ dequant(w)^T by weight streaming; s None: unquantised weights in x's dtype."""
     T, K = x.shape
     N = w.shape[0]
     cfg = dict(cfg or skinny_config(T, N, K, _num_sms(x.device)))
+    if s is None:
+        assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
+        s, cfg["HAS_SCALE"] = w, 0
     assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
     assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] == 128, "the tensor-core loop takes one scale per K step"
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
@@ -344,6 +353,21 @@ def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = 
     _w8a8_kernel[grid](xq, xs, w, s, y, M, N, K, s.stride(0), y.stride(0), UPCAST=_interpret(), **cfg,
                        **pdl.kw())
     return y
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T, weight in x's dtype (BF16 projections, the MoE router): the
+    weight-streaming kernel where a measured config for (N, K, T) exists (the H200 table, keys
+    "bf16:N,K,T": chosen where it beat cuBLAS), else F.linear."""
+    N, K = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    hit = tuned_table().get(f"bf16:{N},{K},{x2.shape[0]}") if x.is_cuda else None
+    if hit is None or weight.dtype != x.dtype or not weight.is_contiguous() or x2.stride(-1) != 1:
+        return torch.nn.functional.linear(x, weight)
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    _skinny(x2, weight, None, y, hit)
+    return y.reshape(*lead, N)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,14 @@ def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None
     return ref.moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for unquantised weights (the reference is F.linear, cuBLAS on the GPU)."""
+    k = _kernel("linear", x)
+    if k:
+        return k(x, weight)
+    return torch.nn.functional.linear(x, weight)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     k = _kernel("fp8_linear", x)
     if k:

@@ -23,6 +23,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "route": ("metainfer.kernels.moe", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
+    "linear": ("metainfer.kernels.fp8_linear", "dense_linear"),
 }
 
 

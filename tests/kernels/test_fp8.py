@@ -15,6 +15,8 @@ Tolerances (relative RMSE over the output; max-abs relative to the output's max)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,6 +127,25 @@ def test_fp8_linear_split_k_fixup(T, block_t, dtype):
     y2 = torch.empty_like(y)
     fl._skinny(x, q, s, y2, cfg)
     assert torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,block_t,split", [(1, 1, 1), (1, 1, 3), (1, 16, 2), (5, 16, 1)])
+def test_skinny_unquantised_weights(T, block_t, split, dtype):
+    """The same weight-streaming kernel on weights in x's dtype (no scales): BF16 projections."""
+    w = _weight(200, 300).to(dtype)
+    x = torch.randn(T, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
+    cfg = fl.skinny_config(T, 200, 300, num_sms=4)
+    bk = 64 if block_t == 1 else 128
+    k_iters = math.ceil(300 / bk)
+    per = math.ceil(k_iters / split)
+    cfg.update(BLOCK_N=32, BLOCK_T=block_t, BLOCK_K=bk, SPLIT_K=math.ceil(k_iters / per), iters_per_split=per)
+    y = torch.empty(T, 200, dtype=dtype)
+    fl._skinny(x, w, None, y, cfg)
+    ref = F.linear(x, w)
+    rmse, max_abs = TOL[dtype]
+    assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
+    assert torch.equal(fl.dense_linear(x, w), F.linear(x, w))  # CPU tensors: the reference path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
