@@ -226,11 +226,10 @@ def _lock_key(device: torch.device) -> tuple[torch.device, int]:
     return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters (the split-K fix-up here, gdn_decode's head norm), one set per
-    stream (kernels on one stream run in order, and each leaves its counters at zero). Allocated on
-    a stream's first call, normally the eager warm-up before CUDA-graph capture; one first made
-    during capture lives in the graph's pool."""
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split-K counters, one set per stream (kernels on one stream run in order, and
+    each leaves its counters at zero). Allocated on a stream's first call, normally the eager
+    warm-up before CUDA-graph capture; one first made during capture lives in the graph's pool."""
     key = _lock_key(device)
     buf = _LOCKS.get(key)
     if buf is None or buf.numel() < n:
@@ -304,7 +303,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         dtype=torch.float32,
         device=x.device,
     )
-    locks = counters(x.device, tiles)
+    locks = _locks(x.device, tiles)
     _skinny_kernel[(tiles, split)](
         x,
         w,

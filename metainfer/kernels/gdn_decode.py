@@ -12,10 +12,8 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
-from metainfer.kernels.fp8_linear import counters
-from metainfer.kernels.norm import _TL_DTYPE
 
-_TL_DTYPES = tuple(_TL_DTYPE)
+_TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
 BLOCK_V = 32
@@ -25,11 +23,9 @@ NUM_WARPS = 4
 @triton.jit
 def _gdn_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr,
-    z_ptr, nw_ptr, h_ptr, part_ptr, lock_ptr,
-    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, sz0, sz1, scale, eps,
+    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr = 0, MID: tl.constexpr = tl.float32, NVB: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
@@ -70,29 +66,11 @@ def _gdn_decode_kernel(
     S = S + k[:, None] * delta[None, :]
     o = tl.sum(S * q[:, None], axis=0)
     tl.store(s_ptrs, S, mask=smask, eviction_policy="evict_first")
-    o = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + (b * HV + h) * DV + vv, o, mask=vmask)
-    if NORM:  # the head's gated RMSNorm, by the last of its NVB programs to finish (as gated_rms_norm)
-        head = b * HV + h
-        of = tl.where(vmask, o.to(tl.float32), 0.0)
-        tl.store(part_ptr + head * NVB + tl.program_id(2), tl.sum(of * of, axis=0))
-        tl.debug_barrier()  # this program's o and partial sum are written before the release below
-        if tl.atomic_add(lock_ptr + head, 1, sem="acq_rel", scope="gpu") == NVB - 1:
-            cols = tl.arange(0, BLOCK_DV)
-            cm = cols < DV
-            x = tl.load(out_ptr + head * DV + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            ss = tl.sum(tl.load(part_ptr + head * NVB + tl.arange(0, NVB), cache_modifier=".cg"), axis=0)
-            hn = (x * tl.rsqrt(ss / DV + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-            hn = (hn * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)).to(MID).to(tl.float32)
-            z = tl.load(z_ptr + b * sz0 + h * sz1 + cols, mask=cm, other=0.0).to(tl.float32)
-            tl.store(h_ptr + head * DV + cols, (hn * (z * tl.sigmoid(z))).to(h_ptr.dtype.element_ty), mask=cm)
-            tl.atomic_xchg(lock_ptr + head, 0)
+    tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
 def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_warps: int,
-            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-            norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
-    """-> out [B, Hv, Dv]; with norm = (z [B, Hv, Dv], weight [Dv], eps): gated_rms_norm(out, z)."""
+            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     B, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     assert k.shape == q.shape and v.shape[0] == B, (q.shape, k.shape, v.shape)
@@ -110,31 +88,17 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
     assert has_state.shape == (B,) and has_state.dtype == torch.bool, (has_state.shape, has_state.dtype)
     out = torch.empty(B, Hv, Dv, dtype=v.dtype, device=v.device)
     if B == 0:
-        return out if norm is None else torch.empty_like(out)
+        return out
     block_v = min(block_v, triton.next_power_of_2(Dv))
-    nvb = triton.cdiv(Dv, block_v)
-    h, part, locks, nk = out, out, slots, {}
-    if norm is not None:
-        z, weight, eps = norm
-        assert z.shape == (B, Hv, Dv) and z.stride(2) == 1 and z.dtype == v.dtype, (z.shape, z.dtype)
-        assert weight.shape == (Dv,) and weight.is_contiguous(), weight.shape
-        assert nvb & (nvb - 1) == 0, "Dv / BLOCK_V: a power of two"
-        h = torch.empty_like(out)
-        part = torch.empty(B * Hv * nvb, dtype=torch.float32, device=v.device)
-        locks = counters(v.device, B * Hv)
-        nk = dict(NORM=1, MID=_TL_DTYPE[torch.promote_types(weight.dtype, v.dtype)], NVB=nvb,
-                  BLOCK_DV=triton.next_power_of_2(Dv))
-    else:
-        z, weight, eps = out, out, 0.0
-    _gdn_decode_kernel[(B, Hv, nvb)](
+    _gdn_decode_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
         q, k, v, g, beta, ssm_state, slots, has_state.view(torch.uint8), out,
-        A_log if gated else g, dt_bias if gated else g, z, weight, h, part, locks,
+        A_log if gated else g, dt_bias if gated else g,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), z.stride(0), z.stride(1), Dk**-0.5, eps,
+        g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        num_warps=num_warps, **nk, **pdl.kw(),
+        num_warps=num_warps, **pdl.kw(),
     )
-    return h
+    return out
 
 
 def gdn_decode(
@@ -165,11 +129,3 @@ def gdn_decode_gated(
 ) -> torch.Tensor:
     """`gdn_decode` with the gating folded in: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
     return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias)
-
-
-def gdn_decode_gated_norm(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state, z, norm_weight, eps):
-    """`gdn_decode_gated`, then `norm.gated_rms_norm(out, z, norm_weight, eps)` in the same launch: the
-    last program of each head to finish (an int counter per head, reset by it) normalises the head's
-    Dv outputs from the partial sums of squares, in program order. -> [B, Hv, Dv]."""
-    return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias,
-                   norm=(z, norm_weight, eps))

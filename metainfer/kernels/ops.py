@@ -137,15 +137,6 @@ def gdn_decode(q, k, v, g, beta, ssm_state, slots, has_state):
     return out[:, 0]
 
 
-def gdn_decode_gated_norm(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state, z, norm_weight, eps):
-    """`gdn_decode_gated` then `gated_rms_norm(out, z [B, Hv, Dv], norm_weight, eps)`. -> [B, Hv, Dv]."""
-    kern = _kernel("gdn_decode_gated_norm", q)
-    if kern:
-        return kern(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state, z, norm_weight, eps)
-    out = gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
-    return gated_rms_norm(out, z, norm_weight, eps)
-
-
 def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state):
     """`gdn_decode` from the raw gate projections a, b [B, Hv]. -> [B, Hv, Dv]."""
     kern = _kernel("gdn_decode_gated", q)

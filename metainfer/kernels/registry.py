@@ -17,7 +17,6 @@ KERNELS: dict[str, tuple[str, str]] = {
     "causal_conv1d_update": ("metainfer.kernels.conv1d", "causal_conv1d_update"),
     "gdn_decode": ("metainfer.kernels.gdn_decode", "gdn_decode"),
     "gdn_decode_gated": ("metainfer.kernels.gdn_decode", "gdn_decode_gated"),
-    "gdn_decode_gated_norm": ("metainfer.kernels.gdn_decode", "gdn_decode_gated_norm"),
     "gdn_prefill_varlen": ("metainfer.kernels.gdn_prefill", "gdn_prefill_varlen"),
     "paged_attention": ("metainfer.kernels.attention", "paged_attention"),
     "qk_norm_rope_write": ("metainfer.kernels.qk_norm_rope", "qk_norm_rope_write"),

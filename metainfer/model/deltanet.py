@@ -61,13 +61,22 @@ class GatedDeltaNet(nn.Module):
             slots, has_state = meta.state_slots[:nd], meta.has_state[:nd]
             y = ops.causal_conv1d_update(mixed[:nd], conv_state, self.conv_weight, slots, has_state)
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            args = (q.view(nd, self.hk, self.dk), k.view(nd, self.hk, self.dk), v.view(nd, self.hv, self.dv),
-                    a[:nd], b[:nd], self.A_log, self.dt_bias, ssm_state, slots, has_state)
-            if core is None:  # a pure decode step: the gated norm in the same launch
-                zd = z.view(T, self.hv, self.dv)
-                h = ops.gdn_decode_gated_norm(*args, zd, self.norm_weight, self.eps)
-                return self.out_proj(h.view(T, self.value_dim))
-            core[:nd] = ops.gdn_decode_gated(*args)
+            out = ops.gdn_decode_gated(
+                q.view(nd, self.hk, self.dk),
+                k.view(nd, self.hk, self.dk),
+                v.view(nd, self.hv, self.dv),
+                a[:nd],
+                b[:nd],
+                self.A_log,
+                self.dt_bias,
+                ssm_state,
+                slots,
+                has_state,
+            )
+            if core is None:  # a pure decode step: no copy
+                core = out
+            else:
+                core[:nd] = out
         if meta.num_seqs > nd:  # the prefilling sequences, all at once
             qsl = meta.query_start_loc_cpu
             s0 = qsl[nd]
