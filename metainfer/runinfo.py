@@ -22,11 +22,11 @@ def run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def git(*args: str) -> str | None:
-    """`git ARGS` in this checkout; $GIT_COMMIT stands in for rev-parse where there is no .git."""
-    out = run(["git", *args], cwd=REPO_ROOT)
-    if out is None and args == ("rev-parse", "HEAD"):
-        return os.environ.get("GIT_COMMIT")
-    return out
+    """`git ARGS` in this checkout. $GIT_COMMIT, when set, is the answer to rev-parse HEAD: a copy
+    of the tree run elsewhere (the GPU machine) may carry no .git, or a stale one."""
+    if args == ("rev-parse", "HEAD") and os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    return run(["git", *args], cwd=REPO_ROOT)
 
 
 def package_version(dist: str) -> str | None:
