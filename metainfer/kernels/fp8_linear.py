@@ -16,6 +16,8 @@ The token count T picks the kernel:
   runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
   block. METAINFER_FP8_GEMM=cublas routes this case to torch._scaled_mm's blockwise
   (1x128, 128x128) recipe instead (torch >= 2.9 with cuBLASLt >= 12.9 on sm_90 only).
+
+`dense_linear` runs the same weight-streaming kernel on unquantised (BF16) weights (HAS_SCALE=0).
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ def _interpret() -> bool:
 
 # ---- kernels -------------------------------------------------------------------------------------
 @triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b; UPCAST: fp32 operands (the interpreter's bf16 dot is wrong; fp32 inputs)."""
+def mma(a, b, UPCAST: tl.constexpr):
+    """a @ b with b cast to a's dtype; UPCAST: fp32 operands (the interpreter's bf16 dot is wrong;
+    fp32 activations)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b.to(a.dtype), acc)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype))
 
 
 @triton.jit
@@ -208,7 +211,7 @@ def _w8a8_kernel(
         b = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=b_mask, other=0.0)  # [BLOCK_N, 128] e4m3
         sa = tl.load(as_ptr + kb * M + offs_m, mask=m_mask, other=0.0)
         sb = tl.load(ws_ptr + (offs_n // 128) * stride_wsn + kb, mask=n_mask, other=0.0)
-        acc += _mma(a, tl.trans(b), None, UPCAST) * (sa[:, None] * sb[None, :])
+        acc += mma(a, tl.trans(b), UPCAST) * (sa[:, None] * sb[None, :])
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -258,7 +261,8 @@ def load_tuned(committed: str, env: str) -> dict[str, dict]:
 
 
 def tuned_table() -> dict[str, dict]:
-    """Skinny configs keyed "N,K,T" (benchmarks/tune_fp8_skinny.py)."""
+    """Weight-streaming configs: FP8 keyed "N,K,T", unquantised (`dense_linear`) "bf16:N,K,T"
+    (benchmarks/sweep_decode_kernels.py)."""
     return load_tuned("fp8_skinny_h200.json", TUNED_ENV)
 
 

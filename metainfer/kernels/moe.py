@@ -30,21 +30,13 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
-from metainfer.kernels.fp8_linear import load_tuned, wdot
+from metainfer.kernels.fp8_linear import load_tuned, mma, wdot
 
 PAIR_MAX_T = 8
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _mma(a, b, UPCAST: tl.constexpr):
-    """a @ b with b cast to a's dtype; UPCAST: fp32 operands (interpreter, fp32 activations)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b.to(a.dtype))
 
 
 # ---- small T: one program per (pair, block) ------------------------------------------------------
@@ -246,11 +238,11 @@ def _grouped_gate_up_kernel(
         if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
             sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
             su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
-            acc_g += _mma(a, bg, UPCAST) * sg[None, :]
-            acc_u += _mma(a, bu, UPCAST) * su[None, :]
+            acc_g += mma(a, bg, UPCAST) * sg[None, :]
+            acc_u += mma(a, bu, UPCAST) * su[None, :]
         else:
-            acc_g += _mma(a, bg, UPCAST)
-            acc_u += _mma(a, bu, UPCAST)
+            acc_g += mma(a, bg, UPCAST)
+            acc_u += mma(a, bu, UPCAST)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     out_mask = valid[:, None] & n_mask[None, :]
     tl.store(act_ptr + rows[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty), mask=out_mask)
@@ -282,9 +274,9 @@ def _grouped_down_kernel(
         a = tl.load(act_ptr + rows[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
         b = tl.trans(tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0))
         if FP8:
-            acc += _mma(a, b, UPCAST) * tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
+            acc += mma(a, b, UPCAST) * tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
         else:
-            acc += _mma(a, b, UPCAST)
+            acc += mma(a, b, UPCAST)
     out_mask = valid[:, None] & n_mask[None, :]
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
