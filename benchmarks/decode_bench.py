@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_smoke import env_info  # noqa: E402
 
-from metainfer.bench.roofline import decode_ceiling  # noqa: E402
+from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling  # noqa: E402
 from metainfer.config import FULL_CONFIG, ModelConfig  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
@@ -107,6 +107,48 @@ def profile_decode(llm: LLM, prompt_len: int, steps: int = 6) -> list[dict]:
     return rows
 
 
+def kernel_floors(cfg: ModelConfig, fp8: bool, context: int) -> dict[str, tuple[str, float]]:
+    """Bytes each kernel family must move per batch-1 decode step (weights, state, KV cache; the
+    activations are noise), keyed by a substring of the kernel name -> (what, bytes)."""
+    w = 1 if fp8 else 2  # bytes per weight of the quantised projections and experts
+    H, L = cfg.hidden_size, cfg.num_hidden_layers
+    n_full = sum(t == "full_attention" for t in cfg.layer_types)
+    n_lin = L - n_full
+    conv = cfg.linear_conv_dim
+    in_proj = (conv + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads) * H
+    out_proj = cfg.linear_value_dim * H
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qkv, o_proj = (2 * hq + 2 * hkv) * d * H, hq * d * H
+    router = (cfg.num_experts + 1) * H * 2  # BF16 in both precisions
+    slots = cfg.num_experts_per_tok + 1  # routed + the shared expert
+    I = cfg.moe_intermediate_size
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    kv = context * hkv * d * 2 * 2  # K and V, bf16
+    return {
+        "_skinny_kernel": ("dense projections + router",
+                           w * (n_lin * (in_proj + out_proj) + n_full * (qkv + o_proj)) + L * router),
+        "_pair_gate_up_kernel": ("experts gate/up (8 routed + shared)", L * w * slots * 2 * I * H),
+        "_pair_down_rows_kernel": ("experts down", L * w * slots * H * I),
+        "nvjet": ("lm_head (BF16)", cfg.vocab_size * H * 2),
+        "_gdn_decode_kernel": ("DeltaNet state read + write", n_lin * 2 * state),
+        "_conv_update_kernel": ("conv state read + write",
+                                n_lin * 2 * (cfg.linear_conv_kernel_dim - 1) * conv * 2),
+        "_decode_split_kernel": ("KV cache read", n_full * kv),
+    }
+
+
+def floor_table(profile: list[dict], floors: dict[str, tuple[str, float]], tb_s: float) -> list[dict]:
+    """The profile's kernels with their byte floors (bytes / bandwidth) where they have one."""
+    rows = []
+    for r in profile:
+        hit = next((k for k in floors if k in r["kernel"]), None)
+        what, nbytes = floors[hit] if hit else ("", 0.0)
+        floor_us = nbytes / (tb_s * 1e6)
+        rows.append(dict(r, what=what, bytes_per_step=nbytes, floor_us=floor_us,
+                         pct_of_floor=100 * floor_us / r["us_per_step"] if nbytes else None))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=str(FULL_CONFIG))
@@ -165,7 +207,10 @@ def main() -> None:
     print(json.dumps(res["ttft"]), flush=True)
     if not args.no_profile:
         try:
-            res["profile_bs1"] = profile_decode(llm, args.prompt_len)
+            prof = profile_decode(llm, args.prompt_len)
+            floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8)
+            res["profile_bs1"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
+            res["profile_pdl"] = os.environ.get("METAINFER_PDL", "1") != "0"  # on: kernel times overlap
         except Exception as e:  # profiling is optional
             res["profile_error"] = repr(e)
     out = Path(args.out)
@@ -180,8 +225,14 @@ def main() -> None:
     if "decode_sync_bs1" in res:
         print(f"bs1 with async scheduling off: {res['decode_sync_bs1']['decode_tok_s']:.0f} tok/s")
     print(f"TTFT 1k: {res['ttft']['ttft_ms_median']:.1f} ms")
+    total = sum(r["us_per_step"] for r in res.get("profile_bs1", []))
+    print(f"batch-1 profile (PDL {'on: kernel times overlap' if res.get('profile_pdl') else 'off'}),"
+          f" {total:.0f} us of kernels per step:")
     for row in res.get("profile_bs1", [])[:25]:
-        print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:.0f}  {row['kernel']}")
+        floor = " " * 23
+        if row["bytes_per_step"]:
+            floor = f"floor {row['floor_us']:6.1f} us ({row['pct_of_floor']:3.0f}%)"
+        print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:<3.0f} {floor}  {row['kernel'][:60]}")
 
 
 if __name__ == "__main__":

@@ -34,15 +34,29 @@ from metainfer.kernels import fp8_linear as fl  # noqa: E402
 from metainfer.kernels import moe  # noqa: E402
 
 
-def skinny_candidates(T: int, N: int, K: int, sms: int) -> list[dict]:
+def _skinny_cfg(N: int, K: int, sms: int, bn: int, bt: int, bk: int, mult: int, **kw) -> dict:
+    tiles, k_iters = triton.cdiv(N, bn), triton.cdiv(K, bk)
+    per = triton.cdiv(k_iters, max(1, min(k_iters, mult * sms // tiles)))
+    return dict(BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT_K=triton.cdiv(k_iters, per), iters_per_split=per,
+                **kw)
+
+
+def skinny_candidates(T: int, N: int, K: int, sms: int, space: str = "base") -> list[dict]:
+    """base: 128-wide tensor-core steps, 4 warps (the first sweep's space). wide: what that space
+    left out, against the current config: 256-wide steps (two scale blocks per pipelined
+    iteration), 8 warps, and CUDA-core loops with 256/512-wide steps."""
     base = fl.skinny_config(T, N, K, sms)
     out = [base]
-    for bn, mult, st, f16 in itertools.product((32, 64, 128), (1, 2, 4), (3, 5), (0, 1)):
-        tiles, k_iters = triton.cdiv(N, bn), triton.cdiv(K, 128)
-        per = triton.cdiv(k_iters, max(1, min(k_iters, mult * sms // tiles)))
-        out.append(dict(BLOCK_N=bn, BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_K=128,
-                        SPLIT_K=triton.cdiv(k_iters, per), iters_per_split=per, STAGES=st,
-                        num_warps=4, DOT_F16=f16))
+    bt = max(16, triton.next_power_of_2(T))
+    if space == "base":
+        for bn, mult, st, f16 in itertools.product((32, 64, 128), (1, 2, 4), (3, 5), (0, 1)):
+            out.append(_skinny_cfg(N, K, sms, bn, bt, 128, mult, STAGES=st, num_warps=4, DOT_F16=f16))
+        return out
+    for bn, (bk, w), mult in itertools.product((32, 64, 128), ((256, 4), (256, 8), (128, 8)), (1, 2, 4)):
+        out.append(_skinny_cfg(N, K, sms, bn, bt, bk, mult, STAGES=4, num_warps=w, DOT_F16=1))
+    if T == 1:
+        for bn, bk, mult in itertools.product((16, 32, 64), (256, 512), (2, 4)):
+            out.append(_skinny_cfg(N, K, sms, bn, 1, bk, mult, STAGES=4, num_warps=4))
     return out
 
 
@@ -116,6 +130,7 @@ def main() -> None:
     ap.add_argument("--moe", default="fp8,bf16")
     ap.add_argument("--bf16-linears", default="", help=f"comma list of {', '.join(BF16_LINEARS)}")
     ap.add_argument("--tokens", default="1")
+    ap.add_argument("--space", default="base", choices=("base", "wide"), help="FP8 linear candidates")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -130,7 +145,7 @@ def main() -> None:
         case = LinearCase(name, N, K)
         for T in tokens:
             base, best, rows = best_of(name, lambda c, case=case, T=T: case.run(T, cfg=c, eager=False),
-                                       skinny_candidates(T, N, K, sms), 1e-2)
+                                       skinny_candidates(T, N, K, sms, args.space), 1e-2)
             skinny_cfgs[f"{N},{K},{T}"] = best["config"]
             everything[f"skinny {name} T={T}"] = rows
             table.append((f"fp8_linear[{name}]", T, base, best))

@@ -57,13 +57,22 @@ def _mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
+@triton.jit
+def _gated(o, gate_ptr, off, mask, DT: tl.constexpr, GATE: tl.constexpr):
+    """o in DT, times sigmoid(gate) (each rounded to DT first, as torch's o * sigmoid(gate)) when GATE."""
+    if GATE:
+        s = tl.sigmoid(tl.load(gate_ptr + off, mask=mask, other=0.0).to(tl.float32))
+        return (o.to(DT).to(tl.float32) * s.to(DT).to(tl.float32)).to(DT)
+    return o.to(DT)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    sq_t, sq_h, so_t, so_h, sk_blk, sk_tok, sk_h, sbt, scale_log2, num_splits,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, gate_ptr,
+    sq_t, sq_h, so_t, so_h, sg_t, sg_h, sk_blk, sk_tok, sk_h, sbt, scale_log2, num_splits,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
@@ -113,14 +122,16 @@ def _decode_split_kernel(
         lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=gmask)
     else:
-        tl.store(out_ptr + b * so_t + heads[:, None] * so_h + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=omask)
+        o = _gated(o, gate_ptr, b * sg_t + heads[:, None] * sg_h + d[None, :], omask,
+                   out_ptr.dtype.element_ty, GATE)
+        tl.store(out_ptr + b * so_t + heads[:, None] * so_h + d[None, :], o, mask=omask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, so_t, so_h, num_splits,
+    part_o_ptr, part_lse_ptr, out_ptr, gate_ptr, so_t, so_h, sg_t, sg_h, num_splits,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    GATE: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
@@ -149,16 +160,17 @@ def _decode_reduce_kernel(
         acc += tl.sum(w[:, None] * o, axis=0)
     total = tl.sum(wv, axis=0)
     acc = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * so_t + h * so_h + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+    acc = _gated(acc, gate_ptr, b * sg_t + h * sg_h + d, dmask, out_ptr.dtype.element_ty, GATE)
+    tl.store(out_ptr + b * so_t + h * so_h + d, acc, mask=dmask)
 
 
 @triton.jit(do_not_specialize=["seq_offset"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, seq_offset,
-    sq_t, sq_h, so_t, so_h, sk_blk, sk_tok, sk_h, sbt, scale_log2,
+    q_ptr, k_ptr, v_ptr, out_ptr, gate_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, seq_offset,
+    sq_t, sq_h, so_t, so_h, sg_t, sg_h, sk_blk, sk_tok, sk_h, sbt, scale_log2,
     G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
@@ -206,8 +218,9 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
         m = m_new
     o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
-    tl.store(out_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=qmask)
+    o = _gated(o, gate_ptr, tok_row[:, None] * sg_t + heads[:, None] * sg_h + d[None, :], qmask,
+               out_ptr.dtype.element_ty, GATE)
+    tl.store(out_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :], o, mask=qmask)
 
 
 def _interpreting() -> bool:
@@ -234,8 +247,15 @@ def _check(q, k_cache, v_cache, meta: ForwardMeta) -> None:
     assert meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()
 
 
+def _gate_args(gate: torch.Tensor | None, out: torch.Tensor) -> tuple:
+    """(pointer, token stride, head stride, GATE) for the kernels' output gate."""
+    if gate is None:
+        return out, 0, 0, 0  # unused pointer
+    return gate, gate.stride(0), gate.stride(1), 1
+
+
 def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: DecodeConfig,
-            num_splits: int | None = None) -> None:
+            num_splits: int | None = None, gate: torch.Tensor | None = None) -> None:
     nd = meta.num_decodes
     _, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -248,23 +268,25 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
     else:
         part_o = part_lse = out  # unused
     block_d = triton.next_power_of_2(D)
+    g_ptr, sg_t, sg_h, has_gate = _gate_args(gate, out)
     _decode_split_kernel[(nd, Hkv, ns)](
-        q, k_cache, v_cache, bt, meta.seq_lens, out, part_o, part_lse,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, bt, meta.seq_lens, out, part_o, part_lse, g_ptr,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), sg_t, sg_h,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), scale * _LOG2E, ns,
         HQ=Hq, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
         BLOCK_SIZE=bs, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
     )
     if ns > 1:
         _decode_reduce_kernel[(nd, Hq)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), ns,
-            HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, num_warps=4, **pdl.kw(),
+            part_o, part_lse, out, g_ptr, out.stride(0), out.stride(1), sg_t, sg_h, ns,
+            HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, GATE=has_gate, num_warps=4, **pdl.kw(),
         )
 
 
-def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: PrefillConfig) -> None:
+def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: PrefillConfig,
+             gate: torch.Tensor | None = None) -> None:
     nd, B = meta.num_decodes, meta.num_seqs
     qsl = meta.query_start_loc_cpu
     max_q = max(qsl[i + 1] - qsl[i] for i in range(nd, B))
@@ -276,13 +298,14 @@ def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Pre
     g_p2 = triton.next_power_of_2(G)
     block_m = max(1, cfg.block_rows // g_p2)
     bt = meta.block_tables
+    g_ptr, sg_t, sg_h, has_gate = _gate_args(gate, out)
     _prefill_kernel[(triton.cdiv(max_q, block_m), B - nd, Hkv)](
-        q, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens, nd,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, out, g_ptr, bt, meta.query_start_loc, meta.seq_lens, nd,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), sg_t, sg_h,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), scale * _LOG2E,
         G=G, G_P2=g_p2, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
     )
 
@@ -293,14 +316,18 @@ def paged_attention(
     v_cache: torch.Tensor,  # [N, block_size, Hkv, D]
     meta: ForwardMeta,
     scale: float,
+    gate: torch.Tensor | None = None,  # [T, Hq, D], D contiguous: the output is o * sigmoid(gate)
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached sequence. -> [T, Hq, D]."""
+    """Causal attention of each sequence's new tokens over its cached sequence, times
+    sigmoid(gate) when given (applied as the result is stored). -> [T, Hq, D]."""
     _check(q, k_cache, v_cache, meta)
+    if gate is not None:
+        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(2) == 1, gate.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
     if meta.num_decodes:
-        _decode(q, k_cache, v_cache, meta, scale, out, DECODE)
+        _decode(q, k_cache, v_cache, meta, scale, out, DECODE, gate=gate)
     if meta.num_seqs > meta.num_decodes:
-        _prefill(q, k_cache, v_cache, meta, scale, out, PREFILL)
+        _prefill(q, k_cache, v_cache, meta, scale, out, PREFILL, gate=gate)
     return out

@@ -5,10 +5,10 @@ The token count T picks the kernel:
   registers (W8A16). The weight scale of each 128x128 block multiplies the activation chunk, so the
   inner loop is a plain e4m3 convert plus an FMA/MMA. BLOCK_T == 1 reduces on the CUDA cores
   (e4m3 -> fp32 per element); BLOCK_T >= 16 (any T, a single token padded) runs a swapped-operand
-  MMA (W tile as the M side, tokens as the N side) over 128-wide K steps on exact operands and
-  multiplies the fp32 product by the step's block scale; DOT_F16 makes the operands fp16 (one
-  packed e4m3x2 -> f16x2 convert; bf16 activations are exact in fp16 below 65504, which the
-  normalised inputs of every dense projection are). Split-K keeps
+  MMA (W tile as the M side, tokens as the N side) over 128-wide K sub-steps (BLOCK_K / 128 per
+  pipelined iteration) on exact operands and multiplies each fp32 product by its block scale;
+  DOT_F16 makes the operands fp16 (one packed e4m3x2 -> f16x2 convert; bf16 activations are exact
+  in fp16 below 65504, which the normalised inputs of every dense projection are). Split-K keeps
   4 (T == 1) or 2 CTAs per SM busy even for N = 2048; the last CTA of each N tile to finish adds
   the fp32 partials in split order (deterministic, one launch, counters reset by that CTA).
 - larger T (prefill, compute-bound): activations are quantised per token and 128-column group
@@ -117,22 +117,28 @@ def _skinny_kernel(
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
     for ki in tl.range(k_lo, k_hi, num_stages=STAGES):  # per-loop stages: pipelines non-dot loads too
-        offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN, BK]
         if BLOCK_T == 1:  # CUDA cores: e4m3 -> fp32 per element, FMA with the scaled activation
+            offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # [BN, BK]
             xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if HAS_SCALE:
                 xv = xv * tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
             acc2 += w.to(tl.float32) * xv[None, :]
-        else:  # tensor cores (BLOCK_K == 128): exact e4m3 and x operands, the tile's scale after
-            x_mask = t_mask[None, :] & k_mask[:, None]
-            xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
-            if HAS_SCALE:
-                acc += wdot(w, xt, UPCAST, DOT_F16) * tl.load(s_row + ki)
-            else:
-                acc += wdot(w, xt, UPCAST, DOT_F16)
+        else:  # tensor cores: 128-wide sub-steps on exact e4m3 and x operands, each block's scale after
+            for sub in tl.static_range(BLOCK_K // 128):
+                offs_k = ki * BLOCK_K + sub * 128 + tl.arange(0, 128)
+                k_mask = offs_k < K
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN,128]
+                x_mask = t_mask[None, :] & k_mask[:, None]
+                xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
+                if HAS_SCALE:
+                    kb = ki * (BLOCK_K // 128) + sub  # past K (a ragged last step): w, x are zeros
+                    acc += wdot(w, xt, UPCAST, DOT_F16) * tl.load(s_row + kb, mask=kb * 128 < K, other=0.0)
+                else:
+                    acc += wdot(w, xt, UPCAST, DOT_F16)
     if BLOCK_T == 1:
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
@@ -299,7 +305,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
         s, cfg["HAS_SCALE"] = w, 0
     assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
-    assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] == 128, "the tensor-core loop takes one scale per K step"
+    assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
     part = torch.empty(

@@ -41,21 +41,66 @@ def _interpret() -> bool:
 
 # ---- small T: one program per (pair, block) ------------------------------------------------------
 @triton.jit
+def _softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr):
+    """fp32 softmax over the E logits at logits_row, then n_pick rounds of argmax (lowest index on
+    ties). -> (probabilities of the picks [K_P2], their experts [K_P2] int32), in pick order."""
+    offs = tl.arange(0, E_P2)
+    logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, axis=0))
+    p = tl.where(offs < E, p / tl.sum(p, axis=0), -1.0)
+    slot = tl.arange(0, K_P2)
+    vals = tl.zeros((K_P2,), tl.float32)
+    idx = tl.zeros((K_P2,), tl.int32)
+    for j in range(0, n_pick):
+        best = tl.argmax(p, axis=0)
+        vals = tl.where(slot == j, tl.max(p, axis=0), vals)
+        idx = tl.where(slot == j, best, idx)
+        p = tl.where(offs == best, -1.0, p)
+    return vals, idx
+
+
+@triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H, I, stride_we, stride_se, stride_sn,
-    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, logits_ptr, tw_ptr, H, I, E, stride_we, stride_se, stride_sn,
+    stride_lt,
+    SLOTS: tl.constexpr, FP8: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, MMA: tl.constexpr = 0, UPCAST: tl.constexpr = 0, DOT_F16: tl.constexpr = 0,
+    ROUTE_K: tl.constexpr = 0, E_P2: tl.constexpr = 1, K_P2: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
-    """MMA: the weight tiles go through the tensor cores against a 16-column operand holding the
-    activation in column 0 (exact operands, no per-element convert + FMA on the CUDA cores; FP8:
-    the row scales multiply each 128-wide step's product). Otherwise fp32 FMA on the CUDA cores."""
+    """Pair = (token, slot), SLOTS slots per token. MMA: the weight tiles go through the tensor
+    cores against a 16-column operand holding the activation in column 0 (exact operands, no
+    per-element convert + FMA on the CUDA cores; FP8: the row scales multiply each 128-wide step's
+    product). Otherwise fp32 FMA on the CUDA cores.
+
+    ROUTE_K > 0: the routing is done here, not read from ids: slot j < ROUTE_K finds its expert by
+    j + 1 rounds of `_softmax_topk` over the token's E router logits (the same steps as
+    `_route_kernel`, so the same picks); a slot ROUTE_K (SLOTS = ROUTE_K + 1) is the shared expert,
+    id E, weight sigmoid(logit E). The first I-block of the last routed slot writes the token's
+    ids and renormalised weights, the shared slot's its own, for the down and combine steps."""
     pdl.wait(USE_PDL)
     pair = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_mask = offs_i < I
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K) * H
+    t = pair // SLOTS
+    if ROUTE_K:
+        j = pair - t * SLOTS
+        routed = j < ROUTE_K
+        vals, idx = _softmax_topk(logits_ptr + t * stride_lt, E, tl.where(routed, j + 1, 0), E_P2, K_P2)
+        slot = tl.arange(0, K_P2)
+        e = tl.where(routed, tl.sum(tl.where(slot == j, idx, 0), axis=0), E).to(tl.int64)
+        first = (tl.program_id(1) == 0).to(tl.int32)
+        wmask = slot < ROUTE_K * first * (j == ROUTE_K - 1).to(tl.int32)  # (written as a bound: the
+        tl.store(ids_ptr + t * SLOTS + slot, idx.to(tl.int64), mask=wmask)  # interpreter cannot & a
+        tl.store(tw_ptr + t * SLOTS + slot, vals / tl.sum(vals, axis=0), mask=wmask)  # scalar mask)
+        if SLOTS > ROUTE_K:
+            first_shared = first * (j == ROUTE_K).to(tl.int32) > 0
+            g = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
+            tl.store(ids_ptr + pair, e, mask=first_shared)
+            tl.store(tw_ptr + pair, tl.sigmoid(g), mask=first_shared)
+    else:
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + t * H
     wg_rows = w_ptr + e * stride_we + offs_i[:, None] * H  # [BLOCK_I, 1] gate rows; up rows at +I*H
     s_base = s_ptr + e * stride_se
     ACC_N: tl.constexpr = 16 if MMA else BLOCK_K
@@ -303,18 +348,8 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_lt, TOP_K: tl.constexpr,
     (id E, weight sigmoid(logit E))."""
     pdl.wait(USE_PDL)
     t = tl.program_id(0)
-    offs = tl.arange(0, E_P2)
-    logit = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
-    p = tl.exp(logit - tl.max(logit, axis=0))
-    p = tl.where(offs < E, p / tl.sum(p, axis=0), -1.0)
+    vals, idx = _softmax_topk(logits_ptr + t * stride_lt, E, TOP_K, E_P2, K_P2)
     slot = tl.arange(0, K_P2)
-    vals = tl.zeros((K_P2,), tl.float32)
-    idx = tl.zeros((K_P2,), tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=0)
-        vals = tl.where(slot == j, tl.max(p, axis=0), vals)
-        idx = tl.where(slot == j, best, idx)
-        p = tl.where(offs == best, -1.0, p)
     vals = vals / tl.sum(vals, axis=0)
     W: tl.constexpr = TOP_K + SHARED
     tl.store(w_ptr + t * W + slot, vals, mask=slot < TOP_K)
@@ -381,18 +416,48 @@ def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tens
     return scale, scale.stride(0), scale.stride(1)
 
 
+def _pair_gate_up(x, w_gate_up, gu, ids, fp8: bool, cfg: dict, route=None) -> torch.Tensor:
+    """silu(gate) * up of every (token, slot) pair -> act [T*W, I]. route = (logits, top_k, tw):
+    the kernel routes (see `_pair_gate_up_kernel`) and writes ids and tw."""
+    T, H = x.shape
+    slots = ids.shape[1]
+    I = w_gate_up.shape[1] // 2
+    act = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)  # [T*W, I]
+    logits, top_k, tw = route if route is not None else (x, 0, x)  # unused pointers without routing
+    E = logits.shape[1] - (slots - top_k) if route is not None else 0
+    _pair_gate_up_kernel[(T * slots, triton.cdiv(I, cfg["BLOCK_I"]))](
+        x, w_gate_up, gu[0], ids, act, logits, tw, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
+        logits.stride(0), SLOTS=slots, FP8=fp8, BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"],
+        STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], **_mma_args(x, fp8, cfg),
+        ROUTE_K=top_k, E_P2=triton.next_power_of_2(max(E, 1)), K_P2=triton.next_power_of_2(max(top_k, 1)),
+        **pdl.kw(),
+    )
+    return act
+
+
+def _mma_args(x: torch.Tensor, fp8: bool, cfg: dict) -> dict:
+    return dict(MMA=cfg.get("MMA", 0), UPCAST=int(_interpret() or x.dtype == torch.float32),
+                DOT_F16=cfg.get("DOT_F16", 0) if fp8 else 0)  # BF16 weights stay exact
+
+
+def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor) -> torch.Tensor:
+    """Each pair's unweighted down projection -> y [T*W, H] fp32."""
+    H, I = w_down.shape[1], w_down.shape[2]
+    P = act.shape[0]
+    y = torch.empty(P, H, dtype=torch.float32, device=act.device)
+    _pair_down_rows_kernel[(P, triton.cdiv(H, cfg["BLOCK_H"]))](
+        act, w_down, dn[0], ids, y, H, I, w_down.stride(0), dn[1], dn[2],
+        FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
+        num_warps=cfg["num_warps"], **_mma_args(x, fp8, cfg), **pdl.kw(),
+    )
+    return y
+
+
 def _pair_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
     T, H = x.shape
     k = ids.shape[1]
     I = w_down.shape[2]
-    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [T*k, I]
-    mma = dict(MMA=cfg.get("MMA", 0), UPCAST=int(_interpret() or x.dtype == torch.float32),
-               DOT_F16=cfg.get("DOT_F16", 0) if fp8 else 0)  # BF16 weights stay exact
-    _pair_gate_up_kernel[(T * k, triton.cdiv(I, cfg["BLOCK_I"]))](
-        x, w_gate_up, gu[0], ids, act, H, I, w_gate_up.stride(0), gu[1], gu[2],
-        TOP_K=k, FP8=fp8, BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"], **mma, **pdl.kw(),
-    )
+    act = _pair_gate_up(x, w_gate_up, gu, ids, fp8, cfg)
     if cfg.get("DOWN", "rows") == "fused":
         _pair_down_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](
             act, w_down, dn[0], ids, tw, out, H, I, w_down.stride(0), dn[1], dn[2],
@@ -400,12 +465,7 @@ def _pair_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict)
             num_warps=cfg["num_warps"], **pdl.kw(),
         )
         return
-    y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)  # [T*k, H] unweighted
-    _pair_down_rows_kernel[(T * k, triton.cdiv(H, cfg["BLOCK_H"]))](
-        act, w_down, dn[0], ids, y, H, I, w_down.stride(0), dn[1], dn[2],
-        FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"], **mma, **pdl.kw(),
-    )
+    y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     block_h = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h, **pdl.kw())
 
@@ -481,3 +541,43 @@ def moe_experts(
         assert not fp8 or 128 % cfg["BLOCK_K"] == 0
         _grouped_path(x, w_gate_up, w_down, topk_weights, topk_ids, gu, dn, fp8, out, cfg)
     return out
+
+
+def routed_rows_ok(T: int, fp8: bool) -> bool:
+    """Whether `moe_routed_rows` serves a batch of T tokens (the per-pair decode path)."""
+    return 0 < T and use_pair_path(T, fp8)
+
+
+def moe_routed_rows(
+    x: torch.Tensor,  # [T, H]
+    router_logits: torch.Tensor,  # [T, E] (+1 column, the shared expert's gate, when shared)
+    top_k: int,
+    shared: bool,  # the shared expert is stored as expert E of the weights
+    w_gate_up: torch.Tensor,  # [E(+1), 2I, H]
+    w_down: torch.Tensor,  # [E(+1), H, I]
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing and the experts of a decode batch in two launches, the weighted sum left to the
+    consumer (`norm.moe_add_rms_norm`): the gate/up kernel routes each (token, slot) itself (no
+    route launch) and the down kernel writes each pair's output unweighted.
+    -> (rows [T, W, H] fp32, weights [T, W] fp32), W = top_k + shared, slot order as
+    `reference.route_with_shared` (or `reference.route`): sum_j weights[:, j] * rows[:, j] is the
+    `moe_experts` output before its rounding to x's dtype."""
+    T, H = x.shape
+    E_w = w_gate_up.shape[0]
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    assert router_logits.shape == (T, E_w) and router_logits.stride(1) == 1, (router_logits.shape, E_w)
+    assert 0 < top_k <= E_w - int(shared) and x.is_contiguous() and routed_rows_ok(T, fp8), (top_k, T)
+    assert w_gate_up.is_contiguous() and w_down.is_contiguous() and w_down.shape[0] == E_w
+    assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
+    W = top_k + int(shared)
+    tw = torch.empty(T, W, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, W, dtype=torch.int64, device=x.device)
+    cfg = config or pair_config(T, fp8)
+    assert not fp8 or (128 % cfg["BLOCK_K"] == 0 and 128 % cfg["BLOCK_H"] == 0), cfg
+    act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg,
+                        route=(router_logits, top_k, tw))
+    y = _pair_down_rows(act, w_down, _scale_args(down_scale, w_down), ids, fp8, cfg, x)
+    return y.view(T, W, H), tw

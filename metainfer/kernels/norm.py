@@ -70,6 +70,41 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
+def _moe_add_rms_norm_kernel(
+    y_ptr, tw_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    n_rows, sr0, N, eps,
+    SLOTS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """`_add_rms_norm_kernel` whose x is the weighted sum of SLOTS fp32 rows per token (the MoE
+    experts' outputs): x = sum_j tw[t, j] * y[t, j] in slot order, rounded to the residual's
+    dtype, as `moe._combine_kernel` writes it."""
+    pdl.wait(USE_PDL)
+    # y: [n_rows, SLOTS, N] fp32; tw: [n_rows, SLOTS] fp32; res: [n_rows, N] row stride sr0
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    rmask = rows < n_rows
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for j in tl.static_range(SLOTS):
+        y = tl.load(y_ptr + (rows64 * SLOTS + j) * N + cols[None, :], mask=mask, other=0.0)
+        x += tl.load(tw_ptr + rows * SLOTS + j, mask=rmask, other=0.0)[:, None] * y
+    r = x.to(new_res_ptr.dtype.element_ty)
+    if HAS_RES:
+        res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = (r.to(tl.float32) + res).to(new_res_ptr.dtype.element_ty)
+    off = rows64 * N + cols[None, :]
+    tl.store(new_res_ptr + off, r, mask=mask)
+    rf = r.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(rf * rf, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    out = rf * rstd[:, None] * (1.0 + w)[None, :]
+    tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
     n_rows, R2, sx0, sx1, sz0, sz1, N, eps,
@@ -150,6 +185,34 @@ def add_rms_norm(
     _add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
         x, residual, weight, out, new_res, T, x.stride(0), residual.stride(0), N, eps,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
+    )
+    return out, new_res
+
+
+def moe_add_rms_norm(
+    rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+    eps: float, dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [T, W, N] fp32, weights [T, W] fp32: x = sum_j weights[:, j] * rows[:, j] rounded to the
+    residual's dtype (or `dtype`), then `add_rms_norm(x, residual)`, in one launch."""
+    assert rows.dim() == 3 and rows.is_contiguous() and rows.dtype == torch.float32, (rows.shape, rows.dtype)
+    T, W, N = rows.shape
+    assert weights.shape == (T, W) and weights.is_contiguous() and weights.dtype == torch.float32
+    dt = residual.dtype if residual is not None else dtype
+    assert dt in (torch.bfloat16, torch.float16, torch.float32), "need the residual or a dtype"
+    if residual is not None:
+        assert residual.shape == (T, N) and residual.stride(1) == 1, (residual.shape, residual.stride())
+    assert weight.shape == (N,) and weight.is_contiguous()
+    out = torch.empty(T, N, dtype=dt, device=rows.device)
+    new_res = torch.empty(T, N, dtype=dt, device=rows.device)
+    if T == 0:
+        return out, new_res
+    block_r, block_n = _tile(N)
+    res = residual if residual is not None else new_res  # unused pointer without a residual
+    _moe_add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
+        rows, weights, res, weight, out, new_res, T, res.stride(0), N, eps,
+        SLOTS=W, HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+        num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out, new_res
 

@@ -86,6 +86,30 @@ def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None
     return ref.moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
+def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
+    """Routing + experts with the weighted sum left to `moe_add_rms_norm` (one launch fewer each).
+    -> (rows [T, W, H] fp32, weights [T, W] fp32), or None where no kernel serves x (the CPU, the
+    reference path, batches past the per-pair decode path): then use route + `moe_experts`."""
+    k = _kernel("moe_routed_rows", x)
+    if not k:
+        return None
+    from metainfer.kernels.moe import routed_rows_ok
+
+    if not routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn):
+        return None
+    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
+
+
+def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None):
+    """`add_rms_norm(moe_combine(rows, weights), residual)`: the MoE's weighted sum, the residual
+    add and the next RMSNorm in one pass. -> (normed, new residual)."""
+    k = _kernel("moe_add_rms_norm", rows)
+    if k:
+        return k(rows, weights, residual, weight, eps, dtype)
+    x = ref.moe_combine(rows, weights, residual.dtype if residual is not None else dtype)
+    return add_rms_norm(x, residual, weight, eps)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T for unquantised weights (the reference is F.linear, cuBLAS on the GPU)."""
     k = _kernel("linear", x)
@@ -163,14 +187,16 @@ def gdn_prefill_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state
     return out
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale):
-    """Causal attention of this step's tokens over the paged cache. q [T, Hq, D] -> [T, Hq, D]."""
+def paged_attention(q, k_cache, v_cache, meta, scale, gate=None):
+    """Causal attention of this step's tokens over the paged cache, times sigmoid(gate) when given.
+    q, gate [T, Hq, D] -> [T, Hq, D]."""
     kern = _kernel("paged_attention", q)
     if kern:
-        return kern(q, k_cache, v_cache, meta, scale)
-    return ref.paged_attention(
+        return kern(q, k_cache, v_cache, meta, scale, gate)
+    o = ref.paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_cpu, meta.seq_lens_cpu, scale
     )
+    return o if gate is None else o * torch.sigmoid(gate)
 
 
 def qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping):

@@ -257,3 +257,31 @@ def moe_experts(
         out.index_add_(0, idx, y)
         start += cnt
     return out
+
+
+def moe_expert_rows(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2I, H]
+    w_down: torch.Tensor,  # [E, H, I]
+    ids: torch.Tensor,  # [T, W]
+) -> torch.Tensor:
+    """Each (token, slot)'s expert output, unweighted: down_e(silu(gate_e x) * up_e x), the
+    activation in x's dtype, the output fp32. -> [T, W, H]."""
+    T, W = ids.shape
+    out = torch.empty(T, W, x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(T):
+        for j in range(W):
+            e = int(ids[t, j])
+            gate, up = (w_gate_up[e].float() @ x[t].float()).chunk(2)
+            act = (F.silu(gate) * up).to(x.dtype)
+            out[t, j] = w_down[e].float() @ act.float()
+    return out
+
+
+def moe_combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows [T, W, H] fp32, weights [T, W] -> sum_j weights[:, j] * rows[:, j] (fp32, slot order),
+    rounded to dtype. -> [T, H]."""
+    acc = torch.zeros(rows.shape[0], rows.shape[2], dtype=torch.float32, device=rows.device)
+    for j in range(rows.shape[1]):
+        acc += weights[:, j, None].float() * rows[:, j]
+    return acc.to(dtype)

@@ -22,6 +22,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "qk_norm_rope_write": ("metainfer.kernels.qk_norm_rope", "qk_norm_rope_write"),
     "route": ("metainfer.kernels.moe", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
+    "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
+    "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.fp8_linear", "dense_linear"),
 }

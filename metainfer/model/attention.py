@@ -54,6 +54,5 @@ class GatedAttention(nn.Module):
             v_cache,
             meta.slot_mapping,
         )
-        o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        o = o * torch.sigmoid(gate)
+        o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, gate=gate)  # [T, Hq, D], gated
         return self.o_proj(o.reshape(T, self.hq * self.d))

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from metainfer.config import ModelConfig
 from metainfer.kernels import ops
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """A MoE block's output before its weighted sum: rows [T, W, H] fp32 (one per token and slot),
+    weights [T, W] fp32; the sum, rounded to `dtype`, is the block's output. The next
+    `RMSNorm.add_forward` takes it as x and sums it in the same launch as the residual add."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    dtype: torch.dtype
 
 
 class RMSNorm(nn.Module):
@@ -22,9 +35,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass."""
+        if isinstance(x, ExpertRows):
+            return ops.moe_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps, x.dtype)
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -95,10 +110,14 @@ class SparseMoE(nn.Module):
             self.shared_gate_up = Linear(H, {"gate_proj": Is, "up_proj": Is})
             self.shared_down = Linear(Is, {"down_proj": H})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
+        """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm)."""
         logits = self.router(x)  # [T, E+1]
         scales = (self.w_gate_up_scale, self.w_down_scale)
         if self.fused_shared:
+            part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
+            if part is not None:
+                return ExpertRows(*part, x.dtype)
             weights, ids = ops.route_with_shared(logits, self.top_k)  # [T, k+1]
             return ops.moe_experts(x, self.w_gate_up, self.w_down, weights, ids, *scales)
         weights, ids = ops.route(logits[:, : self.num_experts], self.top_k)

@@ -13,7 +13,7 @@ from torch import nn
 from metainfer.config import FULL, ModelConfig
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
-from metainfer.model.layers import Linear, RMSNorm, SparseMoE
+from metainfer.model.layers import ExpertRows, Linear, RMSNorm, SparseMoE
 from metainfer.model.meta import CacheTensors, ForwardMeta
 
 
@@ -32,12 +32,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, H] this layer's input (previous layer's MLP output)
+        x: torch.Tensor | ExpertRows,  # [T, H] this layer's input (previous layer's MLP output)
         residual: torch.Tensor | None,  # [T, H] residual stream before adding x
         positions: torch.Tensor,
         meta: ForwardMeta,
         caches: CacheTensors,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         h, residual = self.input_layernorm.add_forward(x, residual)
         i = self.cache_index
         if self.layer_type == FULL:

@@ -237,6 +237,10 @@ _COMPILE = textwrap.dedent(
     build(norm._add_rms_norm_kernel,
           dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32"),
           dict(BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
+    for has_res in (0, 1):
+        build(norm._moe_add_rms_norm_kernel,
+              dict(y_ptr=f32, tw_ptr=f32, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32"),
+              dict(SLOTS=9, HAS_RES=has_res, BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
     build(norm._gated_rms_norm_kernel, dict(x_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32"),
           dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128), norm.NUM_WARPS)
     build(conv1d._conv_update_kernel, dict(x_ptr=bf, state_ptr=bf, w_ptr=bf, out_ptr=bf, slots_ptr="*i64",
@@ -248,25 +252,27 @@ _COMPILE = textwrap.dedent(
               dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gdn_decode.BLOCK_V, GATED=gated),
               gdn_decode.NUM_WARPS)
     dc, pc = A.DECODE, A.PREFILL
-    for split in (False, True):
+    for split, gate in ((False, 0), (False, 1), (True, 0)):
         build(A._decode_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, bt_ptr="*i32", seq_lens_ptr="*i32",
-              out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, scale_log2="fp32"),
+              out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, gate_ptr=bf, scale_log2="fp32"),
               dict(HQ=16, G=8, G_PAD=16, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=dc.block_n, SPLIT=split,
-                   PREC="tf32", UPCAST=False), dc.num_warps, dc.num_stages)
-    build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf),
-          dict(HQ=16, D=256, BLOCK_D=256, CHUNK=dc.reduce_chunk), 4)
-    build(A._prefill_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, out_ptr=bf, bt_ptr="*i32", qsl_ptr="*i32",
-          seq_lens_ptr="*i32", scale_log2="fp32"),
-          dict(G=8, G_P2=8, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=pc.block_rows // 8, BLOCK_N=pc.block_n,
-               PREC="tf32", UPCAST=False), pc.num_warps, pc.num_stages)
+                   PREC="tf32", UPCAST=False, GATE=gate), dc.num_warps, dc.num_stages)
+    for gate in (0, 1):
+        build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf, gate_ptr=bf),
+              dict(HQ=16, D=256, BLOCK_D=256, CHUNK=dc.reduce_chunk, GATE=gate), 4)
+        build(A._prefill_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, out_ptr=bf, gate_ptr=bf, bt_ptr="*i32",
+              qsl_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32"),
+              dict(G=8, G_P2=8, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=pc.block_rows // 8,
+                   BLOCK_N=pc.block_n, PREC="tf32", UPCAST=False, GATE=gate), pc.num_warps, pc.num_stages)
     f8 = "*fp8e4nv"
-    for bt, f16 in ((1, 0), (16, 1)):
+    for bt, f16, bk in ((1, 0, 128), (16, 1, 128), (16, 1, 256)):
         build(fl._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32"),
-              dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=128, STAGES=5, UPCAST=0, DOT_F16=f16), 4)
-    for fp8, mma in ((0, 0), (1, 0), (1, 1)):
+              dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0, DOT_F16=f16), 4)
+    for fp8, mma, route in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 0, 8), (1, 0, 8)):
         wt = f8 if fp8 else bf
-        build(moe._pair_gate_up_kernel, dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf),
-              dict(TOP_K=9, FP8=fp8, BLOCK_I=16, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
+        build(moe._pair_gate_up_kernel, dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf,
+              logits_ptr=bf, tw_ptr=f32), dict(SLOTS=9, FP8=fp8, BLOCK_I=16, BLOCK_K=128, STAGES=4, MMA=mma,
+              UPCAST=0, DOT_F16=mma, ROUTE_K=route, E_P2=256, K_P2=8), 2)
         build(moe._pair_down_rows_kernel, dict(act_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", y_ptr=f32),
               dict(FP8=fp8, BLOCK_H=32, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
     build(moe._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)

@@ -93,6 +93,24 @@ def test_prefill_only_and_empty():
     assert empty.shape == (0, 2, 32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_gate(dtype, num_splits):
+    """o * sigmoid(gate) applied as the result is stored: by the split kernel (one split), the
+    reduce kernel (several) and the prefill kernel; gate is a strided view, as the model's."""
+    query_lens, ctx = [1, 1, 7, 3], [4, 16, 0, 14]
+    q, kc, vc, meta = _setup(query_lens, ctx, Hq=4, Hkv=2, D=32, bs=4, dtype=dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    gate = (torch.randn(q.shape[0], 4, 64, generator=g) * 2).to(dtype)[..., 32:]
+    scale = 32**-0.5
+    want = _want(q, kc, vc, meta, scale) * torch.sigmoid(gate)
+    out = torch.empty_like(q)
+    attn._decode(q, kc, vc, meta, scale, out, attn.DecodeConfig(block_n=8), num_splits=num_splits, gate=gate)
+    attn._prefill(q, kc, vc, meta, scale, out, attn.PrefillConfig(block_rows=16, block_n=8), gate=gate)
+    _close(out, want, dtype)
+    _close(attn.paged_attention(q, kc, vc, meta, scale, gate=gate), want, dtype)
+
+
 def test_num_splits_from_host_ints():
     cfg = attn.DecodeConfig()
     assert attn.decode_num_splits(1, 2, 8192, cfg) == min(cfg.max_splits, 8192 // cfg.min_split_tokens)

@@ -130,6 +130,20 @@ def test_fp8_linear_split_k_fixup(T, block_t, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp8_linear_tensor_core_256_wide_steps(split, dtype):
+    """BLOCK_K 256 on the tensor-core loop: two 128-wide sub-steps per pipelined iteration, each
+    with its block scale; K = 300 leaves the second iteration's upper half past K (masked, scale 0)."""
+    x, _, q, s, ref = _problem(3, dtype=dtype)
+    cfg = fl.skinny_config(3, 200, 300, num_sms=4)
+    cfg.update(BLOCK_N=32, BLOCK_T=16, BLOCK_K=256, SPLIT_K=split, iters_per_split=2 // split)
+    y = torch.empty(3, 200, dtype=x.dtype)
+    fl._skinny(x, q, s, y, cfg)
+    rmse, max_abs = TOL[dtype]
+    assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,block_t,split", [(1, 1, 1), (1, 1, 3), (1, 16, 2), (5, 16, 1)])
 def test_skinny_unquantised_weights(T, block_t, split, dtype):
     """The same weight-streaming kernel on weights in x's dtype (no scales): BF16 projections."""

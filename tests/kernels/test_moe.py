@@ -179,3 +179,42 @@ def test_moe_with_shared_expert_slot_matches_separate_shared_mlp():
     tw2, ids2 = ref.route_with_shared(logits, K)
     got = moe.moe_experts(x, torch.cat([w_gu, s_gu]), torch.cat([w_dn, s_dn]), tw2, ids2, path="pair")
     assert rel_rmse(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("T,dtype", [(1, F32), (3, F32), (3, BF16)])
+def test_moe_routed_rows(T, dtype, shared, fp8):
+    """Routing inside the gate/up kernel: the same ids and weights as `route_topk`, each pair's
+    unweighted output as `reference.moe_expert_rows`, and their weighted sum as `moe_experts`."""
+    g = torch.Generator().manual_seed(20 + T)
+    x, w_gu, w_dn, _, _ = _problem(T, seed=8, dtype=dtype)
+    n = E + int(shared)
+    if shared:  # one more expert, stored last, and the gate's logit
+        w_gu = torch.cat([w_gu, (torch.randn(1, 2 * I, H, generator=g) / H**0.5).to(dtype)])
+        w_dn = torch.cat([w_dn, (torch.randn(1, H, I, generator=g) / I**0.5).to(dtype)])
+    logits = (torch.randn(T, n + 1, generator=g) * 3).to(dtype)[:, :n]  # strided rows, as the router's split
+    tw_want, ids = (ref.route_with_shared if shared else ref.route)(logits, K)
+    args, ref_w = (w_gu, w_dn), (w_gu, w_dn)
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (q_gu, q_dn, s_gu, s_dn)
+        ref_w = (ref_dequant_fp8(q_gu, s_gu, dtype), ref_dequant_fp8(q_dn, s_dn, dtype))
+    rows, tw = moe.moe_routed_rows(x, logits, K, shared, *args)
+    assert rows.shape == (T, K + int(shared), H) and rows.dtype == F32
+    assert torch.allclose(tw, tw_want, rtol=1e-5, atol=1e-7)
+    want = ref.moe_expert_rows(x, *ref_w, ids)
+    rmse, max_abs = TOL[dtype]
+    assert rel_rmse(rows, want) < rmse and _max_rel(rows, want) < max_abs
+    summed = ref.moe_combine(rows, tw, dtype)
+    full = ref.moe_experts(x, *ref_w, tw_want, ids)
+    assert rel_rmse(summed, full) < rmse
+
+
+def test_moe_routed_rows_asserts():
+    x, w_gu, w_dn, _, _ = _problem(2)
+    logits = torch.randn(2, E)
+    with pytest.raises(AssertionError):  # logits for E experts, weights say E + 1 with a shared one
+        moe.moe_routed_rows(x, logits, K, True, torch.cat([w_gu, w_gu[:1]]), torch.cat([w_dn, w_dn[:1]]))
+    with pytest.raises(AssertionError):  # past the per-pair decode path
+        moe.moe_routed_rows(torch.zeros(64, H), torch.zeros(64, E), K, False, w_gu, w_dn)

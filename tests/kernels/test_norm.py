@@ -90,3 +90,22 @@ def test_registered():
 
     names = ("rms_norm", "add_rms_norm", "gated_rms_norm")
     assert registry.load(set(names)) == {n: getattr(norm, n) for n in names}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,W", [(1, 9), (3, 3)])
+def test_moe_add_rms_norm(T, W, dtype):
+    """The MoE's weighted sum of fp32 rows, the residual add and the norm in one launch."""
+    g = torch.Generator().manual_seed(30 + T)
+    rows = torch.randn(T, W, 48, generator=g)
+    tw = torch.rand(T, W, generator=g)
+    r = torch.randn(T, 48, generator=g).to(dtype)
+    w = (torch.randn(48, generator=g) * 0.1).to(dtype)
+    out, new_r = norm.moe_add_rms_norm(rows, tw, r, w, 1e-6)
+    want_out, want_r = ref.add_rms_norm(ref.moe_combine(rows, tw, dtype), r, w, 1e-6)
+    _close(new_r, want_r, dtype)
+    _close(out, want_out, dtype)
+    out, x = norm.moe_add_rms_norm(rows, tw, None, w, 1e-6, dtype)  # no residual yet
+    want_x = ref.moe_combine(rows, tw, dtype)
+    _close(x, want_x, dtype)
+    _close(out, ref.rms_norm(want_x, w, 1e-6), dtype)
