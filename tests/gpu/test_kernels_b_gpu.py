@@ -215,8 +215,8 @@ def test_fp8_linear_cuda_graph(T):
 def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8):
     """route_topk + moe_experts + add_rms_norm (route, gate/up, down, combine, norm) against
     moe_routed_rows + moe_add_rms_norm (gate/up routing itself, down, combine-in-norm), with the
-    shared expert as expert E: same ids and weights, same bits (the fp32 sums run in the same
-    order) up to the FMA contraction the compiler picks, so rel RMSE < 1e-3."""
+    shared expert as expert E: the same experts and weights (to the rounding of the softmax sum,
+    whose reduction order follows each kernel's warps), so rel RMSE < 1e-3."""
     from metainfer.kernels import moe, norm
     from metainfer.model.fp8 import quantize_fp8_block
 
@@ -235,7 +235,7 @@ def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8):
     three = norm.add_rms_norm(moe.moe_experts(x, args[0], args[1], tw, ids, *args[2:]), res, nw, 1e-6)
     rows, tw2 = moe.moe_routed_rows(x, logits, TOPK, True, *args)
     two = norm.moe_add_rms_norm(rows, tw2, res, nw, 1e-6)
-    assert torch.equal(tw, tw2)
+    assert torch.allclose(tw, tw2, rtol=1e-6, atol=0)  # the softmax sums reduce in other orders
     for a, b in zip(two, three):
         assert _rel(a, b) < 1e-3
     assert all(torch.equal(a, b) for a, b in zip(two, norm.moe_add_rms_norm(
