@@ -543,16 +543,17 @@ def moe_experts(
     return out
 
 
-ROUTED_MAX_T = 8
+ROUTED_MAX_T = 4
 ROUTED_ENV = "METAINFER_MOE_ROUTED"  # "0": route in its own launch and sum in `_combine_kernel`
 
 
 def routed_rows_ok(T: int, fp8: bool) -> bool:
-    """Whether `moe_routed_rows` serves a batch of T tokens: the per-pair path up to ROUTED_MAX_T
-    tokens. Every gate/up program repeats its token's top-k (~1.6 µs of serial work on the H200
-    before its loads), which costs more than the route launch it saves once T * (k+1) * I-blocks
-    programs queue in waves: FP8 batch 32 ran 2,549 tok/s with it against 2,761 without."""
-    return 0 < T <= ROUTED_MAX_T and use_pair_path(T, fp8) and os.environ.get(ROUTED_ENV, "1") != "0"
+    """Whether `moe_routed_rows` serves a batch of T tokens: FP8 experts, up to ROUTED_MAX_T tokens.
+    Every gate/up program repeats its token's top-k (~1.6 µs of serial work on the H200 before its
+    loads), which beats the route launch it saves only where few programs run: H200 A/B
+    (benchmarks/results/2026-11-30d), batch-1 decode FP8 408 -> 425 tok/s but BF16 369 -> 350, batch 8
+    FP8 1,545 -> 1,529, FP8 batch 32 2,761 -> 2,549 (with ROUTED_MAX_T = 32)."""
+    return fp8 and 0 < T <= ROUTED_MAX_T and os.environ.get(ROUTED_ENV, "1") != "0"
 
 
 def moe_routed_rows(
@@ -576,7 +577,7 @@ def moe_routed_rows(
     E_w = w_gate_up.shape[0]
     fp8 = w_gate_up.dtype == torch.float8_e4m3fn
     assert router_logits.shape == (T, E_w) and router_logits.stride(1) == 1, (router_logits.shape, E_w)
-    assert 0 < top_k <= E_w - int(shared) and x.is_contiguous() and routed_rows_ok(T, fp8), (top_k, T)
+    assert 0 < top_k <= E_w - int(shared) and x.is_contiguous() and 0 < T <= PAIR_MAX_T, (top_k, T)
     assert w_gate_up.is_contiguous() and w_down.is_contiguous() and w_down.shape[0] == E_w
     assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
     W = top_k + int(shared)

@@ -100,5 +100,4 @@ class GatedDeltaNet(nn.Module):
                 max(b_ - a_ for a_, b_ in zip(rel, rel[1:])),
                 core[s0:],
             )
-        h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
-        return self.out_proj(h.view(T, self.value_dim))
+        return self.out_proj.gated_norm_forward(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
