@@ -92,6 +92,33 @@ def _gated_norm(x, z, w, eps, AXIS: tl.constexpr, MID: tl.constexpr):
 
 
 @triton.jit
+def _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr, s_slot, s_k,
+                   OUT_DT: tl.constexpr, CONV_K: tl.constexpr, Y_DT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_T] fp32 of output columns offs_n, tokens offs_t -> the values to store:
+    for columns n < n_conv of the decode rows t < n_dec, silu(causal conv1d of [state, y]) with
+    each row's conv state (slot slots[t]; zeros where not has[t]) shifted in place, as
+    `conv1d._conv_update_kernel` computes it; elsewhere y = acc in OUT_DT. Each (column, slot) is
+    touched by one program only (the output tile's owner)."""
+    y = acc.to(OUT_DT)
+    c_mask = offs_n < n_conv
+    d_mask = offs_t < n_dec
+    on = c_mask[:, None] & d_mask[None, :]
+    slot = tl.load(slots_ptr + offs_t, mask=d_mask, other=0).to(tl.int64)
+    has = tl.load(has_ptr + offs_t, mask=d_mask, other=0).to(tl.int32) > 0
+    s_base = cstate_ptr + slot[None, :] * s_slot + offs_n[:, None]  # [BLOCK_N, BLOCK_T]
+    w_base = cw_ptr + offs_n * CONV_K
+    c = y.to(tl.float32) * tl.load(w_base + (CONV_K - 1), mask=c_mask, other=0.0).to(tl.float32)[:, None]
+    for j in tl.static_range(CONV_K - 1):  # window = [state[0], ..., state[K-2], y]; new state = window[1:]
+        prev = tl.load(s_base + j * s_k, mask=on & has[None, :], other=0.0).to(OUT_DT)
+        c += prev.to(tl.float32) * tl.load(w_base + j, mask=c_mask, other=0.0).to(tl.float32)[:, None]
+        if j > 0:
+            tl.store(s_base + (j - 1) * s_k, prev.to(cstate_ptr.dtype.element_ty), mask=on)
+    tl.store(s_base + (CONV_K - 2) * s_k, y.to(cstate_ptr.dtype.element_ty), mask=on)
+    c = c.to(Y_DT).to(tl.float32)
+    return tl.where(on, (c * tl.sigmoid(c)).to(OUT_DT), y)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -110,6 +137,14 @@ def _skinny_kernel(
     gw_ptr,
     stride_zt,
     eps,
+    cstate_ptr,
+    cw_ptr,
+    slots_ptr,
+    has_ptr,
+    n_conv,
+    n_dec,
+    s_slot,
+    s_k,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -120,10 +155,13 @@ def _skinny_kernel(
     HAS_SCALE: tl.constexpr = 1,  # 0: unquantised (BF16) weights, s_ptr unused
     GNORM: tl.constexpr = 0,  # 1: x is gated_rms_norm(x, z, gw) over 128-wide groups, done per K step
     MID: tl.constexpr = tl.float32,  # GNORM: the dtype of w * normed (the promotion of gw and x)
+    CONV_K: tl.constexpr = 0,  # > 0: the DeltaNet decode conv (this kernel size) as the epilogue
+    Y_DT: tl.constexpr = tl.float32,  # CONV_K: the conv weight's dtype (the conv output's rounding)
     USE_PDL: tl.constexpr = 0,
 ):
     """GNORM: the DeltaNet output norm is applied to each activation chunk as it is loaded (its
-    128-wide groups never straddle a K step), so the norm needs no launch of its own."""
+    128-wide groups never straddle a K step), so the norm needs no launch of its own.
+    CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split)."""
     pdl.wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -178,7 +216,12 @@ def _skinny_kernel(
     y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
     y_mask = n_mask[:, None] & t_mask[None, :]
     if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        if CONV_K:
+            out = _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
+                                 s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
+        else:
+            out = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptrs, out, mask=y_mask)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
         n_tiles = tl.num_programs(0)
@@ -190,7 +233,12 @@ def _skinny_kernel(
             for sk in tl.static_range(SPLIT_K):
                 src = part_ptr + (sk * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile
                 total += tl.load(src, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            if CONV_K:
+                out = _conv_epilogue(total, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr,
+                                     has_ptr, s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
+            else:
+                out = total.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptrs, out, mask=y_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
@@ -330,12 +378,23 @@ def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor,
-            cfg: dict | None = None, gnorm: tuple | None = None) -> None:
+            cfg: dict | None = None, gnorm: tuple | None = None, conv: tuple | None = None) -> None:
     """y = x @ dequant(w)^T by weight streaming; s None: unquantised weights in x's dtype.
-    gnorm = (z, norm_weight [128], eps): x is replaced by gated_rms_norm(x, z) per 128 columns."""
+    gnorm = (z, norm_weight [128], eps): x is replaced by gated_rms_norm(x, z) per 128 columns.
+    conv = (conv_weight [C, k], conv_state [S, k-1, C], slots [B], has_state [B]): the first C
+    columns of the first B rows become the DeltaNet decode conv + SiLU of themselves."""
     T, K = x.shape
     N = w.shape[0]
     cfg = dict(cfg or skinny_config(T, N, K, _num_sms(x.device)))
+    cw, cstate, slots, has = conv if conv is not None else (x, x, x, x)  # unused pointers without it
+    cargs = (cstate, cw, slots, has, 0, 0, 0, 0)
+    if conv is not None:
+        C, ck = cw.shape
+        assert cw.is_contiguous() and cstate.shape[1:] == (ck - 1, C) and cstate.stride(2) == 1, cstate.shape
+        assert slots.dtype == torch.int64 and has.dtype == torch.bool and slots.shape == has.shape
+        assert C <= N and slots.shape[0] <= T
+        cargs = (cstate, cw, slots, has.view(torch.uint8), C, slots.shape[0], *cstate.stride()[:2])
+        cfg.update(CONV_K=ck, Y_DT=_TL_DTYPE[cw.dtype])
     z, gw, eps = gnorm if gnorm is not None else (x, x, 0.0)  # unused pointers without the norm
     if gnorm is not None:
         assert K % 128 == 0 and gw.shape == (128,) and z.shape == x.shape and z.stride(1) == 1, z.shape
@@ -372,6 +431,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         gw,
         z.stride(0),
         eps,
+        *cargs,
         UPCAST=_interpret() or x.dtype == torch.float32,
         **cfg, **pdl.kw(),
     )
@@ -475,4 +535,39 @@ def gated_norm_linear(
         return fp8_linear(h, weight, scale_inv) if fp8 else dense_linear(h, weight)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     _skinny(x, weight, scale_inv, y, cfg, gnorm=(z, norm_weight, eps))
+    return y
+
+
+CONV_ENV = "METAINFER_FUSED_CONV"  # "0": the decode conv in its own launch after the projection
+
+
+def linear_conv_update(
+    x: torch.Tensor,  # [T, K], the first B rows decoding
+    weight: torch.Tensor,  # [N, K] e4m3 (with scale_inv) or x's dtype
+    scale_inv: torch.Tensor | None,
+    conv_weight: torch.Tensor,  # [C, k]
+    conv_state: torch.Tensor,  # [S, k-1, C], updated in place at slots
+    slots: torch.Tensor,  # [B] int64
+    has_state: torch.Tensor,  # [B] bool
+) -> torch.Tensor:
+    """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
+    y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
+    weight-streaming kernel's epilogue where it serves (as `gated_norm_linear`), else the
+    projection, then the conv kernel. -> y [T, N]."""
+    from metainfer.kernels import conv1d
+
+    T, K = x.shape
+    N = weight.shape[0]
+    fp8 = scale_inv is not None
+    cfg = None
+    if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= SKINNY_MAX_T and x.stride(1) == 1:
+        cfg = skinny_config(T, N, K, _num_sms(x.device)) if fp8 else tuned_table().get(f"bf16:{N},{K},{T}")
+    if cfg is None:
+        y = fp8_linear(x, weight, scale_inv) if fp8 else dense_linear(x, weight)
+        B, C = slots.shape[0], conv_weight.shape[0]
+        if B:
+            y[:B, :C] = conv1d.causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state)
+        return y
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    _skinny(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state))
     return y

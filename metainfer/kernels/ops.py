@@ -118,6 +118,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
+def linear_conv_update(x, weight, scale_inv, conv_weight, conv_state, slots, has_state):
+    """The DeltaNet in_proj y = x W^T with the decode conv applied to the first C = conv channels
+    of the first len(slots) rows: y[:B, :C] = causal_conv1d_update(y[:B, :C], ...). -> [T, N]."""
+    k = _kernel("linear_conv_update", x)
+    if k:
+        return k(x, weight, scale_inv, conv_weight, conv_state, slots, has_state)
+    y = linear(x, weight) if scale_inv is None else fp8_linear(x, weight, scale_inv)
+    B, C = slots.shape[0], conv_weight.shape[0]
+    if B:
+        y[:B, :C] = causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state)
+    return y
+
+
 def gated_norm_linear(x, z, norm_weight, eps, weight, scale_inv=None):
     """linear(gated_rms_norm(x, z)) with the norm over groups of norm_weight's size; x, z [T, K]
     (rows may be strided), weight [N, K] (e4m3 with scale_inv, or unquantised). -> [T, N]."""

@@ -27,6 +27,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.fp8_linear", "dense_linear"),
     "gated_norm_linear": ("metainfer.kernels.fp8_linear", "gated_norm_linear"),
+    "linear_conv_update": ("metainfer.kernels.fp8_linear", "linear_conv_update"),
 }
 
 

@@ -3,7 +3,8 @@
 x -> in_proj -> [qkv | z | b | a]; qkv -> causal conv1d (state) -> SiLU -> q, k, v;
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); gated delta rule (fp32 state);
 gated RMSNorm with z; out_proj. Decodes run batched over state slots, prefills per sequence in
-the chunked form.
+the chunked form. On the GPU kernels the decode conv is the in_proj kernel's epilogue
+(`Linear.conv_forward`) and the gated norm runs inside out_proj's loads (`Linear.gated_norm_forward`).
 """
 
 from __future__ import annotations
@@ -52,15 +53,18 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> torch.Tensor:  # [T, H] -> [T, H]
         T = x.shape[0]
-        mixed, z, b, a = self.in_proj.split(self.in_proj(x))
         nd = meta.num_decodes
+        slots, has_state = meta.state_slots[:nd], meta.has_state[:nd]
+        if nd:  # the decode rows' qkv columns come back convolved (conv states updated)
+            proj = self.in_proj.conv_forward(x, self.conv_weight, conv_state, slots, has_state)
+        else:
+            proj = self.in_proj(x)
+        mixed, z, b, a = self.in_proj.split(proj)
         core = (
             None if nd == T else torch.empty(T, self.hv, self.dv, dtype=x.dtype, device=x.device)
         )  # [T, Hv, Dv]
         if nd:
-            slots, has_state = meta.state_slots[:nd], meta.has_state[:nd]
-            y = ops.causal_conv1d_update(mixed[:nd], conv_state, self.conv_weight, slots, has_state)
-            q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k, v = torch.split(mixed[:nd], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
             out = ops.gdn_decode_gated(
                 q.view(nd, self.hk, self.dk),
                 k.view(nd, self.hk, self.dk),

@@ -71,6 +71,16 @@ class Linear(nn.Module):
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv)
         return ops.linear(x, self.weight)
 
+    def conv_forward(
+        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+        has_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward(x) with the DeltaNet decode conv + SiLU applied to the first C = conv channels of
+        the first len(slots) rows (their conv states updated in place); on the GPU kernels it is the
+        projection kernel's epilogue."""
+        return ops.linear_conv_update(x, self.weight, self.weight_scale_inv, conv_weight, conv_state, slots,
+                                      has_state)
+
     def gated_norm_forward(
         self, x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float
     ) -> torch.Tensor:

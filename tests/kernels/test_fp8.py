@@ -198,6 +198,53 @@ def test_skinny_with_gated_norm_on_the_loads(T, block_t, block_k, split, fp8, dt
     assert rel_rmse(fl.gated_norm_linear(x, z, nw, 1e-6, *args), want) < rmse  # CPU: norm, then linear
 
 
+CONV_CASES = [(1, 1, 1, 1, True), (1, 1, 3, 1, True), (3, 16, 1, 2, True), (3, 16, 2, 2, False),
+              (4, 16, 1, 0, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,block_t,split,B,fp8", CONV_CASES)
+def test_skinny_with_conv_epilogue(T, block_t, split, B, fp8, dtype):
+    """CONV_K: the DeltaNet decode conv + SiLU as the weight-streaming kernel's epilogue on the
+    first C = 136 output columns (not a whole number of 32-wide tiles) of the first B rows (the
+    decode rows; later rows are prefill rows and stay raw), one sequence without state; against
+    the projection then `reference.causal_conv1d_update` on a copy of the states. Split-K runs the
+    epilogue in the fix-up program."""
+    from metainfer.kernels import reference as ref
+
+    N, K, C, S, ck = 200, 300, 136, 5, 4
+    g = torch.Generator().manual_seed(13)
+    w = _weight(N, K, seed=5)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    cw = (torch.randn(C, ck, generator=g) * 0.5).to(dtype)
+    state = torch.randn(S, ck - 1, C, generator=g).to(dtype)
+    slots = torch.tensor([3, 0, 4, 1], dtype=torch.int64)[:B]
+    has = torch.tensor([True, False, True, True])[:B]
+    if fp8:
+        q, sc = quantize_fp8_block(w)
+        args, y_ref = (q, sc), F.linear(x, ref_dequant_fp8(q, sc, dtype))
+    else:
+        args, y_ref = (w.to(dtype), None), F.linear(x, w.to(dtype))
+    want_state = state.clone()
+    want = y_ref.clone()
+    if B:
+        want[:B, :C] = ref.causal_conv1d_update(y_ref[:B, :C], want_state, cw, slots, has)
+    k_iters = math.ceil(K / 64) if block_t == 1 else math.ceil(K / 128)
+    per = math.ceil(k_iters / split)
+    cfg = dict(BLOCK_N=32, BLOCK_T=block_t, BLOCK_K=64 if block_t == 1 else 128,
+               SPLIT_K=math.ceil(k_iters / per), iters_per_split=per, STAGES=2, num_warps=4)
+    y = torch.empty(T, N, dtype=dtype)
+    fl._skinny(x, *args, y, cfg, conv=(cw, state, slots, has))
+    rmse, max_abs = TOL[dtype] if dtype == torch.float32 else (3e-2, 6e-2)  # bf16: interpreter truncation
+    assert rel_rmse(y, want) < rmse and _max_rel(y, want) < max_abs
+    raw = torch.ones_like(y, dtype=torch.bool)
+    raw[:B, :C] = False  # outside the decode rows' conv columns: the projection alone
+    assert rel_rmse(y[raw], want[raw]) < TOL[dtype][0]
+    assert rel_rmse(state, want_state) < TOL[dtype][0]
+    untouched = [i for i in range(S) if i not in slots.tolist()]
+    assert torch.equal(state[untouched], want_state[untouched])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_w8a8(dtype):
     T = fl.SKINNY_MAX_T + 6
