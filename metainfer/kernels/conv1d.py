@@ -19,12 +19,13 @@ NUM_WARPS = 4
 @triton.jit
 def _conv_update_kernel(
     x_ptr, state_ptr, w_ptr, out_ptr, slots_ptr, has_ptr,
-    C, sx0, s_slot, s_k,
+    C, sx0, so0, s_slot, s_k,
     K: tl.constexpr, Y_DT: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
-    # x: [B, C] rows strided by sx0; state: [S, K-1, C] strides (s_slot, s_k, 1); w: [C, K]; out: [B, C]
+    # x: [B, C] rows strided by sx0; state: [S, K-1, C] strides (s_slot, s_k, 1); w: [C, K];
+    # out: [B, C] rows strided by so0 (may be x itself: each element is read before it is written)
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -43,7 +44,7 @@ def _conv_update_kernel(
     tl.store(s_base + (K - 2) * s_k, x.to(state_ptr.dtype.element_ty), mask=cmask)
     y = acc.to(Y_DT).to(tl.float32)
     y = y * tl.sigmoid(y)
-    tl.store(out_ptr + b.to(tl.int64) * C + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
+    tl.store(out_ptr + b.to(tl.int64) * so0 + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def causal_conv1d_update(
@@ -52,6 +53,7 @@ def causal_conv1d_update(
     weight: torch.Tensor,  # [C, K]
     slots: torch.Tensor,  # [B] int64
     has_state: torch.Tensor,  # [B] bool; False: previous inputs are zeros
+    out: torch.Tensor | None = None,  # [B, C] in x's dtype, rows may be strided; may be x (in place)
 ) -> torch.Tensor:
     """silu(depthwise causal conv of [state, x]) -> [B, C] in x's dtype; state <- last K-1 inputs."""
     assert x.dim() == 2 and x.stride(1) == 1, "x: [B, C] with contiguous channels"
@@ -64,12 +66,14 @@ def causal_conv1d_update(
     assert slots.shape == (B,) and slots.dtype == torch.int64, (slots.shape, slots.dtype)
     assert has_state.shape == (B,) and has_state.dtype == torch.bool, (has_state.shape, has_state.dtype)
     assert x.dtype in _TL_DTYPE and weight.dtype in _TL_DTYPE and conv_state.dtype in _TL_DTYPE
-    out = torch.empty(B, C, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(B, C, dtype=x.dtype, device=x.device)
+    assert out.shape == (B, C) and out.dtype == x.dtype and out.stride(1) == 1, (out.shape, out.dtype)
     if B == 0:
         return out
     _conv_update_kernel[(B, triton.cdiv(C, BLOCK_C))](
         x, conv_state, weight, out, slots, has_state.view(torch.uint8),
-        C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
+        C, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
         K=K, Y_DT=_TL_DTYPE[weight.dtype], BLOCK_C=BLOCK_C, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out

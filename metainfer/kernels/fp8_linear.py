@@ -80,18 +80,6 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _gated_norm(x, z, w, eps, AXIS: tl.constexpr, MID: tl.constexpr):
-    """The DeltaNet gated RMSNorm of 128-wide groups along AXIS (w already broadcast): (w * x /
-    rms(x)) * silu(z), rounded as `norm.gated_rms_norm` does, in x's dtype."""
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=AXIS) / 128 + eps)
-    h = (xf * tl.expand_dims(rstd, AXIS)).to(x.dtype).to(tl.float32)
-    h = (h * w.to(tl.float32)).to(MID).to(tl.float32)
-    zf = z.to(tl.float32)
-    return (h * (zf * tl.sigmoid(zf))).to(x.dtype)
-
-
-@triton.jit
 def _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr, s_slot, s_k,
                    OUT_DT: tl.constexpr, CONV_K: tl.constexpr, Y_DT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_T] fp32 of output columns offs_n, tokens offs_t -> the values to store:
@@ -133,10 +121,6 @@ def _skinny_kernel(
     stride_yt,
     stride_sn,
     iters_per_split,
-    z_ptr,
-    gw_ptr,
-    stride_zt,
-    eps,
     cstate_ptr,
     cw_ptr,
     slots_ptr,
@@ -153,15 +137,11 @@ def _skinny_kernel(
     UPCAST: tl.constexpr,
     DOT_F16: tl.constexpr = 0,
     HAS_SCALE: tl.constexpr = 1,  # 0: unquantised (BF16) weights, s_ptr unused
-    GNORM: tl.constexpr = 0,  # 1: x is gated_rms_norm(x, z, gw) over 128-wide groups, done per K step
-    MID: tl.constexpr = tl.float32,  # GNORM: the dtype of w * normed (the promotion of gw and x)
     CONV_K: tl.constexpr = 0,  # > 0: the DeltaNet decode conv (this kernel size) as the epilogue
     Y_DT: tl.constexpr = tl.float32,  # CONV_K: the conv weight's dtype (the conv output's rounding)
     USE_PDL: tl.constexpr = 0,
 ):
-    """GNORM: the DeltaNet output norm is applied to each activation chunk as it is loaded (its
-    128-wide groups never straddle a K step), so the norm needs no launch of its own.
-    CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split)."""
+    """CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split)."""
     pdl.wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -182,14 +162,7 @@ def _skinny_kernel(
             k_mask = offs_k < K
             w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)  # [BN, BK]
-            xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-            if GNORM:  # [BLOCK_K] as [BLOCK_K / 128, 128] groups
-                zv = tl.load(z_ptr + offs_k, mask=k_mask, other=0.0)
-                gw = tl.load(gw_ptr + offs_k % 128)
-                xv = tl.reshape(_gated_norm(tl.reshape(xv, (BLOCK_K // 128, 128)),
-                                            tl.reshape(zv, (BLOCK_K // 128, 128)),
-                                            tl.reshape(gw, (BLOCK_K // 128, 128)), eps, 1, MID), (BLOCK_K,))
-            xv = xv.to(tl.float32)
+            xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if HAS_SCALE:
                 xv = xv * tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
             acc2 += w.to(tl.float32) * xv[None, :]
@@ -201,11 +174,6 @@ def _skinny_kernel(
                 w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN,128]
                 x_mask = t_mask[None, :] & k_mask[:, None]
                 xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
-                if GNORM:  # the 128-wide sub-step is one group per token column
-                    z_ptrs = z_ptr + offs_t[None, :] * stride_zt + offs_k[:, None]
-                    zt = tl.load(z_ptrs, mask=x_mask, other=0.0)
-                    gw = tl.load(gw_ptr + tl.arange(0, 128))
-                    xt = _gated_norm(xt, zt, gw[:, None], eps, 0, MID)
                 if HAS_SCALE:
                     kb = ki * (BLOCK_K // 128) + sub  # past K (a ragged last step): w, x are zeros
                     acc += wdot(w, xt, UPCAST, DOT_F16) * tl.load(s_row + kb, mask=kb * 128 < K, other=0.0)
@@ -378,9 +346,8 @@ def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor,
-            cfg: dict | None = None, gnorm: tuple | None = None, conv: tuple | None = None) -> None:
+            cfg: dict | None = None, conv: tuple | None = None) -> None:
     """y = x @ dequant(w)^T by weight streaming; s None: unquantised weights in x's dtype.
-    gnorm = (z, norm_weight [128], eps): x is replaced by gated_rms_norm(x, z) per 128 columns.
     conv = (conv_weight [C, k], conv_state [S, k-1, C], slots [B], has_state [B]): the first C
     columns of the first B rows become the DeltaNet decode conv + SiLU of themselves."""
     T, K = x.shape
@@ -395,11 +362,6 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         assert C <= N and slots.shape[0] <= T
         cargs = (cstate, cw, slots, has.view(torch.uint8), C, slots.shape[0], *cstate.stride()[:2])
         cfg.update(CONV_K=ck, Y_DT=_TL_DTYPE[cw.dtype])
-    z, gw, eps = gnorm if gnorm is not None else (x, x, 0.0)  # unused pointers without the norm
-    if gnorm is not None:
-        assert K % 128 == 0 and gw.shape == (128,) and z.shape == x.shape and z.stride(1) == 1, z.shape
-        assert cfg["BLOCK_K"] % 128 == 0, "a K step holds whole norm groups"
-        cfg.update(GNORM=1, MID=_TL_DTYPE[torch.promote_types(gw.dtype, x.dtype)])
     if s is None:
         assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
         s, cfg["HAS_SCALE"] = w, 0
@@ -427,10 +389,6 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         y.stride(0),
         s.stride(0),
         cfg.pop("iters_per_split"),
-        z,
-        gw,
-        z.stride(0),
-        eps,
         *cargs,
         UPCAST=_interpret() or x.dtype == torch.float32,
         **cfg, **pdl.kw(),
@@ -506,38 +464,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     return y.reshape(*lead, N)
 
 
-GNORM_ENV = "METAINFER_FUSED_GNORM"  # "0": the gated norm in its own launch before the projection
-
-
-def gated_norm_linear(
-    x: torch.Tensor,  # [T, K] DeltaNet core output, K = heads * 128, K contiguous (rows may be strided)
-    z: torch.Tensor,  # [T, K] the gate, rows may be strided
-    norm_weight: torch.Tensor,  # [128]
-    eps: float,
-    weight: torch.Tensor,  # [N, K] e4m3 (with scale_inv) or x's dtype
-    scale_inv: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """linear(gated_rms_norm(x, z, norm_weight, eps)) per 128-wide group: in the weight-streaming
-    kernel's loads where it serves (FP8 up to SKINNY_MAX_T tokens; BF16 where the H200 table has a
-    config), else the norm kernel then the projection. -> [T, N] in x's dtype."""
-    from metainfer.kernels import norm
-
-    T, K = x.shape
-    N = weight.shape[0]
-    fp8 = scale_inv is not None
-    cfg = None
-    on = os.environ.get(GNORM_ENV, "1") != "0" and x.is_cuda and norm_weight.numel() == 128
-    if on and 0 < T <= SKINNY_MAX_T:
-        cfg = skinny_config(T, N, K, _num_sms(x.device)) if fp8 else tuned_table().get(f"bf16:{N},{K},{T}")
-    if cfg is None or cfg["BLOCK_K"] % 128 or K % 128 or x.stride(1) != 1 or z.stride(1) != 1:
-        g = norm_weight.numel()
-        h = norm.gated_rms_norm(x.reshape(T, K // g, g), z.reshape(T, K // g, g), norm_weight, eps).view(T, K)
-        return fp8_linear(h, weight, scale_inv) if fp8 else dense_linear(h, weight)
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    _skinny(x, weight, scale_inv, y, cfg, gnorm=(z, norm_weight, eps))
-    return y
-
-
 CONV_ENV = "METAINFER_FUSED_CONV"  # "0": the decode conv in its own launch after the projection
 
 
@@ -552,8 +478,8 @@ def linear_conv_update(
 ) -> torch.Tensor:
     """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
     y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
-    weight-streaming kernel's epilogue where it serves (as `gated_norm_linear`), else the
-    projection, then the conv kernel. -> y [T, N]."""
+    weight-streaming kernel's epilogue where it serves (FP8 up to SKINNY_MAX_T tokens; BF16 where the
+    H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N]."""
     from metainfer.kernels import conv1d
 
     T, K = x.shape
@@ -566,7 +492,7 @@ def linear_conv_update(
         y = fp8_linear(x, weight, scale_inv) if fp8 else dense_linear(x, weight)
         B, C = slots.shape[0], conv_weight.shape[0]
         if B:
-            y[:B, :C] = conv1d.causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state)
+            conv1d.causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state, out=y[:B, :C])
         return y
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     _skinny(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state))

@@ -131,18 +131,6 @@ def linear_conv_update(x, weight, scale_inv, conv_weight, conv_state, slots, has
     return y
 
 
-def gated_norm_linear(x, z, norm_weight, eps, weight, scale_inv=None):
-    """linear(gated_rms_norm(x, z)) with the norm over groups of norm_weight's size; x, z [T, K]
-    (rows may be strided), weight [N, K] (e4m3 with scale_inv, or unquantised). -> [T, N]."""
-    k = _kernel("gated_norm_linear", x)
-    if k:
-        return k(x, z, norm_weight, eps, weight, scale_inv)
-    T, K = x.shape
-    g = norm_weight.numel()
-    h = gated_rms_norm(x.reshape(T, K // g, g), z.reshape(T, K // g, g), norm_weight, eps).reshape(T, K)
-    return linear(h, weight) if scale_inv is None else fp8_linear(h, weight, scale_inv)
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     k = _kernel("fp8_linear", x)
     if k:

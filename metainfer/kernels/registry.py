@@ -26,7 +26,6 @@ KERNELS: dict[str, tuple[str, str]] = {
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.fp8_linear", "dense_linear"),
-    "gated_norm_linear": ("metainfer.kernels.fp8_linear", "gated_norm_linear"),
     "linear_conv_update": ("metainfer.kernels.fp8_linear", "linear_conv_update"),
 }
 

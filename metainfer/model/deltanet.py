@@ -4,7 +4,7 @@ x -> in_proj -> [qkv | z | b | a]; qkv -> causal conv1d (state) -> SiLU -> q, k,
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); gated delta rule (fp32 state);
 gated RMSNorm with z; out_proj. Decodes run batched over state slots, prefills per sequence in
 the chunked form. On the GPU kernels the decode conv is the in_proj kernel's epilogue
-(`Linear.conv_forward`) and the gated norm runs inside out_proj's loads (`Linear.gated_norm_forward`).
+(`Linear.conv_forward`).
 """
 
 from __future__ import annotations
@@ -104,4 +104,5 @@ class GatedDeltaNet(nn.Module):
                 max(b_ - a_ for a_, b_ in zip(rel, rel[1:])),
                 core[s0:],
             )
-        return self.out_proj.gated_norm_forward(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
+        h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
+        return self.out_proj(h.view(T, self.value_dim))

@@ -81,15 +81,6 @@ class Linear(nn.Module):
         return ops.linear_conv_update(x, self.weight, self.weight_scale_inv, conv_weight, conv_state, slots,
                                       has_state)
 
-    def gated_norm_forward(
-        self, x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        """forward(gated_rms_norm(x, z, norm_weight, eps)) for x, z [T, heads, d] (the DeltaNet
-        output): on the GPU kernels the norm runs inside the projection's loads."""
-        T = x.shape[0]
-        return ops.gated_norm_linear(x.reshape(T, -1), z.reshape(T, -1), norm_weight, eps, self.weight,
-                                     self.weight_scale_inv)
-
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, list(self.parts.values()), dim=-1)
 

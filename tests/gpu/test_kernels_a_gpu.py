@@ -265,12 +265,12 @@ _COMPILE = textwrap.dedent(
               dict(G=8, G_P2=8, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=pc.block_rows // 8,
                    BLOCK_N=pc.block_n, PREC="tf32", UPCAST=False, GATE=gate), pc.num_warps, pc.num_stages)
     f8 = "*fp8e4nv"
-    for bt, f16, bk, gn, ck in ((1, 0, 128, 0, 0), (16, 1, 128, 0, 0), (16, 1, 256, 0, 0),
-                                (1, 0, 256, 1, 0), (16, 1, 128, 1, 0), (16, 1, 128, 0, 4), (1, 0, 256, 0, 4)):
+    for bt, f16, bk, ck in ((1, 0, 128, 0), (16, 1, 128, 0), (16, 1, 256, 0),
+                            (16, 1, 128, 4), (1, 0, 256, 4)):
         build(fl._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
-              z_ptr=bf, gw_ptr=bf, eps="fp32", cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8"),
-              dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0, DOT_F16=f16, GNORM=gn,
-                   MID=tl.bfloat16, CONV_K=ck, Y_DT=tl.bfloat16), 4)
+              cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8"),
+              dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0, DOT_F16=f16,
+                   CONV_K=ck, Y_DT=tl.bfloat16), 4)
     for fp8, mma, route in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 0, 8), (1, 0, 8)):
         wt = f8 if fp8 else bf
         build(moe._pair_gate_up_kernel, dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf,

@@ -60,3 +60,19 @@ def test_registered():
     from metainfer.kernels import registry
 
     assert registry.load({"causal_conv1d_update"}) == {"causal_conv1d_update": conv1d.causal_conv1d_update}
+
+
+def test_conv1d_update_in_place_into_strided_rows():
+    """out = x itself, a strided block of a wider projection output (the in_proj fallback)."""
+    B, C, K = 3, 40, 4
+    g = torch.Generator().manual_seed(9)
+    proj = torch.randn(B, 2 * C, generator=g)
+    x = proj[:, :C]
+    state = torch.randn(5, K - 1, C, generator=g)
+    w = torch.randn(C, K, generator=g) * 0.5
+    slots, has = torch.tensor([4, 0, 2]), torch.tensor([True, False, True])
+    want_state, tail = state.clone(), proj[:, C:].clone()
+    want = ref.causal_conv1d_update(x.clone(), want_state, w, slots, has)
+    got = conv1d.causal_conv1d_update(x, state, w, slots, has, out=x)
+    assert got.data_ptr() == proj.data_ptr() and rel_rmse(proj[:, :C], want) < 1e-6
+    assert torch.equal(proj[:, C:], tail) and rel_rmse(state, want_state) < 1e-6
