@@ -7,10 +7,14 @@ expert's output in x's dtype; the small-T path keeps it in fp32 until the weight
 No host synchronisation and no allocation sized by device values (CUDA-graph capturable), and
 no float atomics: the same inputs give the same output bits.
 
-Small T (decode, T <= PAIR_MAX_T): `_pair_gate_up_kernel` over (pair, I-block) writes
-silu(gate) * up for each of the T*k (token, slot) pairs; `_pair_down_kernel` over (token, H-block)
-adds the k weighted down projections in slot order (fp32, rounded once). Two launches; each pair
-reads its expert's rows once; both loops pipeline all their loads (`tl.range(num_stages=...)`).
+Small T (decode; `use_pair_path`): `_pair_gate_up_kernel` over (pair, I-block) writes
+silu(gate) * up for each of the T*k (token, slot) pairs; then either `_pair_down_rows_kernel` over
+(pair, H-block) writes each pair's fp32 output and `_combine_kernel` adds them with the routing
+weights in slot order ("rows", the default), or `_pair_down_kernel` over (token, H-block) does both
+("fused"). Each pair reads its expert's rows once; the loops pipeline all their loads
+(`tl.range(num_stages=...)`). `moe_routed_rows` (FP8, up to ROUTED_MAX_T tokens) routes inside the
+gate/up kernel and leaves the weighted sum to the next add+RMSNorm (`norm.moe_add_rms_norm`): two
+launches per layer instead of four.
 
 Large T: the pairs are bucketed by expert on the device (`_count_kernel`, then `_bucket_kernel`:
 positions from int atomics), each bucket padded to BLOCK_M rows inside a buffer of worst-case size
