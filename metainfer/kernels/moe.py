@@ -55,9 +55,9 @@ def _softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr)
     slot = tl.arange(0, K_P2)
     vals = tl.zeros((K_P2,), tl.float32)
     idx = tl.zeros((K_P2,), tl.int32)
-    for j in range(0, n_pick):
-        best = tl.argmax(p, axis=0)
-        vals = tl.where(slot == j, tl.max(p, axis=0), vals)
+    for j in range(0, n_pick):  # one reduction per pick: the max and its (lowest) index together
+        top, best = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        vals = tl.where(slot == j, top, vals)
         idx = tl.where(slot == j, best, idx)
         p = tl.where(offs == best, -1.0, p)
     return vals, idx

@@ -44,6 +44,17 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, mask, N, eps):
+    """Stores the new residual r (already in its dtype) and x / rms(x) * (1 + w) of it."""
+    tl.store(new_res_ptr + off, r, mask=mask)
+    rf = r.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(rf * rf, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = rf * rstd[:, None] * (1.0 + w)[None, :]
+    tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     n_rows, sx0, sr0, N, eps,
@@ -61,12 +72,7 @@ def _add_rms_norm_kernel(
     res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     off = rows64 * N + cols[None, :]
     r = (x + res).to(new_res_ptr.dtype.element_ty)  # the residual stream is rounded before the norm
-    tl.store(new_res_ptr + off, r, mask=mask)
-    rf = r.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(rf * rf, axis=1) / N + eps)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = rf * rstd[:, None] * (1.0 + w)[None, :]
-    tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, mask, N, eps)
 
 
 @triton.jit
@@ -96,12 +102,7 @@ def _moe_add_rms_norm_kernel(
         res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         r = (r.to(tl.float32) + res).to(new_res_ptr.dtype.element_ty)
     off = rows64 * N + cols[None, :]
-    tl.store(new_res_ptr + off, r, mask=mask)
-    rf = r.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(rf * rf, axis=1) / N + eps)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    out = rf * rstd[:, None] * (1.0 + w)[None, :]
-    tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, mask, N, eps)
 
 
 @triton.jit
