@@ -225,11 +225,15 @@ _COMPILE = textwrap.dedent(
     def build(kernel, types, consts, num_warps, num_stages=2):
         consts = dict(consts, USE_PDL=1)  # the launch-with-PDL build (griddepcontrol) for sm_90
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
-        div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-               if sig[n][0] == "*" or sig[n] == "i64"}
-        src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+        # two specialisations, as the JIT makes them: pointers 16-byte aligned and the integers
+        # unknown (scalar loads), and every integer a multiple of 16 too (the full model's shapes
+        # and strides: vectorised cp.async pipelines)
+        for ints in (False, True):
+            div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                   if sig[n][0] == "*" or sig[n] == "i64" or (ints and sig[n] == "i32")}
+            src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div)
+            triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": num_warps, "num_stages": num_stages})
 
     bf, f32 = "*bf16", "*fp32"
     build(norm._rms_norm_kernel, dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32", sx0="i64", sx1="i64"),
