@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metainfer.kernels import pdl
+from metainfer.kernels import pdl, routing
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -107,6 +107,22 @@ def _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots
 
 
 @triton.jit
+def _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK: tl.constexpr,
+                    SHARED: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
+    """Called by each program that stored a finished output tile of the router projection: the last
+    one of them (int counter, acq_rel) routes every token from the complete logits rows
+    (`routing.route_token`, loads past L1) and leaves the counter at zero."""
+    tl.debug_barrier()  # every thread's share of the tile is stored before the release below
+    done = tl.atomic_add(rlock_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        W: tl.constexpr = TOPK + SHARED
+        for t in range(0, T):
+            routing.route_token(y_ptr + t * stride_yt, N - SHARED, tw_ptr + t * W, ids_ptr + t * W, TOPK,
+                                SHARED, E_P2, K_P2, CG=1)
+        tl.atomic_xchg(rlock_ptr, 0)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -129,6 +145,9 @@ def _skinny_kernel(
     n_dec,
     s_slot,
     s_k,
+    rlock_ptr,
+    tw_ptr,
+    ids_ptr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -139,9 +158,14 @@ def _skinny_kernel(
     HAS_SCALE: tl.constexpr = 1,  # 0: unquantised (BF16) weights, s_ptr unused
     CONV_K: tl.constexpr = 0,  # > 0: the DeltaNet decode conv (this kernel size) as the epilogue
     Y_DT: tl.constexpr = tl.float32,  # CONV_K: the conv weight's dtype (the conv output's rounding)
+    TOPK: tl.constexpr = 0,  # > 0: y is the router's logits; the last tile's program routes (top-k)
+    SHARED: tl.constexpr = 0,  # TOPK: the last column gates the shared expert (slot TOPK)
+    E_P2: tl.constexpr = 1,
+    K_P2: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
-    """CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split)."""
+    """CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split).
+    TOPK: `_route_epilogue` after the tile is stored (the router projection routes its tokens)."""
     pdl.wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -190,6 +214,8 @@ def _skinny_kernel(
         else:
             out = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptrs, out, mask=y_mask)
+        if TOPK:
+            _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
         n_tiles = tl.num_programs(0)
@@ -208,6 +234,8 @@ def _skinny_kernel(
                 out = total.to(y_ptr.dtype.element_ty)
             tl.store(y_ptrs, out, mask=y_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
+            if TOPK:
+                _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
 
 
 @triton.jit
@@ -297,6 +325,11 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def _route_lock(device: torch.device) -> torch.Tensor:
+    """The routing epilogue's zeroed int32 tile counter (one per stream, as `_locks`)."""
+    return _locks(device, 1 << 16)[-1:]
+
+
 TUNED_ENV = "METAINFER_FP8_TUNED"
 _TUNED: dict[str, dict[str, dict]] = {}
 
@@ -346,10 +379,12 @@ def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor,
-            cfg: dict | None = None, conv: tuple | None = None) -> None:
+            cfg: dict | None = None, conv: tuple | None = None, route: tuple | None = None) -> None:
     """y = x @ dequant(w)^T by weight streaming; s None: unquantised weights in x's dtype.
     conv = (conv_weight [C, k], conv_state [S, k-1, C], slots [B], has_state [B]): the first C
-    columns of the first B rows become the DeltaNet decode conv + SiLU of themselves."""
+    columns of the first B rows become the DeltaNet decode conv + SiLU of themselves.
+    route = (top_k, shared, tw [T, W] fp32, ids [T, W] int64): y is the router's logits; they are
+    routed in the kernel's epilogue into tw / ids (`_route_epilogue`)."""
     T, K = x.shape
     N = w.shape[0]
     cfg = dict(cfg or skinny_config(T, N, K, _num_sms(x.device)))
@@ -362,6 +397,14 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         assert C <= N and slots.shape[0] <= T
         cargs = (cstate, cw, slots, has.view(torch.uint8), C, slots.shape[0], *cstate.stride()[:2])
         cfg.update(CONV_K=ck, Y_DT=_TL_DTYPE[cw.dtype])
+    rargs = (x, x, x)  # unused pointers without routing
+    if route is not None:
+        top_k, shared, tw, ids = route
+        W = top_k + int(shared)
+        assert tw.shape == ids.shape == (T, W) and tw.dtype == torch.float32 and ids.dtype == torch.int64
+        rargs = (_route_lock(x.device), tw, ids)
+        cfg.update(TOPK=top_k, SHARED=int(shared), E_P2=triton.next_power_of_2(N - int(shared)),
+                   K_P2=triton.next_power_of_2(top_k))
     if s is None:
         assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
         s, cfg["HAS_SCALE"] = w, 0
@@ -390,6 +433,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         s.stride(0),
         cfg.pop("iters_per_split"),
         *cargs,
+        *rargs,
         UPCAST=_interpret() or x.dtype == torch.float32,
         **cfg, **pdl.kw(),
     )
@@ -497,3 +541,28 @@ def linear_conv_update(
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     _skinny(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state))
     return y
+
+
+ROUTER_ENV = "METAINFER_ROUTER_TOPK"  # "1": route in the router projection's epilogue (off: unmeasured)
+
+
+def router_topk(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The MoE router (weight [E (+1), H] in x's dtype) with the routing in its epilogue: ->
+    (logits [T, E (+1)], weights [T, W] fp32, ids [T, W] int64) as `moe.route_topk(logits)` gives
+    them, in one launch; None where the weight-streaming kernel has no measured config for the
+    shape (then F.linear + `moe.route_topk`) or METAINFER_ROUTER_TOPK is not "1"."""
+    T, K = x.shape
+    N = weight.shape[0]
+    if os.environ.get(ROUTER_ENV, "0") != "1" or not x.is_cuda:
+        return None
+    cfg = tuned_table().get(f"bf16:{N},{K},{T}")
+    if cfg is None or weight.dtype != x.dtype or not weight.is_contiguous() or x.stride(1) != 1:
+        return None
+    W = top_k + int(shared)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    tw = torch.empty(T, W, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, W, dtype=torch.int64, device=x.device)
+    _skinny(x, weight, None, y, cfg, route=(top_k, shared, tw, ids))
+    return y, tw, ids

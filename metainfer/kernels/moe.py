@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metainfer.kernels import pdl
+from metainfer.kernels import pdl, routing
 from metainfer.kernels.fp8_linear import load_tuned, mma, wdot
 
 PAIR_MAX_T = 8
@@ -44,25 +44,6 @@ def _interpret() -> bool:
 
 
 # ---- small T: one program per (pair, block) ------------------------------------------------------
-@triton.jit
-def _softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr):
-    """fp32 softmax over the E logits at logits_row, then n_pick rounds of argmax (lowest index on
-    ties). -> (probabilities of the picks [K_P2], their experts [K_P2] int32), in pick order."""
-    offs = tl.arange(0, E_P2)
-    logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
-    p = tl.exp(logit - tl.max(logit, axis=0))
-    p = tl.where(offs < E, p / tl.sum(p, axis=0), -1.0)
-    slot = tl.arange(0, K_P2)
-    vals = tl.zeros((K_P2,), tl.float32)
-    idx = tl.zeros((K_P2,), tl.int32)
-    for j in range(0, n_pick):  # one reduction per pick: the max and its (lowest) index together
-        top, best = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        vals = tl.where(slot == j, top, vals)
-        idx = tl.where(slot == j, best, idx)
-        p = tl.where(offs == best, -1.0, p)
-    return vals, idx
-
-
 @triton.jit
 def _pair_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, logits_ptr, tw_ptr, H, I, E, stride_we, stride_se, stride_sn,
@@ -78,7 +59,7 @@ def _pair_gate_up_kernel(
     product). Otherwise fp32 FMA on the CUDA cores.
 
     ROUTE_K > 0: the routing is done here, not read from ids: slot j < ROUTE_K finds its expert by
-    j + 1 rounds of `_softmax_topk` over the token's E router logits (the same steps as
+    j + 1 rounds of `routing.softmax_topk` over the token's E router logits (the same steps as
     `_route_kernel`, so the same picks); a slot ROUTE_K (SLOTS = ROUTE_K + 1) is the shared expert,
     id E, weight sigmoid(logit E). The first I-block of the last routed slot writes the token's
     ids and renormalised weights, the shared slot's its own, for the down and combine steps."""
@@ -90,7 +71,8 @@ def _pair_gate_up_kernel(
     if ROUTE_K:
         j = pair - t * SLOTS
         routed = j < ROUTE_K
-        vals, idx = _softmax_topk(logits_ptr + t * stride_lt, E, tl.where(routed, j + 1, 0), E_P2, K_P2)
+        n_pick = tl.where(routed, j + 1, 0)
+        vals, idx = routing.softmax_topk(logits_ptr + t * stride_lt, E, n_pick, E_P2, K_P2)
         slot = tl.arange(0, K_P2)
         e = tl.where(routed, tl.sum(tl.where(slot == j, idx, 0), axis=0), E).to(tl.int64)
         first = (tl.program_id(1) == 0).to(tl.int32)
@@ -352,16 +334,9 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_lt, TOP_K: tl.constexpr,
     (id E, weight sigmoid(logit E))."""
     pdl.wait(USE_PDL)
     t = tl.program_id(0)
-    vals, idx = _softmax_topk(logits_ptr + t * stride_lt, E, TOP_K, E_P2, K_P2)
-    slot = tl.arange(0, K_P2)
-    vals = vals / tl.sum(vals, axis=0)
     W: tl.constexpr = TOP_K + SHARED
-    tl.store(w_ptr + t * W + slot, vals, mask=slot < TOP_K)
-    tl.store(ids_ptr + t * W + slot, idx.to(tl.int64), mask=slot < TOP_K)
-    if SHARED:
-        g = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
-        tl.store(w_ptr + t * W + TOP_K, tl.sigmoid(g))
-        tl.store(ids_ptr + t * W + TOP_K, E.to(tl.int64))
+    routing.route_token(logits_ptr + t * stride_lt, E, w_ptr + t * W, ids_ptr + t * W, TOP_K, SHARED,
+                        E_P2, K_P2)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -593,3 +568,27 @@ def moe_routed_rows(
                         route=(router_logits, top_k, tw))
     y = _pair_down_rows(act, w_down, _scale_args(down_scale, w_down), ids, fp8, cfg, x)
     return y.view(T, W, H), tw
+
+
+def moe_pair_rows(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2I, H]
+    w_down: torch.Tensor,  # [E, H, I]
+    ids: torch.Tensor,  # [T, W] int64 (e.g. from `fp8_linear.router_topk`)
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Each (token, slot)'s expert output, unweighted, by the per-pair decode kernels (gate/up, then
+    down rows): -> [T, W, H] fp32, `reference.moe_expert_rows`. The weighted sum is the consumer's
+    (`norm.moe_add_rms_norm`)."""
+    T, H = x.shape
+    W = ids.shape[1]
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    assert x.is_contiguous() and 0 < T <= PAIR_MAX_T and ids.is_contiguous(), (T, ids.shape)
+    assert w_gate_up.is_contiguous() and w_down.is_contiguous()
+    assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
+    cfg = config or pair_config(T, fp8)
+    act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg)
+    y = _pair_down_rows(act, w_down, _scale_args(down_scale, w_down), ids, fp8, cfg, x)
+    return y.view(T, W, H)

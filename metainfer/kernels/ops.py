@@ -100,6 +100,25 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
     return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
 
 
+def router_topk(x, weight, top_k, shared):
+    """The MoE router with the routing in the same launch: -> (logits [T, E (+1)], weights [T, W],
+    ids [T, W]) as `route`/`route_with_shared` of the logits, or None where no kernel does it
+    (then the router Linear + `route_with_shared`)."""
+    k = _kernel("router_topk", x)
+    return k(x, weight, top_k, shared) if k else None
+
+
+def moe_pair_rows(x, w_gate_up, w_down, ids, gate_up_scale=None, down_scale=None):
+    """Each (token, slot)'s expert output, unweighted, fp32: -> [T, W, H]."""
+    k = _kernel("moe_pair_rows", x)
+    if k:
+        return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale)
+    if gate_up_scale is not None:
+        w_gate_up = ref_dequant_fp8(w_gate_up, gate_up_scale, x.dtype)
+        w_down = ref_dequant_fp8(w_down, down_scale, x.dtype)
+    return ref.moe_expert_rows(x, w_gate_up, w_down, ids)
+
+
 def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None):
     """`add_rms_norm(moe_combine(rows, weights), residual)`: the MoE's weighted sum, the residual
     add and the next RMSNorm in one pass. -> (normed, new residual)."""

@@ -24,6 +24,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
+    "moe_pair_rows": ("metainfer.kernels.moe", "moe_pair_rows"),
+    "router_topk": ("metainfer.kernels.fp8_linear", "router_topk"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.fp8_linear", "dense_linear"),
     "linear_conv_update": ("metainfer.kernels.fp8_linear", "linear_conv_update"),

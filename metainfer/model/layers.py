@@ -122,8 +122,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
         """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm)."""
-        logits = self.router(x)  # [T, E+1]
         scales = (self.w_gate_up_scale, self.w_down_scale)
+        if self.fused_shared and self.router.weight_scale_inv is None:  # routing in the router's launch
+            routed = ops.router_topk(x, self.router.weight, self.top_k, True)
+            if routed is not None:
+                _, weights, ids = routed
+                rows = ops.moe_pair_rows(x, self.w_gate_up, self.w_down, ids, *scales)
+                return ExpertRows(rows, weights, x.dtype)
+        logits = self.router(x)  # [T, E+1]
         if self.fused_shared:
             part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
             if part is not None:

@@ -217,13 +217,17 @@ def test_decode_kernels_graph_replay_matches_eager():
 # ---- sm_90 code generation (no GPU needed) -------------------------------------------------------
 _COMPILE = textwrap.dedent(
     """
+    import inspect
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from metainfer.kernels import attention as A, conv1d, fp8_linear as fl, gdn_decode, moe, norm
 
     def build(kernel, types, consts, num_warps, num_stages=2):
-        consts = dict(consts, USE_PDL=1)  # the launch-with-PDL build (griddepcontrol) for sm_90
+        # constexpr parameters left out take their defaults, as in a launch
+        defaults = {p.name: p.default for p in kernel.params
+                    if p.is_constexpr and p.default is not inspect.Parameter.empty}
+        consts = dict(defaults, **consts, USE_PDL=1)  # the launch-with-PDL build (griddepcontrol) for sm_90
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
         # two specialisations, as the JIT makes them: pointers 16-byte aligned and the integers
         # unknown (scalar loads), and every integer a multiple of 16 too (the full model's shapes
@@ -272,9 +276,14 @@ _COMPILE = textwrap.dedent(
     for bt, f16, bk, ck in ((1, 0, 128, 0), (16, 1, 128, 0), (16, 1, 256, 0),
                             (16, 1, 128, 4), (1, 0, 256, 4)):
         build(fl._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
-              cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8"),
-              dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0, DOT_F16=f16,
-                   CONV_K=ck, Y_DT=tl.bfloat16), 4)
+              cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
+              ids_ptr="*i64"), dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0,
+              DOT_F16=f16, CONV_K=ck, Y_DT=tl.bfloat16), 4)
+    for split in (1, 8):  # the BF16 router with the routing epilogue
+        build(fl._skinny_kernel, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
+              cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
+              ids_ptr="*i64"), dict(SPLIT_K=split, BLOCK_N=16, BLOCK_T=1, BLOCK_K=256, STAGES=3, UPCAST=0,
+              HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 4)
     for fp8, mma, route in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 0, 8), (1, 0, 8)):
         wt = f8 if fp8 else bf
         build(moe._pair_gate_up_kernel, dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf,

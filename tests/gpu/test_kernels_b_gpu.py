@@ -270,3 +270,29 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
     raw[:B, :8192] = False
     assert torch.equal(got[raw], want[raw])
     assert _rel(got[:B, :8192], want[:B, :8192]) < 1e-2 and _rel(s1, s2) < 1e-2
+
+
+
+@pytest.mark.parametrize("T", [1])
+def test_router_topk_full_shape(T, monkeypatch):
+    """The router (257 x 2048 BF16, the table's config) with the routing in its epilogue
+    (METAINFER_ROUTER_TOPK=1) against F.linear-free `dense_linear` + `route_topk` of the same
+    logits: the same logits bits, ids and weights (rtol 1e-6: the softmax sum's reduction order);
+    then through a CUDA graph with new inputs."""
+    from metainfer.kernels import fp8_linear as fl
+    from metainfer.kernels import moe
+
+    monkeypatch.setenv(fl.ROUTER_ENV, "1")
+    g = torch.Generator(device="cuda").manual_seed(70 + T)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(E + 1, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    got = fl.router_topk(x, w, TOPK, True)
+    assert got is not None, "no table config for the router at this T"
+    logits, tw, ids = got
+    want_logits = fl.dense_linear(x, w)
+    tw_want, ids_want = moe.route_topk(want_logits, TOPK, shared=True)
+    assert torch.equal(logits, want_logits) and torch.equal(ids, ids_want)
+    assert torch.allclose(tw, tw_want, rtol=1e-6, atol=0)
+    assert not fl._route_lock(x.device).any()
+    _graph_equals_eager(lambda a: torch.cat([t.float().flatten() for t in fl.router_topk(a, w, TOPK, True)]),
+                        [x], [torch.randn_like(x)])

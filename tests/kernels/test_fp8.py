@@ -209,6 +209,35 @@ def test_skinny_with_conv_epilogue(T, block_t, split, B, fp8, dtype):
     assert torch.equal(state[untouched], want_state[untouched])
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("T,block_t,split", [(1, 1, 1), (1, 1, 3), (3, 16, 2)])
+def test_skinny_router_with_route_epilogue(T, block_t, split, shared):
+    """TOPK: the router projection routes in its epilogue (the last program to store a finished
+    tile, counted by an int counter): the same ids and weights as `reference.route(_with_shared)`
+    of the logits it wrote, 20 experts (+1 shared) over 16-wide tiles, split-K or not; the counter
+    is left at zero."""
+    from metainfer.kernels import reference as ref
+
+    E, k, K = 20, 3, 200
+    N = E + int(shared)
+    g = torch.Generator().manual_seed(17)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
+    x = (torch.randn(T, K, generator=g) * 2).to(torch.bfloat16)
+    k_iters = math.ceil(K / 64) if block_t == 1 else math.ceil(K / 128)
+    per = math.ceil(k_iters / split)
+    cfg = dict(BLOCK_N=16 if block_t == 1 else 32, BLOCK_T=block_t, BLOCK_K=64 if block_t == 1 else 128,
+               SPLIT_K=math.ceil(k_iters / per), iters_per_split=per, STAGES=2, num_warps=4)
+    W = k + int(shared)
+    y = torch.empty(T, N, dtype=torch.bfloat16)
+    tw, ids = torch.full((T, W), -1.0), torch.full((T, W), -1, dtype=torch.int64)
+    fl._skinny(x, w, None, y, cfg, route=(k, shared, tw, ids))
+    assert rel_rmse(y, F.linear(x, w)) < 2e-2
+    tw_want, ids_want = (ref.route_with_shared if shared else ref.route)(y, k)
+    assert torch.equal(ids, ids_want) and torch.allclose(tw, tw_want, rtol=1e-5, atol=1e-7)
+    assert not fl._route_lock(x.device).any()
+    assert fl.router_topk(x, w, k, shared) is None  # CPU tensors (and the switch off): not served
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_w8a8(dtype):
     T = fl.SKINNY_MAX_T + 6

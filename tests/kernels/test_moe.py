@@ -218,3 +218,23 @@ def test_moe_routed_rows_asserts():
         moe.moe_routed_rows(x, logits, K, True, torch.cat([w_gu, w_gu[:1]]), torch.cat([w_dn, w_dn[:1]]))
     with pytest.raises(AssertionError):  # past the per-pair decode path
         moe.moe_routed_rows(torch.zeros(64, H), torch.zeros(64, E), K, False, w_gu, w_dn)
+
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T,dtype", [(1, F32), (3, BF16)])
+def test_moe_pair_rows(T, dtype, fp8):
+    """The per-pair kernels from given ids (the router-epilogue routing): each pair's unweighted
+    output as `reference.moe_expert_rows`."""
+    x, w_gu, w_dn, _, ids = _problem(T, seed=9, dtype=dtype)
+    args, ref_w = (w_gu, w_dn), (w_gu, w_dn)
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (q_gu, q_dn, ids, s_gu, s_dn)
+        ref_w = (ref_dequant_fp8(q_gu, s_gu, dtype), ref_dequant_fp8(q_dn, s_dn, dtype))
+    else:
+        args = (w_gu, w_dn, ids)
+    rows = moe.moe_pair_rows(x, *args)
+    want = ref.moe_expert_rows(x, *ref_w, ids)
+    rmse, max_abs = TOL[dtype]
+    assert rows.shape == (T, K, H) and rel_rmse(rows, want) < rmse and _max_rel(rows, want) < max_abs
