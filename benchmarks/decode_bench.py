@@ -107,6 +107,32 @@ def profile_decode(llm: LLM, prompt_len: int, steps: int = 6) -> list[dict]:
     return rows
 
 
+def profile_prefill(llm: LLM, prompt_len: int) -> dict:
+    """One idle-engine prefill of a prompt_len-token prompt (max_tokens=1) under the profiler: wall
+    time, the GPU time its kernels add up to, how many launches, the top kernels. Wall far above the
+    kernels' sum means the prefill is bound by launching (Python, host syncs), not by the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1, prompt_len, seed=123)[0]
+    llm.generate(prompt_token_ids=[random_prompts(1, prompt_len, seed=124)[0]], sampling_params=sp)  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": ev.key[:90], "calls": ev.count, "us": t})
+    rows.sort(key=lambda r: -r["us"])
+    launches = sum(r["calls"] for r in rows if not r["kernel"].startswith("Mem"))
+    return {"prompt_len": prompt_len, "wall_ms": wall * 1e3, "kernel_ms": sum(r["us"] for r in rows) / 1e3,
+            "launches": launches, "top": rows[:20]}
+
+
 def kernel_floors(cfg: ModelConfig, fp8: bool, context: int) -> dict[str, tuple[str, float]]:
     """Bytes each kernel family must move per batch-1 decode step (weights, state, KV cache; the
     activations are noise), keyed by a substring of the kernel name -> (what, bytes)."""
@@ -207,6 +233,11 @@ def main() -> None:
     print(json.dumps(res["ttft"]), flush=True)
     if not args.no_profile:
         try:
+            res["prefill_profile"] = profile_prefill(llm, args.prompt_len)
+        except Exception as e:  # profiling is optional
+            res["prefill_profile_error"] = repr(e)
+    if not args.no_profile:
+        try:
             prof = profile_decode(llm, args.prompt_len)
             floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8)
             res["profile_bs1"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
@@ -225,6 +256,10 @@ def main() -> None:
     if "decode_sync_bs1" in res:
         print(f"bs1 with async scheduling off: {res['decode_sync_bs1']['decode_tok_s']:.0f} tok/s")
     print(f"TTFT 1k: {res['ttft']['ttft_ms_median']:.1f} ms")
+    if "prefill_profile" in res:
+        pp = res["prefill_profile"]
+        print(f"prefill {pp['prompt_len']} tokens: wall {pp['wall_ms']:.1f} ms, "
+              f"kernels {pp['kernel_ms']:.1f} ms over {pp['launches']} launches")
     total = sum(r["us_per_step"] for r in res.get("profile_bs1", []))
     print(f"batch-1 profile (PDL {'on: kernel times overlap' if res.get('profile_pdl') else 'off'}),"
           f" {total:.0f} us of kernels per step:")
