@@ -58,6 +58,14 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _seq_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
+    """Rows [bos, eos) of sequence n: from the cumulative lengths when VARLEN, else all T rows."""
+    if VARLEN:
+        return tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
+    return 0, T
+
+
+@triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
     # bf16 a @ b + acc (fp32); UPCAST only under TRITON_INTERPRET, whose bf16 dot is broken
     if UPCAST:
@@ -185,12 +193,7 @@ def _prep_kernel(
     j = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
-    if VARLEN:
-        bos = tl.load(cu_ptr + n)
-        eos = tl.load(cu_ptr + n + 1)
-    else:
-        bos = 0
-        eos = T
+    bos, eos = _seq_bounds(cu_ptr, n, T, VARLEN)
     t0 = bos + j * C
     if t0 >= eos:
         return
@@ -246,12 +249,7 @@ def _scan_kernel(
     # SLOTS, else slot 0 of each); slots: [N] int64; has: [N] uint8; out: [T, HV, DV]
     n = tl.program_id(0)
     h = tl.program_id(1)
-    if VARLEN:
-        bos = tl.load(cu_ptr + n)
-        eos = tl.load(cu_ptr + n + 1)
-    else:
-        bos = 0
-        eos = T
+    bos, eos = _seq_bounds(cu_ptr, n, T, VARLEN)
     if SLOTS:
         slot = tl.load(slots_ptr + n).to(tl.int64)
         n_k = DK * tl.load(has_ptr + n).to(tl.int32)  # DK when the slot holds state, else 0
