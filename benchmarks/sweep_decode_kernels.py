@@ -28,7 +28,16 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_b import LINEARS, ROTATE_BYTES, LinearCase, MoeCase, rel_rmse, row, time_graph  # noqa: E402
+from kernels_b import (  # noqa: E402
+    LINEARS,
+    ROTATE_BYTES,
+    LinearCase,
+    MoeCase,
+    gap_kernel,
+    rel_rmse,
+    row,
+    time_graph,
+)
 
 from metainfer.kernels import fp8_linear as fl  # noqa: E402
 from metainfer.kernels import moe  # noqa: E402
@@ -73,10 +82,12 @@ class Bf16LinearCase:
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / (2 * N * K))))
         self.w = [(torch.randn(N, K, device="cuda") / K**0.5).bfloat16() for _ in range(copies)]
 
-    def run(self, T: int, cfg: dict | None) -> dict:
+    def run(self, T: int, cfg: dict | None, gap: bool = False) -> dict:
         xs = [torch.randn(T, self.K, device="cuda").bfloat16() for _ in range(4)]
 
         def call(i):
+            if gap:
+                gap_kernel(xs[i % 4])
             if cfg is None:
                 return F.linear(xs[i % 4], self.w[i])
             y = torch.empty(T, self.N, dtype=torch.bfloat16, device="cuda")
@@ -99,6 +110,50 @@ def bf16_candidates(T: int, N: int, K: int, sms: int) -> list[dict]:
         out.append(dict(BLOCK_N=bn, BLOCK_T=max(16, triton.next_power_of_2(T)) if mma else 1, BLOCK_K=bk,
                         SPLIT_K=triton.cdiv(k_iters, per), iters_per_split=per, STAGES=st, num_warps=4))
     return out
+
+
+def gemv_candidates(T: int, N: int, K: int, elem_bytes: int) -> list[dict]:
+    """`_gemv_kernel` tiles: 8-32 rows x 512-2048 columns, 4 or 8 warps, 4-32 KB of weights each."""
+    out = []
+    for bn, ks, w in itertools.product((8, 16, 32), (512, 1024, 2048), (4, 8)):
+        if bn <= N and ks <= triton.next_power_of_2(K) and 4096 <= bn * ks * elem_bytes <= 32768:
+            out.append(fl.gemv_config(N, K, T, bn, ks, w))
+    return out
+
+
+def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
+    """--space gemv: the preloading GEMV against each shape's current config, both timed with an
+    RMSNorm launch before every projection (`gap_kernel`); the best GEMV goes into the table under
+    "gemv:" + key whatever the outcome (the engine A/B, METAINFER_GEMV=0/1, decides)."""
+    table, cfgs, everything = [], {}, {}
+    cases = [(name, True, *LINEARS[name]) for name in filter(None, args.linears.split(","))]
+    cases += [(name, False, *BF16_LINEARS[name]) for name in filter(None, args.bf16_linears.split(","))]
+    for name, fp8, N, K in cases:
+        case = LinearCase(name, N, K) if fp8 else Bf16LinearCase(name, N, K)
+        for T in tokens:
+            key = f"{N},{K},{T}" if fp8 else f"bf16:{N},{K},{T}"
+            if fp8:
+                run = lambda c, case=case, T=T: case.run(T, cfg=c, eager=False, gap=True)  # noqa: E731
+            else:
+                run = lambda c, case=case, T=T: case.run(T, c, gap=True)  # noqa: E731
+            current = fl.tuned_table().get(key) or (fl.skinny_config(T, N, K, 132) if fp8 else None)
+            base = run(current)
+            base = dict(config=current or "cublas", us=base["us"], GBps=base["GBps"], rel_err=base["rel_err"])
+            _, best, rows = best_of(name, run, gemv_candidates(T, N, K, 1 if fp8 else 2), 1e-2)
+            cfgs[f"gemv:{key}"] = best["config"]
+            everything[f"gemv {key}"] = [base, *rows]
+            table.append((f"{'fp8' if fp8 else 'bf16'}_linear[{name}]+norm", T, base, best))
+        del case
+        torch.cuda.empty_cache()
+    (out / "fp8_skinny_tuned.json").write_text(json.dumps(dict(meta, configs=cfgs), indent=1))
+    summary = [dict(op=op, T=T, before_us=b["us"], before_GBps=b["GBps"], after_us=a["us"],
+                    after_GBps=a["GBps"], after_rel_err=a["rel_err"], config=a["config"])
+               for op, T, b, a in table]
+    result = dict(meta, summary=summary, candidates=everything)
+    (out / "sweep_gemv.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{'op (with a norm launch before)':36s} {'T':>3s} {'current µs':>10s} {'gemv µs':>8s}  config")
+    for s in summary:
+        print(f"{s['op']:36s} {s['T']:3d} {s['before_us']:10.2f} {s['after_us']:8.2f}  {s['config']}")
 
 
 def pair_candidates(T: int, fp8: bool) -> list[dict]:
@@ -130,7 +185,8 @@ def main() -> None:
     ap.add_argument("--moe", default="fp8,bf16")
     ap.add_argument("--bf16-linears", default="", help=f"comma list of {', '.join(BF16_LINEARS)}")
     ap.add_argument("--tokens", default="1")
-    ap.add_argument("--space", default="base", choices=("base", "wide"), help="FP8 linear candidates")
+    ap.add_argument("--space", default="base", choices=("base", "wide", "gemv"),
+                    help="FP8 linear candidates; gemv: the preloading GEMV for the FP8 and BF16 linears")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -140,6 +196,8 @@ def main() -> None:
                 date=datetime.now(UTC).isoformat())
     table, skinny_cfgs, pair_cfgs, everything = [], {}, {}, {}
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.space == "gemv":
+        return gemv_sweep(args, tokens, meta, out)
     for name in filter(None, args.linears.split(",")):
         N, K = LINEARS[name]
         case = LinearCase(name, N, K)

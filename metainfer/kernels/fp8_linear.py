@@ -123,6 +123,53 @@ def _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK: tl
 
 
 @triton.jit
+def _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr,
+                slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
+                SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, CONV_K: tl.constexpr,
+                Y_DT: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P2: tl.constexpr,
+                K_P2: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_T] fp32: this program's share (K split program_id(1)) of output tile
+    program_id(0), columns offs_n, tokens offs_t -> y. SPLIT_K > 1: fp32 partials, and the last
+    program of the tile to arrive (int counter, acq_rel) adds them in split order (deterministic)
+    and resets the counter. Then the epilogues: CONV_K `_conv_epilogue`, TOPK `_route_epilogue`."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_mask = offs_n < N
+    t_mask = offs_t < T
+    y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
+    y_mask = n_mask[:, None] & t_mask[None, :]
+    if SPLIT_K == 1:
+        if CONV_K:
+            out = _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
+                                 s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
+        else:
+            out = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptrs, out, mask=y_mask)
+        if TOPK:
+            _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
+    else:
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
+        n_tiles = tl.num_programs(0)
+        tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+            for sk in tl.static_range(SPLIT_K):
+                src = part_ptr + (sk * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile
+                total += tl.load(src, cache_modifier=".cg")
+            if CONV_K:
+                out = _conv_epilogue(total, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr,
+                                     has_ptr, s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
+            else:
+                out = total.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptrs, out, mask=y_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+            if TOPK:
+                _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -205,37 +252,55 @@ def _skinny_kernel(
                     acc += wdot(w, xt, UPCAST, DOT_F16)
     if BLOCK_T == 1:
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
-    y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
-    y_mask = n_mask[:, None] & t_mask[None, :]
-    if SPLIT_K == 1:
-        if CONV_K:
-            out = _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
-                                 s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
-        else:
-            out = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptrs, out, mask=y_mask)
-        if TOPK:
-            _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
-    else:
-        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
-        n_tiles = tl.num_programs(0)
-        tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile, acc)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-            for sk in tl.static_range(SPLIT_K):
-                src = part_ptr + (sk * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile
-                total += tl.load(src, cache_modifier=".cg")
-            if CONV_K:
-                out = _conv_epilogue(total, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr,
-                                     has_ptr, s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
-            else:
-                out = total.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptrs, out, mask=y_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
-            if TOPK:
-                _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
+    _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr,
+                slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N,
+                BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr, T, N, K, stride_xt, stride_yt, stride_sn,
+    cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    KS: tl.constexpr,  # columns per program: the whole [BLOCK_N, KS] weight tile is one load
+    HAS_SCALE: tl.constexpr = 1,
+    CONV_K: tl.constexpr = 0,
+    Y_DT: tl.constexpr = tl.float32,
+    TOPK: tl.constexpr = 0,
+    SHARED: tl.constexpr = 0,
+    E_P2: tl.constexpr = 1,
+    K_P2: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = 0,
+):
+    """The weight-streaming linear for a few tokens with the weights loaded BEFORE the PDL wait:
+    each program loads its whole [BLOCK_N, KS] weight tile (and its block scales) into registers
+    while the previous kernel still runs (weights are never written during a step), then waits,
+    reads the activations and reduces on the CUDA cores, one token at a time (BLOCK_T tokens at
+    most). Output as `_skinny_kernel` (`_store_tile`: split-K fix-up, conv and route epilogues)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * KS + tl.arange(0, KS)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+    if HAS_SCALE:  # BLOCK_N divides 128: one row of scale blocks
+        s_row = (tl.program_id(0) * BLOCK_N // 128) * stride_sn
+        sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
+    pdl.wait(USE_PDL)
+    offs_t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        x_mask = offs_k < tl.where(t < T, K, 0)
+        xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=x_mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            xv = xv * sc
+        col = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_N]
+        acc = tl.where(offs_t[None, :] == t, col[:, None], acc)
+    _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr,
+                slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N,
+                BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
 
 
 @triton.jit
@@ -355,6 +420,31 @@ def tuned_table() -> dict[str, dict]:
     return load_tuned("fp8_skinny_h200.json", TUNED_ENV)
 
 
+GEMV_ENV = "METAINFER_GEMV"  # "0": the table's preloading-GEMV ("gemv:") entries are not used
+
+
+def stream_config(T: int, N: int, K: int, fp8: bool, device: torch.device) -> dict | None:
+    """The weight-streaming config for T tokens of an [N, K] projection: the H200 table's
+    preloading-GEMV entry ("gemv:" + key, `_gemv_kernel`) unless METAINFER_GEMV=0, else its
+    `_skinny_kernel` entry (FP8 "N,K,T", BF16 "bf16:N,K,T"); without one FP8 takes
+    `skinny_config`'s heuristic and BF16 gets None (cuBLAS serves it)."""
+    key = f"{N},{K},{T}" if fp8 else f"bf16:{N},{K},{T}"
+    table = tuned_table()
+    if os.environ.get(GEMV_ENV, "1") != "0" and f"gemv:{key}" in table:
+        return dict(table[f"gemv:{key}"])
+    if fp8:
+        return skinny_config(T, N, K, _num_sms(device))
+    hit = table.get(key)
+    return None if hit is None else dict(hit)
+
+
+def gemv_config(N: int, K: int, T: int, block_n: int, ks: int, num_warps: int = 4) -> dict:
+    """A `_gemv_kernel` config: BLOCK_N output rows x KS columns per program (powers of two)."""
+    ks = min(ks, triton.next_power_of_2(K))
+    return dict(BLOCK_N=block_n, BLOCK_T=triton.next_power_of_2(T), KS=ks, SPLIT_K=triton.cdiv(K, ks),
+                num_warps=num_warps)
+
+
 def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
     """(BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, warps, stages) for the weight-streaming kernel."""
     hit = tuned_table().get(f"{N},{K},{T}")
@@ -387,7 +477,8 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
     routed in the kernel's epilogue into tw / ids (`_route_epilogue`)."""
     T, K = x.shape
     N = w.shape[0]
-    cfg = dict(cfg or skinny_config(T, N, K, _num_sms(x.device)))
+    assert cfg is not None or s is not None, "unquantised weights: the caller picks the config"
+    cfg = dict(cfg or stream_config(T, N, K, True, x.device))
     cw, cstate, slots, has = conv if conv is not None else (x, x, x, x)  # unused pointers without it
     cargs = (cstate, cw, slots, has, 0, 0, 0, 0)
     if conv is not None:
@@ -409,7 +500,11 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
         s, cfg["HAS_SCALE"] = w, 0
     assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
-    assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
+    gemv = "KS" in cfg
+    if gemv:
+        assert cfg["SPLIT_K"] == triton.cdiv(K, cfg["KS"]), (cfg, K)
+    else:
+        assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
     part = torch.empty(
@@ -418,25 +513,12 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         device=x.device,
     )
     locks = _locks(x.device, tiles)
-    _skinny_kernel[(tiles, split)](
-        x,
-        w,
-        s,
-        y,
-        part,
-        locks,
-        T,
-        N,
-        K,
-        x.stride(0),
-        y.stride(0),
-        s.stride(0),
-        cfg.pop("iters_per_split"),
-        *cargs,
-        *rargs,
-        UPCAST=_interpret() or x.dtype == torch.float32,
-        **cfg, **pdl.kw(),
-    )
+    args = (x, w, s, y, part, locks, T, N, K, x.stride(0), y.stride(0), s.stride(0))
+    if gemv:
+        _gemv_kernel[(tiles, split)](*args, *cargs, *rargs, **cfg, **pdl.kw())
+    else:
+        _skinny_kernel[(tiles, split)](*args, cfg.pop("iters_per_split"), *cargs, *rargs,
+                                       UPCAST=_interpret() or x.dtype == torch.float32, **cfg, **pdl.kw())
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,7 +561,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
-    hit = tuned_table().get(f"bf16:{N},{K},{x2.shape[0]}") if x.is_cuda else None
+    hit = stream_config(x2.shape[0], N, K, False, x.device) if x.is_cuda else None
     if hit is None or weight.dtype != x.dtype or not weight.is_contiguous() or x2.stride(-1) != 1:
         return torch.nn.functional.linear(x, weight)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
@@ -531,7 +613,7 @@ def linear_conv_update(
     fp8 = scale_inv is not None
     cfg = None
     if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= SKINNY_MAX_T and x.stride(1) == 1:
-        cfg = skinny_config(T, N, K, _num_sms(x.device)) if fp8 else tuned_table().get(f"bf16:{N},{K},{T}")
+        cfg = stream_config(T, N, K, fp8, x.device)
     if cfg is None:
         y = fp8_linear(x, weight, scale_inv) if fp8 else dense_linear(x, weight)
         B, C = slots.shape[0], conv_weight.shape[0]
@@ -557,7 +639,7 @@ def router_topk(
     N = weight.shape[0]
     if os.environ.get(ROUTER_ENV, "0") != "1" or not x.is_cuda:
         return None
-    cfg = tuned_table().get(f"bf16:{N},{K},{T}")
+    cfg = stream_config(T, N, K, False, x.device)
     if cfg is None or weight.dtype != x.dtype or not weight.is_contiguous() or x.stride(1) != 1:
         return None
     W = top_k + int(shared)

@@ -1,14 +1,16 @@
 """Programmatic dependent launch (PDL, sm_90+): each kernel of a decode step may be launched while
 the one before it is still running, so its launch and CTA start-up hide behind that kernel's tail.
 
-The contract, kept by every Triton kernel in this package: its first statement is `wait(USE_PDL)`,
-which blocks until every earlier kernel on the stream has finished and its writes are visible
+The contract, kept by every Triton kernel in this package: it calls `wait(USE_PDL)`, which blocks
+until every earlier kernel on the stream has finished and its writes are visible
 (`griddepcontrol.wait`), and only then lets the next kernel launch (`launch_dependents`). So at
-most one kernel runs ahead, and it touches no memory before its predecessor is done: no read of
-an output not yet written, no write over an input still being read (tests/kernels/test_pdl.py
-checks the kernels' source). Kernels from elsewhere (cuBLAS, torch) are launched without the
-attribute and serialise as usual; a PDL kernel after one of them waits for it to complete.
-CUDA-graph capture records the programmatic edges.
+most one kernel runs ahead, and before its wait it touches no memory but the model's weights
+(parameters named in READ_ONLY_BEFORE_WAIT, never written during a step): no read of an output
+not yet written, no write over an input still being read (tests/kernels/test_pdl.py checks the
+kernels' source). Most kernels wait first; `fp8_linear._gemv_kernel` loads its weight tile first,
+so the bytes stream while the previous kernel runs. Kernels from elsewhere (cuBLAS, torch) are
+launched without the attribute and serialise as usual; a PDL kernel after one of them waits for
+it to complete. CUDA-graph capture records the programmatic edges.
 
 Off on the interpreter, before sm_90, when Triton lacks the intrinsics, or with METAINFER_PDL=0.
 Measured on the H200 (batch-1 decode): FP8 371 -> 412 tok/s, BF16 317 -> 351 (KB-0009); an L2
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 ENV = "METAINFER_PDL"
+READ_ONLY_BEFORE_WAIT = frozenset({"weight_ptr", "wscale_ptr"})  # names kept for model weights
 _SUPPORTED: bool | None = None
 
 

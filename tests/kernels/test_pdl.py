@@ -3,7 +3,8 @@ a kernel launched with PDL may start before the previous kernel ends, so one ker
 memory before `griddepcontrol.wait`, or a launch that skipped the flag's constexpr, would race.
 
 - every `@triton.jit` kernel (`*_kernel`) in metainfer/kernels takes `USE_PDL: tl.constexpr = 0`
-  and its first statement (after the docstring) is `pdl.wait(USE_PDL)`;
+  and calls `pdl.wait(USE_PDL)` at its top level; before it, nothing but index arithmetic and
+  loads through the read-only weight pointers (`pdl.READ_ONLY_BEFORE_WAIT`): no store, no atomic;
 - every launch `name_kernel[grid](...)` in metainfer/ passes `**pdl.kw()`;
 - PDL is off on the interpreter and on CPU-only machines (kw() is empty).
 On the H200, tests/gpu checks the engine's outputs with PDL on against PDL off."""
@@ -39,8 +40,32 @@ def test_every_kernel_waits_first(path):
         assert args[-1].arg == "USE_PDL", (path.name, fn.name)
         assert ast.unparse(args[-1].annotation) == "tl.constexpr" and ast.unparse(fn.args.defaults[-1]) == "0"
         doc = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
-        first = fn.body[1] if doc else fn.body[0]
-        assert ast.unparse(first) == "pdl.wait(USE_PDL)", (path.name, fn.name, ast.unparse(first))
+        body = fn.body[1:] if doc else fn.body
+        waits = [i for i, st in enumerate(body) if ast.unparse(st) == "pdl.wait(USE_PDL)"]
+        assert waits, (path.name, fn.name, "no top-level pdl.wait(USE_PDL)")
+        for st in body[:waits[0]]:  # only index math and loads of read-only weights before the wait
+            _check_before_wait(st, f"{path.name}:{fn.name}")
+
+
+def _check_before_wait(st: ast.stmt, where: str) -> None:
+    for node in ast.walk(st):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            assert "store" not in name and "atomic" not in name and "wait" not in name, (where, name)
+            if name == "tl.load":
+                names = [n for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)]
+                ptrs = {n.id for n in names if n.id.endswith("_ptr")}
+                assert ptrs and ptrs <= pdl.READ_ONLY_BEFORE_WAIT, (where, ast.unparse(node), ptrs)
+
+
+def test_the_before_wait_check_rejects():
+    """The check above fails on a store, or a load of anything but the weights, before the wait."""
+    bad_ones = ("tl.store(y_ptr + 1, v)", "v = tl.load(x_ptr + offs)", "v = tl.load(w_ptr + offs)",
+                "a = tl.atomic_add(lock_ptr, 1)")
+    for bad in bad_ones:
+        with pytest.raises(AssertionError):
+            _check_before_wait(ast.parse(bad).body[0], "test")
+    _check_before_wait(ast.parse("w = tl.load(weight_ptr + offs, mask=m)").body[0], "test")
 
 
 def test_every_launch_passes_the_flag():
