@@ -107,14 +107,14 @@ def _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots
 
 
 @triton.jit
-def _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK: tl.constexpr,
+def _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK: tl.constexpr,
                     SHARED: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
     """Called by each program that stored a finished output tile of the router projection: the last
     one of them (int counter, acq_rel) routes every token from the complete logits rows
     (`routing.route_token`, loads past L1) and leaves the counter at zero."""
     tl.debug_barrier()  # every thread's share of the tile is stored before the release below
     done = tl.atomic_add(rlock_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
+    if done == n_tiles - 1:
         W: tl.constexpr = TOPK + SHARED
         for t in range(0, T):
             routing.route_token(y_ptr + t * stride_yt, N - SHARED, tw_ptr + t * W, ids_ptr + t * W, TOPK,
@@ -123,17 +123,15 @@ def _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK: tl
 
 
 @triton.jit
-def _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr,
-                slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
-                SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, CONV_K: tl.constexpr,
-                Y_DT: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P2: tl.constexpr,
-                K_P2: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_T] fp32: this program's share (K split program_id(1)) of output tile
-    program_id(0), columns offs_n, tokens offs_t -> y. SPLIT_K > 1: fp32 partials, and the last
+def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt,
+                cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr,
+                ids_ptr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                CONV_K: tl.constexpr, Y_DT: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                E_P2: tl.constexpr, K_P2: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_T] fp32: the share (K split pid_k) of output tile pid_n (of n_tiles),
+    columns offs_n, tokens offs_t -> y. SPLIT_K > 1: fp32 partials, and the last
     program of the tile to arrive (int counter, acq_rel) adds them in split order (deterministic)
     and resets the counter. Then the epilogues: CONV_K `_conv_epilogue`, TOPK `_route_epilogue`."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     n_mask = offs_n < N
     t_mask = offs_t < T
     y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
@@ -146,10 +144,10 @@ def _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt,
             out = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptrs, out, mask=y_mask)
         if TOPK:
-            _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
+            _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2,
+                            K_P2)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
-        n_tiles = tl.num_programs(0)
         tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile, acc)
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -166,7 +164,8 @@ def _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt,
             tl.store(y_ptrs, out, mask=y_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
             if TOPK:
-                _route_epilogue(y_ptr, stride_yt, T, N, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
+                _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED,
+                                E_P2, K_P2)
 
 
 @triton.jit
@@ -252,19 +251,19 @@ def _skinny_kernel(
                     acc += wdot(w, xt, UPCAST, DOT_F16)
     if BLOCK_T == 1:
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
-    _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr,
-                slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N,
-                BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
+    _store_tile(acc, pid_n, pid_k, tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
+                stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr,
+                tw_ptr,
+                ids_ptr, SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr, T, N, K, stride_xt, stride_yt, stride_sn,
     cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
-    SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    KS: tl.constexpr,  # columns per program: the whole [BLOCK_N, KS] weight tile is one load
+    KS: tl.constexpr,  # next_power_of_2(K): a tile is BLOCK_N whole weight rows
     HAS_SCALE: tl.constexpr = 1,
     CONV_K: tl.constexpr = 0,
     Y_DT: tl.constexpr = tl.float32,
@@ -274,33 +273,48 @@ def _gemv_kernel(
     K_P2: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
-    """The weight-streaming linear for a few tokens with the weights loaded BEFORE the PDL wait:
-    each program loads its whole [BLOCK_N, KS] weight tile (and its block scales) into registers
-    while the previous kernel still runs (weights are never written during a step), then waits,
-    reads the activations and reduces on the CUDA cores, one token at a time (BLOCK_T tokens at
-    most). Output as `_skinny_kernel` (`_store_tile`: split-K fix-up, conv and route epilogues)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * KS + tl.arange(0, KS)
-    n_mask = offs_n < N
+    """The weight-streaming linear for a few tokens, persistent, its first weights loaded BEFORE
+    the PDL wait: the grid is one wave (programs <= resident slots), each program walks the output
+    tiles pid, pid + grid, ... (BLOCK_N whole rows each), its first tile (and block scales) loaded
+    into registers while the previous kernel still runs (weights are never written during a step),
+    and each next tile loaded before the current one is reduced. One wave also lets the next
+    kernel launch early (its launch waits for every program here to pass the PDL wait). CUDA-core
+    reduction, one token at a time (BLOCK_T at most); output as `_skinny_kernel` without split-K
+    (`_store_tile`: conv and route epilogues)."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    rows = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, KS)
     k_mask = offs_k < K
-    w_mask = n_mask[:, None] & k_mask[None, :]
-    w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-    if HAS_SCALE:  # BLOCK_N divides 128: one row of scale blocks
+    first = tl.program_id(0) * BLOCK_N + rows
+    w_mask = (first < N)[:, None] & k_mask[None, :]
+    w = tl.load(weight_ptr + first[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+    if HAS_SCALE:  # BLOCK_N divides 128: one row of scale blocks per tile
         s_row = (tl.program_id(0) * BLOCK_N // 128) * stride_sn
         sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
     pdl.wait(USE_PDL)
     offs_t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-    for t in tl.static_range(BLOCK_T):
-        x_mask = offs_k < tl.where(t < T, K, 0)
-        xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=x_mask, other=0.0).to(tl.float32)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        nxt = tile + tl.num_programs(0)
+        offs_x = nxt * BLOCK_N + rows
+        w_next = tl.load(weight_ptr + offs_x[:, None] * K + offs_k[None, :],
+                         mask=(offs_x < N)[:, None] & k_mask[None, :], other=0.0)
         if HAS_SCALE:
-            xv = xv * sc
-        col = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_N]
-        acc = tl.where(offs_t[None, :] == t, col[:, None], acc)
-    _store_tile(acc, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr,
-                slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N,
-                BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
+            s_next = tl.load(wscale_ptr + (nxt * BLOCK_N // 128) * stride_sn + offs_k // 128,
+                             mask=offs_k < tl.where(nxt < n_tiles, K, 0), other=0.0)
+        acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+        for t in tl.static_range(BLOCK_T):
+            x_mask = offs_k < tl.where(t < T, K, 0)
+            xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=x_mask, other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                xv = xv * sc
+            col = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where(offs_t[None, :] == t, col[:, None], acc)
+        _store_tile(acc, tile, 0, n_tiles, tile * BLOCK_N + rows, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
+                    stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr,
+                    tw_ptr, ids_ptr, 1, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
+        w = w_next
+        if HAS_SCALE:
+            sc = s_next
 
 
 @triton.jit
@@ -438,10 +452,10 @@ def stream_config(T: int, N: int, K: int, fp8: bool, device: torch.device) -> di
     return None if hit is None else dict(hit)
 
 
-def gemv_config(N: int, K: int, T: int, block_n: int, ks: int, num_warps: int = 4) -> dict:
-    """A `_gemv_kernel` config: BLOCK_N output rows x KS columns per program (powers of two)."""
-    ks = min(ks, triton.next_power_of_2(K))
-    return dict(BLOCK_N=block_n, BLOCK_T=triton.next_power_of_2(T), KS=ks, SPLIT_K=triton.cdiv(K, ks),
+def gemv_config(K: int, T: int, block_n: int, num_warps: int = 4, ctas: int = 2) -> dict:
+    """A `_gemv_kernel` config: tiles of BLOCK_N whole rows (a power of two dividing 128), at most
+    `ctas` programs per SM."""
+    return dict(BLOCK_N=block_n, BLOCK_T=triton.next_power_of_2(T), KS=triton.next_power_of_2(K), CTAS=ctas,
                 num_warps=num_warps)
 
 
@@ -500,12 +514,15 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
         s, cfg["HAS_SCALE"] = w, 0
     assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
-    gemv = "KS" in cfg
-    if gemv:
-        assert cfg["SPLIT_K"] == triton.cdiv(K, cfg["KS"]), (cfg, K)
-    else:
-        assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    args = (x, w, s, y)
+    tail = (T, N, K, x.stride(0), y.stride(0), s.stride(0))
+    if "KS" in cfg:  # the persistent preloading GEMV: one wave of CTAS programs per SM at most
+        assert cfg["KS"] == triton.next_power_of_2(K), (cfg, K)
+        grid = (min(tiles, cfg.pop("CTAS") * _num_sms(x.device)),)
+        _gemv_kernel[grid](*args, x, x, *tail, *cargs, *rargs, **cfg, **pdl.kw())  # no split-K buffers
+        return
+    assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
     split = cfg["SPLIT_K"]
     part = torch.empty(
         split * tiles * cfg["BLOCK_N"] * cfg["BLOCK_T"] if split > 1 else 1,
@@ -513,12 +530,8 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         device=x.device,
     )
     locks = _locks(x.device, tiles)
-    args = (x, w, s, y, part, locks, T, N, K, x.stride(0), y.stride(0), s.stride(0))
-    if gemv:
-        _gemv_kernel[(tiles, split)](*args, *cargs, *rargs, **cfg, **pdl.kw())
-    else:
-        _skinny_kernel[(tiles, split)](*args, cfg.pop("iters_per_split"), *cargs, *rargs,
-                                       UPCAST=_interpret() or x.dtype == torch.float32, **cfg, **pdl.kw())
+    _skinny_kernel[(tiles, split)](*args, part, locks, *tail, cfg.pop("iters_per_split"), *cargs, *rargs,
+                                   UPCAST=_interpret() or x.dtype == torch.float32, **cfg, **pdl.kw())
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
