@@ -113,13 +113,14 @@ def bf16_candidates(T: int, N: int, K: int, sms: int) -> list[dict]:
 
 
 def gemv_candidates(T: int, N: int, K: int, elem_bytes: int) -> list[dict]:
-    """`_gemv_kernel` tiles of 2-32 whole rows, 4-16 warps, 1-8 programs per SM; at most 128 bytes
-    of a tile per thread (two tiles live: the current and the next)."""
+    """`_gemv_kernel` tiles: 2-32 rows x 512-4096 columns, 4-16 warps, 8-64 KB of weights each,
+    16-256 bytes of it per thread."""
     out = []
-    for bn, w, ctas in itertools.product((2, 4, 8, 16, 32), (4, 8, 16), (1, 2, 4, 8)):
-        per_thread = bn * triton.next_power_of_2(K) * elem_bytes // (32 * w)
-        if bn <= N and 16 <= per_thread <= 128 and ctas * w <= 32:
-            out.append(fl.gemv_config(K, T, bn, w, ctas))
+    for bn, ks, w in itertools.product((2, 4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8, 16)):
+        tile = bn * ks * elem_bytes
+        fits = 8192 <= tile <= 65536 and 16 <= tile // (32 * w) <= 256
+        if bn <= N and ks <= triton.next_power_of_2(K) and fits:
+            out.append(fl.gemv_config(K, T, bn, ks, w))
     return out
 
 

@@ -261,9 +261,11 @@ def _skinny_kernel(
 def _gemv_kernel(
     x_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr, T, N, K, stride_xt, stride_yt, stride_sn,
     cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
+    SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    KS: tl.constexpr,  # next_power_of_2(K): a tile is BLOCK_N whole weight rows
+    KS: tl.constexpr,  # columns per program: the whole [BLOCK_N, KS] weight tile is one load
+    PRELOAD: tl.constexpr = 1,  # load the tile before the PDL wait (else after it)
     HAS_SCALE: tl.constexpr = 1,
     CONV_K: tl.constexpr = 0,
     Y_DT: tl.constexpr = tl.float32,
@@ -273,48 +275,38 @@ def _gemv_kernel(
     K_P2: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
-    """The weight-streaming linear for a few tokens, persistent, its first weights loaded BEFORE
-    the PDL wait: the grid is one wave (programs <= resident slots), each program walks the output
-    tiles pid, pid + grid, ... (BLOCK_N whole rows each), its first tile (and block scales) loaded
-    into registers while the previous kernel still runs (weights are never written during a step),
-    and each next tile loaded before the current one is reduced. One wave also lets the next
-    kernel launch early (its launch waits for every program here to pass the PDL wait). CUDA-core
-    reduction, one token at a time (BLOCK_T at most); output as `_skinny_kernel` without split-K
-    (`_store_tile`: conv and route epilogues)."""
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    rows = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, KS)
+    """The weight-streaming linear for a few tokens, one load per program: each program reads its
+    whole [BLOCK_N, KS] weight tile (and its block scales) into registers in one go (PRELOAD:
+    before the PDL wait, while the previous kernel still runs: weights are never written during a
+    step), then the activations, and reduces on the CUDA cores one token at a time (BLOCK_T tokens
+    at most). Output as `_skinny_kernel` (`_store_tile`: split-K fix-up, conv and route epilogues)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * KS + tl.arange(0, KS)
+    n_mask = offs_n < N
     k_mask = offs_k < K
-    first = tl.program_id(0) * BLOCK_N + rows
-    w_mask = (first < N)[:, None] & k_mask[None, :]
-    w = tl.load(weight_ptr + first[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-    if HAS_SCALE:  # BLOCK_N divides 128: one row of scale blocks per tile
-        s_row = (tl.program_id(0) * BLOCK_N // 128) * stride_sn
-        sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    s_row = (tl.program_id(0) * BLOCK_N // 128) * stride_sn  # BLOCK_N divides 128: one row of scale blocks
+    if PRELOAD:
+        w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        if HAS_SCALE:
+            sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
     pdl.wait(USE_PDL)
+    if not PRELOAD:
+        w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        if HAS_SCALE:
+            sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
     offs_t = tl.arange(0, BLOCK_T)
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        nxt = tile + tl.num_programs(0)
-        offs_x = nxt * BLOCK_N + rows
-        w_next = tl.load(weight_ptr + offs_x[:, None] * K + offs_k[None, :],
-                         mask=(offs_x < N)[:, None] & k_mask[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        x_mask = offs_k < tl.where(t < T, K, 0)
+        xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=x_mask, other=0.0).to(tl.float32)
         if HAS_SCALE:
-            s_next = tl.load(wscale_ptr + (nxt * BLOCK_N // 128) * stride_sn + offs_k // 128,
-                             mask=offs_k < tl.where(nxt < n_tiles, K, 0), other=0.0)
-        acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-        for t in tl.static_range(BLOCK_T):
-            x_mask = offs_k < tl.where(t < T, K, 0)
-            xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=x_mask, other=0.0).to(tl.float32)
-            if HAS_SCALE:
-                xv = xv * sc
-            col = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_N]
-            acc = tl.where(offs_t[None, :] == t, col[:, None], acc)
-        _store_tile(acc, tile, 0, n_tiles, tile * BLOCK_N + rows, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
-                    stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr,
-                    tw_ptr, ids_ptr, 1, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
-        w = w_next
-        if HAS_SCALE:
-            sc = s_next
+            xv = xv * sc
+        col = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_N]
+        acc = tl.where(offs_t[None, :] == t, col[:, None], acc)
+    _store_tile(acc, tl.program_id(0), tl.program_id(1), tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr,
+                lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k,
+                rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
 
 
 @triton.jit
@@ -434,7 +426,8 @@ def tuned_table() -> dict[str, dict]:
     return load_tuned("fp8_skinny_h200.json", TUNED_ENV)
 
 
-GEMV_ENV = "METAINFER_GEMV"  # "0": the table's preloading-GEMV ("gemv:") entries are not used
+GEMV_ENV = "METAINFER_GEMV"  # "0": the table's GEMV ("gemv:") entries are not used
+PRELOAD_ENV = "METAINFER_GEMV_PRELOAD"  # "0": the GEMV loads its weights after the PDL wait
 
 
 def stream_config(T: int, N: int, K: int, fp8: bool, device: torch.device) -> dict | None:
@@ -452,10 +445,11 @@ def stream_config(T: int, N: int, K: int, fp8: bool, device: torch.device) -> di
     return None if hit is None else dict(hit)
 
 
-def gemv_config(K: int, T: int, block_n: int, num_warps: int = 4, ctas: int = 2) -> dict:
-    """A `_gemv_kernel` config: tiles of BLOCK_N whole rows (a power of two dividing 128), at most
-    `ctas` programs per SM."""
-    return dict(BLOCK_N=block_n, BLOCK_T=triton.next_power_of_2(T), KS=triton.next_power_of_2(K), CTAS=ctas,
+def gemv_config(K: int, T: int, block_n: int, ks: int, num_warps: int = 4) -> dict:
+    """A `_gemv_kernel` config: BLOCK_N output rows (a power of two dividing 128) x KS columns
+    (a power of two, at most next_power_of_2(K)) per program; split-K where KS < K."""
+    ks = min(ks, triton.next_power_of_2(K))
+    return dict(BLOCK_N=block_n, BLOCK_T=triton.next_power_of_2(T), KS=ks, SPLIT_K=triton.cdiv(K, ks),
                 num_warps=num_warps)
 
 
@@ -517,12 +511,12 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     args = (x, w, s, y)
     tail = (T, N, K, x.stride(0), y.stride(0), s.stride(0))
-    if "KS" in cfg:  # the persistent preloading GEMV: one wave of CTAS programs per SM at most
-        assert cfg["KS"] == triton.next_power_of_2(K), (cfg, K)
-        grid = (min(tiles, cfg.pop("CTAS") * _num_sms(x.device)),)
-        _gemv_kernel[grid](*args, x, x, *tail, *cargs, *rargs, **cfg, **pdl.kw())  # no split-K buffers
-        return
-    assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
+    gemv = "KS" in cfg
+    if gemv:
+        assert cfg["SPLIT_K"] == triton.cdiv(K, cfg["KS"]), (cfg, K)
+        cfg.setdefault("PRELOAD", int(os.environ.get(PRELOAD_ENV, "1") != "0"))
+    else:
+        assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
     split = cfg["SPLIT_K"]
     part = torch.empty(
         split * tiles * cfg["BLOCK_N"] * cfg["BLOCK_T"] if split > 1 else 1,
@@ -530,8 +524,11 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.T
         device=x.device,
     )
     locks = _locks(x.device, tiles)
-    _skinny_kernel[(tiles, split)](*args, part, locks, *tail, cfg.pop("iters_per_split"), *cargs, *rargs,
-                                   UPCAST=_interpret() or x.dtype == torch.float32, **cfg, **pdl.kw())
+    if gemv:
+        _gemv_kernel[(tiles, split)](*args, part, locks, *tail, *cargs, *rargs, **cfg, **pdl.kw())
+    else:
+        _skinny_kernel[(tiles, split)](*args, part, locks, *tail, cfg.pop("iters_per_split"), *cargs, *rargs,
+                                       UPCAST=_interpret() or x.dtype == torch.float32, **cfg, **pdl.kw())
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -286,10 +286,12 @@ _COMPILE = textwrap.dedent(
               HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 4)
     gv = dict(x_ptr=bf, weight_ptr=f8, wscale_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32", cstate_ptr=bf,
               cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32, ids_ptr="*i64")
-    for bn, bt, ks, ck, w in ((16, 1, 2048, 4, 4), (8, 1, 4096, 0, 8), (8, 4, 2048, 0, 4)):
-        build(fl._gemv_kernel, gv, dict(BLOCK_N=bn, BLOCK_T=bt, KS=ks, CONV_K=ck, Y_DT=tl.bfloat16), w)
-    build(fl._gemv_kernel, dict(gv, weight_ptr=bf, wscale_ptr=bf), dict(BLOCK_N=4, BLOCK_T=1, KS=2048,
-          HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 16)
+    for bn, bt, ks, split, ck, w, pre in ((8, 1, 2048, 1, 4, 8, 1), (8, 1, 4096, 1, 0, 4, 0),
+                                          (16, 4, 512, 4, 0, 4, 1)):
+        build(fl._gemv_kernel, gv, dict(SPLIT_K=split, BLOCK_N=bn, BLOCK_T=bt, KS=ks, PRELOAD=pre, CONV_K=ck,
+              Y_DT=tl.bfloat16), w)
+    build(fl._gemv_kernel, dict(gv, weight_ptr=bf, wscale_ptr=bf), dict(SPLIT_K=1, BLOCK_N=4, BLOCK_T=1,
+          KS=2048, HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 16)
     for fp8, mma, route in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 0, 8), (1, 0, 8)):
         wt = f8 if fp8 else bf
         build(moe._pair_gate_up_kernel, dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf,

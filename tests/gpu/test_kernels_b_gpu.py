@@ -299,10 +299,10 @@ def test_router_topk_full_shape(T, monkeypatch):
 
 
 @pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("name,bn,ctas", [("in_proj", 8, 2), ("out_proj", 16, 1), ("qkv", 4, 4)])
-def test_gemv_full_shapes(name, bn, ctas, T):
-    """`_gemv_kernel` (persistent, weights loaded before the PDL wait) at the model's projection
-    shapes, FP8 and BF16 weights, 1-4 programs per SM: against the fp32 product of the dequantised
+@pytest.mark.parametrize("name,bn,ks", [("in_proj", 8, 2048), ("out_proj", 8, 4096), ("qkv", 16, 512)])
+def test_gemv_full_shapes(name, bn, ks, T):
+    """`_gemv_kernel` at the model's projection shapes, FP8 and BF16 weights, whole-K and split-K
+    tiles, the weights loaded before and after the PDL wait: against the fp32 product of the dequantised
     weight (rel. RMSE < 5e-3, bf16 output rounding), and the same bits from a CUDA graph."""
     from metainfer.kernels import fp8_linear as fl
 
@@ -312,8 +312,8 @@ def test_gemv_full_shapes(name, bn, ctas, T):
     x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
     wb = w.bfloat16()
     for args, cfg, want in (
-        ((q, s), fl.gemv_config(K, T, bn, 4, ctas), x.float() @ ref_dequant_fp8(q, s, torch.float32).T),
-        ((wb, None), fl.gemv_config(K, T, bn, 8, ctas), F.linear(x.float(), wb.float())),
+        ((q, s), fl.gemv_config(K, T, bn, ks, 8), x.float() @ ref_dequant_fp8(q, s, torch.float32).T),
+        ((wb, None), dict(fl.gemv_config(K, T, bn // 2, ks), PRELOAD=0), F.linear(x.float(), wb.float())),
     ):
         def run(a, args=args, cfg=cfg):
             y = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")

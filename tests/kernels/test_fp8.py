@@ -370,29 +370,30 @@ def test_engine_fp8_on_cpu(aligned_cfg):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("T,block_n,ctas", [(1, 8, 1), (1, 32, 2), (3, 16, 1), (2, 4, 8)])
-def test_gemv_kernel(T, block_n, ctas, fp8, dtype):
-    """`_gemv_kernel` (persistent, first tile loaded before the PDL wait, the next one before each
-    reduction): 200 rows in 4-32-row tiles over 4-32 programs (the interpreter's 4 "SMs"), so
-    programs walk up to 7 tiles, the last one ragged; K = 300 inside a 512-wide row load; FP8 block
-    scales or unquantised weights; 1-3 tokens; against the reference projection."""
+@pytest.mark.parametrize("T,block_n,ks,preload",
+                         [(1, 8, 512, 1), (1, 16, 128, 0), (3, 32, 64, 1), (2, 4, 256, 0)])
+def test_gemv_kernel(T, block_n, ks, preload, fp8, dtype):
+    """`_gemv_kernel` (one weight-tile load per program, before or after the PDL wait): whole-K
+    tiles (KS 512 > K = 300) and split-K over ragged 64/128/256-wide slices (3-5 splits, the last
+    past K), FP8 block scales or unquantised weights, 1-3 tokens, against the reference projection."""
     x, w, q, s, ref = _problem(T, dtype=dtype)
     args = (q, s) if fp8 else (w.to(dtype), None)
     if not fp8:
         ref = F.linear(x, w.to(dtype))
-    cfg = fl.gemv_config(300, T, block_n, ctas=ctas)
-    assert cfg["KS"] == 512
+    cfg = dict(fl.gemv_config(300, T, block_n, ks), PRELOAD=preload)
+    assert cfg["SPLIT_K"] == math.ceil(300 / cfg["KS"])
     y = torch.empty(T, 200, dtype=dtype)
     fl._skinny(x, *args, y, cfg)
     rmse, max_abs = TOL[dtype]
     assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
+    assert not fl._LOCKS[fl._lock_key(x.device)][:64].any()  # split-K counters left at zero
     y2 = torch.empty_like(y)
     fl._skinny(x, *args, y2, cfg)
-    assert torch.equal(y, y2)
+    assert torch.equal(y, y2)  # deterministic fix-up order
 
 
-@pytest.mark.parametrize("T,ctas", [(1, 1), (3, 4)])
-def test_gemv_kernel_with_conv_and_route_epilogues(T, ctas):
+@pytest.mark.parametrize("T,ks", [(1, 512), (3, 128)])
+def test_gemv_kernel_with_conv_and_route_epilogues(T, ks):
     """The shared `_store_tile` epilogues on the GEMV kernel: the DeltaNet conv on the first C
     columns of the decode rows, and routing from the router logits, as on `_skinny_kernel`."""
     from metainfer.kernels import reference as ref
@@ -410,7 +411,7 @@ def test_gemv_kernel_with_conv_and_route_epilogues(T, ctas):
     B = slots.shape[0]
     want[:B, :C] = ref.causal_conv1d_update(want[:B, :C].clone(), want_state, cw, slots, has)
     y = torch.empty(T, N, dtype=dtype)
-    fl._skinny(x, q, sc, y, fl.gemv_config(K, T, 16, ctas=ctas), conv=(cw, state, slots, has))
+    fl._skinny(x, q, sc, y, fl.gemv_config(K, T, 16, ks), conv=(cw, state, slots, has))
     assert rel_rmse(y, want) < TOL[dtype][0] and rel_rmse(state, want_state) < TOL[dtype][0]
 
     E, k = 20, 3
@@ -418,7 +419,7 @@ def test_gemv_kernel_with_conv_and_route_epilogues(T, ctas):
     xr = (x * 2).to(torch.bfloat16)
     yr = torch.empty(T, E + 1, dtype=torch.bfloat16)
     tw, ids = torch.full((T, k + 1), -1.0), torch.full((T, k + 1), -1, dtype=torch.int64)
-    fl._skinny(xr, wr, None, yr, fl.gemv_config(K, T, 4, ctas=ctas), route=(k, True, tw, ids))
+    fl._skinny(xr, wr, None, yr, fl.gemv_config(K, T, 8, ks), route=(k, True, tw, ids))
     assert rel_rmse(yr, F.linear(xr, wr)) < 2e-2
     tw_want, ids_want = ref.route_with_shared(yr, k)
     assert torch.equal(ids, ids_want) and torch.allclose(tw, tw_want, rtol=1e-5, atol=1e-7)
@@ -429,7 +430,7 @@ def test_stream_config_prefers_the_gemv_entry(monkeypatch):
     """A "gemv:" table entry serves the shape unless METAINFER_GEMV=0; BF16 without an entry: None."""
     key = "200,300,1"
     monkeypatch.setitem(fl._TUNED, "fp8_skinny_h200.json",
-                        {f"gemv:{key}": fl.gemv_config(300, 1, 16), key: dict(BLOCK_N=64, BLOCK_T=1,
+                        {f"gemv:{key}": fl.gemv_config(300, 1, 16, 512), key: dict(BLOCK_N=64, BLOCK_T=1,
                          BLOCK_K=256, SPLIT_K=1, iters_per_split=2, STAGES=2, num_warps=4)})
     dev = torch.device("cpu")
     assert "KS" in fl.stream_config(1, 200, 300, True, dev)
