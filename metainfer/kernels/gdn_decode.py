@@ -7,6 +7,8 @@ whole Dk column in registers, and reads and writes each state element exactly on
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,19 @@ _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
 BLOCK_V = 32
 NUM_WARPS = 4
+PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "1": read the state block before the PDL wait
+
+
+@triton.jit
+def _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr):
+    """-> (the [BLOCK_K, BLOCK_V] state block of sequence b, value head h; zeros where the slot
+    holds no state yet, its pointers)."""
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    n_k = DK * tl.load(has_ptr + b).to(tl.int32)  # DK when the slot holds state, else 0
+    s_ptrs = state_ptr + (slot * HV + h) * (DK * DV) + kk[:, None] * DV + vv[None, :]
+    S = tl.load(s_ptrs, mask=(kk < n_k)[:, None] & vmask[None, :], other=0.0, eviction_policy="evict_first")
+    return S, s_ptrs
 
 
 @triton.jit
@@ -25,20 +40,26 @@ def _gdn_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr,
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
-    pdl.wait(USE_PDL)
-    # q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state: [S, HV, DK, DV] fp32; out: [B, HV, DV]
-    # GATED: g_ptr/beta_ptr hold the raw projections a, b; g = -exp(A_log) softplus(a + dt_bias),
-    # beta = sigmoid(b) are computed here (as DeltaNet.gating does)
+    """q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state [S, HV, DK, DV] fp32; out [B, HV, DV].
+    GATED: g_ptr/beta_ptr hold the raw projections a, b; g = -exp(A_log) softplus(a + dt_bias),
+    beta = sigmoid(b) are computed here (as DeltaNet.gating does). PRELOAD: the state block is
+    read before the PDL wait (the kernel before this one, the projection, writes neither the
+    states nor the slot inputs, which the step's first copies wrote)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    hk = h // REP
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < DK
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = vv < DV
+    if PRELOAD:
+        S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
+    pdl.wait(USE_PDL)
+    if not PRELOAD:
+        S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
+    hk = h // REP
 
     q = tl.load(q_ptr + b * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + b * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
@@ -55,11 +76,7 @@ def _gdn_decode_kernel(
         decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
         beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
 
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    n_k = DK * tl.load(has_ptr + b).to(tl.int32)  # DK when the slot holds state, else 0
-    s_ptrs = state_ptr + (slot * HV + h) * (DK * DV) + kk[:, None] * DV + vv[None, :]  # [BLOCK_K, BLOCK_V]
     smask = kmask[:, None] & vmask[None, :]
-    S = tl.load(s_ptrs, mask=(kk < n_k)[:, None] & vmask[None, :], other=0.0, eviction_policy="evict_first")
     S = S * decay
     kv = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
     delta = (v - kv) * beta
@@ -96,7 +113,7 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        num_warps=num_warps, **pdl.kw(),
+        PRELOAD=int(os.environ.get(PRELOAD_ENV, "0") == "1"), num_warps=num_warps, **pdl.kw(),
     )
     return out
 

@@ -5,7 +5,7 @@ The contract, kept by every Triton kernel in this package: it calls `wait(USE_PD
 until every earlier kernel on the stream has finished and its writes are visible
 (`griddepcontrol.wait`), and only then lets the next kernel launch (`launch_dependents`). So at
 most one kernel runs ahead, and before its wait it touches no memory but the model's weights
-(parameters named in READ_ONLY_BEFORE_WAIT, never written during a step): no read of an output
+(or what READ_BEFORE_WAIT names for it: memory its predecessor does not write): no read of an output
 not yet written, no write over an input still being read (tests/kernels/test_pdl.py checks the
 kernels' source). Most kernels wait first; `fp8_linear._gemv_kernel` loads its weight tile first,
 so the bytes stream while the previous kernel runs. Kernels from elsewhere (cuBLAS, torch) are
@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 ENV = "METAINFER_PDL"
-READ_ONLY_BEFORE_WAIT = frozenset({"weight_ptr", "wscale_ptr"})  # names kept for model weights
+# What a kernel may load before its wait, by kernel: memory its predecessor (the only kernel that
+# can still be running) does not write. Weights are never written during a step; the DeltaNet
+# states are written by their own decode kernel only, and the slot inputs by the step's first copies.
+READ_BEFORE_WAIT = {
+    "_gemv_kernel": frozenset({"weight_ptr", "wscale_ptr"}),
+    "_gdn_decode_kernel": frozenset({"state_ptr", "slots_ptr", "has_ptr"}),
+}
 _SUPPORTED: bool | None = None
 
 

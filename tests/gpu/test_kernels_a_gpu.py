@@ -253,11 +253,12 @@ _COMPILE = textwrap.dedent(
           dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128), norm.NUM_WARPS)
     build(conv1d._conv_update_kernel, dict(x_ptr=bf, state_ptr=bf, w_ptr=bf, out_ptr=bf, slots_ptr="*i64",
           has_ptr="*u8"), dict(K=4, Y_DT=tl.bfloat16, BLOCK_C=conv1d.BLOCK_C), conv1d.NUM_WARPS)
-    for gated in (False, True):
+    for gated, preload in ((False, 0), (True, 0), (True, 1)):
         build(gdn_decode._gdn_decode_kernel,
               dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=bf if gated else f32, beta_ptr=bf, state_ptr=f32,
                    slots_ptr="*i64", has_ptr="*u8", out_ptr=bf, alog_ptr=bf, dtb_ptr=bf, scale="fp32"),
-              dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gdn_decode.BLOCK_V, GATED=gated),
+              dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gdn_decode.BLOCK_V, GATED=gated,
+                   PRELOAD=preload),
               gdn_decode.NUM_WARPS)
     dc, pc = A.DECODE, A.PREFILL
     for split, gate in ((False, 0), (False, 1), (True, 0)):

@@ -68,7 +68,9 @@ def test_registered():
     assert registry.load({"gdn_decode"}) == {"gdn_decode": gdn.gdn_decode}
 
 
-def test_gated_variant_matches_reference_gating():
+@pytest.mark.parametrize("preload", ["0", "1"])
+def test_gated_variant_matches_reference_gating(preload, monkeypatch):
+    """Also with the state block read before the PDL wait (METAINFER_GDN_PRELOAD=1): same result."""
     from metainfer.kernels import ops
     from metainfer.kernels.gdn_decode import gdn_decode_gated
 
@@ -82,6 +84,7 @@ def test_gated_variant_matches_reference_gating():
     slots, has = torch.tensor([4, 1, 2]), torch.tensor([True, False, True])
     s1 = torch.randn(S, Hv, Dk, Dv, generator=g)
     s2 = s1.clone()
+    monkeypatch.setenv(gdn.PRELOAD_ENV, preload)
     got = gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s1, slots, has)
     want = ops.gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s2, slots, has)  # CPU: reference
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and torch.allclose(s1, s2, atol=1e-5, rtol=1e-5)

@@ -4,7 +4,8 @@ memory before `griddepcontrol.wait`, or a launch that skipped the flag's constex
 
 - every `@triton.jit` kernel (`*_kernel`) in metainfer/kernels takes `USE_PDL: tl.constexpr = 0`
   and calls `pdl.wait(USE_PDL)` at its top level; before it, nothing but index arithmetic and
-  loads through the read-only weight pointers (`pdl.READ_ONLY_BEFORE_WAIT`): no store, no atomic;
+  loads (directly or through a helper) of the pointers `pdl.READ_BEFORE_WAIT` names for that
+  kernel: no store, no atomic;
 - every launch `name_kernel[grid](...)` in metainfer/ passes `**pdl.kw()`;
 - PDL is off on the interpreter and on CPU-only machines (kw() is empty).
 On the H200, tests/gpu checks the engine's outputs with PDL on against PDL off."""
@@ -44,28 +45,32 @@ def test_every_kernel_waits_first(path):
         waits = [i for i, st in enumerate(body) if ast.unparse(st) == "pdl.wait(USE_PDL)"]
         assert waits, (path.name, fn.name, "no top-level pdl.wait(USE_PDL)")
         for st in body[:waits[0]]:  # only index math and loads of read-only weights before the wait
-            _check_before_wait(st, f"{path.name}:{fn.name}")
+            _check_before_wait(st, f"{path.name}:{fn.name}", pdl.READ_BEFORE_WAIT.get(fn.name, frozenset()))
 
 
-def _check_before_wait(st: ast.stmt, where: str) -> None:
+def _check_before_wait(st: ast.stmt, where: str, allowed: frozenset) -> None:
     for node in ast.walk(st):
         if isinstance(node, ast.Call):
             name = ast.unparse(node.func)
             assert "store" not in name and "atomic" not in name and "wait" not in name, (where, name)
-            if name == "tl.load":
-                names = [n for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)]
+            if name == "tl.load" or not name.startswith(("tl.", "pdl.")):  # a load, or a helper's
+                args = node.args[:1] if name == "tl.load" else node.args  # pointer arguments
+                names = [n for a in args for n in ast.walk(a) if isinstance(n, ast.Name)]
                 ptrs = {n.id for n in names if n.id.endswith("_ptr")}
-                assert ptrs and ptrs <= pdl.READ_ONLY_BEFORE_WAIT, (where, ast.unparse(node), ptrs)
+                assert ptrs <= allowed and (ptrs or name != "tl.load"), (where, ast.unparse(node), ptrs)
 
 
 def test_the_before_wait_check_rejects():
     """The check above fails on a store, or a load of anything but the weights, before the wait."""
     bad_ones = ("tl.store(y_ptr + 1, v)", "v = tl.load(x_ptr + offs)", "v = tl.load(w_ptr + offs)",
-                "a = tl.atomic_add(lock_ptr, 1)")
+                "a = tl.atomic_add(lock_ptr, 1)", "v = _helper(x_ptr, 3)")
     for bad in bad_ones:
         with pytest.raises(AssertionError):
-            _check_before_wait(ast.parse(bad).body[0], "test")
-    _check_before_wait(ast.parse("w = tl.load(weight_ptr + offs, mask=m)").body[0], "test")
+            _check_before_wait(ast.parse(bad).body[0], "test", pdl.READ_BEFORE_WAIT["_gemv_kernel"])
+    _check_before_wait(ast.parse("w = tl.load(weight_ptr + offs, mask=m)").body[0], "test",
+                       pdl.READ_BEFORE_WAIT["_gemv_kernel"])
+    with pytest.raises(AssertionError):  # a kernel without an entry may load nothing before its wait
+        _check_before_wait(ast.parse("w = tl.load(weight_ptr + offs)").body[0], "test", frozenset())
 
 
 def test_every_launch_passes_the_flag():
