@@ -160,6 +160,36 @@ def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
         print(f"{s['op']:36s} {s['T']:3d} {s['before_us']:10.2f} {s['after_us']:8.2f}  {s['config']}")
 
 
+def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path) -> None:
+    """--grouped-tokens: tiles of the bucketed-expert GEMMs (prefill sizes), keyed by the M-block
+    size grouped_config picks for T ("grouped:<kind>:<BLOCK_M>" in moe_pair_tuned.json)."""
+    cfgs, table, everything = {}, [], {}
+    for kind in kinds:
+        case = MoeCase(fp8=kind == "fp8")
+        for T in tokens:
+            base = moe.grouped_config(T, 8, 256, kind == "fp8")
+            tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
+            cands = [base] + [
+                dict(BLOCK_M=base["BLOCK_M"], GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w,
+                     num_stages=st)
+                for (gn, dn), bk, (w, st) in itertools.product(tiles, (64, 128), ((4, 3), (8, 3), (8, 4)))]
+            run = lambda c, case=case, T=T: case.run(T, "grouped", c, eager=False)  # noqa: E731
+            first, best, rows = best_of(f"grouped {kind}", run, cands, 1e-2)
+            cfgs[f"grouped:{kind}:{base['BLOCK_M']}"] = best["config"]
+            everything[f"grouped {kind} T={T}"] = rows
+            table.append((f"moe_{kind}[grouped]", T, first, best))
+        del case
+        torch.cuda.empty_cache()
+    (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=cfgs), indent=1))
+    summary = [dict(op=op, T=T, before_us=b["us"], after_us=a["us"], after_rel_err=a["rel_err"],
+                    config=a["config"]) for op, T, b, a in table]
+    result = dict(meta, summary=summary, candidates=everything)
+    (out / "sweep_grouped.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{'op':24s} {'T':>5s} {'current µs':>10s} {'best µs':>8s}  config")
+    for s in summary:
+        print(f"{s['op']:24s} {s['T']:5d} {s['before_us']:10.1f} {s['after_us']:8.1f}  {s['config']}")
+
+
 def pair_candidates(T: int, fp8: bool) -> list[dict]:
     out = [dict(moe.pair_config(T, fp8), MMA=0)]
     for bi, bh, st, w, f16 in itertools.product((16, 32), (32, 64), (2, 4), (2, 4), (0, 1) if fp8 else (0,)):
@@ -191,6 +221,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--space", default="base", choices=("base", "wide", "gemv"),
                     help="FP8 linear candidates; gemv: the preloading GEMV for the FP8 and BF16 linears")
+    ap.add_argument("--grouped-tokens", default="",
+                    help="e.g. 1024: tile search of the grouped MoE path only (--moe kinds)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -202,6 +234,9 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.space == "gemv":
         return gemv_sweep(args, tokens, meta, out)
+    if args.grouped_tokens:
+        kinds = list(filter(None, args.moe.split(",")))
+        return grouped_sweep(kinds, [int(t) for t in args.grouped_tokens.split(",")], meta, out)
     for name in filter(None, args.linears.split(",")):
         N, K = LINEARS[name]
         case = LinearCase(name, N, K)

@@ -379,6 +379,10 @@ def grouped_config(T: int, top_k: int, E: int, fp8: bool = False) -> dict:
     At 16-row blocks the sweep picked 128-wide N tiles for BF16 (259 µs at T=32) and 32/64 for FP8."""
     rows = T * top_k / E
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
+    key = f"grouped:{'fp8' if fp8 else 'bf16'}:{bm}"
+    hit = load_tuned("moe_pair_h200.json", "METAINFER_MOE_TUNED").get(key)
+    if hit is not None:  # measured per M-block size (benchmarks/sweep_decode_kernels.py --grouped-tokens)
+        return dict(hit)
     if bm == 16:
         gn, dn = (32, 64) if fp8 else (128, 128)
         return dict(BLOCK_M=16, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=128, num_warps=4, num_stages=3)
