@@ -169,10 +169,11 @@ def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path) ->
         for T in tokens:
             base = moe.grouped_config(T, 8, 256, kind == "fp8")
             tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
+            bms = (base["BLOCK_M"], 2 * base["BLOCK_M"])  # larger M-blocks: fewer re-reads of an expert
             cands = [base] + [
-                dict(BLOCK_M=base["BLOCK_M"], GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w,
-                     num_stages=st)
-                for (gn, dn), bk, (w, st) in itertools.product(tiles, (64, 128), ((4, 3), (8, 3), (8, 4)))]
+                dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st)
+                for bm, (gn, dn), bk, (w, st) in itertools.product(bms, tiles, (64, 128),
+                                                                  ((4, 3), (8, 3), (8, 4)))]
             run = lambda c, case=case, T=T: case.run(T, "grouped", c, eager=False)  # noqa: E731
             first, best, rows = best_of(f"grouped {kind}", run, cands, 1e-2)
             cfgs[f"grouped:{kind}:{base['BLOCK_M']}"] = best["config"]

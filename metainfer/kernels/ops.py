@@ -173,7 +173,12 @@ def causal_conv1d_update(x, conv_state, weight, slots, has_state):
     return ref.causal_conv1d_update(x, conv_state, weight, slots, has_state)
 
 
-def causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state):
+def causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state, cu=None, slots_dev=None,
+                  has_dev=None):
+    """Varlen prefill conv (host offsets for the reference; device ones for the kernel)."""
+    kern = _kernel("causal_conv1d", x)
+    if kern:
+        return kern(x, conv_state, weight, query_start_loc, slots, has_state, cu, slots_dev, has_dev)
     return ref.causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state)
 
 

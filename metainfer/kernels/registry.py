@@ -15,6 +15,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "add_rms_norm": ("metainfer.kernels.norm", "add_rms_norm"),
     "gated_rms_norm": ("metainfer.kernels.norm", "gated_rms_norm"),
     "causal_conv1d_update": ("metainfer.kernels.conv1d", "causal_conv1d_update"),
+    "causal_conv1d": ("metainfer.kernels.conv1d", "causal_conv1d"),
     "gdn_decode": ("metainfer.kernels.gdn_decode", "gdn_decode"),
     "gdn_decode_gated": ("metainfer.kernels.gdn_decode", "gdn_decode_gated"),
     "gdn_prefill_varlen": ("metainfer.kernels.gdn_prefill", "gdn_prefill_varlen"),

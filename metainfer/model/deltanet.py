@@ -86,8 +86,10 @@ class GatedDeltaNet(nn.Module):
             s0 = qsl[nd]
             rel = [x - s0 for x in qsl[nd:]]
             has = [c > 0 for c in meta.context_lens_cpu[nd:]]
+            cu = meta.query_start_loc[nd:] - s0  # device offsets, for the kernels
             y = ops.causal_conv1d(
-                mixed[s0:], conv_state, self.conv_weight, rel, meta.state_slots_cpu[nd:], has
+                mixed[s0:], conv_state, self.conv_weight, rel, meta.state_slots_cpu[nd:], has,
+                cu, meta.state_slots[nd:], meta.has_state[nd:],
             )
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
             g, beta = self.gating(a[s0:], b[s0:])
@@ -97,7 +99,7 @@ class GatedDeltaNet(nn.Module):
                 v.view(-1, self.hv, self.dv),
                 g,
                 beta,
-                meta.query_start_loc[nd:] - s0,
+                cu,
                 ssm_state,
                 meta.state_slots[nd:],
                 meta.has_state[nd:],

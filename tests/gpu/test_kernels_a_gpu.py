@@ -90,6 +90,26 @@ def _gdn_ref(q, k, v, g, beta, state, slots, has):
 
 
 @cuda
+def test_conv_prefill_full_shape(monkeypatch):
+    """The varlen prefill conv (METAINFER_CONV_PREFILL=1) at the model's 8,192 channels: sequences
+    of 1,000, 3 and 4,000 tokens (one without state) against `reference.causal_conv1d`."""
+    from metainfer.kernels import conv1d
+
+    monkeypatch.setenv(conv1d.PREFILL_ENV, "1")
+    g = gen(41)
+    qsl, slots, has = [0, 1000, 1003, 5003], [4, 1, 7], [True, False, True]
+    x = torch.randn(qsl[-1], C, device=DEV, generator=g).bfloat16()
+    state = torch.randn(9, K - 1, C, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(C, K, device=DEV, generator=g) * 0.5).bfloat16()
+    want_state = state.clone()
+    want = ref.causal_conv1d(x, want_state, w, qsl, slots, has)
+    got = conv1d.causal_conv1d(x, state, w, qsl, slots, has, torch.tensor(qsl, dtype=torch.int32, device=DEV),
+                               torch.tensor(slots, device=DEV), torch.tensor(has, device=DEV))
+    close(got, want, *CONV)
+    assert torch.equal(state, want_state)
+
+
+@cuda
 @pytest.mark.parametrize("B", [1, 7, 64, 256])
 def test_conv_and_gdn_full_shapes(B):
     from metainfer.kernels import conv1d, gdn_decode
@@ -251,6 +271,9 @@ _COMPILE = textwrap.dedent(
               dict(SLOTS=9, HAS_RES=has_res, BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
     build(norm._gated_rms_norm_kernel, dict(x_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32"),
           dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128), norm.NUM_WARPS)
+    build(conv1d._conv_prefill_kernel, dict(x_ptr=bf, state_ptr=bf, w_ptr=bf, out_ptr=bf, cu_ptr="*i32",
+          slots_ptr="*i64", has_ptr="*u8"), dict(K=4, KP=4, Y_DT=tl.bfloat16, BLOCK_T=conv1d.PREFILL_BLOCK_T,
+          BLOCK_C=conv1d.PREFILL_BLOCK_C), 4)
     build(conv1d._conv_update_kernel, dict(x_ptr=bf, state_ptr=bf, w_ptr=bf, out_ptr=bf, slots_ptr="*i64",
           has_ptr="*u8"), dict(K=4, Y_DT=tl.bfloat16, BLOCK_C=conv1d.BLOCK_C), conv1d.NUM_WARPS)
     for gated, preload in ((False, 0), (True, 0), (True, 1)):

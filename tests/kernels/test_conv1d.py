@@ -76,3 +76,32 @@ def test_conv1d_update_in_place_into_strided_rows():
     got = conv1d.causal_conv1d_update(x, state, w, slots, has, out=x)
     assert got.data_ptr() == proj.data_ptr() and rel_rmse(proj[:, :C], want) < 1e-6
     assert torch.equal(proj[:, C:], tail) and rel_rmse(state, want_state) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [4, 2])
+def test_prefill_varlen_matches_reference(K, dtype, monkeypatch):
+    """The varlen prefill kernel (METAINFER_CONV_PREFILL=1): four sequences of 1, 2, 37 and 70
+    tokens (shorter than the state, than a 32-token block, several blocks) over 200 channels (a
+    ragged 128-wide block) of strided rows, with and without state; outputs and the updated
+    states against `reference.causal_conv1d`, other slots untouched."""
+    monkeypatch.setenv(conv1d.PREFILL_ENV, "1")
+    g = torch.Generator().manual_seed(5)
+    lens, C, S = [1, 2, 37, 70], 200, 7
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    xx = torch.randn(qsl[-1], C + 9, generator=g).to(dtype)
+    x = xx[:, 9:]
+    state = torch.randn(S, K - 1, C, generator=g).to(dtype)
+    w = (torch.randn(C, K, generator=g) * 0.5).to(dtype)
+    slots, has = [5, 0, 3, 6], [True, True, False, True]
+    state0, want_state = state.clone(), state.clone()
+    want = ref.causal_conv1d(x, want_state, w, qsl, slots, has)
+    got = conv1d.causal_conv1d(x, state, w, qsl, slots, has, torch.tensor(qsl, dtype=torch.int32),
+                               torch.tensor(slots), torch.tensor(has))
+    rmse, max_abs = TOL[dtype]
+    assert rel_rmse(got, want) < rmse and (got.float() - want.float()).abs().max() < max_abs
+    assert torch.equal(state, want_state)  # the new states are copies of inputs: exact
+    monkeypatch.setenv(conv1d.PREFILL_ENV, "0")  # off: the reference itself
+    assert torch.equal(conv1d.causal_conv1d(x, state0, w, qsl, slots, has), want)
