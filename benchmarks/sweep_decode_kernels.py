@@ -112,6 +112,21 @@ def bf16_candidates(T: int, N: int, K: int, sms: int) -> list[dict]:
     return out
 
 
+def write_summary(path: Path, meta: dict, table: list, everything: dict, label: str = "op",
+                  quiet: bool = False) -> list[dict]:
+    """table rows (op, T, before row, best row) -> the summary, written with every candidate's row
+    to `path` (JSON) and printed as a before/after table unless quiet."""
+    summary = [dict(op=op, T=T, before_us=b["us"], before_GBps=b.get("GBps"), after_us=a["us"],
+                    after_GBps=a.get("GBps"), after_rel_err=a["rel_err"], config=a["config"])
+               for op, T, b, a in table]
+    path.write_text(json.dumps(dict(meta, summary=summary, candidates=everything), indent=1))
+    if not quiet:
+        print(f"\n{label:36s} {'T':>5s} {'before µs':>10s} {'after µs':>9s}  config")
+        for s in summary:
+            print(f"{s['op']:36s} {s['T']:5d} {s['before_us']:10.2f} {s['after_us']:9.2f}  {s['config']}")
+    return summary
+
+
 def gemv_candidates(T: int, N: int, K: int, elem_bytes: int) -> list[dict]:
     """`_gemv_kernel` tiles: 2-32 rows x 512-4096 columns, 4-16 warps, 8-64 KB of weights each,
     16-256 bytes of it per thread."""
@@ -150,45 +165,45 @@ def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
         del case
         torch.cuda.empty_cache()
     (out / "fp8_skinny_tuned.json").write_text(json.dumps(dict(meta, configs=cfgs), indent=1))
-    summary = [dict(op=op, T=T, before_us=b["us"], before_GBps=b["GBps"], after_us=a["us"],
-                    after_GBps=a["GBps"], after_rel_err=a["rel_err"], config=a["config"])
-               for op, T, b, a in table]
-    result = dict(meta, summary=summary, candidates=everything)
-    (out / "sweep_gemv.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{'op (with a norm launch before)':36s} {'T':>3s} {'current µs':>10s} {'gemv µs':>8s}  config")
-    for s in summary:
-        print(f"{s['op']:36s} {s['T']:3d} {s['before_us']:10.2f} {s['after_us']:8.2f}  {s['config']}")
+    write_summary(out / "sweep_gemv.json", meta, table, everything, "op (with a norm launch before)")
+
+
+def grouped_candidates(T: int, fp8: bool) -> list[dict]:
+    """The current grouped-path config, then N tiles 64-256, K steps 64/128, 4-8 warps, 3-4 stages at
+    its M-block size and twice it (fewer re-reads of an expert's weights)."""
+    base = moe.grouped_config(T, 8, 256, fp8)
+    tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
+    return [base] + [
+        dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st)
+        for bm, (gn, dn), bk, (w, st) in itertools.product((base["BLOCK_M"], 2 * base["BLOCK_M"]), tiles,
+                                                          (64, 128), ((4, 3), (8, 3), (8, 4)))]
+
+
+def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, cfgs: dict, everything: dict,
+              table: list) -> None:
+    """Best of candidates(T, fp8) on one MoE path for each kind and T (each checked against the
+    reference first), into cfgs[key(kind, T, first candidate)], everything, table."""
+    for kind in kinds:
+        case = MoeCase(fp8=kind == "fp8")
+        for T in tokens:
+            run = lambda c, case=case, T=T: case.run(T, path, c, eager=False)  # noqa: E731
+            cands = candidates(T, kind == "fp8")
+            first, best, rows = best_of(f"{path} {kind}", run, cands, 1e-2)
+            cfgs[key(kind, T, cands[0])] = best["config"]
+            everything[f"{path} {kind} T={T}"] = rows
+            table.append((f"moe_{kind}[{path}]", T, first, best))
+        del case
+        torch.cuda.empty_cache()
 
 
 def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path) -> None:
     """--grouped-tokens: tiles of the bucketed-expert GEMMs (prefill sizes), keyed by the M-block
     size grouped_config picks for T ("grouped:<kind>:<BLOCK_M>" in moe_pair_tuned.json)."""
     cfgs, table, everything = {}, [], {}
-    for kind in kinds:
-        case = MoeCase(fp8=kind == "fp8")
-        for T in tokens:
-            base = moe.grouped_config(T, 8, 256, kind == "fp8")
-            tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
-            bms = (base["BLOCK_M"], 2 * base["BLOCK_M"])  # larger M-blocks: fewer re-reads of an expert
-            cands = [base] + [
-                dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st)
-                for bm, (gn, dn), bk, (w, st) in itertools.product(bms, tiles, (64, 128),
-                                                                  ((4, 3), (8, 3), (8, 4)))]
-            run = lambda c, case=case, T=T: case.run(T, "grouped", c, eager=False)  # noqa: E731
-            first, best, rows = best_of(f"grouped {kind}", run, cands, 1e-2)
-            cfgs[f"grouped:{kind}:{base['BLOCK_M']}"] = best["config"]
-            everything[f"grouped {kind} T={T}"] = rows
-            table.append((f"moe_{kind}[grouped]", T, first, best))
-        del case
-        torch.cuda.empty_cache()
+    key = lambda kind, T, base: f"grouped:{kind}:{base['BLOCK_M']}"  # noqa: E731  (by M-block size, not T)
+    sweep_moe(kinds, tokens, "grouped", grouped_candidates, key, cfgs, everything, table)
     (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=cfgs), indent=1))
-    summary = [dict(op=op, T=T, before_us=b["us"], after_us=a["us"], after_rel_err=a["rel_err"],
-                    config=a["config"]) for op, T, b, a in table]
-    result = dict(meta, summary=summary, candidates=everything)
-    (out / "sweep_grouped.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{'op':24s} {'T':>5s} {'current µs':>10s} {'best µs':>8s}  config")
-    for s in summary:
-        print(f"{s['op']:24s} {s['T']:5d} {s['before_us']:10.1f} {s['after_us']:8.1f}  {s['config']}")
+    write_summary(out / "sweep_grouped.json", meta, table, everything)
 
 
 def pair_candidates(T: int, fp8: bool) -> list[dict]:
@@ -263,24 +278,11 @@ def main() -> None:
             table.append((f"bf16_linear[{name}]", T, cublas, best))
         del case
         torch.cuda.empty_cache()
-    for kind in filter(None, args.moe.split(",")):
-        case = MoeCase(fp8=kind == "fp8")
-        for T in tokens:
-            run = lambda c, case=case, T=T: case.run(T, "pair", c, eager=False)  # noqa: E731
-            base, best, rows = best_of(f"moe {kind}", run,
-                                       pair_candidates(T, kind == "fp8"), 1e-2)
-            pair_cfgs[f"{kind},{T}"] = best["config"]
-            everything[f"moe {kind} T={T}"] = rows
-            table.append((f"moe_{kind}[pair]", T, base, best))
-        del case
-        torch.cuda.empty_cache()
+    sweep_moe(list(filter(None, args.moe.split(","))), tokens, "pair", pair_candidates,
+              lambda kind, T, base: f"{kind},{T}", pair_cfgs, everything, table)
     (out / "fp8_skinny_tuned.json").write_text(json.dumps(dict(meta, configs=skinny_cfgs), indent=1))
     (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=pair_cfgs), indent=1))
-    summary = [dict(op=op, T=T, before_us=b["us"], before_GBps=b["GBps"], after_us=a["us"],
-                    after_GBps=a["GBps"], after_rel_err=a["rel_err"], config=a["config"])
-               for op, T, b, a in table]
-    (out / "sweep_decode_kernels.json").write_text(
-        json.dumps(dict(meta, summary=summary, candidates=everything), indent=1))
+    summary = write_summary(out / "sweep_decode_kernels.json", meta, table, everything, quiet=True)
     print(f"\n{'op':32s} {'T':>3s} {'before µs':>10s} {'GB/s':>7s} {'after µs':>9s} {'GB/s':>7s}  config")
     for s in summary:
         print(f"{s['op']:32s} {s['T']:3d} {s['before_us']:10.2f} {s['before_GBps']:7.0f} "
