@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200: batch-1 decode A/B of one switch (an environment variable read by the engine), each
+# On the H200: batch-1 decode (and idle 1k-prompt TTFT) A/B of one switch (an environment variable read by the engine), each
 # mode in a fresh process on the same build. Figures only; the verdicts come from gpu_final.sh.
 #   VAR=METAINFER_PDL MODES="0 1" DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh   (OUT set; .whl carried)
 set -uo pipefail
@@ -9,6 +9,6 @@ VAR=${VAR:-METAINFER_PDL}
 for dt in ${DTYPES:-fp8}; do
   for mode in ${MODES:-0 1}; do
     env $VAR=$mode timeout ${T_DECODE:-90} python benchmarks/decode_bench.py --dtype $dt --batches ${BATCHES:-1} \
-      --gen 32 --out $OUT/ab_${VAR}_$mode 2>&1 | grep -v "falling back" | grep -E "^\|" | sed "s/^/[$dt $VAR=$mode] /"
+      --gen 32 --out $OUT/ab_${VAR}_$mode 2>&1 | grep -v "falling back" | grep -E "^\||TTFT" | sed "s/^/[$dt $VAR=$mode] /"
   done
 done

@@ -23,6 +23,9 @@ SiLU*mul) and `_grouped_down_kernel` run over (M-block, N-block) and read each e
 once per M-block; the down kernel writes one row per pair and `_combine_kernel` sums each token's
 k rows with its routing weights in slot order. The order of pairs inside a bucket varies between
 runs, but each row is computed independently of its position, so the result does not.
+METAINFER_MOE_W8A8=1 (FP8 weights, off until measured on the H200): both GEMMs take e4m3
+activations quantised per token and 128 columns (`fp8_linear.act_quant`, the dense prefill GEMM's
+scheme) and run e4m3 x e4m3 on the tensor cores, each 128-wide step's product times both scales.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl, routing
-from metainfer.kernels.fp8_linear import load_tuned, mma, wdot
+from metainfer.kernels.fp8_linear import act_quant, load_tuned, mma, wdot
 
 PAIR_MAX_T = 8
+A8_ENV = "METAINFER_MOE_W8A8"  # "1": FP8 prefill experts on e4m3 x e4m3 tensor cores (off until measured)
 
 
 def _interpret() -> bool:
@@ -241,10 +245,13 @@ def _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M: tl.constexpr, E_P2: tl
 @triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
+    xs_ptr, n_xs,
     TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
+    """A8 (FP8 weights, BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
+    xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales."""
     pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
@@ -269,8 +276,13 @@ def _grouped_gate_up_kernel(
         if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
             sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
             su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
-            acc_g += mma(a, bg, UPCAST) * sg[None, :]
-            acc_u += mma(a, bu, UPCAST) * su[None, :]
+            if A8:
+                sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)[:, None]
+                acc_g += mma(a, bg, UPCAST) * (sa * sg[None, :])
+                acc_u += mma(a, bu, UPCAST) * (sa * su[None, :])
+            else:
+                acc_g += mma(a, bg, UPCAST) * sg[None, :]
+                acc_u += mma(a, bu, UPCAST) * su[None, :]
         else:
             acc_g += mma(a, bg, UPCAST)
             acc_u += mma(a, bu, UPCAST)
@@ -282,10 +294,12 @@ def _grouped_gate_up_kernel(
 @triton.jit
 def _grouped_down_kernel(
     act_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn,
+    as_ptr, n_as,
     FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
+    """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel)."""
     pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
@@ -305,7 +319,10 @@ def _grouped_down_kernel(
         a = tl.load(act_ptr + rows[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
         b = tl.trans(tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0))
         if FP8:
-            acc += mma(a, b, UPCAST) * tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
+            sb = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
+            if A8:
+                sb = sb * tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)[:, None]
+            acc += mma(a, b, UPCAST) * sb
         else:
             acc += mma(a, b, UPCAST)
     out_mask = valid[:, None] & n_mask[None, :]
@@ -469,16 +486,19 @@ def _grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: di
     _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
                                            BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
     act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
-    common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast,
+    a8 = fp8 and os.environ.get(A8_ENV, "0") == "1"
+    xa, xs = act_quant(x) if a8 else (x, x)  # e4m3 activations + scales, or x (the scales unused)
+    common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
-        x, w_gate_up, gu[0], sorted_pairs, ends, counts, act, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
-        TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
+        xa, w_gate_up, gu[0], sorted_pairs, ends, counts, act, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
+        xs, T, TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
     )
+    acts, as_ = act_quant(act) if a8 else (act, act)
     y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
     _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
-        act, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],
-        BLOCK_N=cfg["DN_BLOCK_N"], **common, **pdl.kw(),
+        acts, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],
+        as_, act.shape[0], BLOCK_N=cfg["DN_BLOCK_N"], **common, **pdl.kw(),
     )
     block_h = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h, **pdl.kw())

@@ -323,6 +323,14 @@ _COMPILE = textwrap.dedent(
               UPCAST=0, DOT_F16=mma, ROUTE_K=route, E_P2=256, K_P2=8), 2)
         build(moe._pair_down_rows_kernel, dict(act_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", y_ptr=f32),
               dict(FP8=fp8, BLOCK_H=32, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
+    for a8 in (0, 1):  # the bucketed (prefill) path, FP8 weights, bf16 or e4m3 activations
+        xt, st = (f8, f32) if a8 else (bf, bf)
+        idx = dict(sorted_ptr="*i32", ends_ptr="*i32", counts_ptr="*i32")
+        tiles = dict(FP8=1, UPCAST=0, E_P2=256, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, A8=a8)
+        build(moe._grouped_gate_up_kernel, dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st),
+              dict(tiles, TOP_K=8), 4, 3)
+        build(moe._grouped_down_kernel, dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st),
+              tiles, 4, 3)
     build(moe._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
     build(moe._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
           dict(TOP_K=8, E_P2=256, K_P2=8, SHARED=1), 4)
