@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the H200: batch-1 decode (and idle 1k-prompt TTFT) A/B of one switch (an environment variable read by the engine), each
-# mode in a fresh process on the same build. Figures only; the verdicts come from gpu_final.sh.
+# On the H200: batch-1 decode (and idle 1k-prompt TTFT) A/B of one switch (an environment variable
+# read by the engine), each mode in a fresh process on the same build. Figures only; the verdicts come from gpu_final.sh.
 #   VAR=METAINFER_PDL MODES="0 1" DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh   (OUT set; .whl carried)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
