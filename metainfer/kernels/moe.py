@@ -40,6 +40,8 @@ from metainfer.kernels import pdl, routing
 from metainfer.kernels.fp8_linear import act_quant, load_tuned, mma, wdot
 
 PAIR_MAX_T = 8
+DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "1": `_routed_down_kernel` (off until measured)
+DOWN_PRELOAD_BLOCK_H = 32
 A8_ENV = "METAINFER_MOE_W8A8"  # "1": FP8 prefill experts on e4m3 x e4m3 tensor cores (off until measured)
 
 
@@ -74,11 +76,8 @@ def _pair_gate_up_kernel(
     t = pair // SLOTS
     if ROUTE_K:
         j = pair - t * SLOTS
-        routed = j < ROUTE_K
-        n_pick = tl.where(routed, j + 1, 0)
-        vals, idx = routing.softmax_topk(logits_ptr + t * stride_lt, E, n_pick, E_P2, K_P2)
+        e, vals, idx = routing.slot_pick(logits_ptr + t * stride_lt, E, j, ROUTE_K, E_P2, K_P2)
         slot = tl.arange(0, K_P2)
-        e = tl.where(routed, tl.sum(tl.where(slot == j, idx, 0), axis=0), E).to(tl.int64)
         first = (tl.program_id(1) == 0).to(tl.int32)
         wmask = slot < ROUTE_K * first * (j == ROUTE_K - 1).to(tl.int32)  # (written as a bound: the
         tl.store(ids_ptr + t * SLOTS + slot, idx.to(tl.int64), mask=wmask)  # interpreter cannot & a
@@ -197,6 +196,38 @@ def _pair_down_rows_kernel(
                 af = af * tl.load(s_ptr + e * stride_se + h_blk * stride_sn + k0 // 128)
             acc += w.to(tl.float32) * af[None, :]
     tl.store(y_ptr + pair * H + offs_h, tl.sum(acc, axis=1), mask=h_mask)
+
+
+@triton.jit
+def _routed_down_kernel(
+    act_ptr, w_ptr, s_ptr, logits_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn, stride_lt,
+    SLOTS: tl.constexpr, ROUTE_K: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
+    I_P2: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """`_pair_down_rows_kernel` for the routed rows path (after `_pair_gate_up_kernel` with
+    ROUTE_K), its weights loaded BEFORE the PDL wait: the program finds its (token, slot)'s expert
+    from the router logits itself (`routing.slot_pick`, the gate/up kernel's picks: the logits were
+    written two kernels back, so they are final once this kernel launches) and loads its whole
+    [BLOCK_H, I] weight tile (and block scales) while the gate/up kernel still runs; then waits,
+    reads the pair's activation and reduces on the CUDA cores. y[pair, h-block] fp32."""
+    pair = tl.program_id(0)
+    t = pair // SLOTS
+    e, _, _ = routing.slot_pick(logits_ptr + t * stride_lt, E, pair - t * SLOTS, ROUTE_K, E_P2, K_P2)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k = tl.arange(0, I_P2)
+    h_mask = offs_h < H
+    k_mask = offs_k < I
+    w_mask = h_mask[:, None] & k_mask[None, :]
+    w = tl.load(w_ptr + e * stride_we + offs_h[:, None] * I + offs_k[None, :], mask=w_mask, other=0.0)
+    if FP8:  # BLOCK_H divides 128: one row of scale blocks
+        s_row = e * stride_se + (tl.program_id(1) * BLOCK_H // 128) * stride_sn
+        sc = tl.load(s_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
+    pdl.wait(USE_PDL)
+    a = tl.load(act_ptr + pair * I + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if FP8:
+        a = a * sc
+    tl.store(y_ptr + pair * H + offs_h, tl.sum(w.to(tl.float32) * a[None, :], axis=1), mask=h_mask)
 
 
 # ---- large T: bucket by expert, grouped GEMMs ----------------------------------------------------
@@ -453,6 +484,23 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor)
     return y
 
 
+def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool) -> torch.Tensor:
+    """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits,
+    weights loaded before the PDL wait -> y [T*W, H] fp32."""
+    H, I = w_down.shape[1], w_down.shape[2]
+    P = act.shape[0]
+    E = logits.shape[1] - (slots - top_k)
+    y = torch.empty(P, H, dtype=torch.float32, device=act.device)
+    block_h = DOWN_PRELOAD_BLOCK_H
+    _routed_down_kernel[(P, triton.cdiv(H, block_h))](
+        act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
+        SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
+        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k), num_warps=4 if fp8 else 8,
+        **pdl.kw(),
+    )
+    return y
+
+
 def _pair_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
     T, H = x.shape
     k = ids.shape[1]
@@ -590,7 +638,11 @@ def moe_routed_rows(
     assert not fp8 or (128 % cfg["BLOCK_K"] == 0 and 128 % cfg["BLOCK_H"] == 0), cfg
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg,
                         route=(router_logits, top_k, tw))
-    y = _pair_down_rows(act, w_down, _scale_args(down_scale, w_down), ids, fp8, cfg, x)
+    dn = _scale_args(down_scale, w_down)
+    if os.environ.get(DOWN_PRELOAD_ENV, "0") == "1":
+        y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8)
+    else:
+        y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H), tw
 
 

@@ -32,6 +32,8 @@ ENV = "METAINFER_PDL"
 READ_BEFORE_WAIT = {
     "_gemv_kernel": frozenset({"weight_ptr", "wscale_ptr"}),
     "_gdn_decode_kernel": frozenset({"state_ptr", "slots_ptr", "has_ptr"}),
+    # the router's logits: written two kernels back (the router; the gate/up kernel is between)
+    "_routed_down_kernel": frozenset({"w_ptr", "s_ptr", "logits_ptr"}),
 }
 _SUPPORTED: bool | None = None
 

@@ -38,6 +38,18 @@ def softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr, 
 
 
 @triton.jit
+def slot_pick(logits_row, E, j, ROUTE_K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
+    """The expert of slot j of a token (logits at logits_row): slot j < ROUTE_K is the token's
+    (j+1)-th pick (j + 1 rounds of `softmax_topk`), slot ROUTE_K the shared expert, id E.
+    -> (expert int64, the picks' probabilities [K_P2], their experts [K_P2])."""
+    routed = j < ROUTE_K
+    vals, idx = softmax_topk(logits_row, E, tl.where(routed, j + 1, 0), E_P2, K_P2)
+    slot = tl.arange(0, K_P2)
+    e = tl.where(routed, tl.sum(tl.where(slot == j, idx, 0), axis=0), E).to(tl.int64)
+    return e, vals, idx
+
+
+@triton.jit
 def route_token(logits_row, E, tw_row, ids_row, TOP_K: tl.constexpr, SHARED: tl.constexpr,
                 E_P2: tl.constexpr, K_P2: tl.constexpr, CG: tl.constexpr = 0):
     """One token's routing from its logits row ([E (+1)]) into tw_row / ids_row ([TOP_K + SHARED]):

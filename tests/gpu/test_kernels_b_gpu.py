@@ -229,14 +229,18 @@ def test_fp8_linear_cuda_graph(T):
     _graph_equals_eager(lambda a: fl.fp8_linear(a, q, s), [x], [torch.randn_like(x)])
 
 
+@pytest.mark.parametrize("preload", ["0", "1"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T", [1, 4, 8])
-def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8):
+def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8, preload, monkeypatch):
     """route_topk + moe_experts + add_rms_norm (route, gate/up, down, combine, norm) against
     moe_routed_rows + moe_add_rms_norm (gate/up routing itself, down, combine-in-norm), with the
     shared expert as expert E: the same experts and weights (to the rounding of the softmax sum,
-    whose reduction order follows each kernel's warps), so rel RMSE < 1e-3."""
+    whose reduction order follows each kernel's warps), so rel RMSE < 1e-3. preload "1": the down
+    kernel routing itself with its weights loaded before the PDL wait."""
     from metainfer.kernels import moe, norm
+
+    monkeypatch.setenv(moe.DOWN_PRELOAD_ENV, preload)
     from metainfer.model.fp8 import quantize_fp8_block
 
     g = torch.Generator(device="cuda").manual_seed(40 + T)

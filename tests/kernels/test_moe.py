@@ -214,12 +214,16 @@ def test_moe_with_shared_expert_slot_matches_separate_shared_mlp():
     assert rel_rmse(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("preload", ["0", "1"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("T,dtype", [(1, F32), (3, F32), (3, BF16)])
-def test_moe_routed_rows(T, dtype, shared, fp8):
+def test_moe_routed_rows(T, dtype, shared, fp8, preload, monkeypatch):
     """Routing inside the gate/up kernel: the same ids and weights as `route_topk`, each pair's
-    unweighted output as `reference.moe_expert_rows`, and their weighted sum as `moe_experts`."""
+    unweighted output as `reference.moe_expert_rows`, and their weighted sum as `moe_experts`.
+    preload "1": the down kernel that routes from the logits itself and loads its weights before
+    the PDL wait (METAINFER_MOE_DOWN_PRELOAD=1), the same figures."""
+    monkeypatch.setenv(moe.DOWN_PRELOAD_ENV, preload)
     g = torch.Generator().manual_seed(20 + T)
     x, w_gu, w_dn, _, _ = _problem(T, seed=8, dtype=dtype)
     n = E + int(shared)
