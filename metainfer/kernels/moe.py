@@ -484,9 +484,10 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor)
     return y
 
 
-def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool) -> torch.Tensor:
+def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, num_warps: int) -> torch.Tensor:
     """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits,
-    weights loaded before the PDL wait -> y [T*W, H] fp32."""
+    weights loaded before the PDL wait -> y [T*W, H] fp32. num_warps: the gate/up kernel's, so the
+    routing's reductions run in the same order and pick the same experts even at a near-tie."""
     H, I = w_down.shape[1], w_down.shape[2]
     P = act.shape[0]
     E = logits.shape[1] - (slots - top_k)
@@ -495,8 +496,7 @@ def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool) -> 
     _routed_down_kernel[(P, triton.cdiv(H, block_h))](
         act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
-        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k), num_warps=4 if fp8 else 8,
-        **pdl.kw(),
+        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k), num_warps=num_warps, **pdl.kw(),
     )
     return y
 
@@ -640,7 +640,7 @@ def moe_routed_rows(
                         route=(router_logits, top_k, tw))
     dn = _scale_args(down_scale, w_down)
     if os.environ.get(DOWN_PRELOAD_ENV, "0") == "1":
-        y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8)
+        y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8, cfg["num_warps"])
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H), tw

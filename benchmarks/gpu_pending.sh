@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the H200: the switches built but not yet measured, in as few calls as possible (OUT set; .whl
+# carried). PHASES picks the parts (each well under the 10-minute call limit):
+#   tests  - their GPU tests (tests/gpu -k "conv_prefill or w8a8 or routed_rows"), ~1 min
+#   ab     - decode batch 1 + idle 1k TTFT, each switch 0 -> 1 in fresh processes:
+#            METAINFER_CONV_PREFILL (KB-0023, FP8 and BF16), METAINFER_MOE_W8A8 (KB-0024, FP8),
+#            METAINFER_MOE_DOWN_PRELOAD (KB-0025, FP8), ~5 min
+#   sweep  - the grouped MoE at T = 1,024 (32- and 64-row M-blocks), e4m3 activations off and on, ~5 min
+#   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
+#   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_CONV_PREFILL" bash ...
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+PHASES=${PHASES:-tests ab}
+if [[ $PHASES == *tests* ]]; then
+  timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "conv_prefill or w8a8 or routed_rows" 2>&1 \
+    | tee $OUT/gpu_tests_pending.log | tail -3
+fi
+if [[ $PHASES == *ab* ]]; then
+  VAR=METAINFER_CONV_PREFILL DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
+  VAR=METAINFER_MOE_W8A8 DTYPES=fp8 bash benchmarks/gpu_ab.sh
+  VAR=METAINFER_MOE_DOWN_PRELOAD DTYPES=fp8 bash benchmarks/gpu_ab.sh
+fi
+if [[ $PHASES == *sweep* ]]; then
+  for a8 in 0 1; do
+    METAINFER_MOE_W8A8=$a8 timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 1024 --moe fp8 \
+      --linears= --out $OUT/sweep_grouped_a8_$a8 2>&1 | grep -v "falling back\|skip" | tail -2 | sed "s/^/[a8=$a8] /"
+  done
+fi
+if [[ $PHASES == *verify* ]]; then
+  for v in ${ON:-}; do export $v=1; done
+  for dt in fp8 bfloat16; do
+    timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
+      --device cuda --suite full --json $OUT/verify_${dt}_pending.json 2>&1 | grep -E "verdict" | sed "s/^/[$dt ${ON:-}] /"
+  done
+fi
