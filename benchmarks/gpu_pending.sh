@@ -5,7 +5,8 @@
 #   ab     - decode batch 1 + idle 1k TTFT, each switch 0 -> 1 in fresh processes:
 #            METAINFER_CONV_PREFILL (KB-0023, FP8 and BF16), METAINFER_MOE_W8A8 (KB-0024, FP8),
 #            METAINFER_MOE_DOWN_PRELOAD (KB-0025, FP8), ~5 min
-#   sweep  - the grouped MoE at T = 1,024 (32- and 64-row M-blocks), e4m3 activations off and on, ~5 min
+#   sweep  - the grouped MoE at T = 32 and 1,024 (two M-block sizes each), e4m3 activations off and on
+#            (at T = 32 against the per-pair path's ~180 us: moe.use_pair_path), ~6 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_CONV_PREFILL" bash ...
 set -uo pipefail
@@ -18,13 +19,13 @@ if [[ $PHASES == *tests* ]]; then
 fi
 if [[ $PHASES == *ab* ]]; then
   VAR=METAINFER_CONV_PREFILL DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
-  VAR=METAINFER_MOE_W8A8 DTYPES=fp8 bash benchmarks/gpu_ab.sh
+  VAR=METAINFER_MOE_W8A8 DTYPES=fp8 BATCHES=1,64,128 bash benchmarks/gpu_ab.sh  # the grouped path: T > 32
   VAR=METAINFER_MOE_DOWN_PRELOAD DTYPES=fp8 bash benchmarks/gpu_ab.sh
 fi
 if [[ $PHASES == *sweep* ]]; then
   for a8 in 0 1; do
-    METAINFER_MOE_W8A8=$a8 timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 1024 --moe fp8 \
-      --linears= --out $OUT/sweep_grouped_a8_$a8 2>&1 | grep -v "falling back\|skip" | tail -2 | sed "s/^/[a8=$a8] /"
+    METAINFER_MOE_W8A8=$a8 timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 32,1024 --moe fp8 \
+      --linears= --out $OUT/sweep_grouped_a8_$a8 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[a8=$a8] /"
   done
 fi
 if [[ $PHASES == *verify* ]]; then
