@@ -8,6 +8,8 @@
 #   sweep  - the grouped MoE at T = 32 and 1,024 (two M-block sizes each), e4m3 activations off and on
 #            (at T = 32 against the per-pair path's ~180 us: moe.use_pair_path), ~6 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
+#   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
+#            PDL on a kernel's time includes its wait for the one before), ~1 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_CONV_PREFILL" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -27,6 +29,18 @@ if [[ $PHASES == *sweep* ]]; then
     METAINFER_MOE_W8A8=$a8 timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 32,1024 --moe fp8 \
       --linears= --out $OUT/sweep_grouped_a8_$a8 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[a8=$a8] /"
   done
+fi
+if [[ $PHASES == *profile* ]]; then
+  METAINFER_PDL=0 timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 16 \
+    --out $OUT/pdl_off_profile 2>&1 | grep -E "^\||TTFT"
+  python3 - "$OUT/pdl_off_profile/decode_bench_fp8.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))["prefill_profile"]
+print(f"prefill {p['prompt_len']} tokens, PDL off: wall {p['wall_ms']:.1f} ms, kernels {p['kernel_ms']:.1f} ms, "
+      f"{p['launches']} launches")
+for r in p["top"][:12]:
+    print(f"  {r['us'] / 1e3:7.2f} ms {r['calls']:5d}x  {r['kernel'][:70]}")
+PY
 fi
 if [[ $PHASES == *verify* ]]; then
   for v in ${ON:-}; do export $v=1; done
