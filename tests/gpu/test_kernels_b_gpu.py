@@ -130,9 +130,9 @@ def test_moe_full_shapes(T, fp8):
 
 @pytest.mark.parametrize("T,skew", [(256, False), (1024, False), (1024, True)])
 def test_moe_grouped_w8a8_full_shapes(T, skew, monkeypatch):
-    """METAINFER_MOE_W8A8=1 (e4m3 x e4m3 prefill experts): within 6% rel. RMSE of the exact fp32
-    product of the dequantised weights (the activations' e4m3 rounding; the weight-only path is
-    under 1%), deterministic."""
+    """METAINFER_MOE_W8A8=1 (e4m3 x e4m3 prefill experts): within 8% rel. RMSE of the exact fp32
+    product of the dequantised weights (two e4m3 roundings of the activations, ~4% on the CPU
+    test's shapes; the weight-only path is under 1%), deterministic."""
     from metainfer.kernels import moe
     from metainfer.model.fp8 import quantize_fp8_block
 
@@ -143,7 +143,7 @@ def test_moe_grouped_w8a8_full_shapes(T, skew, monkeypatch):
     exact = ref.moe_experts(x.float(), dq_gu, dq_dn, tw, ids)
     args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
     got = moe.moe_experts(*args, path="grouped")
-    assert _rel(got, exact) < 6e-2
+    assert _rel(got, exact) < 8e-2
     assert torch.equal(got, moe.moe_experts(*args, path="grouped"))
 
 
