@@ -4,9 +4,10 @@
 #   tests  - their GPU tests (tests/gpu -k "conv_prefill or w8a8 or routed_rows"), ~1 min
 #   ab     - decode batch 1 + idle 1k TTFT, each switch 0 -> 1 in fresh processes:
 #            METAINFER_CONV_PREFILL (KB-0023, FP8 and BF16), METAINFER_MOE_W8A8 (KB-0024, FP8),
-#            METAINFER_MOE_DOWN_PRELOAD (KB-0025, FP8), ~5 min
+#            METAINFER_MOE_DOWN_PRELOAD (KB-0025, FP8), METAINFER_FP8_LM_HEAD (KB-0026, FP8), ~6 min
 #   sweep  - the grouped MoE at T = 32 and 1,024 (two M-block sizes each), e4m3 activations off and on
 #            (at T = 32 against the per-pair path's ~180 us: moe.use_pair_path), ~6 min
+#   sweep_head - tiles of the FP8 lm_head (248,320 x 2,048) at batch 1: skinny and GEMV spaces, ~4 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -23,8 +24,15 @@ if [[ $PHASES == *ab* ]]; then
   VAR=METAINFER_CONV_PREFILL DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
   VAR=METAINFER_MOE_W8A8 DTYPES=fp8 BATCHES=1,64,128 bash benchmarks/gpu_ab.sh  # the grouped path: T > 32
   VAR=METAINFER_MOE_DOWN_PRELOAD DTYPES=fp8 bash benchmarks/gpu_ab.sh
+  VAR=METAINFER_FP8_LM_HEAD DTYPES=fp8 BATCHES=1,32 bash benchmarks/gpu_ab.sh  # heuristic tiles until swept
 fi
-if [[ $PHASES == *sweep* ]]; then
+if [[ $PHASES == *sweep_head* ]]; then
+  for space in base gemv; do
+    timeout 280 python benchmarks/sweep_decode_kernels.py --space $space --linears lm_head --moe= \
+      --out $OUT/sweep_head_$space 2>&1 | grep -v "falling back\|skip" | tail -2 | sed "s/^/[lm_head $space] /"
+  done
+fi
+if [[ " $PHASES " == *" sweep "* ]]; then
   for a8 in 0 1; do
     METAINFER_MOE_W8A8=$a8 timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 32,1024 --moe fp8 \
       --linears= --out $OUT/sweep_grouped_a8_$a8 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[a8=$a8] /"

@@ -69,6 +69,7 @@ def skinny_candidates(T: int, N: int, K: int, sms: int, space: str = "base") -> 
     return out
 
 
+FP8_LINEARS = dict(LINEARS, lm_head=(248320, 2048))  # lm_head: FP8 only with METAINFER_FP8_LM_HEAD=1
 BF16_LINEARS = {name: LINEARS[name] for name in ("deltanet.in_proj", "deltanet.out_proj", "attn.qkv")}
 BF16_LINEARS["moe.router"] = (257, 2048)  # router + shared-expert gate, BF16 in both precisions
 ADOPT = 1.1  # a Triton kernel within 10% of cuBLAS still wins in the step: it keeps the PDL chain
@@ -144,7 +145,7 @@ def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
     RMSNorm launch before every projection (`gap_kernel`); the best GEMV goes into the table under
     "gemv:" + key where it beats the current config (the engine A/B, METAINFER_GEMV=0/1, decides)."""
     table, cfgs, everything = [], {}, {}
-    cases = [(name, True, *LINEARS[name]) for name in filter(None, args.linears.split(","))]
+    cases = [(name, True, *FP8_LINEARS[name]) for name in filter(None, args.linears.split(","))]
     cases += [(name, False, *BF16_LINEARS[name]) for name in filter(None, args.bf16_linears.split(","))]
     for name, fp8, N, K in cases:
         case = LinearCase(name, N, K) if fp8 else Bf16LinearCase(name, N, K)
@@ -254,7 +255,7 @@ def main() -> None:
         kinds = list(filter(None, args.moe.split(",")))
         return grouped_sweep(kinds, [int(t) for t in args.grouped_tokens.split(",")], meta, out)
     for name in filter(None, args.linears.split(",")):
-        N, K = LINEARS[name]
+        N, K = FP8_LINEARS[name]
         case = LinearCase(name, N, K)
         for T in tokens:
             base, best, rows = best_of(name, lambda c, case=case, T=T: case.run(T, cfg=c, eager=False),

@@ -317,6 +317,24 @@ def test_quantize_model_fp8(aligned_cfg):
     assert quantize_model_fp8(m) == 0
 
 
+def test_quantize_model_fp8_lm_head(aligned_cfg, monkeypatch):
+    """METAINFER_FP8_LM_HEAD=1 (or lm_head=True): the untied lm_head goes FP8 too, once; the logits
+    stay within the block quantisation's error of the BF16 head's."""
+    from metainfer.model.fp8 import LM_HEAD_ENV, fp8_linears, fp8_moes, quantize_model_fp8
+
+    m = _model(aligned_cfg, seed=0)
+    assert not m.cfg.tie_word_embeddings
+    h = torch.randn(5, m.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    want = m.compute_logits(h)
+    monkeypatch.setenv(LM_HEAD_ENV, "1")
+    assert quantize_model_fp8(m) == len(fp8_linears(m)) + 2 * len(fp8_moes(m)) + 1
+    assert m.lm_head.weight.dtype == torch.float8_e4m3fn and m.lm_head.weight_scale_inv is not None
+    assert m.embed_tokens.weight.dtype != torch.float8_e4m3fn
+    got = m.compute_logits(h)
+    assert got.dtype == torch.float32 and 0 < rel_rmse(got, want) < 4e-2
+    assert quantize_model_fp8(m) == 0
+
+
 def test_fp8_checkpoint_loader(aligned_cfg):
     from metainfer.model.fp8 import Fp8CheckpointLoader, prepare_fp8_storage, quantize_model_fp8
     from metainfer.model.weights import hf_state_dict, param_targets
