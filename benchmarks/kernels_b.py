@@ -29,8 +29,9 @@ import torch.nn.functional as F
 import triton
 
 from metainfer.kernels import fp8_linear as fl
-from metainfer.kernels import moe
+from metainfer.kernels import moe, routing
 from metainfer.kernels import reference as ref
+from metainfer.kernels import weight_stream as ws
 from metainfer.kernels.ops import ref_dequant_fp8
 from metainfer.model.fp8 import quantize_fp8_block
 
@@ -190,7 +191,7 @@ class LinearCase:
                 if cfg is None:
                     return fl.fp8_linear(x[i % len(x)], self.q[i], self.s[i])
                 y = torch.empty(T, self.N, dtype=torch.bfloat16, device="cuda")
-                fl._skinny(x[i % len(x)], self.q[i], self.s[i], y, cfg)
+                ws.stream_linear(x[i % len(x)], self.q[i], self.s[i], y, cfg)
                 return y
 
             want = F.linear(x[0], self.w_bf16)
@@ -209,7 +210,7 @@ def skinny_sweep(case: LinearCase, T: int) -> dict:
     for bn, bk, mult, w, st in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (4,), (3, 5)):
         if T > 1 and bk > 256:
             continue
-        cfg = fl.skinny_config(T, case.N, case.K, sms)
+        cfg = ws.skinny_config(T, case.N, case.K, sms)
         tiles, k_iters = triton.cdiv(case.N, bn), triton.cdiv(case.K, bk)
         split = max(1, min(k_iters, mult * sms // tiles))
         per = triton.cdiv(k_iters, split)
@@ -271,9 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     if "route" in ops:
         for T in tokens:
             logits = [torch.randn(T, E + 1, device="cuda").bfloat16()[:, :E] for _ in range(8)]
-            w, ids = moe.route_topk(logits[0], TOPK)
+            w, ids = routing.route_topk(logits[0], TOPK)
             err = rel_rmse(w, ref.route(logits[0], TOPK)[0])
-            for name, fn in (("route_topk", moe.route_topk), ("route[torch]", ref.route)):
+            for name, fn in (("route_topk", routing.route_topk), ("route[torch]", ref.route)):
                 us = time_graph(lambda i, fn=fn, lg=logits: fn(lg[i], TOPK), 8)
                 result["rows"].append(row(name, T, us, None, T * E * 2 + T * TOPK * 16, 0.0, err))
     if "fp8_linear" in ops:
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             for T in tokens:
                 result["rows"].append(case.run(T))
                 result["rows"].append(case.run(T, backend="bf16"))
-                if T > fl.SKINNY_MAX_T:
+                if T > ws.SKINNY_MAX_T:
                     try:
                         result["rows"].append(case.run(T, backend="cublas"))
                     except Exception as e:  # torch without the blockwise recipe

@@ -39,8 +39,8 @@ from kernels_b import (  # noqa: E402
     time_graph,
 )
 
-from metainfer.kernels import fp8_linear as fl  # noqa: E402
-from metainfer.kernels import moe  # noqa: E402
+from metainfer.kernels import moe, moe_grouped  # noqa: E402
+from metainfer.kernels import weight_stream as ws  # noqa: E402
 
 
 def _skinny_cfg(N: int, K: int, sms: int, bn: int, bt: int, bk: int, mult: int, **kw) -> dict:
@@ -54,7 +54,7 @@ def skinny_candidates(T: int, N: int, K: int, sms: int, space: str = "base") -> 
     """base: 128-wide tensor-core steps, 4 warps (the first sweep's space). wide: what that space
     left out, against the current config: 256-wide steps (two scale blocks per pipelined
     iteration), 8 warps, and CUDA-core loops with 256/512-wide steps."""
-    base = fl.skinny_config(T, N, K, sms)
+    base = ws.skinny_config(T, N, K, sms)
     out = [base]
     bt = max(16, triton.next_power_of_2(T))
     if space == "base":
@@ -92,7 +92,7 @@ class Bf16LinearCase:
             if cfg is None:
                 return F.linear(xs[i % 4], self.w[i])
             y = torch.empty(T, self.N, dtype=torch.bfloat16, device="cuda")
-            fl._skinny(xs[i % 4], self.w[i], None, y, cfg)
+            ws.stream_linear(xs[i % 4], self.w[i], None, y, cfg)
             return y
 
         err = rel_rmse(call(0), F.linear(xs[0].float(), self.w[0].float()))
@@ -136,7 +136,7 @@ def gemv_candidates(T: int, N: int, K: int, elem_bytes: int) -> list[dict]:
         tile = bn * ks * elem_bytes
         fits = 8192 <= tile <= 65536 and 16 <= tile // (32 * w) <= 256
         if bn <= N and ks <= triton.next_power_of_2(K) and fits:
-            out.append(fl.gemv_config(K, T, bn, ks, w))
+            out.append(ws.gemv_config(K, T, bn, ks, w))
     return out
 
 
@@ -155,7 +155,7 @@ def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
                 run = lambda c, case=case, T=T: case.run(T, cfg=c, eager=False, gap=True)  # noqa: E731
             else:
                 run = lambda c, case=case, T=T: case.run(T, c, gap=True)  # noqa: E731
-            current = fl.tuned_table().get(key) or (fl.skinny_config(T, N, K, 132) if fp8 else None)
+            current = ws.tuned_table().get(key) or (ws.skinny_config(T, N, K, 132) if fp8 else None)
             base = run(current)
             base = dict(config=current or "cublas", us=base["us"], GBps=base["GBps"], rel_err=base["rel_err"])
             _, best, rows = best_of(name, run, gemv_candidates(T, N, K, 1 if fp8 else 2), 1e-2)
@@ -172,7 +172,7 @@ def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
 def grouped_candidates(T: int, fp8: bool) -> list[dict]:
     """The current grouped-path config, then N tiles 64-256, K steps 64/128, 4-8 warps, 3-4 stages at
     its M-block size and twice it (fewer re-reads of an expert's weights)."""
-    base = moe.grouped_config(T, 8, 256, fp8)
+    base = moe_grouped.grouped_config(T, 8, 256, fp8)
     tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
     return [base] + [
         dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st)

@@ -21,11 +21,11 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_b import LINEARS, LinearCase  # noqa: E402
 
-from metainfer.kernels import fp8_linear as fl  # noqa: E402
+from metainfer.kernels import weight_stream as ws  # noqa: E402
 
 
 def sweep(case: LinearCase, T: int, sms: int) -> tuple[float, float, dict]:
-    base_cfg = fl.skinny_config(T, case.N, case.K, sms)
+    base_cfg = ws.skinny_config(T, case.N, case.K, sms)
     base = case.run(T, cfg=base_cfg, eager=False)["us"]
     best = (base, base_cfg)
     for bn, bk, mult in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4)):

@@ -1,23 +1,13 @@
 """FP8 block-scaled linear: y = x W^T, W [N, K] e4m3 with fp32 scale_inv [ceil(N/128), ceil(K/128)].
 
 The token count T picks the kernel:
-- T <= SKINNY_MAX_T (decode): `_skinny_kernel` streams every weight tile once and dequantises it in
-  registers (W8A16). The weight scale of each 128x128 block multiplies the activation chunk, so the
-  inner loop is a plain e4m3 convert plus an FMA/MMA. BLOCK_T == 1 reduces on the CUDA cores
-  (e4m3 -> fp32 per element); BLOCK_T >= 16 (any T, a single token padded) runs a swapped-operand
-  MMA (W tile as the M side, tokens as the N side) over 128-wide K sub-steps (BLOCK_K / 128 per
-  pipelined iteration) on exact operands and multiplies each fp32 product by its block scale;
-  DOT_F16 makes the operands fp16 (one packed e4m3x2 -> f16x2 convert; bf16 activations are exact
-  in fp16 below 65504, which the normalised inputs of every dense projection are). Split-K keeps
-  4 (T == 1) or 2 CTAs per SM busy even for N = 2048; the last CTA of each N tile to finish adds
-  the fp32 partials in split order (deterministic, one launch, counters reset by that CTA).
+- T <= SKINNY_MAX_T (decode): `weight_stream` streams every weight tile once, dequantised in
+  registers (W8A16);
 - larger T (prefill, compute-bound): activations are quantised per token and 128-column group
   (`_act_quant_kernel`, the published checkpoint's dynamic activation scheme), then `_w8a8_kernel`
   runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
   block. METAINFER_FP8_GEMM=cublas routes this case to torch._scaled_mm's blockwise
   (1x128, 128x128) recipe instead (torch >= 2.9 with cuBLASLt >= 12.9 on sm_90 only).
-
-`dense_linear` runs the same weight-streaming kernel on unquantised (BF16) weights (HAS_SCALE=0).
 """
 
 from __future__ import annotations
@@ -28,43 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from metainfer.kernels import pdl, routing
-
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from metainfer.kernels import pdl
+from metainfer.kernels.common import interpreting, mma
+from metainfer.kernels.weight_stream import SKINNY_MAX_T, stream_linear
 
 FP8_MAX = 448.0
 BLOCK = 128  # the checkpoint's weight_block_size
-SKINNY_MAX_T = 64
-_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_NUM_SMS: dict[torch.device, int] = {}
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---- kernels -------------------------------------------------------------------------------------
-@triton.jit
-def mma(a, b, UPCAST: tl.constexpr):
-    """a @ b with b cast to a's dtype; UPCAST: fp32 operands (the interpreter's bf16 dot is wrong;
-    fp32 activations)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b.to(a.dtype))
-
-
-@triton.jit
-def wdot(w, x, UPCAST: tl.constexpr, DOT_F16: tl.constexpr):
-    """w [M, K] (e4m3 or x's dtype) @ x [K, N] on exact operands, fp32 result. DOT_F16: fp16
-    operands (e4m3 -> fp16 is one packed convert per two values; bf16 x is exact in fp16 while
-    |x| < 65504); otherwise w is converted to x's dtype. UPCAST: fp32 (interpreter, fp32 x)."""
-    if UPCAST:
-        return tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
-    if DOT_F16:
-        return tl.dot(w.to(tl.float16), x.to(tl.float16))
-    return tl.dot(w.to(x.dtype), x)
-
-
 @triton.jit
 def _round_e4m3(v):
     """Rounds fp32 to the nearest e4m3 value (ties to even), saturating at +-448, still as fp32.
@@ -77,236 +39,6 @@ def _round_e4m3(v):
     normal = bits.to(tl.float32, bitcast=True)
     subnormal = (v + 24576.0) - 24576.0  # multiples of 2^-9 below 2^-6
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr, s_slot, s_k,
-                   OUT_DT: tl.constexpr, CONV_K: tl.constexpr, Y_DT: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_T] fp32 of output columns offs_n, tokens offs_t -> the values to store:
-    for columns n < n_conv of the decode rows t < n_dec, silu(causal conv1d of [state, y]) with
-    each row's conv state (slot slots[t]; zeros where not has[t]) shifted in place, as
-    `conv1d._conv_update_kernel` computes it; elsewhere y = acc in OUT_DT. Each (column, slot) is
-    touched by one program only (the output tile's owner)."""
-    y = acc.to(OUT_DT)
-    c_mask = offs_n < n_conv
-    d_mask = offs_t < n_dec
-    on = c_mask[:, None] & d_mask[None, :]
-    slot = tl.load(slots_ptr + offs_t, mask=d_mask, other=0).to(tl.int64)
-    has = tl.load(has_ptr + offs_t, mask=d_mask, other=0).to(tl.int32) > 0
-    s_base = cstate_ptr + slot[None, :] * s_slot + offs_n[:, None]  # [BLOCK_N, BLOCK_T]
-    w_base = cw_ptr + offs_n * CONV_K
-    c = y.to(tl.float32) * tl.load(w_base + (CONV_K - 1), mask=c_mask, other=0.0).to(tl.float32)[:, None]
-    for j in tl.static_range(CONV_K - 1):  # window = [state[0], ..., state[K-2], y]; new state = window[1:]
-        prev = tl.load(s_base + j * s_k, mask=on & has[None, :], other=0.0).to(OUT_DT)
-        c += prev.to(tl.float32) * tl.load(w_base + j, mask=c_mask, other=0.0).to(tl.float32)[:, None]
-        if j > 0:
-            tl.store(s_base + (j - 1) * s_k, prev.to(cstate_ptr.dtype.element_ty), mask=on)
-    tl.store(s_base + (CONV_K - 2) * s_k, y.to(cstate_ptr.dtype.element_ty), mask=on)
-    c = c.to(Y_DT).to(tl.float32)
-    return tl.where(on, (c * tl.sigmoid(c)).to(OUT_DT), y)
-
-
-@triton.jit
-def _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK: tl.constexpr,
-                    SHARED: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
-    """Called by each program that stored a finished output tile of the router projection: the last
-    one of them (int counter, acq_rel) routes every token from the complete logits rows
-    (`routing.route_token`, loads past L1) and leaves the counter at zero."""
-    tl.debug_barrier()  # every thread's share of the tile is stored before the release below
-    done = tl.atomic_add(rlock_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == n_tiles - 1:
-        W: tl.constexpr = TOPK + SHARED
-        for t in range(0, T):
-            routing.route_token(y_ptr + t * stride_yt, N - SHARED, tw_ptr + t * W, ids_ptr + t * W, TOPK,
-                                SHARED, E_P2, K_P2, CG=1)
-        tl.atomic_xchg(rlock_ptr, 0)
-
-
-@triton.jit
-def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt,
-                cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr,
-                ids_ptr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                CONV_K: tl.constexpr, Y_DT: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                E_P2: tl.constexpr, K_P2: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_T] fp32: the share (K split pid_k) of output tile pid_n (of n_tiles),
-    columns offs_n, tokens offs_t -> y. SPLIT_K > 1: fp32 partials, and the last
-    program of the tile to arrive (int counter, acq_rel) adds them in split order (deterministic)
-    and resets the counter. Then the epilogues: CONV_K `_conv_epilogue`, TOPK `_route_epilogue`."""
-    n_mask = offs_n < N
-    t_mask = offs_t < T
-    y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
-    y_mask = n_mask[:, None] & t_mask[None, :]
-    if SPLIT_K == 1:
-        if CONV_K:
-            out = _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
-                                 s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
-        else:
-            out = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptrs, out, mask=y_mask)
-        if TOPK:
-            _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2,
-                            K_P2)
-    else:
-        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
-        tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile, acc)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-            for sk in tl.static_range(SPLIT_K):
-                src = part_ptr + (sk * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile
-                total += tl.load(src, cache_modifier=".cg")
-            if CONV_K:
-                out = _conv_epilogue(total, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr,
-                                     has_ptr, s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
-            else:
-                out = total.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptrs, out, mask=y_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
-            if TOPK:
-                _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED,
-                                E_P2, K_P2)
-
-
-@triton.jit
-def _skinny_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    y_ptr,
-    part_ptr,
-    lock_ptr,
-    T,
-    N,
-    K,
-    stride_xt,
-    stride_yt,
-    stride_sn,
-    iters_per_split,
-    cstate_ptr,
-    cw_ptr,
-    slots_ptr,
-    has_ptr,
-    n_conv,
-    n_dec,
-    s_slot,
-    s_k,
-    rlock_ptr,
-    tw_ptr,
-    ids_ptr,
-    SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_F16: tl.constexpr = 0,
-    HAS_SCALE: tl.constexpr = 1,  # 0: unquantised (BF16) weights, s_ptr unused
-    CONV_K: tl.constexpr = 0,  # > 0: the DeltaNet decode conv (this kernel size) as the epilogue
-    Y_DT: tl.constexpr = tl.float32,  # CONV_K: the conv weight's dtype (the conv output's rounding)
-    TOPK: tl.constexpr = 0,  # > 0: y is the router's logits; the last tile's program routes (top-k)
-    SHARED: tl.constexpr = 0,  # TOPK: the last column gates the shared expert (slot TOPK)
-    E_P2: tl.constexpr = 1,
-    K_P2: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = 0,
-):
-    """CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split).
-    TOPK: `_route_epilogue` after the tile is stored (the router projection routes its tokens)."""
-    pdl.wait(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_T)
-    n_mask = offs_n < N
-    t_mask = offs_t < T
-    s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # BLOCK_N divides 128
-    k_lo = pid_k * iters_per_split
-    k_hi = tl.minimum(k_lo + iters_per_split, tl.cdiv(K, BLOCK_K))
-    if BLOCK_T == 1:
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-    for ki in tl.range(k_lo, k_hi, num_stages=STAGES):  # per-loop stages: pipelines non-dot loads too
-        if BLOCK_T == 1:  # CUDA cores: e4m3 -> fp32 per element, FMA with the scaled activation
-            offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0.0)  # [BN, BK]
-            xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_SCALE:
-                xv = xv * tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
-            acc2 += w.to(tl.float32) * xv[None, :]
-        else:  # tensor cores: 128-wide sub-steps on exact e4m3 and x operands, each block's scale after
-            for sub in tl.static_range(BLOCK_K // 128):
-                offs_k = ki * BLOCK_K + sub * 128 + tl.arange(0, 128)
-                k_mask = offs_k < K
-                w_mask = n_mask[:, None] & k_mask[None, :]
-                w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN,128]
-                x_mask = t_mask[None, :] & k_mask[:, None]
-                xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
-                if HAS_SCALE:
-                    kb = ki * (BLOCK_K // 128) + sub  # past K (a ragged last step): w, x are zeros
-                    acc += wdot(w, xt, UPCAST, DOT_F16) * tl.load(s_row + kb, mask=kb * 128 < K, other=0.0)
-                else:
-                    acc += wdot(w, xt, UPCAST, DOT_F16)
-    if BLOCK_T == 1:
-        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
-    _store_tile(acc, pid_n, pid_k, tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
-                stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr,
-                tw_ptr,
-                ids_ptr, SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr, T, N, K, stride_xt, stride_yt, stride_sn,
-    cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
-    SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    KS: tl.constexpr,  # columns per program: the whole [BLOCK_N, KS] weight tile is one load
-    PRELOAD: tl.constexpr = 1,  # load the tile before the PDL wait (else after it)
-    HAS_SCALE: tl.constexpr = 1,
-    CONV_K: tl.constexpr = 0,
-    Y_DT: tl.constexpr = tl.float32,
-    TOPK: tl.constexpr = 0,
-    SHARED: tl.constexpr = 0,
-    E_P2: tl.constexpr = 1,
-    K_P2: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = 0,
-):
-    """The weight-streaming linear for a few tokens, one load per program: each program reads its
-    whole [BLOCK_N, KS] weight tile (and its block scales) into registers in one go (PRELOAD:
-    before the PDL wait, while the previous kernel still runs: weights are never written during a
-    step), then the activations, and reduces on the CUDA cores one token at a time (BLOCK_T tokens
-    at most). Output as `_skinny_kernel` (`_store_tile`: split-K fix-up, conv and route epilogues)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * KS + tl.arange(0, KS)
-    n_mask = offs_n < N
-    k_mask = offs_k < K
-    w_mask = n_mask[:, None] & k_mask[None, :]
-    s_row = (tl.program_id(0) * BLOCK_N // 128) * stride_sn  # BLOCK_N divides 128: one row of scale blocks
-    if PRELOAD:
-        w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        if HAS_SCALE:
-            sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
-    pdl.wait(USE_PDL)
-    if not PRELOAD:
-        w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        if HAS_SCALE:
-            sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
-    offs_t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-    for t in tl.static_range(BLOCK_T):
-        x_mask = offs_k < tl.where(t < T, K, 0)
-        xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=x_mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            xv = xv * sc
-        col = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_N]
-        acc = tl.where(offs_t[None, :] == t, col[:, None], acc)
-    _store_tile(acc, tl.program_id(0), tl.program_id(1), tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr,
-                lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k,
-                rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
 
 
 @triton.jit
@@ -372,165 +104,6 @@ def _w8a8_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------------
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device not in _NUM_SMS:
-        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS[device]
-
-
-def _lock_key(device: torch.device) -> tuple[torch.device, int]:
-    return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 split-K counters, one set per stream (kernels on one stream run in order, and
-    each leaves its counters at zero). Allocated on a stream's first call, normally the eager
-    warm-up before CUDA-graph capture; one first made during capture lives in the graph's pool."""
-    key = _lock_key(device)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _LOCKS[key] = buf
-    return buf
-
-
-def _route_lock(device: torch.device) -> torch.Tensor:
-    """The routing epilogue's zeroed int32 tile counter (one per stream, as `_locks`)."""
-    return _locks(device, 1 << 16)[-1:]
-
-
-TUNED_ENV = "METAINFER_FP8_TUNED"
-_TUNED: dict[str, dict[str, dict]] = {}
-
-
-def load_tuned(committed: str, env: str) -> dict[str, dict]:
-    """Measured kernel configs: the committed H200 table `committed` (next to this file), each key
-    overridden by the JSON file named in $env (same format: {"configs": {key: config}}). Cached."""
-    if committed not in _TUNED:
-        import json
-        from pathlib import Path
-
-        table: dict[str, dict] = {}
-        for f in (Path(__file__).with_name(committed), Path(os.environ.get(env, "") or "/nonexistent")):
-            if f.is_file():
-                table.update(json.loads(f.read_text()).get("configs", {}))
-        _TUNED[committed] = table
-    return _TUNED[committed]
-
-
-def tuned_table() -> dict[str, dict]:
-    """Weight-streaming configs: FP8 keyed "N,K,T", unquantised (`dense_linear`) "bf16:N,K,T"
-    (benchmarks/sweep_decode_kernels.py)."""
-    return load_tuned("fp8_skinny_h200.json", TUNED_ENV)
-
-
-GEMV_ENV = "METAINFER_GEMV"  # "0": the table's GEMV ("gemv:") entries are not used
-PRELOAD_ENV = "METAINFER_GEMV_PRELOAD"  # "0": the GEMV loads its weights after the PDL wait
-
-
-def stream_config(T: int, N: int, K: int, fp8: bool, device: torch.device) -> dict | None:
-    """The weight-streaming config for T tokens of an [N, K] projection: the H200 table's
-    preloading-GEMV entry ("gemv:" + key, `_gemv_kernel`) unless METAINFER_GEMV=0, else its
-    `_skinny_kernel` entry (FP8 "N,K,T", BF16 "bf16:N,K,T"); without one FP8 takes
-    `skinny_config`'s heuristic and BF16 gets None (cuBLAS serves it)."""
-    key = f"{N},{K},{T}" if fp8 else f"bf16:{N},{K},{T}"
-    table = tuned_table()
-    if os.environ.get(GEMV_ENV, "1") != "0" and f"gemv:{key}" in table:
-        return dict(table[f"gemv:{key}"])
-    if fp8:
-        return skinny_config(T, N, K, _num_sms(device))
-    hit = table.get(key)
-    return None if hit is None else dict(hit)
-
-
-def gemv_config(K: int, T: int, block_n: int, ks: int, num_warps: int = 4) -> dict:
-    """A `_gemv_kernel` config: BLOCK_N output rows (a power of two dividing 128) x KS columns
-    (a power of two, at most next_power_of_2(K)) per program; split-K where KS < K."""
-    ks = min(ks, triton.next_power_of_2(K))
-    return dict(BLOCK_N=block_n, BLOCK_T=triton.next_power_of_2(T), KS=ks, SPLIT_K=triton.cdiv(K, ks),
-                num_warps=num_warps)
-
-
-def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
-    """(BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, warps, stages) for the weight-streaming kernel."""
-    hit = tuned_table().get(f"{N},{K},{T}")
-    if hit is not None:
-        return dict(hit)
-    block_t = 1 if T == 1 else max(16, triton.next_power_of_2(T))
-    block_n = 32 if T == 1 else 64
-    block_k = 256 if T == 1 else 128
-    tiles = triton.cdiv(N, block_n)
-    k_iters = triton.cdiv(K, block_k)
-    split = max(1, min(k_iters, ((4 if T == 1 else 2) * num_sms) // tiles))
-    per = triton.cdiv(k_iters, split)
-    return dict(
-        BLOCK_N=block_n,
-        BLOCK_T=block_t,
-        BLOCK_K=block_k,
-        SPLIT_K=triton.cdiv(k_iters, per),
-        iters_per_split=per,
-        STAGES=4,
-        num_warps=4,
-    )
-
-
-def _skinny(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor,
-            cfg: dict | None = None, conv: tuple | None = None, route: tuple | None = None) -> None:
-    """y = x @ dequant(w)^T by weight streaming; s None: unquantised weights in x's dtype.
-    conv = (conv_weight [C, k], conv_state [S, k-1, C], slots [B], has_state [B]): the first C
-    columns of the first B rows become the DeltaNet decode conv + SiLU of themselves.
-    route = (top_k, shared, tw [T, W] fp32, ids [T, W] int64): y is the router's logits; they are
-    routed in the kernel's epilogue into tw / ids (`_route_epilogue`)."""
-    T, K = x.shape
-    N = w.shape[0]
-    assert cfg is not None or s is not None, "unquantised weights: the caller picks the config"
-    cfg = dict(cfg or stream_config(T, N, K, True, x.device))
-    cw, cstate, slots, has = conv if conv is not None else (x, x, x, x)  # unused pointers without it
-    cargs = (cstate, cw, slots, has, 0, 0, 0, 0)
-    if conv is not None:
-        C, ck = cw.shape
-        assert cw.is_contiguous() and cstate.shape[1:] == (ck - 1, C) and cstate.stride(2) == 1, cstate.shape
-        assert slots.dtype == torch.int64 and has.dtype == torch.bool and slots.shape == has.shape
-        assert C <= N and slots.shape[0] <= T
-        cargs = (cstate, cw, slots, has.view(torch.uint8), C, slots.shape[0], *cstate.stride()[:2])
-        cfg.update(CONV_K=ck, Y_DT=_TL_DTYPE[cw.dtype])
-    rargs = (x, x, x)  # unused pointers without routing
-    if route is not None:
-        top_k, shared, tw, ids = route
-        W = top_k + int(shared)
-        assert tw.shape == ids.shape == (T, W) and tw.dtype == torch.float32 and ids.dtype == torch.int64
-        rargs = (_route_lock(x.device), tw, ids)
-        cfg.update(TOPK=top_k, SHARED=int(shared), E_P2=triton.next_power_of_2(N - int(shared)),
-                   K_P2=triton.next_power_of_2(top_k))
-    if s is None:
-        assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
-        s, cfg["HAS_SCALE"] = w, 0
-    assert 128 % cfg["BLOCK_N"] == 0 and cfg["BLOCK_T"] >= T
-    tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    args = (x, w, s, y)
-    tail = (T, N, K, x.stride(0), y.stride(0), s.stride(0))
-    gemv = "KS" in cfg
-    if gemv:
-        assert cfg["SPLIT_K"] == triton.cdiv(K, cfg["KS"]), (cfg, K)
-        cfg.setdefault("PRELOAD", int(os.environ.get(PRELOAD_ENV, "1") != "0"))
-    else:
-        assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
-    split = cfg["SPLIT_K"]
-    part = torch.empty(
-        split * tiles * cfg["BLOCK_N"] * cfg["BLOCK_T"] if split > 1 else 1,
-        dtype=torch.float32,
-        device=x.device,
-    )
-    locks = _locks(x.device, tiles)
-    if gemv:
-        _gemv_kernel[(tiles, split)](*args, part, locks, *tail, *cargs, *rargs, **cfg, **pdl.kw())
-    else:
-        _skinny_kernel[(tiles, split)](*args, part, locks, *tail, cfg.pop("iters_per_split"), *cargs, *rargs,
-                                       UPCAST=_interpret() or x.dtype == torch.float32, **cfg, **pdl.kw())
-
-
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (q [T, K] e4m3, s [ceil(K/128), T] fp32) with x ~ q * s per 128-column group."""
     T, K = x.shape
@@ -559,24 +132,9 @@ def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = cfg or gemm_config(M, N)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _w8a8_kernel[grid](xq, xs, w, s, y, M, N, K, s.stride(0), y.stride(0), UPCAST=_interpret(), **cfg,
+    _w8a8_kernel[grid](xq, xs, w, s, y, M, N, K, s.stride(0), y.stride(0), UPCAST=interpreting(), **cfg,
                        **pdl.kw())
     return y
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T, weight in x's dtype (BF16 projections, the MoE router): the
-    weight-streaming kernel where a measured config for (N, K, T) exists (the H200 table, keys
-    "bf16:N,K,T": chosen where it beat cuBLAS), else F.linear."""
-    N, K = weight.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    hit = stream_config(x2.shape[0], N, K, False, x.device) if x.is_cuda else None
-    if hit is None or weight.dtype != x.dtype or not weight.is_contiguous() or x2.stride(-1) != 1:
-        return torch.nn.functional.linear(x, weight)
-    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
-    _skinny(x2, weight, None, y, hit)
-    return y.reshape(*lead, N)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -596,65 +154,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
         return _w8a8(x2, weight, scale_inv).reshape(*lead, N)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
     if T:
-        _skinny(x2, weight, scale_inv, y)
+        stream_linear(x2, weight, scale_inv, y)
     return y.reshape(*lead, N)
-
-
-CONV_ENV = "METAINFER_FUSED_CONV"  # "0": the decode conv in its own launch after the projection
-
-
-def linear_conv_update(
-    x: torch.Tensor,  # [T, K], the first B rows decoding
-    weight: torch.Tensor,  # [N, K] e4m3 (with scale_inv) or x's dtype
-    scale_inv: torch.Tensor | None,
-    conv_weight: torch.Tensor,  # [C, k]
-    conv_state: torch.Tensor,  # [S, k-1, C], updated in place at slots
-    slots: torch.Tensor,  # [B] int64
-    has_state: torch.Tensor,  # [B] bool
-) -> torch.Tensor:
-    """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
-    y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
-    weight-streaming kernel's epilogue where it serves (FP8 up to SKINNY_MAX_T tokens; BF16 where the
-    H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N]."""
-    from metainfer.kernels import conv1d
-
-    T, K = x.shape
-    N = weight.shape[0]
-    fp8 = scale_inv is not None
-    cfg = None
-    if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= SKINNY_MAX_T and x.stride(1) == 1:
-        cfg = stream_config(T, N, K, fp8, x.device)
-    if cfg is None:
-        y = fp8_linear(x, weight, scale_inv) if fp8 else dense_linear(x, weight)
-        B, C = slots.shape[0], conv_weight.shape[0]
-        if B:
-            conv1d.causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state, out=y[:B, :C])
-        return y
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    _skinny(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state))
-    return y
-
-
-ROUTER_ENV = "METAINFER_ROUTER_TOPK"  # "1": route in the router projection's epilogue (off: unmeasured)
-
-
-def router_topk(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, shared: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The MoE router (weight [E (+1), H] in x's dtype) with the routing in its epilogue: ->
-    (logits [T, E (+1)], weights [T, W] fp32, ids [T, W] int64) as `moe.route_topk(logits)` gives
-    them, in one launch; None where the weight-streaming kernel has no measured config for the
-    shape (then F.linear + `moe.route_topk`) or METAINFER_ROUTER_TOPK is not "1"."""
-    T, K = x.shape
-    N = weight.shape[0]
-    if os.environ.get(ROUTER_ENV, "0") != "1" or not x.is_cuda:
-        return None
-    cfg = stream_config(T, N, K, False, x.device)
-    if cfg is None or weight.dtype != x.dtype or not weight.is_contiguous() or x.stride(1) != 1:
-        return None
-    W = top_k + int(shared)
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    tw = torch.empty(T, W, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, W, dtype=torch.int64, device=x.device)
-    _skinny(x, weight, None, y, cfg, route=(top_k, shared, tw, ids))
-    return y, tw, ids

@@ -84,7 +84,7 @@ def _moe_add_rms_norm_kernel(
 ):
     """`_add_rms_norm_kernel` whose x is the weighted sum of SLOTS fp32 rows per token (the MoE
     experts' outputs): x = sum_j tw[t, j] * y[t, j] in slot order, rounded to the residual's
-    dtype, as `moe._combine_kernel` writes it."""
+    dtype, as `routing.combine` writes it."""
     pdl.wait(USE_PDL)
     # y: [n_rows, SLOTS, N] fp32; tw: [n_rows, SLOTS] fp32; res: [n_rows, N] row stride sr0
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

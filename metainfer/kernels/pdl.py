@@ -7,7 +7,7 @@ until every earlier kernel on the stream has finished and its writes are visible
 most one kernel runs ahead, and before its wait it touches no memory but the model's weights
 (or what READ_BEFORE_WAIT names for it: memory its predecessor does not write): no read of an output
 not yet written, no write over an input still being read (tests/kernels/test_pdl.py checks the
-kernels' source). Most kernels wait first; `fp8_linear._gemv_kernel` loads its weight tile first,
+kernels' source). Most kernels wait first; `weight_stream._gemv_kernel` loads its weight tile first,
 so the bytes stream while the previous kernel runs. Kernels from elsewhere (cuBLAS, torch) are
 launched without the attribute and serialise as usual; a PDL kernel after one of them waits for
 it to complete. CUDA-graph capture records the programmatic edges.

@@ -21,15 +21,15 @@ KERNELS: dict[str, tuple[str, str]] = {
     "gdn_prefill_varlen": ("metainfer.kernels.gdn_prefill", "gdn_prefill_varlen"),
     "paged_attention": ("metainfer.kernels.attention", "paged_attention"),
     "qk_norm_rope_write": ("metainfer.kernels.qk_norm_rope", "qk_norm_rope_write"),
-    "route": ("metainfer.kernels.moe", "route_topk"),
+    "route": ("metainfer.kernels.routing", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
     "moe_pair_rows": ("metainfer.kernels.moe", "moe_pair_rows"),
-    "router_topk": ("metainfer.kernels.fp8_linear", "router_topk"),
+    "router_topk": ("metainfer.kernels.weight_stream", "router_topk"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
-    "linear": ("metainfer.kernels.fp8_linear", "dense_linear"),
-    "linear_conv_update": ("metainfer.kernels.fp8_linear", "linear_conv_update"),
+    "linear": ("metainfer.kernels.weight_stream", "dense_linear"),
+    "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
 }
 
 

@@ -1,6 +1,7 @@
-"""Top-k routing steps shared by the kernels that route (`moe._route_kernel`, the routing gate/up
-kernel, and the router projection's epilogue in `fp8_linear`): the same instructions in each, so the
-same picks wherever the routing runs.
+"""Routing: the top-k steps shared by every kernel that routes (`_route_kernel` here, the routing
+gate/up and down kernels in `moe`, the router projection's epilogue in `weight_stream`: the same
+instructions in each, so the same picks wherever the routing runs), `route_topk` (one launch), and
+`combine`, the weighted sum of each token's expert rows.
 
 Semantics of `reference.route` / `route_with_shared`: fp32 softmax over the E expert logits, top-k
 by repeated max (lowest index on ties), weights renormalised to sum 1; with a shared expert, logit
@@ -9,8 +10,11 @@ E gates it as slot k (id E, weight sigmoid(logit E)).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from metainfer.kernels import pdl
 
 
 @triton.jit
@@ -65,3 +69,57 @@ def route_token(logits_row, E, tw_row, ids_row, TOP_K: tl.constexpr, SHARED: tl.
             g = tl.load(logits_row + E).to(tl.float32)
         tl.store(tw_row + TOP_K, tl.sigmoid(g))
         tl.store(ids_row + TOP_K, E.to(tl.int64))
+
+
+@triton.jit
+def _combine_kernel(y_ptr, tw_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    USE_PDL: tl.constexpr = 0):
+    pdl.wait(USE_PDL)
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for j in range(TOP_K):
+        y = tl.load(y_ptr + (t * TOP_K + j) * H + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        acc += tl.load(tw_ptr + t * TOP_K + j) * y
+    tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_lt, TOP_K: tl.constexpr, E_P2: tl.constexpr,
+                  K_P2: tl.constexpr, SHARED: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """One token: fp32 softmax over E logits, top-k by repeated argmax (lowest index on ties),
+    weights renormalised to sum 1. SHARED: logit E gates the shared expert, stored as slot TOP_K
+    (id E, weight sigmoid(logit E))."""
+    pdl.wait(USE_PDL)
+    t = tl.program_id(0)
+    W: tl.constexpr = TOP_K + SHARED
+    route_token(logits_ptr + t * stride_lt, E, w_ptr + t * W, ids_ptr + t * W, TOP_K, SHARED, E_P2, K_P2)
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+def route_topk(
+    router_logits: torch.Tensor, top_k: int, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.route` in one launch: logits [T, E] (rows may be strided) -> (weights [T, k] fp32,
+    ids [T, k] int64). shared: logits are [T, E+1] and a slot k (id E, weight sigmoid(logit E))
+    is appended for the shared expert, as in `reference.route_with_shared`."""
+    T, E = router_logits.shape
+    E -= int(shared)
+    assert router_logits.stride(1) == 1 and 0 < top_k <= E, (router_logits.stride(), top_k)
+    w = torch.empty(T, top_k + int(shared), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k + int(shared), dtype=torch.int64, device=router_logits.device)
+    if T:
+        _route_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), TOP_K=top_k,
+                            E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k),
+                            SHARED=int(shared), **pdl.kw())
+    return w, ids
+
+
+def combine(y: torch.Tensor, tw: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t] = sum_j tw[t, j] * y[t * k + j] in slot order: y [T*k, H] (any float dtype), tw [T, k]
+    fp32, out [T, H]."""
+    T, k = tw.shape
+    H = y.shape[1]
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, TOP_K=k, BLOCK_H=block_h, **pdl.kw())

@@ -241,7 +241,8 @@ _COMPILE = textwrap.dedent(
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from metainfer.kernels import attention as A, conv1d, fp8_linear as fl, gdn_decode, moe, norm
+    from metainfer.kernels import attention as A, conv1d, gdn_decode, moe, norm, routing
+    from metainfer.kernels import moe_grouped as mg, weight_stream as ws
 
     def build(kernel, types, consts, num_warps, num_stages=2):
         # constexpr parameters left out take their defaults, as in a launch
@@ -299,12 +300,12 @@ _COMPILE = textwrap.dedent(
     f8 = "*fp8e4nv"
     for bt, f16, bk, ck in ((1, 0, 128, 0), (16, 1, 128, 0), (16, 1, 256, 0),
                             (16, 1, 128, 4), (1, 0, 256, 4)):
-        build(fl._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
+        build(ws._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
               cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
               ids_ptr="*i64"), dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0,
               DOT_F16=f16, CONV_K=ck, Y_DT=tl.bfloat16), 4)
     for split in (1, 8):  # the BF16 router with the routing epilogue
-        build(fl._skinny_kernel, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
+        build(ws._skinny_kernel, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
               cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
               ids_ptr="*i64"), dict(SPLIT_K=split, BLOCK_N=16, BLOCK_T=1, BLOCK_K=256, STAGES=3, UPCAST=0,
               HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 4)
@@ -312,9 +313,9 @@ _COMPILE = textwrap.dedent(
               cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32, ids_ptr="*i64")
     for bn, bt, ks, split, ck, w, pre in ((8, 1, 2048, 1, 4, 8, 1), (8, 1, 4096, 1, 0, 4, 0),
                                           (16, 4, 512, 4, 0, 4, 1)):
-        build(fl._gemv_kernel, gv, dict(SPLIT_K=split, BLOCK_N=bn, BLOCK_T=bt, KS=ks, PRELOAD=pre, CONV_K=ck,
+        build(ws._gemv_kernel, gv, dict(SPLIT_K=split, BLOCK_N=bn, BLOCK_T=bt, KS=ks, PRELOAD=pre, CONV_K=ck,
               Y_DT=tl.bfloat16), w)
-    build(fl._gemv_kernel, dict(gv, weight_ptr=bf, wscale_ptr=bf), dict(SPLIT_K=1, BLOCK_N=4, BLOCK_T=1,
+    build(ws._gemv_kernel, dict(gv, weight_ptr=bf, wscale_ptr=bf), dict(SPLIT_K=1, BLOCK_N=4, BLOCK_T=1,
           KS=2048, HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 16)
     for fp8, mma, route in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 0, 8), (1, 0, 8)):
         wt = f8 if fp8 else bf
@@ -327,14 +328,14 @@ _COMPILE = textwrap.dedent(
         xt, st = (f8, f32) if a8 else (bf, bf)
         idx = dict(sorted_ptr="*i32", ends_ptr="*i32", counts_ptr="*i32")
         tiles = dict(FP8=1, UPCAST=0, E_P2=256, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, A8=a8)
-        build(moe._grouped_gate_up_kernel, dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st),
+        build(mg._grouped_gate_up_kernel, dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st),
               dict(tiles, TOP_K=8), 4, 3)
-        build(moe._grouped_down_kernel, dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st),
+        build(mg._grouped_down_kernel, dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st),
               tiles, 4, 3)
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32),
           dict(SLOTS=9, ROUTE_K=8, FP8=1, BLOCK_H=32, I_P2=512, E_P2=256, K_P2=8), 4)
-    build(moe._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
-    build(moe._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
+    build(routing._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
+    build(routing._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
           dict(TOP_K=8, E_P2=256, K_P2=8, SHARED=1), 4)
     print("ok")
     """

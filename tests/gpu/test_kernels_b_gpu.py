@@ -62,13 +62,14 @@ def _moe_problem(T, seed=0, skew=False):
 @pytest.mark.parametrize("T", [1, 2, 7, 16, 33, 64, 65, 256, 1024])
 def test_fp8_linear_full_shapes(name, T):
     from metainfer.kernels import fp8_linear as fl
+    from metainfer.kernels import weight_stream as ws
 
     N, K = LINEARS[name]
     w, q, s = _fp8_weight(N, K)
     x = torch.randn(T, K, device="cuda").bfloat16()
     y = fl.fp8_linear(x, q, s)
     want = F.linear(x, ref_dequant_fp8(q, s, x.dtype))
-    if T <= fl.SKINNY_MAX_T:
+    if T <= ws.SKINNY_MAX_T:
         assert _rel(y, F.linear(x.float(), ref_dequant_fp8(q, s, torch.float32))) < 1e-2
         assert _rel(y, want) < 1.5e-2 and _max_rel(y, want) < 3e-2
     else:
@@ -81,14 +82,15 @@ def test_fp8_linear_full_shapes(name, T):
 
 def test_fp8_linear_split_k_counters_stay_zero():
     from metainfer.kernels import fp8_linear as fl
+    from metainfer.kernels import weight_stream as ws
 
     _, q, s = _fp8_weight(2048, 4096)
     x = torch.randn(1, 4096, device="cuda").bfloat16()
-    cfg = fl.skinny_config(1, 2048, 4096, fl._num_sms(x.device))
+    cfg = ws.skinny_config(1, 2048, 4096, fl._num_sms(x.device))
     assert cfg["SPLIT_K"] > 1
     outs = [fl.fp8_linear(x, q, s) for _ in range(20)]
     assert all(torch.equal(outs[0], o) for o in outs)
-    assert not fl._LOCKS[fl._lock_key(x.device)].any()
+    assert not ws._LOCKS[ws._lock_key(x.device)].any()
 
 
 def test_quantize_cuda_matches_cpu():
@@ -133,10 +135,10 @@ def test_moe_grouped_w8a8_full_shapes(T, skew, monkeypatch):
     """METAINFER_MOE_W8A8=1 (e4m3 x e4m3 prefill experts): within 8% rel. RMSE of the exact fp32
     product of the dequantised weights (two e4m3 roundings of the activations, ~4% on the CPU
     test's shapes; the weight-only path is under 1%), deterministic."""
-    from metainfer.kernels import moe
+    from metainfer.kernels import moe, moe_grouped
     from metainfer.model.fp8 import quantize_fp8_block
 
-    monkeypatch.setenv(moe.A8_ENV, "1")
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
     x, w_gu, w_dn, tw, ids = _moe_problem(T, seed=3, skew=skew)
     (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
     dq_gu, dq_dn = ref_dequant_fp8(q_gu, s_gu, torch.float32), ref_dequant_fp8(q_dn, s_dn, torch.float32)
@@ -171,14 +173,14 @@ def test_ops_dispatch_uses_kernels():
 
 @pytest.mark.parametrize("T", [1, 7, 256, 4096])
 def test_route_topk(T):
-    from metainfer.kernels import moe
+    from metainfer.kernels import routing
 
     logits = torch.randn(T, E + 1, device="cuda") * 3
-    w, ids = moe.route_topk(logits[:, :E], TOPK)
+    w, ids = routing.route_topk(logits[:, :E], TOPK)
     w_ref, ids_ref = ref.route(logits[:, :E], TOPK)
     assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
     lb = logits.bfloat16()[:, :E]  # ties possible: compare the chosen probabilities, not the ids
-    w, ids = moe.route_topk(lb, TOPK)
+    w, ids = routing.route_topk(lb, TOPK)
     probs = lb.float().softmax(-1)
     w_ref, _ = ref.route(lb, TOPK)
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
@@ -238,7 +240,7 @@ def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8, preload, monkey
     shared expert as expert E: the same experts and weights (to the rounding of the softmax sum,
     whose reduction order follows each kernel's warps), so rel RMSE < 1e-3. preload "1": the down
     kernel routing itself with its weights loaded before the PDL wait."""
-    from metainfer.kernels import moe, norm
+    from metainfer.kernels import moe, norm, routing
 
     monkeypatch.setenv(moe.DOWN_PRELOAD_ENV, preload)
     from metainfer.model.fp8 import quantize_fp8_block
@@ -254,7 +256,7 @@ def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8, preload, monkey
     if fp8:
         (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
         args = (q_gu, q_dn, s_gu, s_dn)
-    tw, ids = moe.route_topk(logits, TOPK, shared=True)
+    tw, ids = routing.route_topk(logits, TOPK, shared=True)
     three = norm.add_rms_norm(moe.moe_experts(x, args[0], args[1], tw, ids, *args[2:]), res, nw, 1e-6)
     rows, tw2 = moe.moe_routed_rows(x, logits, TOPK, True, *args)
     two = norm.moe_add_rms_norm(rows, tw2, res, nw, 1e-6)
@@ -273,7 +275,7 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
     weight-streaming kernel's epilogue, against the projection then the conv kernel
     (METAINFER_FUSED_CONV=0): the same projection bits outside the convolved block, rel RMSE < 1e-2
     inside it and on the updated states."""
-    from metainfer.kernels import fp8_linear as fl
+    from metainfer.kernels import weight_stream as ws
 
     g = torch.Generator(device="cuda").manual_seed(60 + T)
     x = torch.randn(T, 2048, device="cuda", generator=g).bfloat16()
@@ -283,12 +285,12 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
     has = torch.rand(B, device="cuda", generator=g) > 0.3
     w, q, s = _fp8_weight(12352, 2048, seed=T)
     args = (q, s) if fp8 else (w.bfloat16(), None)
-    if not fp8 and fl.tuned_table().get(f"bf16:12352,2048,{T}") is None:
+    if not fp8 and ws.tuned_table().get(f"bf16:12352,2048,{T}") is None:
         pytest.skip("no weight-streaming config for this BF16 shape: the fallback is the reference")
     s1, s2 = state.clone(), state.clone()
-    got = fl.linear_conv_update(x, *args, cw, s1, slots, has)
-    monkeypatch.setenv(fl.CONV_ENV, "0")
-    want = fl.linear_conv_update(x, *args, cw, s2, slots, has)
+    got = ws.linear_conv_update(x, *args, cw, s1, slots, has)
+    monkeypatch.setenv(ws.CONV_ENV, "0")
+    want = ws.linear_conv_update(x, *args, cw, s2, slots, has)
     raw = torch.ones_like(got, dtype=torch.bool)
     raw[:B, :8192] = False
     assert torch.equal(got[raw], want[raw])
@@ -302,22 +304,22 @@ def test_router_topk_full_shape(T, monkeypatch):
     (METAINFER_ROUTER_TOPK=1) against F.linear-free `dense_linear` + `route_topk` of the same
     logits: the same logits bits, ids and weights (rtol 1e-6: the softmax sum's reduction order);
     then through a CUDA graph with new inputs."""
-    from metainfer.kernels import fp8_linear as fl
-    from metainfer.kernels import moe
+    from metainfer.kernels import routing
+    from metainfer.kernels import weight_stream as ws
 
-    monkeypatch.setenv(fl.ROUTER_ENV, "1")
+    monkeypatch.setenv(ws.ROUTER_ENV, "1")
     g = torch.Generator(device="cuda").manual_seed(70 + T)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     w = (torch.randn(E + 1, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    got = fl.router_topk(x, w, TOPK, True)
+    got = ws.router_topk(x, w, TOPK, True)
     assert got is not None, "no table config for the router at this T"
     logits, tw, ids = got
-    want_logits = fl.dense_linear(x, w)
-    tw_want, ids_want = moe.route_topk(want_logits, TOPK, shared=True)
+    want_logits = ws.dense_linear(x, w)
+    tw_want, ids_want = routing.route_topk(want_logits, TOPK, shared=True)
     assert torch.equal(logits, want_logits) and torch.equal(ids, ids_want)
     assert torch.allclose(tw, tw_want, rtol=1e-6, atol=0)
-    assert not fl._route_lock(x.device).any()
-    _graph_equals_eager(lambda a: torch.cat([t.float().flatten() for t in fl.router_topk(a, w, TOPK, True)]),
+    assert not ws._route_lock(x.device).any()
+    _graph_equals_eager(lambda a: torch.cat([t.float().flatten() for t in ws.router_topk(a, w, TOPK, True)]),
                         [x], [torch.randn_like(x)])
 
 
@@ -327,7 +329,7 @@ def test_gemv_full_shapes(name, bn, ks, T):
     """`_gemv_kernel` at the model's projection shapes, FP8 and BF16 weights, whole-K and split-K
     tiles, the weights loaded before and after the PDL wait: against the fp32 product of the dequantised
     weight (rel. RMSE < 5e-3, bf16 output rounding), and the same bits from a CUDA graph."""
-    from metainfer.kernels import fp8_linear as fl
+    from metainfer.kernels import weight_stream as ws
 
     N, K = LINEARS[name]
     w, q, s = _fp8_weight(N, K, seed=N + T)
@@ -335,12 +337,12 @@ def test_gemv_full_shapes(name, bn, ks, T):
     x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
     wb = w.bfloat16()
     for args, cfg, want in (
-        ((q, s), fl.gemv_config(K, T, bn, ks, 8), x.float() @ ref_dequant_fp8(q, s, torch.float32).T),
-        ((wb, None), dict(fl.gemv_config(K, T, bn // 2, ks), PRELOAD=0), F.linear(x.float(), wb.float())),
+        ((q, s), ws.gemv_config(K, T, bn, ks, 8), x.float() @ ref_dequant_fp8(q, s, torch.float32).T),
+        ((wb, None), dict(ws.gemv_config(K, T, bn // 2, ks), PRELOAD=0), F.linear(x.float(), wb.float())),
     ):
         def run(a, args=args, cfg=cfg):
             y = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")
-            fl._skinny(a, *args, y, cfg)
+            ws.stream_linear(a, *args, y, cfg)
             return y
 
         assert _rel(run(x), want) < 5e-3, (name, cfg)

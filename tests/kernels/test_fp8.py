@@ -21,7 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from metainfer.kernels import common
 from metainfer.kernels import fp8_linear as fl
+from metainfer.kernels import weight_stream as ws
 from metainfer.kernels.ops import ref_dequant_fp8
 from metainfer.model.fp8 import quantize_fp8_block
 from tests.helpers import rel_rmse
@@ -114,18 +116,18 @@ def test_fp8_linear_split_k_fixup(T, block_t, dtype):
     """Split-K fix-up on the CUDA-core (BLOCK_T 1) and tensor-core (BLOCK_T 16, one token padded)
     loops: 5 K steps of 64 or 3 of 128 (the second ragged) over 3 or 2 splits."""
     x, _, q, s, ref = _problem(T, dtype=dtype)
-    cfg = fl.skinny_config(T, 200, 300, num_sms=4)
+    cfg = ws.skinny_config(T, 200, 300, num_sms=4)
     if block_t == 1:
         cfg.update(BLOCK_N=16, BLOCK_T=1, BLOCK_K=64, SPLIT_K=3, iters_per_split=2)
     else:
         cfg.update(BLOCK_N=32, BLOCK_T=16, BLOCK_K=128, SPLIT_K=2, iters_per_split=2)
     y = torch.empty(T, 200, dtype=x.dtype)
-    fl._skinny(x, q, s, y, cfg)
+    ws.stream_linear(x, q, s, y, cfg)
     rmse, max_abs = TOL[dtype]
     assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
-    assert not fl._LOCKS[fl._lock_key(x.device)][:16].any()  # counters are left at zero
+    assert not ws._LOCKS[ws._lock_key(x.device)][:16].any()  # counters are left at zero
     y2 = torch.empty_like(y)
-    fl._skinny(x, q, s, y2, cfg)
+    ws.stream_linear(x, q, s, y2, cfg)
     assert torch.equal(y, y2)
 
 
@@ -135,10 +137,10 @@ def test_fp8_linear_tensor_core_256_wide_steps(split, dtype):
     """BLOCK_K 256 on the tensor-core loop: two 128-wide sub-steps per pipelined iteration, each
     with its block scale; K = 300 leaves the second iteration's upper half past K (masked, scale 0)."""
     x, _, q, s, ref = _problem(3, dtype=dtype)
-    cfg = fl.skinny_config(3, 200, 300, num_sms=4)
+    cfg = ws.skinny_config(3, 200, 300, num_sms=4)
     cfg.update(BLOCK_N=32, BLOCK_T=16, BLOCK_K=256, SPLIT_K=split, iters_per_split=2 // split)
     y = torch.empty(3, 200, dtype=x.dtype)
-    fl._skinny(x, q, s, y, cfg)
+    ws.stream_linear(x, q, s, y, cfg)
     rmse, max_abs = TOL[dtype]
     assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
 
@@ -149,17 +151,17 @@ def test_skinny_unquantised_weights(T, block_t, split, dtype):
     """The same weight-streaming kernel on weights in x's dtype (no scales): BF16 projections."""
     w = _weight(200, 300).to(dtype)
     x = torch.randn(T, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
-    cfg = fl.skinny_config(T, 200, 300, num_sms=4)
+    cfg = ws.skinny_config(T, 200, 300, num_sms=4)
     bk = 64 if block_t == 1 else 128
     k_iters = math.ceil(300 / bk)
     per = math.ceil(k_iters / split)
     cfg.update(BLOCK_N=32, BLOCK_T=block_t, BLOCK_K=bk, SPLIT_K=math.ceil(k_iters / per), iters_per_split=per)
     y = torch.empty(T, 200, dtype=dtype)
-    fl._skinny(x, w, None, y, cfg)
+    ws.stream_linear(x, w, None, y, cfg)
     ref = F.linear(x, w)
     rmse, max_abs = TOL[dtype]
     assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
-    assert torch.equal(fl.dense_linear(x, w), F.linear(x, w))  # CPU tensors: the reference path
+    assert torch.equal(ws.dense_linear(x, w), F.linear(x, w))  # CPU tensors: the reference path
 
 
 CONV_CASES = [(1, 1, 1, 1, True), (1, 1, 3, 1, True), (3, 16, 1, 2, True), (3, 16, 2, 2, False),
@@ -198,7 +200,7 @@ def test_skinny_with_conv_epilogue(T, block_t, split, B, fp8, dtype):
     cfg = dict(BLOCK_N=32, BLOCK_T=block_t, BLOCK_K=64 if block_t == 1 else 128,
                SPLIT_K=math.ceil(k_iters / per), iters_per_split=per, STAGES=2, num_warps=4)
     y = torch.empty(T, N, dtype=dtype)
-    fl._skinny(x, *args, y, cfg, conv=(cw, state, slots, has))
+    ws.stream_linear(x, *args, y, cfg, conv=(cw, state, slots, has))
     rmse, max_abs = TOL[dtype] if dtype == torch.float32 else (3e-2, 6e-2)  # bf16: interpreter truncation
     assert rel_rmse(y, want) < rmse and _max_rel(y, want) < max_abs
     raw = torch.ones_like(y, dtype=torch.bool)
@@ -230,17 +232,17 @@ def test_skinny_router_with_route_epilogue(T, block_t, split, shared):
     W = k + int(shared)
     y = torch.empty(T, N, dtype=torch.bfloat16)
     tw, ids = torch.full((T, W), -1.0), torch.full((T, W), -1, dtype=torch.int64)
-    fl._skinny(x, w, None, y, cfg, route=(k, shared, tw, ids))
+    ws.stream_linear(x, w, None, y, cfg, route=(k, shared, tw, ids))
     assert rel_rmse(y, F.linear(x, w)) < 2e-2
     tw_want, ids_want = (ref.route_with_shared if shared else ref.route)(y, k)
     assert torch.equal(ids, ids_want) and torch.allclose(tw, tw_want, rtol=1e-5, atol=1e-7)
-    assert not fl._route_lock(x.device).any()
-    assert fl.router_topk(x, w, k, shared) is None  # CPU tensors (and the switch off): not served
+    assert not ws._route_lock(x.device).any()
+    assert ws.router_topk(x, w, k, shared) is None  # CPU tensors (and the switch off): not served
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_w8a8(dtype):
-    T = fl.SKINNY_MAX_T + 6
+    T = ws.SKINNY_MAX_T + 6
     x, w, q, s, ref = _problem(T, N=200, K=300, dtype=dtype)
     y = fl.fp8_linear(x, q, s)
     xq, xs = _act_quant_ref(x)
@@ -398,15 +400,15 @@ def test_gemv_kernel(T, block_n, ks, preload, fp8, dtype):
     args = (q, s) if fp8 else (w.to(dtype), None)
     if not fp8:
         ref = F.linear(x, w.to(dtype))
-    cfg = dict(fl.gemv_config(300, T, block_n, ks), PRELOAD=preload)
+    cfg = dict(ws.gemv_config(300, T, block_n, ks), PRELOAD=preload)
     assert cfg["SPLIT_K"] == math.ceil(300 / cfg["KS"])
     y = torch.empty(T, 200, dtype=dtype)
-    fl._skinny(x, *args, y, cfg)
+    ws.stream_linear(x, *args, y, cfg)
     rmse, max_abs = TOL[dtype]
     assert rel_rmse(y, ref) < rmse and _max_rel(y, ref) < max_abs
-    assert not fl._LOCKS[fl._lock_key(x.device)][:64].any()  # split-K counters left at zero
+    assert not ws._LOCKS[ws._lock_key(x.device)][:64].any()  # split-K counters left at zero
     y2 = torch.empty_like(y)
-    fl._skinny(x, *args, y2, cfg)
+    ws.stream_linear(x, *args, y2, cfg)
     assert torch.equal(y, y2)  # deterministic fix-up order
 
 
@@ -429,7 +431,7 @@ def test_gemv_kernel_with_conv_and_route_epilogues(T, ks):
     B = slots.shape[0]
     want[:B, :C] = ref.causal_conv1d_update(want[:B, :C].clone(), want_state, cw, slots, has)
     y = torch.empty(T, N, dtype=dtype)
-    fl._skinny(x, q, sc, y, fl.gemv_config(K, T, 16, ks), conv=(cw, state, slots, has))
+    ws.stream_linear(x, q, sc, y, ws.gemv_config(K, T, 16, ks), conv=(cw, state, slots, has))
     assert rel_rmse(y, want) < TOL[dtype][0] and rel_rmse(state, want_state) < TOL[dtype][0]
 
     E, k = 20, 3
@@ -437,21 +439,21 @@ def test_gemv_kernel_with_conv_and_route_epilogues(T, ks):
     xr = (x * 2).to(torch.bfloat16)
     yr = torch.empty(T, E + 1, dtype=torch.bfloat16)
     tw, ids = torch.full((T, k + 1), -1.0), torch.full((T, k + 1), -1, dtype=torch.int64)
-    fl._skinny(xr, wr, None, yr, fl.gemv_config(K, T, 8, ks), route=(k, True, tw, ids))
+    ws.stream_linear(xr, wr, None, yr, ws.gemv_config(K, T, 8, ks), route=(k, True, tw, ids))
     assert rel_rmse(yr, F.linear(xr, wr)) < 2e-2
     tw_want, ids_want = ref.route_with_shared(yr, k)
     assert torch.equal(ids, ids_want) and torch.allclose(tw, tw_want, rtol=1e-5, atol=1e-7)
-    assert not fl._route_lock(x.device).any()
+    assert not ws._route_lock(x.device).any()
 
 
 def test_stream_config_prefers_the_gemv_entry(monkeypatch):
     """A "gemv:" table entry serves the shape unless METAINFER_GEMV=0; BF16 without an entry: None."""
     key = "200,300,1"
-    monkeypatch.setitem(fl._TUNED, "fp8_skinny_h200.json",
-                        {f"gemv:{key}": fl.gemv_config(300, 1, 16, 512), key: dict(BLOCK_N=64, BLOCK_T=1,
+    monkeypatch.setitem(common._TUNED, "fp8_skinny_h200.json",
+                        {f"gemv:{key}": ws.gemv_config(300, 1, 16, 512), key: dict(BLOCK_N=64, BLOCK_T=1,
                          BLOCK_K=256, SPLIT_K=1, iters_per_split=2, STAGES=2, num_warps=4)})
     dev = torch.device("cpu")
-    assert "KS" in fl.stream_config(1, 200, 300, True, dev)
-    monkeypatch.setenv(fl.GEMV_ENV, "0")
-    assert fl.stream_config(1, 200, 300, True, dev)["BLOCK_K"] == 256
-    assert fl.stream_config(1, 200, 300, False, dev) is None
+    assert "KS" in ws.stream_config(1, 200, 300, True, dev)
+    monkeypatch.setenv(ws.GEMV_ENV, "0")
+    assert ws.stream_config(1, 200, 300, True, dev)["BLOCK_K"] == 256
+    assert ws.stream_config(1, 200, 300, False, dev) is None

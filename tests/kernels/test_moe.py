@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metainfer.kernels import moe
+from metainfer.kernels import moe, moe_grouped, routing
 from metainfer.kernels import reference as ref
 from metainfer.kernels.ops import ref_dequant_fp8
 from metainfer.model.fp8 import quantize_fp8_block
@@ -90,7 +90,7 @@ def test_moe_grouped_w8a8(skew, monkeypatch):
     128 columns, the SiLU*up activation too): against the same quantisation applied in an fp32
     reference (rel RMSE < 1e-3: an activation on an e4m3 rounding boundary may round the other
     way), and within 8% of the weight-only FP8 reference."""
-    monkeypatch.setenv(moe.A8_ENV, "1")
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
     x, w_gu, w_dn, tw, ids = _problem(17, seed=2, skew=skew, dtype=F32)
     (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
     dq_gu, dq_dn = ref_dequant_fp8(q_gu, s_gu, F32), ref_dequant_fp8(q_dn, s_dn, F32)
@@ -144,8 +144,9 @@ def test_moe_bucket_layout():
     ends = torch.empty(E, dtype=torch.int32)
     max_blocks = (P + min(E, P) * (bm - 1)) // bm
     sorted_pairs = torch.full((max_blocks * bm,), -1, dtype=torch.int32)
-    moe._count_kernel[(1,)](ids, counts, P, BLOCK=64)
-    moe._bucket_kernel[(2,)](ids, counts, counts[E:], ends, sorted_pairs, P, E, BLOCK_M=bm, E_P2=8, BLOCK=32)
+    moe_grouped._count_kernel[(1,)](ids, counts, P, BLOCK=64)
+    moe_grouped._bucket_kernel[(2,)](ids, counts, counts[E:], ends, sorted_pairs, P, E, BLOCK_M=bm, E_P2=8,
+                                     BLOCK=32)
     want = torch.bincount(ids.flatten(), minlength=E)
     assert torch.equal(counts[:E].long(), want) and torch.equal(counts[E:].long(), want)
     padded = (want + bm - 1) // bm * bm
@@ -170,7 +171,7 @@ def test_route_topk(T, E_, k):
     g = torch.Generator().manual_seed(T)
     logits = torch.randn(T, E_ + 1, generator=g) * 3
     logits = (logits if E_ > 64 else logits.bfloat16())[:, :E_]  # strided rows, like the model's
-    w, ids = moe.route_topk(logits, k)
+    w, ids = routing.route_topk(logits, k)
     w_ref, ids_ref = ref.route(logits, k)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32
     assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
@@ -190,7 +191,7 @@ def test_moe_pair_down_variants_agree(T):
 def test_route_with_shared_slot(T):
     g = torch.Generator().manual_seed(T)
     logits = (torch.randn(T, E + 1, generator=g) * 3).bfloat16()
-    w, ids = moe.route_topk(logits, K, shared=True)
+    w, ids = routing.route_topk(logits, K, shared=True)
     w_ref, ids_ref = ref.route_with_shared(logits, K)
     assert w.shape == (T, K + 1) and torch.equal(ids, ids_ref)
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,73 @@
+"""Pieces the Triton kernel modules share: the dot helpers for exact low-precision operands, the
+interpreter switch, the SM count and the measured-config tables."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_NUM_SMS: dict[torch.device, int] = {}
+
+
+def interpreting() -> bool:
+    """Kernels run on the Triton interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def upcast_dots(x: torch.Tensor) -> bool:
+    """fp32 operands for the dots (`mma`, `wdot` UPCAST): on the interpreter (its bf16 dot is
+    wrong) and for fp32 activations."""
+    return interpreting() or x.dtype == torch.float32
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (4 for the CPU interpreter's launches)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
+_TUNED: dict[str, dict[str, dict]] = {}
+
+
+def load_tuned(committed: str, env: str) -> dict[str, dict]:
+    """Measured kernel configs: the committed H200 table `committed` (next to this file), each key
+    overridden by the JSON file named in $env (same format: {"configs": {key: config}}). Cached."""
+    if committed not in _TUNED:
+        import json
+        from pathlib import Path
+
+        table: dict[str, dict] = {}
+        for f in (Path(__file__).with_name(committed), Path(os.environ.get(env, "") or "/nonexistent")):
+            if f.is_file():
+                table.update(json.loads(f.read_text()).get("configs", {}))
+        _TUNED[committed] = table
+    return _TUNED[committed]
+
+
+# ---- dot helpers (inlined into kernels) ---------------------------------------------------------
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """a @ b with b cast to a's dtype; UPCAST: fp32 operands (the interpreter's bf16 dot is wrong;
+    fp32 activations)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit
+def wdot(w, x, UPCAST: tl.constexpr, DOT_F16: tl.constexpr):
+    """w [M, K] (e4m3 or x's dtype) @ x [K, N] on exact operands, fp32 result. DOT_F16: fp16
+    operands (e4m3 -> fp16 is one packed convert per two values; bf16 x is exact in fp16 while
+    |x| < 65504); otherwise w is converted to x's dtype. UPCAST: fp32 (interpreter, fp32 x)."""
+    if UPCAST:
+        return tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+    if DOT_F16:
+        return tl.dot(w.to(tl.float16), x.to(tl.float16))
+    return tl.dot(w.to(x.dtype), x)

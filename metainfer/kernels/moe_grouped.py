@@ -1,0 +1,211 @@
+"""Routed experts for many tokens (prefill, large decode batches): the (token, slot) pairs are
+bucketed by expert on the device (`_count_kernel`, then `_bucket_kernel`: positions from int
+atomics), each bucket padded to BLOCK_M rows inside a buffer of worst-case size
+P + min(E, P) * (BLOCK_M - 1). `_grouped_gate_up_kernel` (gate and up tiles of one expert, fused
+SiLU*mul) and `_grouped_down_kernel` run over (M-block, N-block) and read each expert's weights
+once per M-block; the down kernel writes one row per pair and `routing.combine` sums each token's
+k rows with its routing weights in slot order. The order of pairs inside a bucket varies between
+runs, but each row is computed independently of its position, so the result does not.
+
+Weights BF16 or FP8 e4m3 with 128x128 block scales (exact e4m3 operands, each step's product times
+its block scale). METAINFER_MOE_W8A8=1 (FP8 weights, off until measured on the H200): both GEMMs
+take e4m3 activations quantised per token and 128 columns (`fp8_linear.act_quant`, the dense
+prefill GEMM's scheme) and run e4m3 x e4m3 on the tensor cores, each 128-wide step's product
+times both scales. `moe.moe_experts` picks this path by T (`moe.use_pair_path`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from metainfer.kernels import pdl, routing
+from metainfer.kernels.common import load_tuned, mma, upcast_dots
+from metainfer.kernels.fp8_linear import act_quant
+
+A8_ENV = "METAINFER_MOE_W8A8"  # "1": FP8 prefill experts on e4m3 x e4m3 tensor cores (off until measured)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    pdl.wait(USE_PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    tl.atomic_add(counts_ptr + ids, 1, mask=mask)
+
+
+@triton.jit
+def _bucket_kernel(
+    ids_ptr, counts_ptr, cursor_ptr, ends_ptr, sorted_ptr, P, E,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """sorted[ends[e] - padded[e] + rank] = pair, padded[e] = counts[e] rounded up to BLOCK_M."""
+    pdl.wait(USE_PDL)
+    offs_e = tl.arange(0, E_P2)
+    cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [E_P2] inclusive
+    if tl.program_id(0) == 0:
+        tl.store(ends_ptr + offs_e, ends, mask=offs_e < E)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    rank = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+    pos = tl.gather(ends - padded, ids, 0) + rank
+    tl.store(sorted_ptr + pos, offs, mask=mask)
+
+
+@triton.jit
+def _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
+    """-> (expert of the M-block starting at padded row row0, its valid-row mask [BLOCK_M], its
+    rows [BLOCK_M])."""
+    offs_e = tl.arange(0, E_P2)
+    ends = tl.load(ends_ptr + offs_e, mask=offs_e < E, other=2147483647)
+    e = tl.minimum(tl.sum((ends <= row0).to(tl.int32)), E - 1)
+    cnt = tl.load(counts_ptr + e)
+    start = tl.load(ends_ptr + e) - (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    return e.to(tl.int64), (rows - start) < cnt, rows
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
+    xs_ptr, n_xs,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
+):
+    """A8 (FP8 weights, BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
+    xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales."""
+    pdl.wait(USE_PDL)
+    row0 = tl.program_id(0) * BLOCK_M
+    if row0 >= tl.load(ends_ptr + E - 1):
+        return
+    e, valid, rows = _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M, E_P2)
+    tok = tl.load(sorted_ptr + rows, mask=valid, other=0) // TOP_K  # [BLOCK_M]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    wg_rows = w_ptr + e * stride_we + offs_n[:, None] * H  # [BLOCK_N, 1]; up rows at +I*H
+    s_base = s_ptr + e * stride_se
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        a_mask = valid[:, None] & k_mask[None, :]
+        a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
+        wmask = n_mask[:, None] & k_mask[None, :]
+        bg = tl.trans(tl.load(wg_rows + offs_k[None, :], mask=wmask, other=0.0))  # [BLOCK_K, BLOCK_N]
+        bu = tl.trans(tl.load(wg_rows + I * H + offs_k[None, :], mask=wmask, other=0.0))
+        if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
+            sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
+            su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
+            if A8:
+                sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)[:, None]
+                acc_g += mma(a, bg, UPCAST) * (sa * sg[None, :])
+                acc_u += mma(a, bu, UPCAST) * (sa * su[None, :])
+            else:
+                acc_g += mma(a, bg, UPCAST) * sg[None, :]
+                acc_u += mma(a, bu, UPCAST) * su[None, :]
+        else:
+            acc_g += mma(a, bg, UPCAST)
+            acc_u += mma(a, bu, UPCAST)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_mask = valid[:, None] & n_mask[None, :]
+    tl.store(act_ptr + rows[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn,
+    as_ptr, n_as,
+    FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
+):
+    """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel)."""
+    pdl.wait(USE_PDL)
+    row0 = tl.program_id(0) * BLOCK_M
+    if row0 >= tl.load(ends_ptr + E - 1):
+        return
+    e, valid, rows = _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M, E_P2)
+    pair = tl.load(sorted_ptr + rows, mask=valid, other=0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    w_rows = w_ptr + e * stride_we + offs_n[:, None] * I  # [BLOCK_N, 1]
+    s_rows = s_ptr + e * stride_se + (offs_n // 128) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        a_mask = valid[:, None] & k_mask[None, :]
+        a = tl.load(act_ptr + rows[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
+        b = tl.trans(tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0))
+        if FP8:
+            sb = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
+            if A8:
+                sb = sb * tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)[:, None]
+            acc += mma(a, b, UPCAST) * sb
+        else:
+            acc += mma(a, b, UPCAST)
+    out_mask = valid[:, None] & n_mask[None, :]
+    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+def grouped_config(T: int, top_k: int, E: int, fp8: bool = False) -> dict:
+    """Tile sizes by the mean rows per expert (decode batches: 16-row M-blocks, little padding).
+    At 16-row blocks the sweep picked 128-wide N tiles for BF16 (259 µs at T=32) and 32/64 for FP8."""
+    rows = T * top_k / E
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
+    key = f"grouped:{'fp8' if fp8 else 'bf16'}:{bm}"
+    hit = load_tuned("moe_pair_h200.json", "METAINFER_MOE_TUNED").get(key)
+    if hit is not None:  # measured per M-block size (benchmarks/sweep_decode_kernels.py --grouped-tokens)
+        return dict(hit)
+    if bm == 16:
+        gn, dn = (32, 64) if fp8 else (128, 128)
+        return dict(BLOCK_M=16, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=bm, GU_BLOCK_N=64, DN_BLOCK_N=128 if bm >= 64 else 64, BLOCK_K=64,
+                num_warps=4 if bm <= 32 else 8, num_stages=3)
+
+
+def grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
+    """out [T, H] <- the experts of every (token, slot) pair: bucket the pairs by expert, the two
+    grouped GEMMs, then the weighted sum (`routing.combine`). gu, dn: (scales, expert stride, row
+    stride) of the FP8 scales (`moe._scale_args`); cfg: `grouped_config`'s."""
+    T, H = x.shape
+    E, k, I = w_gate_up.shape[0], ids.shape[1], w_down.shape[2]
+    P, bm = T * k, cfg["BLOCK_M"]
+    max_blocks = (P + min(E, P) * (bm - 1)) // bm
+    e_p2 = triton.next_power_of_2(E)
+    upcast = upcast_dots(x)
+    dev = x.device
+    counts = torch.zeros(2 * E, dtype=torch.int32, device=dev)  # [counts | cursor]
+    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    blk = 1024
+    _count_kernel[(triton.cdiv(P, blk),)](ids, counts, P, BLOCK=blk, **pdl.kw())
+    _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
+                                           BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
+    act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
+    a8 = fp8 and os.environ.get(A8_ENV, "0") == "1"
+    xa, xs = act_quant(x) if a8 else (x, x)  # e4m3 activations + scales, or x (the scales unused)
+    common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
+        xa, w_gate_up, gu[0], sorted_pairs, ends, counts, act, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
+        xs, T, TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
+    )
+    acts, as_ = act_quant(act) if a8 else (act, act)
+    y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
+    _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
+        acts, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],
+        as_, act.shape[0], BLOCK_N=cfg["DN_BLOCK_N"], **common, **pdl.kw(),
+    )
+    routing.combine(y, tw, out)
