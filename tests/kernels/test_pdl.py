@@ -60,6 +60,15 @@ def _check_before_wait(st: ast.stmt, where: str, allowed: frozenset) -> None:
                 assert ptrs <= allowed and (ptrs or name != "tl.load"), (where, ast.unparse(node), ptrs)
 
 
+def test_read_before_wait_names_real_parameters():
+    """Every READ_BEFORE_WAIT entry is a kernel of the package and names its own pointer parameters."""
+    kernels = {fn.name: fn for path in KERNEL_FILES for fn in _kernels(ast.parse(path.read_text()))}
+    for name, ptrs in pdl.READ_BEFORE_WAIT.items():
+        assert name in kernels, name
+        params = {a.arg for a in kernels[name].args.args}
+        assert ptrs <= params and all(p.endswith("_ptr") for p in ptrs), (name, ptrs - params)
+
+
 def test_the_before_wait_check_rejects():
     """The check above fails on a store, or a load of anything but the weights, before the wait."""
     bad_ones = ("tl.store(y_ptr + 1, v)", "v = tl.load(x_ptr + offs)", "v = tl.load(w_ptr + offs)",
