@@ -106,13 +106,12 @@ def _grouped_gate_up_kernel(
         if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
             sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
             su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
+            sg, su = sg[None, :], su[None, :]
             if A8:
                 sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)[:, None]
-                acc_g += mma(a, bg, UPCAST) * (sa * sg[None, :])
-                acc_u += mma(a, bu, UPCAST) * (sa * su[None, :])
-            else:
-                acc_g += mma(a, bg, UPCAST) * sg[None, :]
-                acc_u += mma(a, bu, UPCAST) * su[None, :]
+                sg, su = sa * sg, sa * su
+            acc_g += mma(a, bg, UPCAST) * sg
+            acc_u += mma(a, bu, UPCAST) * su
         else:
             acc_g += mma(a, bg, UPCAST)
             acc_u += mma(a, bu, UPCAST)

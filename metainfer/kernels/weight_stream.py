@@ -77,6 +77,24 @@ def _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr,
 
 
 @triton.jit
+def _finish_tile(acc, offs_n, offs_t, y_ptr, T, N, stride_yt, n_tiles, cstate_ptr, cw_ptr, slots_ptr,
+                 has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, CONV_K: tl.constexpr,
+                 Y_DT: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P2: tl.constexpr,
+                 K_P2: tl.constexpr):
+    """A complete output tile acc [BLOCK_N, BLOCK_T] fp32 -> y: the conv epilogue (CONV_K) or a
+    cast, the store, then the routing epilogue (TOPK)."""
+    if CONV_K:
+        out = _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
+                             s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
+    else:
+        out = acc.to(y_ptr.dtype.element_ty)
+    y_mask = (offs_n < N)[:, None] & (offs_t < T)[None, :]
+    tl.store(y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None], out, mask=y_mask)
+    if TOPK:
+        _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
+
+
+@triton.jit
 def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt,
                 cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr,
                 ids_ptr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -86,20 +104,10 @@ def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, loc
     columns offs_n, tokens offs_t -> y. SPLIT_K > 1: fp32 partials, and the last
     program of the tile to arrive (int counter, acq_rel) adds them in split order (deterministic)
     and resets the counter. Then the epilogues: CONV_K `_conv_epilogue`, TOPK `_route_epilogue`."""
-    n_mask = offs_n < N
-    t_mask = offs_t < T
-    y_ptrs = y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None]
-    y_mask = n_mask[:, None] & t_mask[None, :]
     if SPLIT_K == 1:
-        if CONV_K:
-            out = _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
-                                 s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
-        else:
-            out = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptrs, out, mask=y_mask)
-        if TOPK:
-            _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2,
-                            K_P2)
+        _finish_tile(acc, offs_n, offs_t, y_ptr, T, N, stride_yt, n_tiles, cstate_ptr, cw_ptr, slots_ptr,
+                     has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, CONV_K, Y_DT, TOPK,
+                     SHARED, E_P2, K_P2)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
         tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile, acc)
@@ -110,16 +118,10 @@ def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, loc
             for sk in tl.static_range(SPLIT_K):
                 src = part_ptr + (sk * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile
                 total += tl.load(src, cache_modifier=".cg")
-            if CONV_K:
-                out = _conv_epilogue(total, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr,
-                                     has_ptr, s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
-            else:
-                out = total.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptrs, out, mask=y_mask)
+            _finish_tile(total, offs_n, offs_t, y_ptr, T, N, stride_yt, n_tiles, cstate_ptr, cw_ptr,
+                         slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, CONV_K,
+                         Y_DT, TOPK, SHARED, E_P2, K_P2)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
-            if TOPK:
-                _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED,
-                                E_P2, K_P2)
 
 
 @triton.jit
@@ -212,6 +214,17 @@ def _skinny_kernel(
 
 
 @triton.jit
+def _load_tile(weight_ptr, wscale_ptr, offs_n, offs_k, w_mask, k_mask, s_row, K, HAS_SCALE: tl.constexpr):
+    """-> (the [BLOCK_N, KS] weight tile, the block scale of each of its columns; ones without scales)."""
+    w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+    if HAS_SCALE:
+        sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
+    else:
+        sc = tl.full(offs_k.shape, 1.0, tl.float32)
+    return w, sc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr, T, N, K, stride_xt, stride_yt, stride_sn,
     cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
@@ -241,14 +254,10 @@ def _gemv_kernel(
     w_mask = n_mask[:, None] & k_mask[None, :]
     s_row = (tl.program_id(0) * BLOCK_N // 128) * stride_sn  # BLOCK_N divides 128: one row of scale blocks
     if PRELOAD:
-        w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        if HAS_SCALE:
-            sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
+        w, sc = _load_tile(weight_ptr, wscale_ptr, offs_n, offs_k, w_mask, k_mask, s_row, K, HAS_SCALE)
     pdl.wait(USE_PDL)
     if not PRELOAD:
-        w = tl.load(weight_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        if HAS_SCALE:
-            sc = tl.load(wscale_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
+        w, sc = _load_tile(weight_ptr, wscale_ptr, offs_n, offs_k, w_mask, k_mask, s_row, K, HAS_SCALE)
     offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
     for t in tl.static_range(BLOCK_T):
