@@ -83,10 +83,11 @@ def test_fp8_linear_full_shapes(name, T):
 def test_fp8_linear_split_k_counters_stay_zero():
     from metainfer.kernels import fp8_linear as fl
     from metainfer.kernels import weight_stream as ws
+    from metainfer.kernels.common import num_sms
 
     _, q, s = _fp8_weight(2048, 4096)
     x = torch.randn(1, 4096, device="cuda").bfloat16()
-    cfg = ws.skinny_config(1, 2048, 4096, fl._num_sms(x.device))
+    cfg = ws.skinny_config(1, 2048, 4096, num_sms(x.device))
     assert cfg["SPLIT_K"] > 1
     outs = [fl.fp8_linear(x, q, s) for _ in range(20)]
     assert all(torch.equal(outs[0], o) for o in outs)
