@@ -174,10 +174,11 @@ def grouped_candidates(T: int, fp8: bool) -> list[dict]:
     its M-block size and twice it (fewer re-reads of an expert's weights)."""
     base = moe_grouped.grouped_config(T, 8, 256, fp8)
     tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
+    k_steps = (128,) if moe_grouped.a8_enabled(fp8) else (64, 128)  # e4m3 activations: 128 (their scales)
     return [base] + [
         dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bm, (gn, dn), bk, (w, st) in itertools.product((base["BLOCK_M"], 2 * base["BLOCK_M"]), tiles,
-                                                          (64, 128), ((4, 3), (8, 3), (8, 4)))]
+                                                          k_steps, ((4, 3), (8, 3), (8, 4)))]
 
 
 def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, cfgs: dict, everything: dict,
@@ -189,7 +190,9 @@ def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, c
         for T in tokens:
             run = lambda c, case=case, T=T: case.run(T, path, c, eager=False)  # noqa: E731
             cands = candidates(T, kind == "fp8")
-            first, best, rows = best_of(f"{path} {kind}", run, cands, 1e-2)
+            # e4m3 activations (the grouped FP8 default, KB-0024): 8% as in its GPU test
+            tol = 8e-2 if path == "grouped" and moe_grouped.a8_enabled(kind == "fp8") else 1e-2
+            first, best, rows = best_of(f"{path} {kind}", run, cands, tol)
             cfgs[key(kind, T, cands[0])] = best["config"]
             everything[f"{path} {kind} T={T}"] = rows
             table.append((f"moe_{kind}[{path}]", T, first, best))

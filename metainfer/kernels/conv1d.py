@@ -83,7 +83,7 @@ def causal_conv1d_update(
 
 
 # ---- prefill: whole sequences, varlen ------------------------------------------------------------
-PREFILL_ENV = "METAINFER_CONV_PREFILL"  # "1": the Triton prefill conv (off until measured on the H200)
+PREFILL_ENV = "METAINFER_CONV_PREFILL"  # "0": the torch reference path instead of the Triton prefill conv
 PREFILL_BLOCK_T = 32
 PREFILL_BLOCK_C = 128
 
@@ -153,11 +153,11 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """`reference.causal_conv1d` (silu of each sequence's causal depthwise conv, continuing from its
     state; states <- the last K-1 inputs) in one launch from the device offsets, where
-    METAINFER_CONV_PREFILL=1 and they are given; else the reference. -> [T, C] in x's dtype."""
+    they are given (unless METAINFER_CONV_PREFILL=0); else the reference. -> [T, C] in x's dtype."""
     from metainfer.kernels import reference as ref
 
     B = len(slots)
-    if os.environ.get(PREFILL_ENV, "0") != "1" or cu is None or B == 0:
+    if os.environ.get(PREFILL_ENV, "1") == "0" or cu is None or B == 0:
         return ref.causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state)
     T, C = x.shape
     K = weight.shape[1]

@@ -31,7 +31,7 @@ from metainfer.kernels import moe_grouped, pdl, routing
 from metainfer.kernels.common import load_tuned, upcast_dots, wdot
 
 PAIR_MAX_T = 8
-DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "1": `_routed_down_kernel` (off until measured)
+DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
 DOWN_PRELOAD_BLOCK_H = 32
 
 
@@ -398,7 +398,7 @@ def moe_routed_rows(
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg,
                         route=(router_logits, top_k, tw))
     dn = _scale_args(down_scale, w_down)
-    if os.environ.get(DOWN_PRELOAD_ENV, "0") == "1":
+    if os.environ.get(DOWN_PRELOAD_ENV, "1") != "0":
         y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8, cfg["num_warps"])
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)

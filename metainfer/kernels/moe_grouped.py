@@ -8,7 +8,7 @@ k rows with its routing weights in slot order. The order of pairs inside a bucke
 runs, but each row is computed independently of its position, so the result does not.
 
 Weights BF16 or FP8 e4m3 with 128x128 block scales (exact e4m3 operands, each step's product times
-its block scale). METAINFER_MOE_W8A8=1 (FP8 weights, off until measured on the H200): both GEMMs
+its block scale). With FP8 weights (METAINFER_MOE_W8A8=0 turns it off; KB-0024): both GEMMs
 take e4m3 activations quantised per token and 128 columns (`fp8_linear.act_quant`, the dense
 prefill GEMM's scheme) and run e4m3 x e4m3 on the tensor cores, each 128-wide step's product
 times both scales. `moe.moe_experts` picks this path by T (`moe.use_pair_path`).
@@ -26,7 +26,12 @@ from metainfer.kernels import pdl, routing
 from metainfer.kernels.common import load_tuned, mma, upcast_dots
 from metainfer.kernels.fp8_linear import act_quant
 
-A8_ENV = "METAINFER_MOE_W8A8"  # "1": FP8 prefill experts on e4m3 x e4m3 tensor cores (off until measured)
+A8_ENV = "METAINFER_MOE_W8A8"  # "0": FP8 experts on BF16 activations (weight-only) in the grouped path
+
+
+def a8_enabled(fp8: bool) -> bool:
+    """e4m3 activations in the grouped path: FP8 weights, unless METAINFER_MOE_W8A8=0 (KB-0024)."""
+    return fp8 and os.environ.get(A8_ENV, "1") != "0"
 
 
 @triton.jit
@@ -193,7 +198,7 @@ def grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dic
     _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
                                            BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
     act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
-    a8 = fp8 and os.environ.get(A8_ENV, "0") == "1"
+    a8 = a8_enabled(fp8)
     xa, xs = act_quant(x) if a8 else (x, x)  # e4m3 activations + scales, or x (the scales unused)
     common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -111,9 +111,12 @@ def test_quantize_cuda_matches_cpu():
 # ---- moe_experts ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 32, 256, 1024])
-def test_moe_full_shapes(T, fp8):
-    from metainfer.kernels import moe
+def test_moe_full_shapes(T, fp8, monkeypatch):
+    """Weight-only FP8 (METAINFER_MOE_W8A8=0; the grouped path's e4m3 default: the test below)."""
+    from metainfer.kernels import moe, moe_grouped
     from metainfer.model.fp8 import quantize_fp8_block
+
+    monkeypatch.setenv(moe_grouped.A8_ENV, "0")
 
     x, w_gu, w_dn, tw, ids = _moe_problem(T)
     if fp8:
@@ -133,8 +136,8 @@ def test_moe_full_shapes(T, fp8):
 
 @pytest.mark.parametrize("T,skew", [(256, False), (1024, False), (1024, True)])
 def test_moe_grouped_w8a8_full_shapes(T, skew, monkeypatch):
-    """METAINFER_MOE_W8A8=1 (e4m3 x e4m3 prefill experts): within 8% rel. RMSE of the exact fp32
-    product of the dequantised weights (two e4m3 roundings of the activations, ~4% on the CPU
+    """The grouped path's FP8 default (METAINFER_MOE_W8A8=1, e4m3 x e4m3): within 8% rel. RMSE of
+    the exact fp32 product of the dequantised weights (two e4m3 roundings of the activations, ~4% on the CPU
     test's shapes; the weight-only path is under 1%), deterministic."""
     from metainfer.kernels import moe, moe_grouped
     from metainfer.model.fp8 import quantize_fp8_block
