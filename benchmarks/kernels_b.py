@@ -94,11 +94,15 @@ def header() -> None:
 
 # ---- MoE -----------------------------------------------------------------------------------------
 class MoeCase:
-    def __init__(self, fp8: bool, seed: int = 0) -> None:
+    """E routed experts, top-k; shared=True: the engine's fused layout (expert E is the shared one,
+    every token's slot k, weight sigmoid of a logit: `ops.route_with_shared`)."""
+
+    def __init__(self, fp8: bool, seed: int = 0, shared: bool = False) -> None:
         g = torch.Generator(device="cuda").manual_seed(seed)
-        w_gu = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()
-        w_dn = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
-        self.fp8 = fp8
+        n = E + int(shared)
+        w_gu = (torch.randn(n, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()
+        w_dn = (torch.randn(n, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
+        self.fp8, self.shared = fp8, shared
         if fp8:
             self.w_gu, self.s_gu = quantize_fp8_block(w_gu)
             self.w_dn, self.s_dn = quantize_fp8_block(w_dn)
@@ -117,7 +121,10 @@ class MoeCase:
         for _ in range(n):
             x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
             tw, ids = ref.route(torch.randn(T, E, device="cuda", generator=g) * 2, TOPK)
-            out.append((x, tw, ids))
+            if self.shared:
+                sw = torch.randn(T, 1, device="cuda", generator=g).sigmoid()
+                tw, ids = torch.cat([tw, sw], 1), torch.cat([ids, torch.full_like(ids[:, :1], E)], 1)
+            out.append((x, tw.contiguous(), ids.contiguous()))
         return out
 
     def call(self, x, tw, ids, **kw) -> torch.Tensor:

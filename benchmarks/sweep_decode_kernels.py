@@ -172,7 +172,7 @@ def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
 def grouped_candidates(T: int, fp8: bool) -> list[dict]:
     """The current grouped-path config, then N tiles 64-256, K steps 64/128, 4-8 warps, 3-4 stages at
     its M-block size and twice it (fewer re-reads of an expert's weights)."""
-    base = moe_grouped.grouped_config(T, 8, 256, fp8)
+    base = moe_grouped.grouped_config(T, 9, 257, fp8)  # the engine's: 8 routed + the shared expert
     tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
     k_steps = (128,) if moe_grouped.a8_enabled(fp8) else (64, 128)  # e4m3 activations: 128 (their scales)
     return [base] + [
@@ -186,7 +186,7 @@ def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, c
     """Best of candidates(T, fp8) on one MoE path for each kind and T (each checked against the
     reference first), into cfgs[key(kind, T, first candidate)], everything, table."""
     for kind in kinds:
-        case = MoeCase(fp8=kind == "fp8")
+        case = MoeCase(fp8=kind == "fp8", shared=path == "grouped")  # grouped: as the engine calls it
         for T in tokens:
             run = lambda c, case=case, T=T: case.run(T, path, c, eager=False)  # noqa: E731
             cands = candidates(T, kind == "fp8")
