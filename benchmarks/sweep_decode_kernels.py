@@ -202,9 +202,9 @@ def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, c
 
 def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path) -> None:
     """--grouped-tokens: tiles of the bucketed-expert GEMMs (prefill sizes), keyed by the M-block
-    size grouped_config picks for T ("grouped:<kind>:<BLOCK_M>" in moe_pair_tuned.json)."""
+    size grouped_config picks for T (`moe_grouped.grouped_key`, in moe_pair_tuned.json)."""
     cfgs, table, everything = {}, [], {}
-    key = lambda kind, T, base: f"grouped:{kind}:{base['BLOCK_M']}"  # noqa: E731  (by M-block size, not T)
+    key = lambda kind, T, base: moe_grouped.grouped_key(T, 9, 257, kind == "fp8")  # noqa: E731  (rows/expert)
     sweep_moe(kinds, tokens, "grouped", grouped_candidates, key, cfgs, everything, table)
     (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=cfgs), indent=1))
     write_summary(out / "sweep_grouped.json", meta, table, everything)

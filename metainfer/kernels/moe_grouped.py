@@ -163,12 +163,19 @@ def _grouped_down_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------------
+def grouped_key(T: int, top_k: int, E: int, fp8: bool) -> str:
+    """The tuned-table key: weights' kind and the heuristic M-block size for the mean rows per
+    expert (a tuned config may pick another M-block size; the key stays the heuristic's)."""
+    rows = T * top_k / E
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
+    return f"grouped:{'fp8' if fp8 else 'bf16'}:{bm}"
+
+
 def grouped_config(T: int, top_k: int, E: int, fp8: bool = False) -> dict:
     """Tile sizes by the mean rows per expert (decode batches: 16-row M-blocks, little padding).
     At 16-row blocks the sweep picked 128-wide N tiles for BF16 (259 µs at T=32) and 32/64 for FP8."""
-    rows = T * top_k / E
-    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
-    key = f"grouped:{'fp8' if fp8 else 'bf16'}:{bm}"
+    key = grouped_key(T, top_k, E, fp8)
+    bm = int(key.rsplit(":", 1)[1])
     hit = load_tuned("moe_pair_h200.json", "METAINFER_MOE_TUNED").get(key)
     if hit is not None:  # measured per M-block size (benchmarks/sweep_decode_kernels.py --grouped-tokens)
         return dict(hit)
