@@ -3,10 +3,6 @@
 Memory-bound: each program owns a [Dk, BLOCK_V] column block of one value head's state, holds the
 whole Dk column in registers, and reads and writes each state element exactly once. Grid:
 (B, Hv, Dv / BLOCK_V).
-
-`gdn_decode_gated(..., norm=(z, weight, eps))`: the DeltaNet output norm (`reference.gated_rms_norm`,
-per value head) as the epilogue, with one program per whole head (BLOCK_V = Dv): the step's separate
-norm launch goes (METAINFER_GDN_NORM=0: the separate norm).
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
-from metainfer.kernels.common import TL_DTYPE
 
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -26,12 +21,6 @@ _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_V = 32
 NUM_WARPS = 4
 PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "1": read the state block before the PDL wait
-NORM_ENV = "METAINFER_GDN_NORM"  # "0": the output norm in its own launch, not this kernel's epilogue
-NORM_WARPS = 8  # a whole [Dk, Dv] = [128, 128] fp32 head per program: 64 registers a thread for it
-
-
-def norm_fused() -> bool:
-    return os.environ.get(NORM_ENV, "1") != "0"
 
 
 @triton.jit
@@ -49,19 +38,16 @@ def _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV: tl.const
 @triton.jit
 def _gdn_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr,
-    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, z_ptr, nw_ptr, sz0, eps,
+    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr = 0,
-    NORM: tl.constexpr = 0, MID: tl.constexpr = tl.float32,
     USE_PDL: tl.constexpr = 0,
 ):
     """q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state [S, HV, DK, DV] fp32; out [B, HV, DV].
     GATED: g_ptr/beta_ptr hold the raw projections a, b; g = -exp(A_log) softplus(a + dt_bias),
     beta = sigmoid(b) are computed here (as DeltaNet.gating does). PRELOAD: the state block is
     read before the PDL wait (the kernel before this one, the projection, writes neither the
-    states nor the slot inputs, which the step's first copies wrote). NORM (BLOCK_V == DV): out is
-    the gated RMS norm of o with z [B, HV, DV] (row stride sz0) and weight nw [DV], in
-    `norm._gated_rms_norm_kernel`'s roundings (o first rounded to out's dtype, as stored unfused)."""
+    states nor the slot inputs, which the step's first copies wrote)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kk = tl.arange(0, BLOCK_K)
@@ -97,19 +83,11 @@ def _gdn_decode_kernel(
     S = S + k[:, None] * delta[None, :]
     o = tl.sum(S * q[:, None], axis=0)
     tl.store(s_ptrs, S, mask=smask, eviction_policy="evict_first")
-    if NORM:
-        o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)
-        hn = (o * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        hn = (hn * tl.load(nw_ptr + vv).to(tl.float32)).to(MID).to(tl.float32)
-        z = tl.load(z_ptr + b * sz0 + h * DV + vv).to(tl.float32)
-        o = hn * (z * tl.sigmoid(z))
     tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
 def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_warps: int,
-            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-            norm: tuple | None = None) -> torch.Tensor:
+            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     B, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     assert k.shape == q.shape and v.shape[0] == B, (q.shape, k.shape, v.shape)
@@ -129,21 +107,13 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
     if B == 0:
         return out
     block_v = min(block_v, triton.next_power_of_2(Dv))
-    nargs = dict(z_ptr=v, nw_ptr=v, sz0=0, eps=0.0)  # unused without the norm
-    if norm is not None:
-        z, nw, eps = norm
-        assert z.shape == (B, Hv, Dv) and z.stride()[1:] == (Dv, 1) and z.dtype == v.dtype, z.stride()
-        assert nw.shape == (Dv,) and nw.is_contiguous() and Dv == triton.next_power_of_2(Dv), (nw.shape, Dv)
-        block_v, num_warps = Dv, NORM_WARPS
-        nargs = dict(z_ptr=z, nw_ptr=nw, sz0=z.stride(0), eps=eps, NORM=1,
-                     MID=TL_DTYPE[torch.promote_types(nw.dtype, v.dtype)])
     _gdn_decode_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
         q, k, v, g, beta, ssm_state, slots, has_state.view(torch.uint8), out,
         A_log if gated else g, dt_bias if gated else g,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        PRELOAD=int(os.environ.get(PRELOAD_ENV, "0") == "1"), num_warps=num_warps, **nargs, **pdl.kw(),
+        PRELOAD=int(os.environ.get(PRELOAD_ENV, "0") == "1"), num_warps=num_warps, **pdl.kw(),
     )
     return out
 
@@ -173,8 +143,6 @@ def gdn_decode_gated(
     ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32, updated in place at `slots`
     slots: torch.Tensor,  # [B] int64
     has_state: torch.Tensor,  # [B] bool
-    norm: tuple | None = None,  # (z [B, Hv, Dv], weight [Dv], eps): the output norm as the epilogue
 ) -> torch.Tensor:
-    """`gdn_decode` with the gating folded in: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b);
-    with `norm`, -> `reference.gated_rms_norm(out, z, weight, eps)` instead of out."""
-    return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias, norm)
+    """`gdn_decode` with the gating folded in: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias)

@@ -198,23 +198,13 @@ def gdn_decode(q, k, v, g, beta, ssm_state, slots, has_state):
     return out[:, 0]
 
 
-def gdn_norm_fused() -> bool:
-    """Whether a pure decode step passes the DeltaNet output norm to `gdn_decode_gated`
-    (METAINFER_GDN_NORM, default on)."""
-    from metainfer.kernels.gdn_decode import norm_fused
-
-    return norm_fused()
-
-
-def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state, norm=None):
-    """`gdn_decode` from the raw gate projections a, b [B, Hv]. -> [B, Hv, Dv]; norm = (z, weight,
-    eps): `gated_rms_norm` of that with z (the kernel's epilogue)."""
+def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state):
+    """`gdn_decode` from the raw gate projections a, b [B, Hv]. -> [B, Hv, Dv]."""
     kern = _kernel("gdn_decode_gated", q)
     if kern:
-        return kern(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state, norm=norm)
+        return kern(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
     g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
-    out = gdn_decode(q, k, v, g, b.sigmoid(), ssm_state, slots, has_state)
-    return out if norm is None else gated_rms_norm(out, *norm)
+    return gdn_decode(q, k, v, g, b.sigmoid(), ssm_state, slots, has_state)
 
 
 def gdn_prefill_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out):

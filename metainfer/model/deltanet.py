@@ -63,8 +63,6 @@ class GatedDeltaNet(nn.Module):
         core = (
             None if nd == T else torch.empty(T, self.hv, self.dv, dtype=x.dtype, device=x.device)
         )  # [T, Hv, Dv]
-        zh = z.view(T, self.hv, self.dv)
-        fuse_norm = nd == T and ops.gdn_norm_fused()  # a pure decode step: the norm in the step's kernel
         if nd:
             q, k, v = torch.split(mixed[:nd], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
             out = ops.gdn_decode_gated(
@@ -78,10 +76,7 @@ class GatedDeltaNet(nn.Module):
                 ssm_state,
                 slots,
                 has_state,
-                norm=(zh, self.norm_weight, self.eps) if fuse_norm else None,
             )
-            if fuse_norm:
-                return self.out_proj(out.view(T, self.value_dim))
             if core is None:  # a pure decode step: no copy
                 core = out
             else:
@@ -111,5 +106,5 @@ class GatedDeltaNet(nn.Module):
                 max(b_ - a_ for a_, b_ in zip(rel, rel[1:])),
                 core[s0:],
             )
-        h = ops.gated_rms_norm(core, zh, self.norm_weight, self.eps)
+        h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
         return self.out_proj(h.view(T, self.value_dim))
