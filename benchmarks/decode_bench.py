@@ -3,7 +3,9 @@
 For each batch size: `batch` random 1k-token prompts run together (greedy, ignore_eos); the
 steady decode step time (all sequences decoding, CUDA-graph replay when available) gives tok/s,
 shown with its % of the memory-bandwidth ceiling. TTFT: one 1k-token prompt on an idle engine,
-max_tokens=1, median of 5. Profile: CUDA time per kernel over a few decode steps at batch 1.
+max_tokens=1, median of 9, measured first (fresh engine) and again after the decode runs (the
+second figure has moved by up to 40 ms in one process: benchmarks/results/2026-11-30f, "TTFT").
+Profile: CUDA time per kernel over a few decode steps at batch 1.
 
     python benchmarks/decode_bench.py --dtype bfloat16 --out $OUT
     python benchmarks/decode_bench.py --dtype fp8 --batches 1,32 --out $OUT
@@ -67,10 +69,10 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, gen: int, seed: int) -> di
     }
 
 
-def ttft(llm: LLM, prompt_len: int, reps: int = 5) -> dict:
+def ttft(llm: LLM, prompt_len: int, reps: int = 9, seed: int = 99) -> dict:
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     times = []
-    for i, p in enumerate(random_prompts(reps + 1, prompt_len, seed=99)):
+    for i, p in enumerate(random_prompts(reps + 1, prompt_len, seed=seed)):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.generate(prompt_token_ids=[p], sampling_params=sp)
@@ -79,6 +81,7 @@ def ttft(llm: LLM, prompt_len: int, reps: int = 5) -> dict:
     return {
         "prompt_len": prompt_len,
         "ttft_ms_median": statistics.median(times) * 1e3,
+        "ttft_ms_min": min(times) * 1e3,
         "ttft_ms_all": [t * 1e3 for t in times],
     }
 
@@ -216,6 +219,8 @@ def main() -> None:
         "cuda_graphs": bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs),
         "decode": [],
     }
+    res["ttft_fresh"] = ttft(llm, args.prompt_len, seed=98)  # before any decode run
+    print(json.dumps(res["ttft_fresh"]), flush=True)
     for b in batches:
         r = decode_run(llm, b, args.prompt_len, args.gen, seed=b)
         ceil = decode_ceiling(cfg, roof_dtype, concurrency=b, context=args.prompt_len + args.gen // 2)
@@ -255,7 +260,9 @@ def main() -> None:
         )
     if "decode_sync_bs1" in res:
         print(f"bs1 with async scheduling off: {res['decode_sync_bs1']['decode_tok_s']:.0f} tok/s")
-    print(f"TTFT 1k: {res['ttft']['ttft_ms_median']:.1f} ms")
+    fresh = res["ttft_fresh"]
+    print(f"TTFT 1k: {res['ttft']['ttft_ms_median']:.1f} ms (fresh engine: {fresh['ttft_ms_median']:.1f} ms,"
+          f" min {fresh['ttft_ms_min']:.1f})")
     if "prefill_profile" in res:
         pp = res["prefill_profile"]
         print(f"prefill {pp['prompt_len']} tokens: wall {pp['wall_ms']:.1f} ms, "
