@@ -9,6 +9,6 @@ VAR=${VAR:-METAINFER_PDL}
 for dt in ${DTYPES:-fp8}; do
   for mode in ${MODES:-0 1}; do
     env $VAR=$mode timeout ${T_DECODE:-90} python benchmarks/decode_bench.py --dtype $dt --batches ${BATCHES:-1} \
-      --gen 32 --out $OUT/ab_${VAR}_$mode 2>&1 | grep -v "falling back" | grep -E "^\||TTFT" | sed "s/^/[$dt $VAR=$mode] /"
+      --gen 32 --out $OUT/ab_${VAR}_$mode 2>&1 | grep -v "falling back" | grep -E "^\||TTFT|^prefill" | sed "s/^/[$dt $VAR=$mode] /"
   done
 done

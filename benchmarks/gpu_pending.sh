@@ -1,30 +1,28 @@
 #!/usr/bin/env bash
 # On the H200: the switches built but not yet measured, in as few calls as possible (OUT set; .whl
 # carried). PHASES picks the parts (each well under the 10-minute call limit):
-#   tests  - their GPU tests (tests/gpu -k "conv_prefill or w8a8 or routed_rows"), ~1 min
-#   ab     - decode batch 1 + idle 1k TTFT, each switch 0 -> 1 in fresh processes:
-#            METAINFER_CONV_PREFILL (KB-0023, FP8 and BF16), METAINFER_MOE_W8A8 (KB-0024, FP8),
-#            METAINFER_MOE_DOWN_PRELOAD (KB-0025, FP8), METAINFER_FP8_LM_HEAD (KB-0026, FP8), ~6 min
+#   tests  - their GPU tests (the gated DeltaNet prefill prep, its sm_90 build), ~1 min
+#   ab     - decode batch 1 + 1k TTFT (fresh engine and after the runs) + prefill profile, each switch
+#            0 -> 1 in fresh processes: METAINFER_PREFILL_GATING (KB-0029, the DeltaNet gates inside
+#            the prefill prep kernel: ~210 launches fewer per 1k prefill; FP8 and BF16), ~3 min
 #   sweep  - the grouped MoE at T = 32 and 1,024 (two M-block sizes each), e4m3 activations off and on
 #            (at T = 32 against the per-pair path's ~180 us: moe.use_pair_path), ~6 min
 #   sweep_head - tiles of the FP8 lm_head (248,320 x 2,048) at batch 1: skinny and GEMV spaces, ~4 min
+#            (KB-0026: METAINFER_FP8_LM_HEAD measured +7 tok/s untuned)
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
-#   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_CONV_PREFILL" bash ...
+#   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 PHASES=${PHASES:-tests ab}
 if [[ $PHASES == *tests* ]]; then
-  timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "conv_prefill or w8a8 or routed_rows" 2>&1 \
+  timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated or compiles" 2>&1 \
     | tee $OUT/gpu_tests_pending.log | tail -3
 fi
 if [[ $PHASES == *ab* ]]; then
-  VAR=METAINFER_CONV_PREFILL DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
-  VAR=METAINFER_MOE_W8A8 DTYPES=fp8 BATCHES=1,64,128 bash benchmarks/gpu_ab.sh  # the grouped path: T > 32
-  VAR=METAINFER_MOE_DOWN_PRELOAD DTYPES=fp8 bash benchmarks/gpu_ab.sh
-  VAR=METAINFER_FP8_LM_HEAD DTYPES=fp8 BATCHES=1,32 bash benchmarks/gpu_ab.sh  # heuristic tiles until swept
+  VAR=METAINFER_PREFILL_GATING DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
 fi
 if [[ $PHASES == *sweep_head* ]]; then
   for space in base gemv; do

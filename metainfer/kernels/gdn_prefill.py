@@ -179,14 +179,16 @@ def _inv_unit_lower(kk, b, c, C: tl.constexpr, B: tl.constexpr, PREC: tl.constex
 @triton.jit(do_not_specialize=["T"])
 def _prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, ke_ptr, qe_ptr, a_ptr, c_ptr,
-    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, T, scale,
+    alog_ptr, dtb_ptr, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, T, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, B: tl.constexpr, VARLEN: tl.constexpr,
-    SPREC: tl.constexpr, OPREC: tl.constexpr, UPCAST: tl.constexpr,
+    SPREC: tl.constexpr, OPREC: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
     # q, k: [T, Hk, DK]; v: [T, HV, DV]; g: [T, HV] fp32; beta: [T, HV]; cu: [N+1] int32
+    # GATED: g, beta hold the raw projections a, b; g = -exp(A_log) softplus(a + dt_bias) and
+    # beta = sigmoid(b) (rounded to b's dtype) as `reference.gdn_gating` (the decode kernel's form)
     # writes at the chunk's rows: w, ke [T, HV, DK] fp32 (SPREC bf16x3: [2, T, HV, DK] bf16 hi, lo);
     # u [T, HV, DV] fp32; qe [T, HV, DK]; a [T, HV, C] (row i, chunk column j: q_i.k_j e^(c_i - c_j)
     # for j <= i, else 0); c [T, HV] fp32
@@ -210,8 +212,16 @@ def _prep_kernel(
     plane = T.to(tl.int64) * (HV * DK)
 
     k = _l2n(_rows(k_ptr + hk * sk1, rows, rm, sk0, kc, km), 1.0)  # [C, BK]
-    g = tl.load(g_ptr + r64 * sg0 + h, mask=rm, other=0.0)  # [C]
-    b = tl.load(beta_ptr + r64 * sb0 + h, mask=rm, other=0.0).to(tl.float32)
+    if GATED:
+        av = tl.load(g_ptr + r64 * sg0 + h, mask=rm, other=0.0).to(tl.float32)
+        av += tl.load(dtb_ptr + h).to(tl.float32)
+        softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
+        g = tl.where(rm, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)  # [C]; pads 0
+        bb = tl.load(beta_ptr + r64 * sb0 + h, mask=rm, other=0.0).to(tl.float32)
+        b = tl.where(rm, tl.sigmoid(bb).to(beta_ptr.dtype.element_ty).to(tl.float32), 0.0)
+    else:
+        g = tl.load(g_ptr + r64 * sg0 + h, mask=rm, other=0.0)  # [C]
+        b = tl.load(beta_ptr + r64 * sb0 + h, mask=rm, other=0.0).to(tl.float32)
     c = tl.cumsum(g, axis=0)
     c_last = tl.sum(tl.where(r == C - 1, c, 0.0), axis=0)  # c of the last valid row (pads add g = 0)
     tl.store(c_ptr + r64 * HV + h, c, mask=rm)
@@ -289,7 +299,7 @@ def _scan_kernel(
     tl.store(final_ptr + s_off, S, mask=km[:, None] & vm[None, :])
 
 
-def _check_inputs(q, k, v, g, beta) -> None:
+def _check_inputs(q, k, v, g, beta, gated: bool = False) -> None:
     T, Hk, Dk = q.shape
     assert k.shape == q.shape and v.dim() == 3 and v.shape[0] == T, (q.shape, k.shape, v.shape)
     Hv = v.shape[1]
@@ -297,12 +307,13 @@ def _check_inputs(q, k, v, g, beta) -> None:
     for t in (q, k, v):
         assert t.stride(2) == 1, "q, k, v: last dim must be contiguous"
         assert t.dtype in _TL_DTYPES, t.dtype
-    assert g.shape == (T, Hv) and g.dtype == torch.float32 and g.stride(1) == 1, (g.shape, g.dtype)
+    g_ok = g.dtype in _TL_DTYPES if gated else g.dtype == torch.float32  # gated: the raw a
+    assert g.shape == (T, Hv) and g_ok and g.stride(1) == 1, (g.shape, g.dtype)
     assert beta.shape == (T, Hv) and beta.stride(1) == 1 and beta.dtype in _TL_DTYPES, beta.dtype
 
 
 def _launch(q, k, v, g, beta, cu, init, final, slots, has, out, n_seqs: int, max_len: int,
-            cfg: PrefillConfig) -> None:
+            cfg: PrefillConfig, gating: tuple | None = None) -> None:
     T, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     if T == 0:
@@ -327,10 +338,11 @@ def _launch(q, k, v, g, beta, cu, init, final, slots, has, out, n_seqs: int, max
     common = dict(HV=Hv, DK=Dk, DV=Dv, BK=bk, C=CHUNK, VARLEN=varlen, SPREC=sprec, OPREC=oprec, UPCAST=upcast)
     if max_len > 0:
         _prep_kernel[(triton.cdiv(max_len, CHUNK), n_seqs, Hv)](
-            q, k, v, g, beta, cu, w, u, ke, qe, a, c,
+            q, k, v, g, beta, cu, w, u, ke, qe, a, c, *(gating or (g, g)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), beta.stride(0), T, Dk**-0.5,
-            REP=Hv // Hk, BV=bva, B=cfg.sub_block, **common, num_warps=cfg.prep_warps, **pdl.kw(),
+            REP=Hv // Hk, BV=bva, B=cfg.sub_block, GATED=gating is not None, **common,
+            num_warps=cfg.prep_warps, **pdl.kw(),
         )
     use_slots = slots is not None
     _scan_kernel[(n_seqs, Hv, triton.cdiv(Dv, bv))](
@@ -373,13 +385,16 @@ def gdn_prefill_varlen(
     max_seqlen: int,  # host int >= every cu[n+1] - cu[n] (sizes the prep grid)
     out: torch.Tensor | None = None,  # [T, Hv, Dv] written at rows cu[0]:cu[N] only
     cfg: PrefillConfig | None = None,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,  # (A_log, dt_bias [Hv]): g, beta are raw a, b
 ) -> torch.Tensor:
     """`gdn_prefill` over N sequences in two launches, states in place. -> out [T, Hv, Dv] (v's dtype).
 
     cu_seqlens may start past 0 (rows outside cu[0]:cu[N] are neither read nor written), so q, k, v,
     g, beta and out can be the whole step's tensors. No host synchronisation; graph-capturable.
+    With `gating`, g and beta are the raw projections a, b and the prep kernel computes the gates
+    (`reference.gdn_gating`): no separate launches for them.
     """
-    _check_inputs(q, k, v, g, beta)
+    _check_inputs(q, k, v, g, beta, gated=gating is not None)
     T, Hv, Dv = v.shape
     Dk = q.shape[2]
     N = slots.shape[0]
@@ -395,5 +410,9 @@ def gdn_prefill_varlen(
     if N == 0 or T == 0:
         return out
     has = has_state.contiguous().view(torch.uint8)
-    _launch(q, k, v, g, beta, cu_seqlens, ssm_state, ssm_state, slots, has, out, N, max_seqlen, cfg or CONFIG)
+    if gating is not None:
+        A_log, dt_bias = gating
+        assert A_log.shape == dt_bias.shape == (Hv,) and A_log.is_contiguous() and dt_bias.is_contiguous()
+    _launch(q, k, v, g, beta, cu_seqlens, ssm_state, ssm_state, slots, has, out, N, max_seqlen, cfg or CONFIG,
+            gating)
     return out

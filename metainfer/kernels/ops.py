@@ -6,6 +6,8 @@ Kernels are enabled by `use_kernels(True)` (the runner does this on CUDA unless 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from metainfer.kernels import reference as ref
@@ -203,17 +205,26 @@ def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
     kern = _kernel("gdn_decode_gated", q)
     if kern:
         return kern(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
-    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
-    return gdn_decode(q, k, v, g, b.sigmoid(), ssm_state, slots, has_state)
+    return gdn_decode(q, k, v, *ref.gdn_gating(a, b, A_log, dt_bias), ssm_state, slots, has_state)
 
 
-def gdn_prefill_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out):
+PREFILL_GATING_ENV = "METAINFER_PREFILL_GATING"  # "1": the gates in the prefill kernel (off until measured)
+
+
+def gdn_prefill_varlen(
+    q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out, gating=None
+):
     """Chunked gated delta rule over N sequences at rows cu[n]:cu[n+1] of q, k, v [T, H, D];
     initial states read from and final states written to ssm_state at `slots` (zeros where
-    not has_state). Writes out[cu[0]:cu[N]] ([T, Hv, Dv]) and returns `out`."""
+    not has_state). Writes out[cu[0]:cu[N]] ([T, Hv, Dv]) and returns `out`. gating = (A_log,
+    dt_bias): g, beta are the raw projections a, b, gated as `reference.gdn_gating` (in the kernel)."""
     kern = _kernel("gdn_prefill_varlen", q)
+    if gating is not None and (not kern or os.environ.get(PREFILL_GATING_ENV, "0") != "1"):
+        g, beta = ref.gdn_gating(g, beta, *gating)  # torch ops (the reference; KB-0029's A/B)
+        gating = None
     if kern:
-        return kern(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out=out)
+        return kern(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out=out,
+                    gating=gating)
     cu = cu_seqlens.tolist()
     for i, slot in enumerate(slots.tolist()):
         s, e = cu[i], cu[i + 1]

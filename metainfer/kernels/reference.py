@@ -36,6 +36,13 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (h * F.silu(z.float())).to(dt)
 
 
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """DeltaNet gates from the raw projections a, b [T, Hv]: (g = -exp(A_log) softplus(a + dt_bias)
+    [T, Hv] fp32 log decay, beta = sigmoid(b) in b's dtype)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 

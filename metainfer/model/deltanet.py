@@ -10,7 +10,6 @@ the chunked form. On the GPU kernels the decode conv is the in_proj kernel's epi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from metainfer.config import ModelConfig
@@ -43,11 +42,6 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
         self.out_proj = Linear(self.value_dim, {"out_proj": H})
-
-    def gating(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (g [T, Hv] fp32 log decay, beta [T, Hv] model dtype)."""
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return g, b.sigmoid()
 
     def forward(
         self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -92,19 +86,19 @@ class GatedDeltaNet(nn.Module):
                 cu, meta.state_slots[nd:], meta.has_state[nd:],
             )
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            g, beta = self.gating(a[s0:], b[s0:])
-            ops.gdn_prefill_varlen(
+            ops.gdn_prefill_varlen(  # the gates from a, b inside the kernel
                 q.view(-1, self.hk, self.dk),
                 k.view(-1, self.hk, self.dk),
                 v.view(-1, self.hv, self.dv),
-                g,
-                beta,
+                a[s0:],
+                b[s0:],
                 cu,
                 ssm_state,
                 meta.state_slots[nd:],
                 meta.has_state[nd:],
                 max(b_ - a_ for a_, b_ in zip(rel, rel[1:])),
                 core[s0:],
+                gating=(self.A_log, self.dt_bias),
             )
         h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
         return self.out_proj(h.view(T, self.value_dim))

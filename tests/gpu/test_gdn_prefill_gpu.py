@@ -132,6 +132,29 @@ def test_gdn_prefill_varlen_graph_capture():
     assert torch.equal(out[lo:hi], eager[lo:hi]) and torch.equal(graph_ssm, eager_ssm)
 
 
+@cuda
+def test_gdn_prefill_varlen_gated_full_shapes():
+    """gating=(A_log, dt_bias): the prep kernel gates the raw in_proj columns a, b itself; the same
+    result as `reference.gdn_gating` then the plain launch (beta rounded to bf16 alike; softplus as
+    log(1 + e^x) vs torch's log1p: g to fp32 rounding)."""
+    from metainfer.kernels import gdn_prefill as gp
+
+    (q, k, v, _, _), ssm, m, (cu_list, _, _) = _varlen_case(5)
+    T = q.shape[0]
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    ab = torch.randn(T, 2 * HV + 8, device=DEV, generator=gen).bfloat16()
+    a, b = ab[:, :HV], ab[:, HV : 2 * HV]
+    A_log = torch.empty(HV, device=DEV).uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.empty(HV, device=DEV).uniform_(-7, -2, generator=gen)
+    g, beta = ref.gdn_gating(a, b, A_log, dt_bias)
+    s1, s2 = ssm.clone(), ssm.clone()
+    args = (m["cu"], m["slots"], m["has"], m["max_len"])
+    got = gp.gdn_prefill_varlen(q, k, v, a, b, args[0], s1, *args[1:], gating=(A_log, dt_bias))
+    want = gp.gdn_prefill_varlen(q, k, v, g, beta, args[0], s2, *args[1:])
+    lo, hi = cu_list[0], cu_list[-1]
+    assert rel_rmse(got[lo:hi], want[lo:hi]) < 2e-3 and rel_rmse(s1, s2) < 1e-4
+
+
 # ---- sm_90 code generation (no GPU needed) -------------------------------------------------------
 _COMPILE = textwrap.dedent(
     """
@@ -150,20 +173,22 @@ _COMPILE = textwrap.dedent(
         assert k.metadata.shared <= 232448, (kernel.__name__, k.metadata.shared)  # sm_90 max per block
 
     bf, f32 = "*bf16", "*fp32"
-    variants = [  # (config, input dtype, varlen)
-        (gp.CONFIG, bf, True),
-        (gp.CONFIG, bf, False),
-        (gp.PrefillConfig(state_prec="tf32", sub_block=32, block_v=16), bf, True),
-        (gp.PrefillConfig(out_prec="tf32x3"), f32, False),
+    variants = [  # (config, input dtype, varlen, gates from the raw a, b)
+        (gp.CONFIG, bf, True, 1),
+        (gp.CONFIG, bf, True, 0),
+        (gp.CONFIG, bf, False, 0),
+        (gp.PrefillConfig(state_prec="tf32", sub_block=32, block_v=16), bf, True, 0),
+        (gp.PrefillConfig(out_prec="tf32x3"), f32, False, 0),
     ]
-    for cfg, x, varlen in variants:
+    for cfg, x, varlen, gated in variants:
         sp, op = cfg.state_prec, cfg.out_prec or "bf16"
         wdt, qdt = (bf if sp == "bf16x3" else f32), (bf if op == "bf16" else f32)
         idx = ("*i32", "*i64", "*u8") if varlen else (x, x, x)  # the single-sequence launch passes q
         c = dict(HV=32, DK=128, DV=128, BK=128, C=64, VARLEN=varlen, SPREC=sp, OPREC=op, UPCAST=False)
-        build(gp._prep_kernel, dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=f32, beta_ptr=x, cu_ptr=idx[0],
-              w_ptr=wdt, u_ptr=f32, ke_ptr=wdt, qe_ptr=qdt, a_ptr=qdt, c_ptr=f32, scale="fp32"),
-              dict(REP=2, BV=128, B=cfg.sub_block, **c), cfg.prep_warps)
+        build(gp._prep_kernel, dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=x if gated else f32, beta_ptr=x,
+              cu_ptr=idx[0], w_ptr=wdt, u_ptr=f32, ke_ptr=wdt, qe_ptr=qdt, a_ptr=qdt, c_ptr=f32, scale="fp32",
+              alog_ptr=f32, dtb_ptr=f32), dict(REP=2, BV=128, B=cfg.sub_block, GATED=gated, **c),
+              cfg.prep_warps)
         build(gp._scan_kernel, dict(w_ptr=wdt, u_ptr=f32, ke_ptr=wdt, qe_ptr=qdt, a_ptr=qdt, c_ptr=f32,
               cu_ptr=idx[0], init_ptr=f32, final_ptr=f32, slots_ptr=idx[1], has_ptr=idx[2], out_ptr=x),
               dict(BV=cfg.block_v, SLOTS=varlen, **c), cfg.scan_warps, cfg.scan_stages)
