@@ -80,7 +80,7 @@ class GatedDeltaNet(nn.Module):
             s0 = qsl[nd]
             rel = [x - s0 for x in qsl[nd:]]
             has = [c > 0 for c in meta.context_lens_cpu[nd:]]
-            cu = meta.query_start_loc[nd:] - s0  # device offsets, for the kernels
+            cu = meta.prefill_offsets()  # device offsets, for the kernels
             y = ops.causal_conv1d(
                 mixed[s0:], conv_state, self.conv_weight, rel, meta.state_slots_cpu[nd:], has,
                 cu, meta.state_slots[nd:], meta.has_state[nd:],

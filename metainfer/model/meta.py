@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,10 +38,21 @@ class ForwardMeta:
     num_decodes: int
     num_decode_tokens: int  # == num_decodes
     has_state: torch.Tensor | None = None  # [B] bool: context_lens > 0 (computed once per step)
+    _prefill_cu: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.has_state is None:
             self.has_state = self.context_lens > 0
+
+    def prefill_offsets(self) -> torch.Tensor:
+        """[P+1] int32 device offsets of the prefilling sequences from their first token (the
+        DeltaNet layers' varlen kernels); computed once per step, a view when no decodes lead."""
+        if self._prefill_cu is None:
+            nd = self.num_decodes
+            s0 = self.query_start_loc_cpu[nd]
+            qsl = self.query_start_loc[nd:]
+            self._prefill_cu = qsl - s0 if s0 else qsl
+        return self._prefill_cu
 
     @property
     def num_seqs(self) -> int:
