@@ -5,6 +5,8 @@
 #   ab     - decode batch 1 + 1k TTFT (fresh engine and after the runs) + prefill profile, each switch
 #            0 -> 1 in fresh processes: METAINFER_PREFILL_GATING (KB-0029, the DeltaNet gates inside
 #            the prefill prep kernel: ~210 launches fewer per 1k prefill; FP8 and BF16), ~3 min
+#   pgraph - idle 1k TTFT without and with the lone-prefill CUDA graphs (--prefill-graphs 1024;
+#            KB-0030), FP8 and BF16, then the oracle with them (verify --prefill-graphs 1024), ~5 min
 #   sweep  - the grouped MoE at T = 32 and 1,024 (two M-block sizes each), e4m3 activations off and on
 #            (at T = 32 against the per-pair path's ~180 us: moe.use_pair_path), ~6 min
 #   sweep_head - tiles of the FP8 lm_head (248,320 x 2,048) at batch 1: skinny and GEMV spaces, ~4 min
@@ -23,6 +25,17 @@ if [[ $PHASES == *tests* ]]; then
 fi
 if [[ $PHASES == *ab* ]]; then
   VAR=METAINFER_PREFILL_GATING DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
+fi
+if [[ $PHASES == *pgraph* ]]; then
+  for dt in fp8 bfloat16; do
+    for pg in "" 1024; do
+      timeout 120 python benchmarks/decode_bench.py --dtype $dt --batches 1 --gen 32 --prefill-graphs "$pg" \
+        --out $OUT/pgraph_${dt}_${pg:-none} 2>&1 | grep -E "^\||TTFT|^prefill" | sed "s/^/[$dt graphs=${pg:-none}] /"
+    done
+    timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
+      --device cuda --suite full --prefill-graphs 1024 --json $OUT/verify_${dt}_pgraph.json 2>&1 \
+      | grep -E "verdict" | sed "s/^/[$dt prefill graphs] /"
+  done
 fi
 if [[ $PHASES == *sweep_head* ]]; then
   for space in base gemv; do

@@ -243,6 +243,7 @@ class EngineConfig:
     num_state_slots: int | None = None  # None: max_num_seqs
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False  # CUDA graphs for decode (on CUDA, when the decode kernels exist)
+    prefill_graphs: tuple[int, ...] = ()  # step sizes of CUDA graphs for a lone prefill (e.g. 512, 1024)
     async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -259,6 +260,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if any(int(s) < 2 for s in self.prefill_graphs):
+            raise ValueError("prefill_graphs sizes must be >= 2 tokens")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots <= 0:

@@ -35,7 +35,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--prefill-graphs",
+        type=_sizes,
+        default=(),
+        help="step sizes (e.g. 512,1024) of CUDA graphs for a prompt alone in a step (idle TTFT)",
+    )
     p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -54,6 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        prefill_graphs=args.prefill_graphs,
         seed=args.engine_seed,
     )
 

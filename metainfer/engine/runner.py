@@ -10,6 +10,7 @@ import torch
 
 from metainfer.config import DEFAULT_MODEL_DIR, EngineConfig, ModelConfig
 from metainfer.engine.cuda_graph import DecodeGraphs
+from metainfer.engine.prefill_graph import PrefillGraphs
 from metainfer.engine.request import Request, TokenLogprob
 from metainfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from metainfer.engine.scheduler import ScheduledBatch
@@ -115,6 +116,7 @@ class ModelRunner:
         self._tok_buf = torch.zeros(max(ecfg.max_num_seqs, 1), dtype=torch.int64, device=self.device)
         self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
+        self.prefill = self._prefill_path()
 
     def _decode_path(self) -> DecodeGraphs | None:
         """Persistent-buffer decode (CUDA graphs when the decode kernels are all present)."""
@@ -138,6 +140,22 @@ class ModelRunner:
         )
         dg.capture()
         return dg
+
+    def _prefill_path(self) -> PrefillGraphs | None:
+        """CUDA graphs for a lone prefill at the configured step sizes (where decode graphs run)."""
+        sizes = self.ecfg.prefill_graphs
+        if not sizes or self.decode is None or (self.device.type == "cuda" and not self.decode.use_graphs):
+            return None
+        pg = PrefillGraphs(
+            self.model,
+            self.caches,
+            sizes,
+            -(-self.ecfg.max_model_len // self.ecfg.block_size),
+            self.ecfg.block_size,
+            self.device,
+        )
+        pg.capture()
+        return pg
 
     # ---- cache sizing -------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -210,6 +228,8 @@ class ModelRunner:
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
         if self.decode is not None and self._pure_decode(items):
             logits, owners, dst = self._decode_logits(items)
+        elif self.prefill is not None and self._lone_prefill(items):
+            logits, owners, dst = self._prefill_logits(items[0])
         else:
             logits, owners, dst = self._eager_logits(items)
         inflight = InFlight(items=items)
@@ -246,6 +266,26 @@ class ModelRunner:
             and (r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= r.num_prompt_tokens)
             for r, n in items
         )
+
+    def _lone_prefill(self, items: list[tuple[Request, int]]) -> bool:
+        """One request's chunk alone in the step, ending its prompt with a sample, within the graphs."""
+        if len(items) != 1:
+            return False
+        r, n = items[0]
+        start = r.num_computed_tokens
+        return (
+            1 < n <= self.prefill.max_tokens
+            and start + n == r.num_tokens
+            and not r.score_only
+            and r.params.prompt_logprobs is None
+            and r.token_at(start + n - 1) != PENDING
+        )
+
+    def _prefill_logits(self, item: tuple[Request, int]):
+        r, n = item
+        start = r.num_computed_tokens
+        logits = self.prefill.run(r.tokens_slice(start, start + n), start, r.block_ids, r.state_slot)
+        return logits, [(r, "sample", start + n - 1)], []
 
     def _decode_logits(self, items):
         bs_ = self.ecfg.block_size

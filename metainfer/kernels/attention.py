@@ -288,8 +288,7 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
 def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: PrefillConfig,
              gate: torch.Tensor | None = None) -> None:
     nd, B = meta.num_decodes, meta.num_seqs
-    qsl = meta.query_start_loc_cpu
-    max_q = max(qsl[i + 1] - qsl[i] for i in range(nd, B))
+    max_q = meta.prefill_max_len()
     if max_q == 0:
         return
     _, Hq, D = q.shape

@@ -150,6 +150,7 @@ def causal_conv1d(
     cu: torch.Tensor | None = None,  # [B+1] int32 device offsets (the kernel)
     slots_dev: torch.Tensor | None = None,  # [B] int64
     has_dev: torch.Tensor | None = None,  # [B] bool
+    max_len: int | None = None,  # >= every sequence's length (sizes the grid); None: from the host offsets
 ) -> torch.Tensor:
     """`reference.causal_conv1d` (silu of each sequence's causal depthwise conv, continuing from its
     state; states <- the last K-1 inputs) in one launch from the device offsets, where
@@ -167,7 +168,8 @@ def causal_conv1d(
     assert slots_dev.dtype == torch.int64 and has_dev.dtype == torch.bool
     assert PREFILL_BLOCK_T >= K - 1
     out = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    max_len = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))
+    if max_len is None:
+        max_len = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))
     grid = (B, triton.cdiv(max_len, PREFILL_BLOCK_T), triton.cdiv(C, PREFILL_BLOCK_C))
     _conv_prefill_kernel[grid](
         x, conv_state, weight, out, cu, slots_dev, has_dev.view(torch.uint8),

@@ -176,11 +176,12 @@ def causal_conv1d_update(x, conv_state, weight, slots, has_state):
 
 
 def causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state, cu=None, slots_dev=None,
-                  has_dev=None):
-    """Varlen prefill conv (host offsets for the reference; device ones for the kernel)."""
+                  has_dev=None, max_len=None):
+    """Varlen prefill conv (host offsets for the reference; device ones and max_len, the grid's
+    bound, for the kernel)."""
     kern = _kernel("causal_conv1d", x)
     if kern:
-        return kern(x, conv_state, weight, query_start_loc, slots, has_state, cu, slots_dev, has_dev)
+        return kern(x, conv_state, weight, query_start_loc, slots, has_state, cu, slots_dev, has_dev, max_len)
     return ref.causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state)
 
 
@@ -229,9 +230,10 @@ def gdn_prefill_varlen(
     for i, slot in enumerate(slots.tolist()):
         s, e = cu[i], cu[i + 1]
         init = ssm_state[slot] if bool(has_state[i]) else torch.zeros_like(ssm_state[slot])
-        o, final = ref.gated_delta_rule_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
-        out[s:e] = o
-        ssm_state[slot] = final
+        if e > s:  # an empty sequence keeps its start state, as the kernel does
+            o, init = ref.gated_delta_rule_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
+            out[s:e] = o
+        ssm_state[slot] = init
     return out
 
 

@@ -74,11 +74,14 @@ def causal_conv1d(
     slots: list[int],  # [B]
     has_state: list[bool],  # [B] False: the sequence starts here, its state is taken as zeros
 ) -> torch.Tensor:
-    """Depthwise causal conv over each sequence, continuing from its state, then SiLU."""
+    """Depthwise causal conv over each sequence, continuing from its state, then SiLU. An empty
+    sequence leaves its state as it is."""
     K = weight.shape[1]
     out = torch.empty_like(x)
     for b, slot in enumerate(slots):
         s, e = query_start_loc[b], query_start_loc[b + 1]
+        if e == s:
+            continue
         prev = conv_state[slot] if has_state[b] else torch.zeros_like(conv_state[slot])
         seq = torch.cat([prev.to(x.dtype), x[s:e]], dim=0)  # [K-1+L, C]
         y = F.conv1d(seq.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])

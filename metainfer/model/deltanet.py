@@ -80,13 +80,14 @@ class GatedDeltaNet(nn.Module):
             s0 = qsl[nd]
             rel = [x - s0 for x in qsl[nd:]]
             has = [c > 0 for c in meta.context_lens_cpu[nd:]]
-            cu = meta.prefill_offsets()  # device offsets, for the kernels
+            cu = meta.prefill_offsets()  # device offsets and the grids' bound, for the kernels
+            max_len = meta.prefill_max_len()
             y = ops.causal_conv1d(
                 mixed[s0:], conv_state, self.conv_weight, rel, meta.state_slots_cpu[nd:], has,
-                cu, meta.state_slots[nd:], meta.has_state[nd:],
+                cu, meta.state_slots[nd:], meta.has_state[nd:], max_len,
             )
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            ops.gdn_prefill_varlen(  # the gates from a, b inside the kernel
+            ops.gdn_prefill_varlen(  # gated from the raw a, b (in the kernel where enabled)
                 q.view(-1, self.hk, self.dk),
                 k.view(-1, self.hk, self.dk),
                 v.view(-1, self.hv, self.dv),
@@ -96,7 +97,7 @@ class GatedDeltaNet(nn.Module):
                 ssm_state,
                 meta.state_slots[nd:],
                 meta.has_state[nd:],
-                max(b_ - a_ for a_, b_ in zip(rel, rel[1:])),
+                max_len,
                 core[s0:],
                 gating=(self.A_log, self.dt_bias),
             )

@@ -38,11 +38,20 @@ class ForwardMeta:
     num_decodes: int
     num_decode_tokens: int  # == num_decodes
     has_state: torch.Tensor | None = None  # [B] bool: context_lens > 0 (computed once per step)
+    max_query_len: int | None = None  # set by a prefill CUDA graph: its grids' bound (`prefill_max_len`)
     _prefill_cu: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.has_state is None:
             self.has_state = self.context_lens > 0
+
+    def prefill_max_len(self) -> int:
+        """The longest prefill chunk of the step: sizes the prefill kernels' grids (the kernels read
+        the actual lengths from the device offsets, so a captured graph gives its bucket size)."""
+        if self.max_query_len is not None:
+            return self.max_query_len
+        q, nd = self.query_start_loc_cpu, self.num_decodes
+        return max((q[i + 1] - q[i] for i in range(nd, self.num_seqs)), default=0)
 
     def prefill_offsets(self) -> torch.Tensor:
         """[P+1] int32 device offsets of the prefilling sequences from their first token (the

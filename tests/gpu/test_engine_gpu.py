@@ -87,6 +87,32 @@ def test_graph_replay_equals_eager(cfg_path, quant):
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
+def test_prefill_graph_replay_equals_its_eager_layout(cfg_path, quant):
+    """Lone prompts (3, 100, 128, 300 tokens) through the lone-prefill graphs (sizes 128, 512): the
+    replay gives the bits of the same padded layout run eagerly, and the plain step's logits to
+    bf16 rounding (other batch shapes); the generated tokens after it through the decode graphs."""
+    kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
+              max_model_len=512)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (3, 100, 128, 300)]
+    llm = LLM(**kw, prefill_graphs=(128, 512))
+    pg = llm.engine.runner.prefill
+    assert pg is not None and sorted(pg.graphs) == [128, 512]
+    runs = {}
+    for mode in ("graph", "layout"):
+        pg.use_graphs = mode == "graph"
+        runs[mode] = [_run(llm, [p], n=4) for p in prompts]
+    assert pg.runs == 2 * len(prompts)
+    del llm
+    plain = LLM(**kw)
+    assert plain.engine.runner.prefill is None
+    base = [_run(plain, [p], n=4) for p in prompts]
+    for (go, gl), (lo, ll), (_, bl) in zip(runs["graph"], runs["layout"], base):
+        assert go[0].token_ids == lo[0].token_ids and torch.equal(gl[0], ll[0]), rel_rmse(gl[0], ll[0])
+        assert rel_rmse(gl[0][0], bl[0][0]) < 2e-2
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
 def test_pdl_equals_serialised_launches(cfg_path, quant, monkeypatch):
     """Programmatic dependent launch (graph replay and eager) gives the same logits bits as plain
     stream order: a kernel touching memory before its wait would race and show up here."""

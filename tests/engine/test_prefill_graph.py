@@ -1,0 +1,78 @@
+"""Lone-prefill CUDA graphs' padded layout (metainfer.engine.prefill_graph), run eagerly on the CPU
+reference ops: a request's chunk followed by a padding sequence on the null slot and block gives
+the logits of the plain step, and an engine with the graphs configured generates what one without
+them does (greedy, seeded sampling, chunked prompts, one request at a time and several). The graph
+capture itself is tested on the H200 (tests/gpu/test_engine_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.engine.request import SamplingParams
+from metainfer.llm import LLM
+from tests.helpers import rel_rmse, save_hf_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prefill_graph_hf")
+    save_hf_model(d, seed=5)
+    return d
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _llm(model_dir, **kw):
+    return LLM(model=str(model_dir), device="cpu", dtype="float32", **kw)
+
+
+def test_padded_step_logits_equal_the_plain_step(model_dir):
+    """Each prompt alone: the first token's logits through the padded layout (sizes 8, 16, 64)
+    against the plain eager step, by rel. RMSE < 1e-5 (fp32; other batch shapes only)."""
+    seen = {}
+    for sizes in ((), (8, 16, 64)):
+        llm = _llm(model_dir, prefill_graphs=sizes, max_num_batched_tokens=64)
+        assert (llm.engine.runner.prefill is not None) == bool(sizes)
+        rows = []
+        llm.engine.runner.logits_hook = lambda owners, logits, rows=rows: rows.append(logits.clone())
+        for p in _prompts([2, 7, 8, 15, 40]):  # 8: no padding
+            llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=1, temperature=0))
+        seen[sizes] = rows
+        if sizes:
+            assert llm.engine.runner.prefill.runs == 5
+    assert len(seen[()]) == len(seen[(8, 16, 64)]) == 5
+    for a, b in zip(seen[()], seen[(8, 16, 64)]):
+        assert a.shape == b.shape == (1, a.shape[1]) and rel_rmse(b, a) < 1e-5
+
+
+def test_engine_outputs_equal_with_prefill_graphs(model_dir):
+    """Greedy and seeded requests, prompts longer than the largest size (chunked: only the last
+    chunk, if it fits, takes the graph layout), all at once and one by one; caches freed."""
+    prompts = _prompts([3, 16, 30, 70, 5], seed=2)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.9, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.7, top_k=30, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    ]
+    outs = {}
+    for sizes in ((), (16, 32)):
+        llm = _llm(model_dir, prefill_graphs=sizes, max_num_batched_tokens=48, max_num_seqs=4)
+        together = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p, sp in zip(prompts, params)]
+        usage = llm.engine.cache.usage()
+        assert usage["kv_blocks_used"] == 0 and usage["state_slots_used"] == 0
+        outs[sizes] = [o.token_ids for o in together + alone]
+        if sizes:  # the lone prompts of 3, 16, 30 tokens and the last chunks that fit
+            assert llm.engine.runner.prefill.runs >= 3
+    assert outs[()] == outs[(16, 32)]
+
+
+def test_prefill_graph_sizes_validated():
+    with pytest.raises(ValueError, match="prefill_graphs"):
+        _llm("", prefill_graphs=(1,))
