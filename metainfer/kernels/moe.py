@@ -228,9 +228,14 @@ def pair_config(T: int, fp8: bool = False) -> dict:
     return dict(BLOCK_I=8 if T <= 4 else 16, BLOCK_H=32, BLOCK_K=128, STAGES=4, num_warps=2, DOWN="rows")
 
 
+PAIR_MAX_T_FP8_ENV = "METAINFER_MOE_PAIR_MAX_T"  # FP8 batches up to this many tokens take the per-pair path
+
+
 def use_pair_path(T: int, fp8: bool) -> bool:
-    """Per-pair path up to 8 tokens (BF16) or 32 (FP8: beat the grouped GEMM 180 vs 193 µs at T=32)."""
-    return T <= (32 if fp8 else PAIR_MAX_T)
+    """Per-pair path up to 8 tokens (BF16) or 32 (FP8: beat the weight-only grouped GEMM, 180 vs 193
+    µs at T=32; the grouped path's e4m3 activations (KB-0024) came later: METAINFER_MOE_PAIR_MAX_T
+    moves the FP8 bound for its A/B)."""
+    return T <= (int(os.environ.get(PAIR_MAX_T_FP8_ENV, "32")) if fp8 else PAIR_MAX_T)
 
 
 def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
