@@ -262,6 +262,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
         if any(int(s) < 2 for s in self.prefill_graphs):
             raise ValueError("prefill_graphs sizes must be >= 2 tokens")
+        if any(int(s) > self.max_num_batched_tokens for s in self.prefill_graphs):
+            raise ValueError(
+                f"prefill_graphs sizes must be <= max_num_batched_tokens ({self.max_num_batched_tokens}): "
+                "no step holds more tokens"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots <= 0:

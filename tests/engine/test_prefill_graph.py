@@ -76,3 +76,5 @@ def test_engine_outputs_equal_with_prefill_graphs(model_dir):
 def test_prefill_graph_sizes_validated():
     with pytest.raises(ValueError, match="prefill_graphs"):
         _llm("", prefill_graphs=(1,))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        _llm("", prefill_graphs=(64, 8192), max_num_batched_tokens=4096)
