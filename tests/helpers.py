@@ -66,3 +66,9 @@ def save_hf_model(d: Path, seed: int = 0, **overrides) -> torch.nn.Module:
 def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+def token_prompts(lengths, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

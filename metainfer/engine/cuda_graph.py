@@ -17,6 +17,28 @@ from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
 
+def capture_graphs(device: torch.device, sizes, prepare, forward, graphs: dict, outputs: dict) -> None:
+    """One graph per size into graphs[size] (output tensor: outputs[size]), largest first into one
+    memory pool, on a side stream: prepare(size) stages its inputs, forward(size) is run twice
+    outside the graph (Triton compilation) and then captured."""
+    pool = None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for size in sorted(sizes, reverse=True):
+            prepare(size)
+            for _ in range(2):
+                forward(size)
+            torch.cuda.synchronize(device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                outputs[size] = forward(size)
+            pool = g.pool()
+            graphs[size] = g
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+
+
 def default_capture_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
     return [s for s in sizes if s < max_bs] + [max_bs]
@@ -96,21 +118,7 @@ class DecodeGraphs:
         if not self.use_graphs:
             return
         self._fill([], 0)  # all rows are padding
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):
-                for _ in range(2):  # warm up (Triton compilation, autotuning) outside the graph
-                    self._forward(bs)
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    self.outputs[bs] = self._forward(bs)
-                pool = g.pool()
-                self.graphs[bs] = g
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        capture_graphs(self.device, self.sizes, lambda bs: None, self._forward, self.graphs, self.outputs)
 
     def sync_tables(self, slot: int, owner_key: str, block_ids: list[int]) -> None:
         """Writes the blocks of the request now holding `slot` that the device table lacks.

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from metainfer.engine.cuda_graph import capture_graphs
 from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
@@ -106,22 +107,11 @@ class PrefillGraphs:
     def capture(self) -> None:
         if not self.use_graphs:
             return
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._fill(size, [0], 0, [0], 0)  # one token of a request on the null slot and block
-                for _ in range(2):  # warm up (Triton compilation) outside the graph
-                    self._forward(size)
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    self.outputs[size] = self._forward(size)
-                pool = g.pool()
-                self.graphs[size] = g
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+
+        def prepare(size: int) -> None:  # one token of a request on the null slot and block
+            self._fill(size, [0], 0, [0], 0)
+
+        capture_graphs(self.device, self.sizes, prepare, self._forward, self.graphs, self.outputs)
 
     def run(self, tokens: list[int], start: int, block_ids: list[int], slot: int) -> torch.Tensor:
         """The chunk's forward (tokens at positions start.., 1 < n <= max_tokens). -> logits [1, V] fp32

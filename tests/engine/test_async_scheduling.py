@@ -5,11 +5,10 @@ preemption, aborts; and every cache block and slot is free afterwards."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from metainfer.engine.request import SamplingParams
 from metainfer.llm import LLM
-from tests.helpers import save_hf_model
+from tests.helpers import save_hf_model, token_prompts
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +16,6 @@ def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("async_hf")
     save_hf_model(d, seed=2)
     return d
-
-
-def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
 
 
 def _run(model_dir, async_scheduling, params, prompts, **kw):
@@ -34,7 +28,7 @@ def _run(model_dir, async_scheduling, params, prompts, **kw):
 
 
 def test_async_equals_sync_mixed_params(model_dir):
-    prompts = _prompts([1, 5, 17, 40, 9, 3])
+    prompts = token_prompts([1, 5, 17, 40, 9, 3])
     params = [
         SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=15, temperature=1.0, seed=7, ignore_eos=True),
@@ -50,7 +44,7 @@ def test_async_equals_sync_mixed_params(model_dir):
 
 
 def test_async_equals_sync_under_preemption(model_dir):
-    prompts = _prompts([2, 6, 17, 30, 45, 64], seed=4)
+    prompts = token_prompts([2, 6, 17, 30, 45, 64], seed=4)
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     kw = dict(max_num_batched_tokens=24, block_size=8, num_kv_blocks=16, max_model_len=128, max_num_seqs=6)
     a, llm = _run(model_dir, True, sp, prompts, **kw)

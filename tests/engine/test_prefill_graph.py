@@ -7,11 +7,10 @@ capture itself is tested on the H200 (tests/gpu/test_engine_gpu.py)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from metainfer.engine.request import SamplingParams
 from metainfer.llm import LLM
-from tests.helpers import rel_rmse, save_hf_model
+from tests.helpers import rel_rmse, save_hf_model, token_prompts
 
 
 @pytest.fixture(scope="module")
@@ -19,11 +18,6 @@ def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("prefill_graph_hf")
     save_hf_model(d, seed=5)
     return d
-
-
-def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
 
 
 def _llm(model_dir, **kw):
@@ -39,7 +33,7 @@ def test_padded_step_logits_equal_the_plain_step(model_dir):
         assert (llm.engine.runner.prefill is not None) == bool(sizes)
         rows = []
         llm.engine.runner.logits_hook = lambda owners, logits, rows=rows: rows.append(logits.clone())
-        for p in _prompts([2, 7, 8, 15, 40]):  # 8: no padding
+        for p in token_prompts([2, 7, 8, 15, 40]):  # 8: no padding
             llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=1, temperature=0))
         seen[sizes] = rows
         if sizes:
@@ -52,7 +46,7 @@ def test_padded_step_logits_equal_the_plain_step(model_dir):
 def test_engine_outputs_equal_with_prefill_graphs(model_dir):
     """Greedy and seeded requests, prompts longer than the largest size (chunked: only the last
     chunk, if it fits, takes the graph layout), all at once and one by one; caches freed."""
-    prompts = _prompts([3, 16, 30, 70, 5], seed=2)
+    prompts = token_prompts([3, 16, 30, 70, 5], seed=2)
     params = [
         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=9, temperature=0.9, seed=4, ignore_eos=True),
