@@ -121,9 +121,11 @@ def make_context(
     served_model_names: list[str],
     generation_config_dir: Path | None = None,
     max_logprobs: int = 20,
+    cpu_threads: int | None = None,
 ) -> ServingContext:
-    """Wraps an `LLMEngine` (not yet running) in an `AsyncEngine` with metrics."""
-    async_engine = AsyncEngine(engine)
+    """Wraps an `LLMEngine` (not yet running) in an `AsyncEngine` with metrics (`cpu_threads`: see
+    `AsyncEngine`)."""
+    async_engine = AsyncEngine(engine, cpu_threads=cpu_threads)
     metrics = ServerMetrics(served_model_names[0], lambda: async_engine.snapshot)
     async_engine.on_output = metrics.observe
     return ServingContext(

@@ -120,6 +120,20 @@ def make_server(
     return DrainingServer(config)
 
 
+def _engine_thread_only(ecfg) -> int | None:
+    """On the CPU: build the engine with one torch thread and return the count for the engine
+    thread (one OpenMP team in the process; `AsyncEngine` says why). None on CUDA."""
+    import torch
+
+    from metainfer.engine.runner import resolve_device
+
+    if resolve_device(ecfg.device).type != "cpu":
+        return None
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return n
+
+
 def run(args: argparse.Namespace) -> int:
     from metainfer.config import EngineConfig
     from metainfer.engine.engine import LLMEngine
@@ -130,12 +144,13 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     try:
         ecfg = EngineConfig(model=args.model, **engine_kwargs(args))
+        cpu_threads = _engine_thread_only(ecfg)
         engine = LLMEngine(ecfg)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gen_dir = generation_dir(args.generation_config, engine.source.config_path.parent)
-    ctx = make_context(engine, served_names(args), gen_dir, args.max_logprobs)
+    ctx = make_context(engine, served_names(args), gen_dir, args.max_logprobs, cpu_threads)
     app = build_app(ctx, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout)
     log.info(
         "serving %s as %s on http://%s:%d (max_model_len %d, defaults %s)",

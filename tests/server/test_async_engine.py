@@ -198,3 +198,29 @@ async def _collect(group: RequestGroup) -> list[str | None]:
     out = [o.finish_reason async for o in group]
     group.close()
     return out
+
+
+def test_cpu_threads_are_set_on_the_engine_thread() -> None:
+    """`cpu_threads`: the engine thread sets torch's intra-op thread count itself (the server builds
+    a CPU engine with one thread so that only the engine thread forms an OpenMP team)."""
+    import torch
+
+    from metainfer.config import EngineConfig
+    from metainfer.server.cli import _engine_thread_only
+
+    before = torch.get_num_threads()
+    try:
+        assert _engine_thread_only(EngineConfig(device="cpu")) == before and torch.get_num_threads() == 1
+        seen = []
+        fake = FakeEngine()
+        fake.has_unfinished = lambda: seen.append(torch.get_num_threads()) or False  # the engine thread
+        ae = AsyncEngine(fake, cpu_threads=before)
+        ae.start()
+        ae.abort([])  # wakes the loop once
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ae.stop()
+        assert seen and seen[0] == before
+    finally:
+        torch.set_num_threads(before)
