@@ -219,6 +219,7 @@ def main() -> None:
         "dtype": args.dtype,
         "init_s": init_s,
         "cuda_graphs": bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs),
+        "prefill_graphs": sorted(llm.engine.runner.prefill.graphs) if llm.engine.runner.prefill else [],
         "decode": [],
     }
     res["ttft_fresh"] = ttft(llm, args.prompt_len, seed=98)  # before any decode run
