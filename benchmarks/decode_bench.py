@@ -238,6 +238,8 @@ def main() -> None:
         res["decode_sync_bs1"] = r
         print("sync scheduling:", json.dumps(r), flush=True)
     res["ttft"] = ttft(llm, args.prompt_len)
+    if llm.engine.runner.prefill is not None:  # steps served by the lone-prefill graphs (all TTFT reps)
+        res["prefill_graph_runs"] = llm.engine.runner.prefill.runs
     print(json.dumps(res["ttft"]), flush=True)
     if not args.no_profile:
         try:
@@ -263,6 +265,8 @@ def main() -> None:
         )
     if "decode_sync_bs1" in res:
         print(f"bs1 with async scheduling off: {res['decode_sync_bs1']['decode_tok_s']:.0f} tok/s")
+    if "prefill_graph_runs" in res:
+        print(f"lone-prefill graph replays: {res['prefill_graph_runs']}")
     fresh = res["ttft_fresh"]
     print(f"TTFT 1k: {res['ttft']['ttft_ms_median']:.1f} ms (fresh engine: {fresh['ttft_ms_median']:.1f} ms,"
           f" min {fresh['ttft_ms_min']:.1f})")

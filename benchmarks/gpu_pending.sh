@@ -33,7 +33,7 @@ if [[ $PHASES == *pgraph* ]]; then
   for dt in fp8 bfloat16; do
     for pg in "" 1024; do
       timeout 120 python benchmarks/decode_bench.py --dtype $dt --batches 1 --gen 32 --prefill-graphs "$pg" \
-        --out $OUT/pgraph_${dt}_${pg:-none} 2>&1 | grep -E "^\||TTFT|^prefill" | sed "s/^/[$dt graphs=${pg:-none}] /"
+        --out $OUT/pgraph_${dt}_${pg:-none} 2>&1 | grep -E "^\||TTFT|^prefill|replays" | sed "s/^/[$dt graphs=${pg:-none}] /"
     done
     timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
       --device cuda --suite full --prefill-graphs 1024 --json $OUT/verify_${dt}_pgraph.json 2>&1 \
