@@ -5,7 +5,8 @@
 #   ab     - decode batch 1 + 1k TTFT (fresh engine and after the runs) + prefill profile, each switch
 #            0 -> 1 in fresh processes: METAINFER_PREFILL_GATING (KB-0029, the DeltaNet gates inside
 #            the prefill prep kernel: ~210 launches fewer per 1k prefill; FP8 and BF16), and
-#            METAINFER_MOE_PAIR_MAX_T 32 -> 8 (FP8 batches 16, 32 on the grouped e4m3 path), ~5 min
+#            METAINFER_MOE_PAIR_MAX_T 32 -> 8 (FP8 batches 16, 32 on the grouped e4m3 path), and
+#            METAINFER_FP8_GEMM triton -> cublas (prefill dense GEMMs, KB-0031), ~6 min
 #   pgraph - idle 1k TTFT without and with the lone-prefill CUDA graphs (--prefill-graphs 1024;
 #            KB-0030), FP8 and BF16, then the oracle with them (verify --prefill-graphs 1024), ~5 min
 #   sweep  - the grouped MoE at T = 32 and 1,024 (two M-block sizes each), e4m3 activations off and on
@@ -28,6 +29,8 @@ if [[ $PHASES == *ab* ]]; then
   VAR=METAINFER_PREFILL_GATING DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
   # FP8 batches 9-32 on the grouped e4m3 path instead of the per-pair one (32: today's bound)
   VAR=METAINFER_MOE_PAIR_MAX_T MODES="32 8" DTYPES=fp8 BATCHES=16,32 bash benchmarks/gpu_ab.sh
+  # prefill dense FP8 GEMMs (T > 64) on cuBLAS's blockwise _scaled_mm instead of _w8a8_kernel (KB-0031)
+  VAR=METAINFER_FP8_GEMM MODES="triton cublas" DTYPES=fp8 bash benchmarks/gpu_ab.sh
 fi
 if [[ $PHASES == *pgraph* ]]; then
   for dt in fp8 bfloat16; do
