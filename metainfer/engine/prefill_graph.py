@@ -42,7 +42,7 @@ class PrefillGraphs:
         z = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         self._tok = z(3, S, dtype=i64)  # input ids, positions, KV slot of each token
         self.input_ids, self.positions, self.slot_mapping = self._tok
-        self._seq = z(8, dtype=i32)  # query_start_loc [3] | seq_lens [2] | context_lens [2] | spare
+        self._seq = z(7, dtype=i32)  # query_start_loc [3] | seq_lens [2] | context_lens [2]
         self.query_start_loc, self.seq_lens, self.context_lens = self._seq[:3], self._seq[3:5], self._seq[5:7]
         self.block_tables = z(2, max_blocks, dtype=i32)  # row 1: the padding sequence, all null blocks
         self.state_slots = z(2, dtype=i64)
@@ -95,11 +95,11 @@ class PrefillGraphs:
         kv = [block_ids[p // bs] * bs + p % bs for p in pos] + [p % bs for p in range(pad)]  # pad: block 0
         tok = torch.tensor([tokens + [0] * pad, pos + list(range(pad)), kv], dtype=torch.int64)
         self._tok[:, :size].copy_(tok.to(self.device, non_blocking=True))
-        seq = torch.tensor([0, n, size, start + n, pad, start, 0, 0], dtype=torch.int32)
+        seq = torch.tensor([0, n, size, start + n, pad, start, 0], dtype=torch.int32)
         self._seq.copy_(seq.to(self.device, non_blocking=True))
-        bt = torch.zeros(2, self.block_tables.shape[1], dtype=torch.int32)
-        bt[0, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
-        self.block_tables.copy_(bt.to(self.device, non_blocking=True))
+        bt = torch.zeros(self.block_tables.shape[1], dtype=torch.int32)  # row 1 stays all null blocks
+        bt[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.block_tables[0].copy_(bt.to(self.device, non_blocking=True))
         self.state_slots.copy_(torch.tensor([slot, 0], dtype=torch.int64).to(self.device, non_blocking=True))
         self.logits_indices.fill_(n - 1)
 

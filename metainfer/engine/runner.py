@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,12 +127,11 @@ class ModelRunner:
             ops.has_kernel(k)
             for k in ("paged_attention", "moe_experts", "gdn_decode", "causal_conv1d_update")
         )
-        max_blocks = -(-self.ecfg.max_model_len // self.ecfg.block_size)
         dg = DecodeGraphs(
             self.model,
             self.caches,
             self.ecfg.max_num_seqs,
-            max_blocks,
+            self.blocks_per_seq,
             self.num_slots,
             self.device,
             use_graphs=graphable and not self.ecfg.enforce_eager,
@@ -150,7 +148,7 @@ class ModelRunner:
             self.model,
             self.caches,
             sizes,
-            -(-self.ecfg.max_model_len // self.ecfg.block_size),
+            self.blocks_per_seq,
             self.ecfg.block_size,
             self.device,
         )
@@ -158,6 +156,11 @@ class ModelRunner:
         return pg
 
     # ---- cache sizing -------------------------------------------------------------------------
+    @property
+    def blocks_per_seq(self) -> int:
+        """KV blocks one sequence of max_model_len tokens needs (a block table's width)."""
+        return -(-self.ecfg.max_model_len // self.ecfg.block_size)
+
     def _bytes_per_block(self) -> int:
         c = self.cfg
         elt = torch.finfo(self.dtype).bits // 8
@@ -172,7 +175,7 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         e = self.ecfg
-        per_seq = math.ceil(e.max_model_len / e.block_size)
+        per_seq = self.blocks_per_seq
         if e.num_kv_blocks is not None:
             n = e.num_kv_blocks
         elif self.device.type == "cuda":
