@@ -186,7 +186,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--prefill-graphs", default="", help="e.g. 1024: CUDA graphs for a lone prefill (TTFT)")
+    ap.add_argument("--prefill-graphs", default="auto",
+                    help="e.g. 1024: lone-prefill CUDA graphs (TTFT); auto: the engine default; 0: none")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--sync-too", action="store_true", help="also time batch 1 with async scheduling off")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -203,7 +204,8 @@ def main() -> None:
         max_num_seqs=max(batches),
         max_num_batched_tokens=8192,
         enforce_eager=args.eager,
-        prefill_graphs=tuple(int(s) for s in args.prefill_graphs.split(",") if s),
+        prefill_graphs=None if args.prefill_graphs == "auto" else tuple(
+            int(s) for s in args.prefill_graphs.split(",") if s and s != "0"),
     )
     init_s = time.perf_counter() - t0
     graphs = bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs)

@@ -225,6 +225,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "fp8")
 
 
+DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the user chose. `model` is a directory, `dummy:CONFIG_JSON`, or empty for the default."""
@@ -243,7 +246,9 @@ class EngineConfig:
     num_state_slots: int | None = None  # None: max_num_seqs
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False  # CUDA graphs for decode (on CUDA, when the decode kernels exist)
-    prefill_graphs: tuple[int, ...] = ()  # step sizes of CUDA graphs for a lone prefill (e.g. 512, 1024)
+    # step sizes of CUDA graphs for a prompt alone in a step (idle TTFT, KB-0030); None: the
+    # DEFAULT_PREFILL_GRAPHS up to max_num_batched_tokens; (): none
+    prefill_graphs: tuple[int, ...] | None = None
     async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -260,9 +265,9 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if any(int(s) < 2 for s in self.prefill_graphs):
+        if any(int(s) < 2 for s in self.prefill_graphs or ()):
             raise ValueError("prefill_graphs sizes must be >= 2 tokens")
-        if any(int(s) > self.max_num_batched_tokens for s in self.prefill_graphs):
+        if any(int(s) > self.max_num_batched_tokens for s in self.prefill_graphs or ()):
             raise ValueError(
                 f"prefill_graphs sizes must be <= max_num_batched_tokens ({self.max_num_batched_tokens}): "
                 "no step holds more tokens"
@@ -273,3 +278,10 @@ class EngineConfig:
             raise ValueError("num_state_slots must be positive")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+
+    @property
+    def prefill_graph_sizes(self) -> tuple[int, ...]:
+        """The lone-prefill graph sizes in use (`prefill_graphs`, or its default clipped to the budget)."""
+        if self.prefill_graphs is not None:
+            return tuple(int(s) for s in self.prefill_graphs)
+        return tuple(s for s in DEFAULT_PREFILL_GRAPHS if s <= self.max_num_batched_tokens)

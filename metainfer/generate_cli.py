@@ -38,13 +38,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-graphs",
         type=_sizes,
-        default=(),
-        help="step sizes (e.g. 512,1024) of CUDA graphs for a prompt alone in a step (idle TTFT)",
+        default=None,
+        help="step sizes (e.g. 512,1024) of CUDA graphs for a prompt alone in a step (idle TTFT); "
+        "default: 128,256,512,1024,2048 up to --max-num-batched-tokens; 0: none",
     )
     p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
+    if text.strip() in ("0", "none", ""):
+        return ()
     try:
         return tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:

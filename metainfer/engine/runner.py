@@ -141,7 +141,8 @@ class ModelRunner:
 
     def _prefill_path(self) -> PrefillGraphs | None:
         """CUDA graphs for a lone prefill at the configured step sizes (where decode graphs run)."""
-        sizes = self.ecfg.prefill_graphs
+        auto_off = self.ecfg.prefill_graphs is None and self.device.type != "cuda"  # no padding on CPU
+        sizes = () if auto_off else self.ecfg.prefill_graph_sizes
         if not sizes or self.decode is None or (self.device.type == "cuda" and not self.decode.use_graphs):
             return None
         pg = PrefillGraphs(

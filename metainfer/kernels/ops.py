@@ -209,7 +209,7 @@ def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
     return gdn_decode(q, k, v, *ref.gdn_gating(a, b, A_log, dt_bias), ssm_state, slots, has_state)
 
 
-PREFILL_GATING_ENV = "METAINFER_PREFILL_GATING"  # "1": the gates in the prefill kernel (off until measured)
+PREFILL_GATING_ENV = "METAINFER_PREFILL_GATING"  # "0": the gates as torch ops before the prefill kernel
 
 
 def gdn_prefill_varlen(
@@ -220,7 +220,7 @@ def gdn_prefill_varlen(
     not has_state). Writes out[cu[0]:cu[N]] ([T, Hv, Dv]) and returns `out`. gating = (A_log,
     dt_bias): g, beta are the raw projections a, b, gated as `reference.gdn_gating` (in the kernel)."""
     kern = _kernel("gdn_prefill_varlen", q)
-    if gating is not None and (not kern or os.environ.get(PREFILL_GATING_ENV, "0") != "1"):
+    if gating is not None and (not kern or os.environ.get(PREFILL_GATING_ENV, "1") != "1"):
         g, beta = ref.gdn_gating(g, beta, *gating)  # torch ops (the reference; KB-0029's A/B)
         gating = None
     if kern:

@@ -72,3 +72,13 @@ def test_prefill_graph_sizes_validated():
         _llm("", prefill_graphs=(1,))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         _llm("", prefill_graphs=(64, 8192), max_num_batched_tokens=4096)
+
+
+def test_prefill_graph_default_sizes():
+    """Unset: the default sizes up to the step budget (on CUDA; the CPU runner takes none); (): none."""
+    from metainfer.config import DEFAULT_PREFILL_GRAPHS, EngineConfig
+
+    assert EngineConfig().prefill_graph_sizes == DEFAULT_PREFILL_GRAPHS
+    assert EngineConfig(max_num_batched_tokens=600).prefill_graph_sizes == (128, 256, 512)
+    assert EngineConfig(prefill_graphs=()).prefill_graph_sizes == ()
+    assert _llm("").engine.runner.prefill is None  # CPU default
