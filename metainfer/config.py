@@ -272,6 +272,11 @@ class EngineConfig:
                 f"prefill_graphs sizes must be <= max_num_batched_tokens ({self.max_num_batched_tokens}): "
                 "no step holds more tokens"
             )
+        if any(int(s) > self.max_model_len for s in self.prefill_graphs or ()):
+            raise ValueError(
+                f"prefill_graphs sizes must be <= max_model_len ({self.max_model_len}): the padding "
+                "sequence lives in one block-table row"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots <= 0:
@@ -284,4 +289,5 @@ class EngineConfig:
         """The lone-prefill graph sizes in use (`prefill_graphs`, or its default clipped to the budget)."""
         if self.prefill_graphs is not None:
             return tuple(int(s) for s in self.prefill_graphs)
-        return tuple(s for s in DEFAULT_PREFILL_GRAPHS if s <= self.max_num_batched_tokens)
+        bound = min(self.max_num_batched_tokens, self.max_model_len)
+        return tuple(s for s in DEFAULT_PREFILL_GRAPHS if s <= bound)

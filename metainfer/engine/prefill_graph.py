@@ -34,6 +34,8 @@ class PrefillGraphs:
         use_graphs: bool = True,
     ) -> None:
         assert sizes and all(s >= 1 for s in sizes), sizes
+        # the padding sequence (up to size - 1 tokens) reads its row of `max_blocks` null blocks
+        assert max(sizes) <= max_blocks * block_size, (sizes, max_blocks, block_size)
         self.model, self.caches, self.device = model, caches, device
         self.sizes = sorted(set(sizes))
         self.block_size = block_size

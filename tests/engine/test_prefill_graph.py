@@ -72,6 +72,8 @@ def test_prefill_graph_sizes_validated():
         _llm("", prefill_graphs=(1,))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         _llm("", prefill_graphs=(64, 8192), max_num_batched_tokens=4096)
+    with pytest.raises(ValueError, match="max_model_len"):
+        _llm("", prefill_graphs=(64, 1024), max_model_len=512)
 
 
 def test_prefill_graph_default_sizes():
@@ -80,5 +82,6 @@ def test_prefill_graph_default_sizes():
 
     assert EngineConfig().prefill_graph_sizes == DEFAULT_PREFILL_GRAPHS
     assert EngineConfig(max_num_batched_tokens=600).prefill_graph_sizes == (128, 256, 512)
+    assert EngineConfig(max_model_len=512).prefill_graph_sizes == (128, 256, 512)  # one block-table row
     assert EngineConfig(prefill_graphs=()).prefill_graph_sizes == ()
     assert _llm("").engine.runner.prefill is None  # CPU default

@@ -83,7 +83,7 @@ def test_fp8_linear_full_shapes(name, T):
 @pytest.mark.parametrize("name", list(LINEARS))
 @pytest.mark.parametrize("T", [65, 1000])
 def test_fp8_linear_prefill_backends_agree(name, T, monkeypatch):
-    """The prefill W8A8 GEMM on cuBLAS's blockwise recipe (the sm_90 default, KB-0031) and on the
+    """The prefill W8A8 GEMM on cuBLAS's blockwise recipe (METAINFER_FP8_GEMM=cublas, KB-0031) and on the
     Triton kernel: same quantised inputs, fp32 accumulation in both -> rel RMSE < 5e-3."""
     from metainfer.kernels import fp8_linear as fl
 
