@@ -138,7 +138,11 @@ def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = 
     N = w.shape[0]
     xq, xs = act_quant(x)
     if x.is_cuda and _use_cublas():
-        # scale_a [M, K/128] M-major and scale_b [K/128, N/128] K-major: the (1x128, 128x128) recipe
+        # scale_a [M, K/128] M-major and scale_b [K/128, N/128] K-major: the (1x128, 128x128) recipe.
+        # cuBLASLt wants scale_a's leading dimension 16-byte aligned (M = 65 was NOT_SUPPORTED)
+        pad = -M % 4
+        if pad:
+            xs = torch.nn.functional.pad(xs, (0, pad))[:, :M]
         return torch._scaled_mm(xq, w.t(), scale_a=xs.t(), scale_b=s.t(), out_dtype=x.dtype)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = cfg or gemm_config(M, N)

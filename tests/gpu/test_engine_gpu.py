@@ -104,7 +104,7 @@ def test_prefill_graph_replay_equals_its_eager_layout(cfg_path, quant):
         runs[mode] = [_run(llm, [p], n=4) for p in prompts]
     assert pg.runs == 2 * len(prompts)
     del llm
-    plain = LLM(**kw)
+    plain = LLM(**kw, prefill_graphs=())
     assert plain.engine.runner.prefill is None
     base = [_run(plain, [p], n=4) for p in prompts]
     for (go, gl), (lo, ll), (_, bl) in zip(runs["graph"], runs["layout"], base):
