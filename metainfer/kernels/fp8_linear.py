@@ -6,13 +6,14 @@ The token count T picks the kernel:
 - larger T (prefill, compute-bound): activations are quantised per token and 128-column group
   (`_act_quant_kernel`, the published checkpoint's dynamic activation scheme), then `_w8a8_kernel`
   runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
-  block. METAINFER_FP8_GEMM=cublas routes this case to torch._scaled_mm's blockwise (1x128, 128x128)
-  cuBLASLt recipe (KB-0031: 1k-prefill FP8 kernels 31.1 -> 29.0 ms on the H200, but in the engine
-  some step shapes raised CUBLAS_STATUS_NOT_SUPPORTED and the oracle saw NaN logits: not default).
+  block. On sm_90 with torch >= 2.9 (the H200) this case runs torch._scaled_mm's blockwise (1x128,
+  128x128) cuBLASLt recipe instead (KB-0031: 1k-prefill FP8 kernels 36.1 -> 31.8 ms, TTFT 29.9 ->
+  28.0 ms); METAINFER_FP8_GEMM=triton | cublas forces one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -117,14 +118,21 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-FP8_GEMM_ENV = "METAINFER_FP8_GEMM"  # triton (default) | cublas: the prefill W8A8 GEMM (KB-0031)
+FP8_GEMM_ENV = "METAINFER_FP8_GEMM"  # auto (default) | triton | cublas: the prefill W8A8 GEMM (KB-0031)
+
+
+@functools.cache
+def _cublas_blockwise() -> bool:
+    """cuBLASLt's blockwise-scaled FP8 GEMM is there: torch >= 2.9 on compute capability 9.0."""
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 9) and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _use_cublas() -> bool:
-    choice = os.environ.get(FP8_GEMM_ENV, "triton")
-    if choice not in ("triton", "cublas"):
-        raise ValueError(f"{FP8_GEMM_ENV} must be triton or cublas; got {choice!r}")
-    return choice == "cublas"
+    choice = os.environ.get(FP8_GEMM_ENV, "auto")
+    if choice not in ("auto", "triton", "cublas"):
+        raise ValueError(f"{FP8_GEMM_ENV} must be auto, triton or cublas; got {choice!r}")
+    return choice == "cublas" or (choice == "auto" and _cublas_blockwise())
 
 
 def gemm_config(M: int, N: int) -> dict:
@@ -136,14 +144,15 @@ def gemm_config(M: int, N: int) -> dict:
 def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
-    xq, xs = act_quant(x)
     if x.is_cuda and _use_cublas():
-        # scale_a [M, K/128] M-major and scale_b [K/128, N/128] K-major: the (1x128, 128x128) recipe.
-        # cuBLASLt wants scale_a's leading dimension 16-byte aligned (M = 65 was NOT_SUPPORTED)
+        # scale_a [M, K/128] M-major and scale_b [K/128, N/128] K-major: the (1x128, 128x128) recipe;
+        # cuBLASLt takes M-major scales only with M a multiple of 4 (65, 66: NOT_SUPPORTED, and torch
+        # refuses a padded stride): rows of zeros pad the step, their outputs dropped
         pad = -M % 4
-        if pad:
-            xs = torch.nn.functional.pad(xs, (0, pad))[:, :M]
-        return torch._scaled_mm(xq, w.t(), scale_a=xs.t(), scale_b=s.t(), out_dtype=x.dtype)
+        xq, xs = act_quant(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs.t(), scale_b=s.t(), out_dtype=x.dtype)
+        return y[:M] if pad else y
+    xq, xs = act_quant(x)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = cfg or gemm_config(M, N)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
