@@ -210,7 +210,7 @@ def main() -> None:
     init_s = time.perf_counter() - t0
     graphs = bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs)
     print(
-        f"engine init {init_s:.1f}s (graphs: {graphs})",
+        f"engine init {init_s:.1f}s (warmup {llm.engine.runner.warmup_s:.1f}s, graphs: {graphs})",
         flush=True,
     )
     cfg = ModelConfig.from_hf(args.config)
@@ -220,6 +220,7 @@ def main() -> None:
         "config": args.config,
         "dtype": args.dtype,
         "init_s": init_s,
+        "warmup_s": llm.engine.runner.warmup_s,
         "cuda_graphs": bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs),
         "prefill_graphs": sorted(llm.engine.runner.prefill.graphs) if llm.engine.runner.prefill else [],
         "decode": [],

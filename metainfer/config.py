@@ -249,6 +249,7 @@ class EngineConfig:
     # step sizes of CUDA graphs for a prompt alone in a step (idle TTFT, KB-0030); None: the
     # DEFAULT_PREFILL_GRAPHS up to max_num_batched_tokens; (): none
     prefill_graphs: tuple[int, ...] | None = None
+    warmup: bool = True  # CUDA: eager steps of serving's shapes at start (JIT compiles out of the TTFT)
     async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)

@@ -42,6 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="step sizes (e.g. 512,1024) of CUDA graphs for a prompt alone in a step (idle TTFT); "
         "default: 128,256,512,1024,2048 up to --max-num-batched-tokens; 0: none",
     )
+    p.add_argument("--no-warmup", action="store_true", help="no start-up steps compiling the kernels")
     p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
 
 
@@ -71,6 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs,
+        warmup=not args.no_warmup,
         seed=args.engine_seed,
     )
 

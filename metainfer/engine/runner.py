@@ -116,6 +116,7 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
         self.prefill = self._prefill_path()
+        self.warmup_s = self.warmup() if self.device.type == "cuda" and ecfg.warmup else 0.0
 
     def _decode_path(self) -> DecodeGraphs | None:
         """Persistent-buffer decode (CUDA graphs when the decode kernels are all present)."""
@@ -155,6 +156,57 @@ class ModelRunner:
         )
         pg.capture()
         return pg
+
+    def warmup_steps(self) -> list[tuple[list[int], list[int]]]:
+        """(query lens, context lens) of eager steps covering what serving meets beyond the graphs:
+        the full step budget split over several prompts, mixed prefill + decode rows, and token
+        counts across the grouped-MoE tile buckets (odd and even: Triton specialises on % 16)."""
+        e = self.ecfg
+        budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
+        cap = e.max_model_len - 32  # room for the decode rows' context
+        steps = []
+        for total in sorted({budget, budget - 3, 2047, 1023, 700, 301, 64, 17}):
+            if total < 8 or total > budget:
+                continue
+            least = -(-total // cap)  # prompts of <= cap tokens
+            for k in sorted({least, max(least, 3)}):
+                if k > e.max_num_seqs:
+                    continue
+                lens = [total // k] * k
+                lens[-1] += total - sum(lens)
+                steps.append((lens, [0] * k))  # prompts only
+                if k + 2 <= e.max_num_seqs and lens[-1] > 3:  # two decodes ahead of the prompts
+                    steps.append(([1, 1] + lens[:-1] + [lens[-1] - 2], [17, 31] + [0] * k))
+        return steps
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Runs `warmup_steps` eagerly on the null state slot and KV block (whatever they write there
+        is never read, as with the graphs' padding rows), so that the kernels' JIT compiles happen at
+        start, not inside the first busy step's TTFT. -> seconds spent."""
+        import time
+
+        t0 = time.perf_counter()
+        bs = self.ecfg.block_size
+        for qlens, ctx in self.warmup_steps():
+            k = len(qlens)
+            meta = ForwardMeta.build(
+                query_lens=qlens,
+                context_lens=ctx,
+                block_tables=[[0] * -(-(c + q) // bs) for q, c in zip(qlens, ctx)],
+                state_slots=[0] * k,
+                block_size=bs,
+                logits_rows=[sum(qlens[: i + 1]) - 1 for i in range(k)],
+                device=self.device,
+                max_blocks=self.blocks_per_seq,
+            )
+            ids = torch.zeros(sum(qlens), dtype=torch.int64, device=self.device)
+            pos = torch.cat([torch.arange(c, c + q) for q, c in zip(qlens, ctx)]).to(self.device)
+            hidden = self.model(ids, pos, meta, self.caches)
+            self.model.compute_logits(hidden[meta.logits_indices]).argmax(dim=-1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     # ---- cache sizing -------------------------------------------------------------------------
     @property

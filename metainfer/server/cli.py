@@ -153,13 +153,14 @@ def run(args: argparse.Namespace) -> int:
     ctx = make_context(engine, served_names(args), gen_dir, args.max_logprobs, cpu_threads)
     app = build_app(ctx, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout)
     log.info(
-        "serving %s as %s on http://%s:%d (max_model_len %d, defaults %s)",
+        "serving %s as %s on http://%s:%d (max_model_len %d, defaults %s, warmup %.1f s)",
         engine.source.label,
         ctx.served_model_names,
         args.host,
         args.port,
         ctx.max_model_len,
         ctx.defaults or "built-in",
+        engine.runner.warmup_s,
     )
     server = make_server(
         app,
