@@ -159,11 +159,12 @@ class ModelRunner:
 
     def warmup_steps(self) -> list[tuple[list[int], list[int]]]:
         """(query lens, context lens) of eager steps covering what serving meets beyond the graphs:
-        the full step budget split over several prompts, mixed prefill + decode rows, and token
-        counts across the grouped-MoE tile buckets (odd and even: Triton specialises on % 16)."""
+        the full step budget split over several prompts, decode rows and a prompt's later chunk
+        (context > 0) mixed in, and token counts across the grouped-MoE tile buckets (odd and
+        even: Triton specialises integer arguments on % 16 and == 1)."""
         e = self.ecfg
         budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
-        cap = e.max_model_len - 32  # room for the decode rows' context
+        cap = e.max_model_len - 64  # room for the decode rows' and the chunk's context
         steps = []
         for total in sorted({budget, budget - 3, 2047, 1023, 700, 301, 64, 17}):
             if total < 8 or total > budget:
@@ -175,8 +176,11 @@ class ModelRunner:
                 lens = [total // k] * k
                 lens[-1] += total - sum(lens)
                 steps.append((lens, [0] * k))  # prompts only
-                if k + 2 <= e.max_num_seqs and lens[-1] > 3:  # two decodes ahead of the prompts
-                    steps.append(([1, 1] + lens[:-1] + [lens[-1] - 2], [17, 31] + [0] * k))
+                if k + 2 <= e.max_num_seqs and lens[-1] > 3:  # two decodes, the prompts, a later chunk
+                    steps.append(([1, 1] + lens[:-1] + [lens[-1] - 2], [17, 31] + [0] * (k - 1) + [40]))
+        for d in (15, 16):  # many decodes and a prompt: sequence and decode counts of 16 (% 16)
+            if d + 1 <= e.max_num_seqs and d + 100 <= budget:
+                steps.append(([1] * d + [100], list(range(20, 20 + d)) + [0]))
         return steps
 
     @torch.inference_mode()

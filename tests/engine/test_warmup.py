@@ -21,6 +21,7 @@ def test_warmup_steps_fit_the_engine():
     steps = r.warmup_steps()
     assert any(sum(q) == e.max_num_batched_tokens for q, _ in steps)  # the full budget
     assert any(q[0] == 1 and len(q) > 2 for q, _ in steps)  # decodes mixed with prompts
+    assert any(n > 1 and ctx > 0 for q, c in steps for n, ctx in zip(q, c))  # a prompt's later chunk
     for q, c in steps:
         assert len(q) == len(c) <= e.max_num_seqs and sum(q) <= e.max_num_batched_tokens
         assert all(a + b <= e.max_model_len for a, b in zip(q, c))
