@@ -8,13 +8,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 DT=${DTYPE:-fp8}
 CFG=metainfer/configs/qwen3.6-35b-a3b.json
 python -m metainfer.cli serve --model dummy:$CFG --dtype $DT --device cuda --port 8000 --max-num-seqs 64 \
-  --max-model-len 4096 --served-model-name qwen3.6-35b-a3b > /tmp/server.log 2>&1 &
+  --max-model-len 4096 --served-model-name qwen3.6-35b-a3b > $OUT/server_$DT.log 2>&1 &
 SERVER=$!
 for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-curl -sf http://127.0.0.1:8000/health || { tail -30 /tmp/server.log; exit 1; }
+curl -sf http://127.0.0.1:8000/health || { tail -30 $OUT/server_$DT.log; exit 1; }
 B="python -m metainfer.cli bench serve --base-url http://127.0.0.1:8000 --model qwen3.6-35b-a3b --dataset random \
    --input-len 1024 --ignore-eos --seed 0 --label metainfer-$DT --dtype $DT ${VERDICT:+--verdict $VERDICT}"
 $B --output-len 1024 --num-prompts 3 --max-concurrency 1 --warmup 1 --json $OUT/serve_${DT}_c1.json 2>&1 | tail -22
 $B --output-len 1 --num-prompts 7 --max-concurrency 1 --warmup 1 --json $OUT/serve_${DT}_ttft.json 2>&1 | grep -iE "ttft|fail"
 $B --output-len 1024 --num-prompts 32 --max-concurrency 32 --warmup 0 --json $OUT/serve_${DT}_c32.json 2>&1 | tail -22
 kill -TERM $SERVER; wait $SERVER
+grep -E "warmup|slow step launch" $OUT/server_$DT.log | cut -c1-220 | head -20

@@ -44,7 +44,8 @@ class LLMEngine:
         self._pending: InFlight | None = None
         self.async_scheduling = ecfg.async_scheduling
         self._pending: InFlight | None = None
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
+                      "slow_launches": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -144,7 +145,9 @@ class LLMEngine:
         for req, _ in batch.items:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
+            t0 = time.perf_counter()
             inflight = self.runner.launch(batch)
+            self._note_slow_launch(batch, time.perf_counter() - t0)
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed")
             return (
@@ -160,6 +163,20 @@ class LLMEngine:
         else:
             self._pending = inflight
         return outputs
+
+    SLOW_LAUNCH_S = 0.5  # a launch is host work (no GPU wait): this long means a JIT compile or worse
+
+    def _note_slow_launch(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Logs a step whose launch took SLOW_LAUNCH_S or more, with its shape (the warmup's blind spots)."""
+        if seconds < self.SLOW_LAUNCH_S:
+            return
+        self.stats["slow_launches"] += 1
+        lens = [n for _, n in batch.items]
+        log.warning(
+            "slow step launch %.2f s: %d sequences, %d tokens, %d decodes, chunk lens %s, contexts %s",
+            seconds, len(lens), sum(lens), lens.count(1), [n for n in lens if n > 1][:8],
+            [r.num_computed_tokens for r, n in batch.items if n > 1][:8],
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._pending is not None

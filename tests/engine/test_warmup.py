@@ -4,18 +4,21 @@ reference path to check its step shapes and that it leaves the engine's outputs 
 
 from __future__ import annotations
 
+import pytest
+
 from metainfer.engine.request import SamplingParams
 from metainfer.llm import LLM
 from tests.helpers import token_prompts
 
 
-def _llm(**kw):
-    kw = dict(max_num_batched_tokens=96, max_model_len=256, max_num_seqs=6, **kw)
+def _llm(max_num_seqs=6, **kw):
+    kw = dict(max_num_batched_tokens=160, max_model_len=256, max_num_seqs=max_num_seqs, **kw)
     return LLM(device="cpu", dtype="float32", **kw)
 
 
-def test_warmup_steps_fit_the_engine():
-    llm = _llm()
+@pytest.mark.parametrize("max_num_seqs", [6, 20])
+def test_warmup_steps_fit_the_engine(max_num_seqs):
+    llm = _llm(max_num_seqs)
     r, e = llm.engine.runner, llm.engine.ecfg
     assert r.warmup_s == 0.0  # CPU: not run at start
     steps = r.warmup_steps()
@@ -27,6 +30,7 @@ def test_warmup_steps_fit_the_engine():
         assert all(a + b <= e.max_model_len for a, b in zip(q, c))
         decodes = [n == 1 for n in q]
         assert decodes == sorted(decodes, reverse=True)  # decodes first, as ForwardMeta wants
+    assert any(sum(n == 1 for n in q) == 16 for q, _ in steps) == (max_num_seqs > 16)
 
 
 def test_warmup_leaves_generations_unchanged():
@@ -39,3 +43,13 @@ def test_warmup_leaves_generations_unchanged():
     assert before == after
     usage = llm.engine.cache.usage()
     assert usage["kv_blocks_used"] == 0 and usage["state_slots_used"] == 0
+
+
+def test_slow_launch_is_logged(caplog, monkeypatch):
+    """A step whose launch takes long (a JIT compile on the GPU) is logged with its shape."""
+    llm = _llm()
+    monkeypatch.setattr(type(llm.engine), "SLOW_LAUNCH_S", 0.0)
+    with caplog.at_level("WARNING", logger="metainfer.engine"):
+        llm.generate(prompt_token_ids=token_prompts([7, 12]), sampling_params=SamplingParams(max_tokens=2))
+    assert llm.engine.stats["slow_launches"] == llm.engine.stats["steps"] > 0
+    assert "slow step launch" in caplog.text and "19 tokens" in caplog.text
