@@ -13,6 +13,9 @@
 #            (at T = 32 against the per-pair path's ~180 us: moe.use_pair_path), ~6 min
 #   sweep_head - tiles of the FP8 lm_head (248,320 x 2,048) at batch 1: skinny and GEMV spaces, ~4 min
 #            (KB-0026: METAINFER_FP8_LM_HEAD measured +7 tok/s untuned)
+#   sweep16 - the grouped MoE's 16-row bucket (T <= 456: FP8 decode batches 17-456; never swept with
+#            e4m3 activations and the shared expert, heuristic tiles today) at T = 64, then decode
+#            batches 32 / 64 / 128 without and with the swept table, and the FP8 oracle with it, ~6 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -54,6 +57,17 @@ if [[ " $PHASES " == *" sweep "* ]]; then
     METAINFER_MOE_W8A8=$a8 timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 32,1024 --moe fp8 \
       --linears= --out $OUT/sweep_grouped_a8_$a8 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[a8=$a8] /"
   done
+fi
+if [[ $PHASES == *sweep16* ]]; then
+  timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 64 --moe fp8 --linears= \
+    --out $OUT/sweep16 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[grouped T=64] /"
+  T16=$OUT/sweep16/moe_pair_tuned.json
+  for tuned in "" $T16; do
+    METAINFER_MOE_TUNED=$tuned timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 32,64,128 \
+      --gen 32 --no-profile --out $OUT/sweep16_ab${tuned:+_tuned} 2>&1 | grep -E "^\|" | sed "s/^/[tuned=${tuned:+yes}] /"
+  done
+  METAINFER_MOE_TUNED=$T16 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_sweep16.json 2>&1 | grep -E "verdict" | sed "s/^/[sweep16] /"
 fi
 if [[ $PHASES == *profile* ]]; then
   METAINFER_PDL=0 timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 16 \

@@ -178,7 +178,7 @@ class ModelRunner:
                 steps.append((lens, [0] * k))  # prompts only
                 if k + 2 <= e.max_num_seqs and lens[-1] > 3:  # two decodes, the prompts, a later chunk
                     steps.append(([1, 1] + lens[:-1] + [lens[-1] - 2], [17, 31] + [0] * (k - 1) + [40]))
-        for d in (15, 16):  # many decodes and a prompt: sequence and decode counts of 16 (% 16)
+        for d in (1, 15, 16):  # decodes beside a prompt: counts of 1 and of 16 specialise (== 1, % 16)
             if d + 1 <= e.max_num_seqs and d + 100 <= budget:
                 steps.append(([1] * d + [100], list(range(20, 20 + d)) + [0]))
         return steps
