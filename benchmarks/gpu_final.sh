@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 CFG=metainfer/configs/qwen3.6-35b-a3b.json
 PHASES=${PHASES:-tests verify decode}
 if [[ $PHASES == *tests* ]]; then
-  timeout ${T_TESTS:-150} python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -8
+  timeout ${T_TESTS:-420} python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -8
 fi
 if [[ $PHASES == *verify* ]]; then
   for dt in ${DTYPES:-bfloat16 fp8}; do

@@ -164,12 +164,11 @@ class ModelRunner:
         even: Triton specialises integer arguments on % 16 and == 1)."""
         e = self.ecfg
         budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
-        cap = e.max_model_len - 64  # room for the decode rows' and the chunk's context
         steps = []
         for total in sorted({budget, budget - 3, 2047, 1023, 700, 301, 64, 17}):
             if total < 8 or total > budget:
                 continue
-            least = -(-total // cap)  # prompts of <= cap tokens
+            least = -(-total // e.max_model_len)  # prompts of <= max_model_len tokens
             for k in sorted({least, max(least, 3)}):
                 if k > e.max_num_seqs:
                     continue
@@ -177,11 +176,13 @@ class ModelRunner:
                 lens[-1] += total - sum(lens)
                 steps.append((lens, [0] * k))  # prompts only
                 if k + 2 <= e.max_num_seqs and lens[-1] > 3:  # two decodes, the prompts, a later chunk
-                    steps.append(([1, 1] + lens[:-1] + [lens[-1] - 2], [17, 31] + [0] * (k - 1) + [40]))
+                    chunk = lens[-1] - 2
+                    ctx = min(40, e.max_model_len - chunk)
+                    steps.append(([1, 1] + lens[:-1] + [chunk], [17, 31] + [0] * (k - 1) + [ctx]))
         for d in (1, 15, 16):  # decodes beside a prompt: counts of 1 and of 16 specialise (== 1, % 16)
             if d + 1 <= e.max_num_seqs and d + 100 <= budget:
                 steps.append(([1] * d + [100], list(range(20, 20 + d)) + [0]))
-        return steps
+        return [(q, c) for q, c in steps if all(a + b <= e.max_model_len for a, b in zip(q, c))]
 
     @torch.inference_mode()
     def warmup(self) -> float:

@@ -11,18 +11,19 @@ from metainfer.llm import LLM
 from tests.helpers import token_prompts
 
 
-def _llm(max_num_seqs=6, **kw):
-    kw = dict(max_num_batched_tokens=160, max_model_len=256, max_num_seqs=max_num_seqs, **kw)
+def _llm(max_num_seqs=6, max_model_len=256, **kw):
+    kw = dict(max_num_batched_tokens=160, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **kw)
     return LLM(device="cpu", dtype="float32", **kw)
 
 
-@pytest.mark.parametrize("max_num_seqs", [6, 20])
-def test_warmup_steps_fit_the_engine(max_num_seqs):
-    llm = _llm(max_num_seqs)
+@pytest.mark.parametrize("max_num_seqs, max_model_len", [(6, 256), (20, 256), (4, 40)])
+def test_warmup_steps_fit_the_engine(max_num_seqs, max_model_len):
+    llm = _llm(max_num_seqs, max_model_len=max_model_len)
     r, e = llm.engine.runner, llm.engine.ecfg
     assert r.warmup_s == 0.0  # CPU: not run at start
     steps = r.warmup_steps()
-    assert any(sum(q) == e.max_num_batched_tokens for q, _ in steps)  # the full budget
+    budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
+    assert any(sum(q) == budget for q, _ in steps)  # the full budget
     assert any(q[0] == 1 and len(q) > 2 for q, _ in steps)  # decodes mixed with prompts
     assert any(n > 1 and ctx > 0 for q, c in steps for n, ctx in zip(q, c))  # a prompt's later chunk
     for q, c in steps:
