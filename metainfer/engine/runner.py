@@ -13,6 +13,7 @@ from metainfer.engine.prefill_graph import PrefillGraphs
 from metainfer.engine.request import Request, TokenLogprob
 from metainfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.engine.warmup import run_warmup, warmup_steps
 from metainfer.kernels import ops
 from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
@@ -157,61 +158,12 @@ class ModelRunner:
         pg.capture()
         return pg
 
-    def warmup_steps(self) -> list[tuple[list[int], list[int]]]:
-        """(query lens, context lens) of eager steps covering what serving meets beyond the graphs:
-        the full step budget split over several prompts, decode rows and a prompt's later chunk
-        (context > 0) mixed in, and token counts across the grouped-MoE tile buckets (odd and
-        even: Triton specialises integer arguments on % 16 and == 1)."""
-        e = self.ecfg
-        budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
-        steps = []
-        for total in sorted({budget, budget - 3, 2047, 1023, 700, 301, 64, 17}):
-            if total < 8 or total > budget:
-                continue
-            least = -(-total // e.max_model_len)  # prompts of <= max_model_len tokens
-            for k in sorted({least, max(least, 3)}):
-                if k > e.max_num_seqs:
-                    continue
-                lens = [total // k] * k
-                lens[-1] += total - sum(lens)
-                steps.append((lens, [0] * k))  # prompts only
-                if k + 2 <= e.max_num_seqs and lens[-1] > 3:  # two decodes, the prompts, a later chunk
-                    chunk = lens[-1] - 2
-                    ctx = min(40, e.max_model_len - chunk)
-                    steps.append(([1, 1] + lens[:-1] + [chunk], [17, 31] + [0] * (k - 1) + [ctx]))
-        for d in (1, 15, 16):  # decodes beside a prompt: counts of 1 and of 16 specialise (== 1, % 16)
-            if d + 1 <= e.max_num_seqs and d + 100 <= budget:
-                steps.append(([1] * d + [100], list(range(20, 20 + d)) + [0]))
-        return [(q, c) for q, c in steps if all(a + b <= e.max_model_len for a, b in zip(q, c))]
-
-    @torch.inference_mode()
     def warmup(self) -> float:
-        """Runs `warmup_steps` eagerly on the null state slot and KV block (whatever they write there
-        is never read, as with the graphs' padding rows), so that the kernels' JIT compiles happen at
-        start, not inside the first busy step's TTFT. -> seconds spent."""
-        import time
-
-        t0 = time.perf_counter()
-        bs = self.ecfg.block_size
-        for qlens, ctx in self.warmup_steps():
-            k = len(qlens)
-            meta = ForwardMeta.build(
-                query_lens=qlens,
-                context_lens=ctx,
-                block_tables=[[0] * -(-(c + q) // bs) for q, c in zip(qlens, ctx)],
-                state_slots=[0] * k,
-                block_size=bs,
-                logits_rows=[sum(qlens[: i + 1]) - 1 for i in range(k)],
-                device=self.device,
-                max_blocks=self.blocks_per_seq,
-            )
-            ids = torch.zeros(sum(qlens), dtype=torch.int64, device=self.device)
-            pos = torch.cat([torch.arange(c, c + q) for q, c in zip(qlens, ctx)]).to(self.device)
-            hidden = self.model(ids, pos, meta, self.caches)
-            self.model.compute_logits(hidden[meta.logits_indices]).argmax(dim=-1)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        """Eager steps of serving's shapes (`engine.warmup`): the JIT compiles happen now. -> seconds."""
+        steps = warmup_steps(self.ecfg)
+        return run_warmup(
+            self.model, self.caches, steps, self.ecfg.block_size, self.blocks_per_seq, self.device
+        )
 
     # ---- cache sizing -------------------------------------------------------------------------
     @property

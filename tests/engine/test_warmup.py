@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer.engine.request import SamplingParams
+from metainfer.engine.warmup import warmup_steps
 from metainfer.llm import LLM
 from tests.helpers import token_prompts
 
@@ -21,7 +22,7 @@ def test_warmup_steps_fit_the_engine(max_num_seqs, max_model_len):
     llm = _llm(max_num_seqs, max_model_len=max_model_len)
     r, e = llm.engine.runner, llm.engine.ecfg
     assert r.warmup_s == 0.0  # CPU: not run at start
-    steps = r.warmup_steps()
+    steps = warmup_steps(e)
     budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
     assert any(sum(q) == budget for q, _ in steps)  # the full budget
     assert any(q[0] == 1 and len(q) > 2 for q, _ in steps)  # decodes mixed with prompts
