@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 from metainfer.model.weights import build_model, init_dummy, load_checkpoint
 
+log = logging.getLogger("metainfer.engine")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CPU_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
 
@@ -117,7 +119,7 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
         self.prefill = self._prefill_path()
-        self.warmup_s = self.warmup() if self.device.type == "cuda" and ecfg.warmup else 0.0
+        self.warmup_s = self._start_warmup() if self.device.type == "cuda" and ecfg.warmup else 0.0
 
     def _decode_path(self) -> DecodeGraphs | None:
         """Persistent-buffer decode (CUDA graphs when the decode kernels are all present)."""
@@ -157,6 +159,15 @@ class ModelRunner:
         )
         pg.capture()
         return pg
+
+    def _start_warmup(self) -> float:
+        """The warmup at start: an optimisation, so a Python-level failure is logged, not raised
+        (a step of that shape would then fail its own requests, never the server's start)."""
+        try:
+            return self.warmup()
+        except Exception:
+            log.exception("warmup failed; serving without it (the first busy steps may compile kernels)")
+            return 0.0
 
     def warmup(self) -> float:
         """Eager steps of serving's shapes (`engine.warmup`): the JIT compiles happen now. -> seconds."""

@@ -55,3 +55,16 @@ def test_slow_launch_is_logged(caplog, monkeypatch):
         llm.generate(prompt_token_ids=token_prompts([7, 12]), sampling_params=SamplingParams(max_tokens=2))
     assert llm.engine.stats["slow_launches"] == llm.engine.stats["steps"] > 0
     assert "slow step launch" in caplog.text and "19 tokens" in caplog.text
+
+
+def test_a_failing_warmup_is_logged_not_raised(caplog, monkeypatch):
+    llm = _llm()
+    r = llm.engine.runner
+
+    def boom():
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(r, "warmup", boom)
+    with caplog.at_level("ERROR", logger="metainfer.engine"):
+        assert r._start_warmup() == 0.0
+    assert "warmup failed" in caplog.text
