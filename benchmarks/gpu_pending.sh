@@ -16,6 +16,9 @@
 #   sweep16 - the grouped MoE's 16-row bucket (T <= 456: FP8 decode batches 17-456; never swept with
 #            e4m3 activations and the shared expert, heuristic tiles today) at T = 64, then decode
 #            batches 32 / 64 / 128 without and with the swept table, and the FP8 oracle with it, ~6 min
+#   barrier - KB-0034's first question: the grid barrier's GPU tests, then benchmarks/barrier_bench.py
+#            (a chain of 40 dependent GEMVs: one launch per stage, PDL off / on, vs one persistent
+#            launch with a grid barrier between stages), ~1 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -68,6 +71,10 @@ if [[ $PHASES == *sweep16* ]]; then
   done
   METAINFER_MOE_TUNED=$T16 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_sweep16.json 2>&1 | grep -E "verdict" | sed "s/^/[sweep16] /"
+fi
+if [[ $PHASES == *barrier* ]]; then
+  timeout 120 python -m pytest -q tests/gpu/test_grid_sync_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  timeout 120 python benchmarks/barrier_bench.py --out $OUT 2>&1 | grep -v "falling back" | tail -12
 fi
 if [[ $PHASES == *profile* ]]; then
   METAINFER_PDL=0 timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 16 \
