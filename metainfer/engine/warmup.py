@@ -21,16 +21,18 @@ Step = tuple[list[int], list[int]]  # (query lens, context lens), decodes first
 
 
 def warmup_steps(e: EngineConfig) -> list[Step]:
-    """Steps covering what serving meets beyond the graphs: the full step budget over one and three
-    prompts, two decodes and a prompt's later chunk (context > 0) beside them, 1 / 15 / 16 decodes
-    beside a prompt, and token totals across the grouped-MoE tile buckets, odd and even."""
+    """Steps covering what serving meets beyond the graphs: the full step budget over one, three and
+    four prompts, two decodes and a prompt's later chunk (context > 0) beside them, 1 / 15 / 16
+    decodes beside a prompt, and token totals across the grouped-MoE tile buckets, odd and even."""
     budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
     steps: list[Step] = []
-    for total in sorted({budget, budget - 3, 2047, 1023, 700, 301, 64, 17}):
+    for total in sorted({budget, budget - 3, 2048, 2047, 1024, 1023, 700, 301, 64, 17}):
         if total < 8 or total > budget:
             continue
         least = -(-total // e.max_model_len)  # prompts of <= max_model_len tokens
-        for k in sorted({least, max(least, 3)}):
+        # one prompt, three of odd lengths, and four of lengths divisible by 16 (a busy server's
+        # 1k prompts: 4 x 1,024 in a 4,096-token step; a kernel's variant keys on every argument)
+        for k in sorted({least, max(least, 3), max(least, 4 if total % 64 == 0 else 3)}):
             if k > e.max_num_seqs:
                 continue
             lens = [total // k] * k
