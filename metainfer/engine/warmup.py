@@ -22,8 +22,10 @@ Step = tuple[list[int], list[int]]  # (query lens, context lens), decodes first
 
 def warmup_steps(e: EngineConfig) -> list[Step]:
     """Steps covering what serving meets beyond the graphs: the full step budget over one, three and
-    four prompts, two decodes and a prompt's later chunk (context > 0) beside them, 1 / 15 / 16
-    decodes beside a prompt, and token totals across the grouped-MoE tile buckets, odd and even."""
+    four prompts with 2, 4, 12 or 28 decodes beside them (sequence counts of 16 and 32 included) and
+    with or without a prompt's later chunk (context > 0); 1 / 15 / 16 decodes beside a prompt; token
+    totals across the grouped-MoE tile buckets, odd and even. The shapes of a burst of 1k prompts
+    were checked against the scheduler's (tests/engine/test_warmup.py)."""
     budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
     steps: list[Step] = []
     for total in sorted({budget, budget - 3, 2048, 2047, 1024, 1023, 700, 301, 64, 17}):
@@ -38,10 +40,13 @@ def warmup_steps(e: EngineConfig) -> list[Step]:
             lens = [total // k] * k
             lens[-1] += total - sum(lens)
             steps.append((lens, [0] * k))  # prompts only
-            if k + 2 <= e.max_num_seqs and lens[-1] > 3:  # two decodes, the prompts, a later chunk
-                chunk = lens[-1] - 2
-                ctx = min(40, e.max_model_len - chunk)
-                steps.append(([1, 1] + lens[:-1] + [chunk], [17, 31] + [0] * (k - 1) + [ctx]))
+            full = total >= budget - 3  # a busy server's full steps: more decode counts beside them
+            for d, later in ((2, 0), (2, 1), (4, 0), (12, 1), (28, 0)) if full else ((2, 1),):
+                if k + d <= e.max_num_seqs and lens[-1] > d:
+                    chunk = lens[-1] - d
+                    ctx = min(40, e.max_model_len - chunk) if later else 0  # a prompt's later chunk
+                    ctxs = list(range(17, 17 + d)) + [0] * (k - 1) + [ctx]
+                    steps.append(([1] * d + lens[:-1] + [chunk], ctxs))
     for d in (1, 15, 16):
         if d + 1 <= e.max_num_seqs and d + 100 <= budget:
             steps.append(([1] * d + [100], list(range(20, 20 + d)) + [0]))

@@ -70,3 +70,40 @@ def test_a_failing_warmup_is_logged_not_raised(caplog, monkeypatch):
     with caplog.at_level("ERROR", logger="metainfer.engine"):
         assert r._start_warmup() == 0.0
     assert "warmup failed" in caplog.text
+
+
+def _variant(q: list[int], c: list[int]) -> tuple:
+    """A coarse model of what picks a kernel variant in an eager step: Triton specialises integer
+    arguments on == 1 and % 16 (token count, sequence count, decode count, longest chunk, prompt
+    count), the grouped-MoE tile bucket, and whether a prompt continues (context > 0)."""
+    def spec(x: int) -> str:
+        return "0" if x == 0 else "1" if x == 1 else "16" if x % 16 == 0 else "n"
+
+    T, rows = sum(q), sum(q) * 9 / 257
+    bucket = "small" if T <= 64 else 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
+    prompts = [(n, ctx) for n, ctx in zip(q, c) if n > 1]
+    return (spec(T), spec(len(q)), spec(len(q) - len(prompts)), spec(max(q)), spec(len(prompts)), bucket,
+            any(ctx > 0 for _, ctx in prompts))
+
+
+def test_warmup_covers_a_burst_of_prompts():
+    """32 prompts at once (the c=32 benchmark, scaled to a 512-token step budget): every eager step
+    the scheduler makes (not a lone prompt, not a pure decode: those replay graphs) has a warmup step
+    of the same variant key (`_variant`)."""
+    llm = LLM(device="cpu", dtype="float32", max_num_batched_tokens=512, max_model_len=512, max_num_seqs=64)
+    seen = []
+    launch = llm.engine.runner.launch
+
+    def record(batch):
+        items = sorted(batch.items, key=lambda it: it[1] != 1)
+        seen.append(([n for _, n in items], [r.num_computed_tokens for r, _ in items]))
+        return launch(batch)
+
+    llm.engine.runner.launch = record
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate(prompt_token_ids=token_prompts([128] * 32, seed=4), sampling_params=sp)
+    eager = [(q, c) for q, c in seen if len(q) > 1 and any(n > 1 for n in q)]
+    assert len(eager) >= 4
+    covered = {_variant(q, c) for q, c in warmup_steps(llm.engine.ecfg)}
+    missing = [(len(q), sum(q), q[:3], q[-2:]) for q, c in eager if _variant(q, c) not in covered]
+    assert not missing, missing
