@@ -2,7 +2,8 @@
 kernel boundary in a CUDA graph? A chain of S dependent GEMVs (metainfer/kernels/grid_sync.py:
 y[s + 1] = W[s] @ y[s], bf16 weights) run three ways, each captured in a CUDA graph and replayed:
 one launch per stage with programmatic dependent launch off, with it on, and one persistent launch
-with a grid barrier between stages (programs = the SM count, or one per row block). Prints µs per
+with a grid barrier between stages (programs = the SM count, or one per row block; with and without
+each program loading its first weight tile of the next stage before the barrier). Prints µs per
 stage against the byte floor (the stage's weight bytes at 4.3 TB/s) and writes JSON.
 
   python benchmarks/barrier_bench.py --out $OUT        (~30 s on the H200)
@@ -48,10 +49,11 @@ def _time_graph(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _variant(w, y, counter, err, programs: int | None, block_n: int):
+def _variant(w, y, counter, err, programs: int | None, block_n: int, prefetch: bool):
     if programs is None:
         return lambda: gs.chain_by_launches(w, y, block_n)
-    return lambda: gs.chain_persistent(w, y, counter, err, programs=programs, block_n=block_n)
+    kw = dict(programs=programs, block_n=block_n, prefetch=prefetch)
+    return lambda: gs.chain_persistent(w, y, counter, err, **kw)
 
 
 def run_case(S: int, N: int, reps: int, block_n: int) -> list[dict]:
@@ -63,23 +65,23 @@ def run_case(S: int, N: int, reps: int, block_n: int) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     blocks = -(-N // block_n)
     rows = []
-    for label, pdl_on, programs in (("launches, PDL off", "0", None), ("launches, PDL on", "1", None),
-                                    (f"persistent, {sms} programs", "1", sms),
-                                    (f"persistent, {min(blocks, sms)} programs", "1", min(blocks, sms))):
-        if rows and programs is not None and any(r["programs"] == programs for r in rows):
-            continue
+    variants = [("launches, PDL off", "0", None, False), ("launches, PDL on", "1", None, False)]
+    for p in sorted({sms, min(blocks, sms)}, reverse=True):
+        variants += [(f"persistent, {p} programs", "1", p, False),
+                     (f"persistent, {p} programs, next tile prefetched", "1", p, True)]
+    for label, pdl_on, programs, prefetch in variants:
         os.environ[pdl.ENV] = pdl_on
         y = gs.chain_buffer(w, x)
         counter = torch.zeros(1, dtype=torch.int32, device="cuda")
         err = torch.zeros(1, dtype=torch.int32, device="cuda")
-        fn = _variant(w, y, counter, err, programs, block_n)
+        fn = _variant(w, y, counter, err, programs, block_n, prefetch)
         us = _time_graph(fn, reps)
         y[1:] = float("nan")  # a last run from scratch: a stage reading before its input is written shows
         fn()
         torch.cuda.synchronize()
         ok = bool(torch.equal(y, want)) and int(err) == 0
-        rows.append(dict(case=f"S={S} N={N}", variant=label, programs=programs, pdl=pdl.enabled(),
-                         us_total=us, us_per_stage=us / S, floor_us_per_stage=floor_us,
+        rows.append(dict(case=f"S={S} N={N}", variant=label, programs=programs, prefetch=prefetch,
+                         pdl=pdl.enabled(), us_total=us, us_per_stage=us / S, floor_us_per_stage=floor_us,
                          pct_of_floor=100 * floor_us / (us / S), equal_to_launches=ok))
     os.environ.pop(pdl.ENV, None)
     return rows

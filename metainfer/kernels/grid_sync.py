@@ -42,19 +42,29 @@ def grid_barrier(counter_ptr, target, max_spins):
 
 
 @triton.jit
-def _gemv_rows(w_ptr, x_ptr, y_ptr, rb, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[rb*BLOCK_N : +BLOCK_N] = w[rows] @ x, fp32, the K blocks in order."""
+def _w_tile(w_ptr, rb, k0, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemv_rows(w_ptr, x_ptr, y_ptr, rb, N, w_first, use_first, K: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """y[rb*BLOCK_N : +BLOCK_N] = w[rows] @ x, fp32, the K blocks in order; use_first: the first
+    K block is `w_first` (loaded earlier), not loaded here."""
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        if use_first & (k0 == 0):
+            w = w_first
+        else:
+            w = _w_tile(w_ptr, rb, k0, N, K, BLOCK_N, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        wmask = rmask[:, None] & cmask[None, :]
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=wmask, other=0.0)
-        x = tl.load(x_ptr + cols, mask=cmask, other=0.0)
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    tl.store(y_ptr + rows, acc, mask=rmask)
+    tl.store(y_ptr + rows, acc, mask=rows < N)
 
 
 @triton.jit
@@ -62,21 +72,34 @@ def _gemv_stage_kernel(w_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, 
                        USE_PDL: tl.constexpr = 0):
     """One stage: y_ptr + N = w @ y_ptr."""
     pdl.wait(USE_PDL)
-    _gemv_rows(w_ptr, y_ptr, y_ptr + N, tl.program_id(0), N, K, BLOCK_N, BLOCK_K)
+    none = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    pid = tl.program_id(0)
+    _gemv_rows(w_ptr, y_ptr, y_ptr + N, pid, N, none, pid < 0, K, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _gemv_chain_kernel(w_ptr, y_ptr, counter_ptr, err_ptr, N, max_spins, K: tl.constexpr,
                        STAGES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_PDL: tl.constexpr = 0):
+                       PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """All stages, a barrier between them. PREFETCH: before each barrier a program loads the first
+    weight tile of its first row block of the next stage (weights do not depend on the stage's
+    input), so that load's latency hides behind the wait."""
     pdl.wait(USE_PDL)
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     blocks = tl.cdiv(N, BLOCK_N)
+    w_next = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
     for s in range(STAGES):
         for rb in range(pid, blocks, progs):
-            _gemv_rows(w_ptr + s * N * K, y_ptr + s * N, y_ptr + (s + 1) * N, rb, N, K, BLOCK_N, BLOCK_K)
+            if PREFETCH:
+                use_first = (s > 0) & (rb == pid)
+            else:
+                use_first = rb < 0
+            _gemv_rows(w_ptr + s * N * K, y_ptr + s * N, y_ptr + (s + 1) * N, rb, N, w_next, use_first, K,
+                       BLOCK_N, BLOCK_K)
         if s + 1 < STAGES:
+            if PREFETCH:
+                w_next = _w_tile(w_ptr + (s + 1) * N * K, pid, 0, N, K, BLOCK_N, BLOCK_K)
             gave_up = grid_barrier(counter_ptr, (s + 1) * progs, max_spins)
             if gave_up != 0:
                 tl.atomic_add(err_ptr, 1)
@@ -108,7 +131,7 @@ def chain_by_launches(w: torch.Tensor, y: torch.Tensor, block_n: int = 16, block
 
 def chain_persistent(w: torch.Tensor, y: torch.Tensor, counter: torch.Tensor, err: torch.Tensor,
                      programs: int | None = None, block_n: int = 16, block_k: int = 128,
-                     max_spins: int = 1 << 22) -> torch.Tensor:
+                     max_spins: int = 1 << 22, prefetch: bool = False) -> torch.Tensor:
     """Fills y[1:] in one launch; counter, err: int32 [1], zeroed here (a CUDA graph of this call
     replays correctly); err counts barrier give-ups (0 when sound). programs: default the SM count
     (1 on the interpreter). -> y."""
@@ -119,5 +142,5 @@ def chain_persistent(w: torch.Tensor, y: torch.Tensor, counter: torch.Tensor, er
     counter.zero_()
     err.zero_()
     _gemv_chain_kernel[(programs,)](w, y, counter, err, N, max_spins, K=K, STAGES=S, BLOCK_N=block_n,
-                                    BLOCK_K=block_k, **pdl.kw())
+                                    BLOCK_K=block_k, PREFETCH=prefetch, **pdl.kw())
     return y

@@ -20,14 +20,15 @@ def _case(S, N, seed=0):
     return w, x
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("S, N, programs", [(8, 2048, None), (5, 2000, 7), (40, 256, None), (3, 4096, 1)])
-def test_persistent_chain_equals_launches(S, N, programs):
+def test_persistent_chain_equals_launches(S, N, programs, prefetch):
     from metainfer.kernels import grid_sync as gs
 
     w, x = _case(S, N)
     a = gs.chain_by_launches(w, gs.chain_buffer(w, x))
     counter, err = (torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2))
-    b = gs.chain_persistent(w, gs.chain_buffer(w, x), counter, err, programs=programs)
+    b = gs.chain_persistent(w, gs.chain_buffer(w, x), counter, err, programs=programs, prefetch=prefetch)
     torch.cuda.synchronize()
     progs = programs or torch.cuda.get_device_properties(0).multi_processor_count
     assert int(err) == 0 and int(counter) == (S - 1) * progs

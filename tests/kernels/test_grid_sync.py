@@ -15,8 +15,9 @@ from tests.helpers import rel_rmse
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("S, N, block_n, block_k", [(3, 64, 16, 64), (4, 80, 16, 32), (1, 48, 32, 32)])
-def test_chain_persistent_equals_launches_and_torch(S, N, block_n, block_k):
+def test_chain_persistent_equals_launches_and_torch(S, N, block_n, block_k, prefetch):
     from metainfer.kernels import grid_sync as gs
 
     g = torch.Generator().manual_seed(S * N)
@@ -24,7 +25,8 @@ def test_chain_persistent_equals_launches_and_torch(S, N, block_n, block_k):
     x = torch.randn(N, generator=g)
     a = gs.chain_by_launches(w, gs.chain_buffer(w, x), block_n, block_k)
     counter, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    b = gs.chain_persistent(w, gs.chain_buffer(w, x), counter, err, block_n=block_n, block_k=block_k)
+    b = gs.chain_persistent(w, gs.chain_buffer(w, x), counter, err, block_n=block_n, block_k=block_k,
+                            prefetch=prefetch)
     assert int(err) == 0 and int(counter) == S - 1  # one arrival per barrier, none after the last stage
     assert torch.isfinite(b).all() and torch.equal(a, b)
     want = [x]
