@@ -132,6 +132,8 @@ class SparseMoE(nn.Module):
         logits = self.router(x)  # [T, E+1]
         if self.fused_shared:
             part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
+            if part is None:  # the route launch, then the experts; the sum still in the next norm
+                part = ops.moe_rows(x, logits, self.top_k, self.w_gate_up, self.w_down, *scales)
             if part is not None:
                 return ExpertRows(*part, x.dtype)
             weights, ids = ops.route_with_shared(logits, self.top_k)  # [T, k+1]

@@ -134,6 +134,27 @@ def test_pdl_equals_serialised_launches(cfg_path, quant, monkeypatch):
         assert torch.equal(x, y), rel_rmse(x, y)
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_moe_rows_equal_the_combine_launch(cfg_path, quant, monkeypatch):
+    """METAINFER_MOE_ROWS=1 (KB-0035: decode batches of up to 8 tokens leave the experts' weighted
+    sum to the next add+RMSNorm instead of a combine launch) gives the tokens and, to one rounding,
+    the logits of the combine launch; 6 prompts decode at batch 6 down to 1 (FP8: past 4 tokens)."""
+    from metainfer.kernels import ops
+
+    prompts = _prompts(6, seed=3)
+    kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
+              max_model_len=512)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(ops.MOE_ROWS_ENV, flag)
+        llm = LLM(**kw)
+        runs[flag] = _run(llm, prompts)
+        del llm
+    for a, x, b, y in zip(*runs["1"], *runs["0"]):
+        assert a.token_ids == b.token_ids
+        assert rel_rmse(x, y) < 1e-3
+
+
 def test_kernels_match_reference_path(cfg_path):
     prompts = _prompts(4, seed=1)
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=512)

@@ -278,3 +278,25 @@ def test_moe_pair_rows(T, dtype, fp8):
     want = ref.moe_expert_rows(x, *ref_w, ids)
     rmse, max_abs = TOL[dtype]
     assert rows.shape == (T, K, H) and rel_rmse(rows, want) < rmse and _max_rel(rows, want) < max_abs
+
+
+@pytest.mark.parametrize("T,dtype", [(1, F32), (5, F32), (8, BF16)])
+def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype):
+    """`ops.moe_rows`' wiring (KB-0035): the route launch (shared slot), the per-pair rows, their
+    weighted sum inside `moe_add_rms_norm` == route, `moe_experts` (pair path, the combine launch),
+    `add_rms_norm`: the same fp32 slot-order sum rounded once (rel. RMSE < 1e-6)."""
+    from metainfer.kernels import norm
+
+    x, w_gu, w_dn, _, _ = _problem(T, seed=3, dtype=dtype)
+    g = torch.Generator().manual_seed(T)
+    shared_gu = (torch.randn(1, 2 * I, H, generator=g) / H**0.5).to(dtype)  # the shared expert: id E
+    shared_dn = (torch.randn(1, H, I, generator=g) / I**0.5).to(dtype)
+    w_gu, w_dn = torch.cat([w_gu, shared_gu]), torch.cat([w_dn, shared_dn])
+    logits = torch.randn(T, E + 1, generator=g) * 2
+    residual, nw = torch.randn(T, H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
+    tw, ids = routing.route_topk(logits, K, shared=True)
+    rows = moe.moe_pair_rows(x, w_gu, w_dn, ids)
+    got = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
+    want = norm.add_rms_norm(moe.moe_experts(x, w_gu, w_dn, tw, ids, path="pair"), residual, nw, 1e-6)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == dtype and rel_rmse(a, b) < 1e-6
