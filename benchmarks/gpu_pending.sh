@@ -8,7 +8,7 @@
 #            METAINFER_MOE_PAIR_MAX_T 32 -> 8 (FP8 batches 16, 32 on the grouped e4m3 path), and
 #            METAINFER_FP8_GEMM triton -> cublas (prefill dense GEMMs, KB-0031), ~6 min
 #   rows   - KB-0035 METAINFER_MOE_ROWS 0 -> 1 (the experts' weighted sum in the next norm instead of
-#            a combine launch, decode batches <= 8): its GPU test, then batch 1 and 8, BF16 and FP8, ~4 min
+#            a combine launch; BF16 batches <= 8, FP8 5-16): its GPU test, batch 1, 8 and 16, ~5 min
 #   pgraph - idle 1k TTFT without and with the lone-prefill CUDA graphs (--prefill-graphs 1024;
 #            KB-0030), FP8 and BF16, then the oracle with them (verify --prefill-graphs 1024), ~5 min
 #   sweep  - the grouped MoE at T = 32 and 1,024 (two M-block sizes each), e4m3 activations off and on
@@ -40,9 +40,9 @@ if [[ $PHASES == *ab* ]]; then
   # prefill dense FP8 GEMMs (T > 64) on cuBLAS's blockwise _scaled_mm instead of _w8a8_kernel (KB-0031)
   VAR=METAINFER_FP8_GEMM MODES="triton cublas" DTYPES=fp8 bash benchmarks/gpu_ab.sh
 fi
-if [[ $PHASES == *rows* ]]; then  # KB-0035: the combine launch left out at batches 1-8 (BF16; FP8 5-8)
+if [[ $PHASES == *rows* ]]; then  # KB-0035: the combine launch left out (BF16 batches 1-8; FP8 5-16)
   timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -k moe_rows -p no:cacheprovider 2>&1 | tail -2
-  VAR=METAINFER_MOE_ROWS MODES="0 1" DTYPES="bfloat16 fp8" BATCHES=1,8 bash benchmarks/gpu_ab.sh | grep -v TTFT
+  VAR=METAINFER_MOE_ROWS MODES="0 1" DTYPES="bfloat16 fp8" BATCHES=1,8,16 bash benchmarks/gpu_ab.sh | grep -v TTFT
 fi
 if [[ $PHASES == *pgraph* ]]; then
   for dt in fp8 bfloat16; do

@@ -426,7 +426,7 @@ def moe_pair_rows(
     T, H = x.shape
     W = ids.shape[1]
     fp8 = w_gate_up.dtype == torch.float8_e4m3fn
-    assert x.is_contiguous() and 0 < T <= PAIR_MAX_T and ids.is_contiguous(), (T, ids.shape)
+    assert x.is_contiguous() and 0 < T and use_pair_path(T, fp8) and ids.is_contiguous(), (T, ids.shape)
     assert w_gate_up.is_contiguous() and w_down.is_contiguous()
     assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
     cfg = config or pair_config(T, fp8)

@@ -109,14 +109,14 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
     """The route launch, then the per-pair experts with the weighted sum left to `moe_add_rms_norm`
     (the combine launch saved; `moe_routed_rows` without the routing inside gate/up, which measured
     slower for BF16): logits [T, E+1] with the shared expert's gate. -> (rows [T, W, H] fp32,
-    weights [T, W] fp32), or None where no kernel serves x, past the per-pair path's tokens, or
-    unless METAINFER_MOE_ROWS=1 (then route + `moe_experts`)."""
+    weights [T, W] fp32), or None where no kernel serves x, past the per-pair path (BF16 8 tokens,
+    FP8 16), or unless METAINFER_MOE_ROWS=1 (then route + `moe_experts`)."""
     k = _kernel("moe_pair_rows", x)
     if not k or os.environ.get(MOE_ROWS_ENV, "0") != "1":
         return None
-    from metainfer.kernels.moe import PAIR_MAX_T
+    from metainfer.kernels.moe import use_pair_path
 
-    if not 0 < x.shape[0] <= PAIR_MAX_T:
+    if not (0 < x.shape[0] and use_pair_path(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn)):
         return None
     weights, ids = route_with_shared(router_logits, top_k)
     return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale), weights

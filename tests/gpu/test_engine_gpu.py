@@ -138,7 +138,7 @@ def test_pdl_equals_serialised_launches(cfg_path, quant, monkeypatch):
 def test_moe_rows_equal_the_combine_launch(cfg_path, quant, monkeypatch):
     """METAINFER_MOE_ROWS=1 (KB-0035: decode batches of up to 8 tokens leave the experts' weighted
     sum to the next add+RMSNorm instead of a combine launch) gives the tokens and, to one rounding,
-    the logits of the combine launch; 6 prompts decode at batch 6 down to 1 (FP8: past 4 tokens)."""
+    the logits of the combine launch; 6 prompts decode at batch 6 down to 1 (FP8: 5 and 6 tokens)."""
     from metainfer.kernels import ops
 
     prompts = _prompts(6, seed=3)

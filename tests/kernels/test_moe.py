@@ -280,8 +280,8 @@ def test_moe_pair_rows(T, dtype, fp8):
     assert rows.shape == (T, K, H) and rel_rmse(rows, want) < rmse and _max_rel(rows, want) < max_abs
 
 
-@pytest.mark.parametrize("T,dtype", [(1, F32), (5, F32), (8, BF16)])
-def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype):
+@pytest.mark.parametrize("T,dtype,fp8", [(1, F32, 0), (5, F32, 0), (8, BF16, 0), (12, BF16, 1)])
+def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype, fp8):
     """`ops.moe_rows`' wiring (KB-0035): the route launch (shared slot), the per-pair rows, their
     weighted sum inside `moe_add_rms_norm` == route, `moe_experts` (pair path, the combine launch),
     `add_rms_norm`: the same fp32 slot-order sum rounded once (rel. RMSE < 1e-6)."""
@@ -295,8 +295,13 @@ def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype):
     logits = torch.randn(T, E + 1, generator=g) * 2
     residual, nw = torch.randn(T, H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
     tw, ids = routing.route_topk(logits, K, shared=True)
-    rows = moe.moe_pair_rows(x, w_gu, w_dn, ids)
+    scales = ()
+    if fp8:  # FP8 experts: the per-pair path serves up to 16 tokens
+        (w_gu, s_gu), (w_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        scales = (s_gu, s_dn)
+    rows = moe.moe_pair_rows(x, w_gu, w_dn, ids, *scales)
     got = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
-    want = norm.add_rms_norm(moe.moe_experts(x, w_gu, w_dn, tw, ids, path="pair"), residual, nw, 1e-6)
+    combined = moe.moe_experts(x, w_gu, w_dn, tw, ids, *scales, path="pair")
+    want = norm.add_rms_norm(combined, residual, nw, 1e-6)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == dtype and rel_rmse(a, b) < 1e-6
