@@ -112,6 +112,19 @@ def test_prefill_graph_replay_equals_its_eager_layout(cfg_path, quant):
         assert rel_rmse(gl[0][0], bl[0][0]) < 2e-2
 
 
+def _on_and_off(cfg_path, quant, monkeypatch, env: str, prompts):
+    """The engine's outputs and sampled-token logits with `env` = "1", then "0" (a fresh engine each)."""
+    kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
+              max_model_len=512)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(env, flag)
+        llm = LLM(**kw)
+        runs[flag] = _run(llm, prompts)
+        del llm
+    return zip(*runs["1"], *runs["0"])
+
+
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_pdl_equals_serialised_launches(cfg_path, quant, monkeypatch):
     """Programmatic dependent launch (graph replay and eager) gives the same logits bits as plain
@@ -120,37 +133,19 @@ def test_pdl_equals_serialised_launches(cfg_path, quant, monkeypatch):
 
     if not pdl.enabled():
         pytest.skip("PDL needs sm_90 and Triton's griddepcontrol intrinsics")
-    prompts = _prompts(6, seed=2)
-    kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
-              max_model_len=512)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(pdl.ENV, flag)
-        llm = LLM(**kw)
-        runs[flag] = _run(llm, prompts)
-        del llm
-    for a, x, b, y in zip(*runs["1"], *runs["0"]):
+    for a, x, b, y in _on_and_off(cfg_path, quant, monkeypatch, pdl.ENV, _prompts(6, seed=2)):
         assert a.token_ids == b.token_ids
         assert torch.equal(x, y), rel_rmse(x, y)
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_moe_rows_equal_the_combine_launch(cfg_path, quant, monkeypatch):
-    """METAINFER_MOE_ROWS=1 (KB-0035: decode batches of up to 8 tokens leave the experts' weighted
-    sum to the next add+RMSNorm instead of a combine launch) gives the tokens and, to one rounding,
-    the logits of the combine launch; 6 prompts decode at batch 6 down to 1 (FP8: 5 and 6 tokens)."""
+    """METAINFER_MOE_ROWS=1 (KB-0035: BF16 decode batches up to 8 tokens, FP8 5-16, leave the
+    experts' weighted sum to the next add+RMSNorm instead of a combine launch) gives the tokens and,
+    to one rounding, the logits of the combine launch; 6 prompts decode at batch 6 down to 1."""
     from metainfer.kernels import ops
 
-    prompts = _prompts(6, seed=3)
-    kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
-              max_model_len=512)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(ops.MOE_ROWS_ENV, flag)
-        llm = LLM(**kw)
-        runs[flag] = _run(llm, prompts)
-        del llm
-    for a, x, b, y in zip(*runs["1"], *runs["0"]):
+    for a, x, b, y in _on_and_off(cfg_path, quant, monkeypatch, ops.MOE_ROWS_ENV, _prompts(6, seed=3)):
         assert a.token_ids == b.token_ids
         assert rel_rmse(x, y) < 1e-3
 
