@@ -266,14 +266,15 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if any(int(s) < 2 for s in self.prefill_graphs or ()):
+        graph_sizes = [int(s) for s in self.prefill_graphs or ()]
+        if any(s < 2 for s in graph_sizes):
             raise ValueError("prefill_graphs sizes must be >= 2 tokens")
-        if any(int(s) > self.max_num_batched_tokens for s in self.prefill_graphs or ()):
+        if any(s > self.max_num_batched_tokens for s in graph_sizes):
             raise ValueError(
                 f"prefill_graphs sizes must be <= max_num_batched_tokens ({self.max_num_batched_tokens}): "
                 "no step holds more tokens"
             )
-        if any(int(s) > self.max_model_len for s in self.prefill_graphs or ()):
+        if any(s > self.max_model_len for s in graph_sizes):
             raise ValueError(
                 f"prefill_graphs sizes must be <= max_model_len ({self.max_model_len}): the padding "
                 "sequence lives in one block-table row"

@@ -42,8 +42,6 @@ class LLMEngine:
         self._rng = random.Random(ecfg.seed)
         self.async_scheduling = ecfg.async_scheduling
         self._pending: InFlight | None = None
-        self.async_scheduling = ecfg.async_scheduling
-        self._pending: InFlight | None = None
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
                       "slow_launches": 0}
 

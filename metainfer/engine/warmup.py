@@ -34,13 +34,14 @@ def warmup_steps(e: EngineConfig) -> list[Step]:
         least = -(-total // e.max_model_len)  # prompts of <= max_model_len tokens
         # one prompt, three of odd lengths, and four of lengths divisible by 16 (a busy server's
         # 1k prompts: 4 x 1,024 in a 4,096-token step; a kernel's variant keys on every argument)
-        for k in sorted({least, max(least, 3), max(least, 4 if total % 64 == 0 else 3)}):
+        splits = {least, max(least, 3)} | ({max(least, 4)} if total % 64 == 0 else set())
+        full = total >= budget - 3  # a busy server's full steps: more decode counts beside them
+        for k in sorted(splits):
             if k > e.max_num_seqs:
                 continue
             lens = [total // k] * k
             lens[-1] += total - sum(lens)
             steps.append((lens, [0] * k))  # prompts only
-            full = total >= budget - 3  # a busy server's full steps: more decode counts beside them
             for d, later in ((2, 0), (2, 1), (4, 0), (12, 1), (28, 0)) if full else ((2, 1),):
                 if k + d <= e.max_num_seqs and lens[-1] > d:
                     chunk = lens[-1] - d
