@@ -102,7 +102,7 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
     return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
 
 
-MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "1": `moe_rows` serves decode batches (KB-0035; off until measured)
+MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (the combine launch) instead of `moe_rows` (KB-0035)
 
 
 def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
@@ -110,9 +110,9 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
     (the combine launch saved; `moe_routed_rows` without the routing inside gate/up, which measured
     slower for BF16): logits [T, E+1] with the shared expert's gate. -> (rows [T, W, H] fp32,
     weights [T, W] fp32), or None where no kernel serves x, past the per-pair path (BF16 8 tokens,
-    FP8 16), or unless METAINFER_MOE_ROWS=1 (then route + `moe_experts`)."""
+    FP8 16), or with METAINFER_MOE_ROWS=0 (then route + `moe_experts`)."""
     k = _kernel("moe_pair_rows", x)
-    if not k or os.environ.get(MOE_ROWS_ENV, "0") != "1":
+    if not k or os.environ.get(MOE_ROWS_ENV, "1") == "0":
         return None
     from metainfer.kernels.moe import use_pair_path
 
