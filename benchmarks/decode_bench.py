@@ -86,15 +86,17 @@ def ttft(llm: LLM, prompt_len: int, reps: int = 9, seed: int = 99) -> dict:
     }
 
 
-def profile_decode(llm: LLM, prompt_len: int, steps: int = 6) -> list[dict]:
+def profile_decode(llm: LLM, prompt_len: int, steps: int = 6, batch: int = 1) -> list[dict]:
+    """Kernel times per decode step of `batch` sequences (their prefills run before the profile)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
-    eng.add_request(
-        random_prompts(1, prompt_len, seed=7)[0],
-        SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True),
-    )
-    for _ in range(3):
+    for p in random_prompts(batch, prompt_len, seed=7):
+        eng.add_request(p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    for _ in range(64):  # every prefill done and a few decode steps (chunked prefills take several)
+        sch = eng.scheduler
+        if not sch.waiting and all(len(r.output_token_ids) >= 3 for r in sch.running):
+            break
         eng.step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -136,9 +138,10 @@ def profile_prefill(llm: LLM, prompt_len: int) -> dict:
             "launches": launches, "top": rows[:20]}
 
 
-def kernel_floors(cfg: ModelConfig, fp8: bool, context: int) -> dict[str, tuple[str, float]]:
-    """Bytes each kernel family must move per batch-1 decode step (weights, state, KV cache; the
-    activations are noise), keyed by a substring of the kernel name -> (what, bytes)."""
+def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1) -> dict[str, tuple[str, float]]:
+    """Bytes each kernel family must move per decode step of `batch` sequences (weights, state, KV
+    cache; the activations are noise), keyed by a substring of the kernel name -> (what, bytes).
+    Routed experts: the expected number of distinct ones, E (1 - (1 - k/E)^batch), plus the shared."""
     w = 1 if fp8 else 2  # bytes per weight of the quantised projections and experts
     H, L = cfg.hidden_size, cfg.num_hidden_layers
     n_full = sum(t == "full_attention" for t in cfg.layer_types)
@@ -149,19 +152,23 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int) -> dict[str, tuple[
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv, o_proj = (2 * hq + 2 * hkv) * d * H, hq * d * H
     router = (cfg.num_experts + 1) * H * 2  # BF16 in both precisions
-    slots = cfg.num_experts_per_tok + 1  # routed + the shared expert
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    slots = E * (1 - (1 - k / E) ** batch) + 1  # distinct routed experts + the shared expert
     I = cfg.moe_intermediate_size
-    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    kv = context * hkv * d * 2 * 2  # K and V, bf16
+    state = batch * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    kv = batch * context * hkv * d * 2 * 2  # K and V, bf16
     return {
         "_skinny_kernel": ("dense projections + router",
                            w * (n_lin * (in_proj + out_proj) + n_full * (qkv + o_proj)) + L * router),
-        "_pair_gate_up_kernel": ("experts gate/up (8 routed + shared)", L * w * slots * 2 * I * H),
-        "_pair_down_rows_kernel": ("experts down", L * w * slots * H * I),
+        "_pair_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
+        "_grouped_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
+        "_pair_down": ("experts down", L * w * slots * H * I),
+        "_routed_down_kernel": ("experts down", L * w * slots * H * I),
+        "_grouped_down_kernel": ("experts down", L * w * slots * H * I),
         "nvjet": ("lm_head (BF16)", cfg.vocab_size * H * 2),
         "_gdn_decode_kernel": ("DeltaNet state read + write", n_lin * 2 * state),
         "_conv_update_kernel": ("conv state read + write",
-                                n_lin * 2 * (cfg.linear_conv_kernel_dim - 1) * conv * 2),
+                                batch * n_lin * 2 * (cfg.linear_conv_kernel_dim - 1) * conv * 2),
         "_decode_split_kernel": ("KV cache read", n_full * kv),
     }
 
@@ -189,6 +196,7 @@ def main() -> None:
     ap.add_argument("--prefill-graphs", default="auto",
                     help="e.g. 1024: lone-prefill CUDA graphs (TTFT); auto: the engine default; 0: none")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--profile-batch", type=int, default=1, help="the decode profile's batch size")
     ap.add_argument("--sync-too", action="store_true", help="also time batch 1 with async scheduling off")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -201,7 +209,7 @@ def main() -> None:
         dtype="bfloat16",
         quantization=quant,
         max_model_len=args.prompt_len + args.gen + 64,
-        max_num_seqs=max(batches),
+        max_num_seqs=max(batches + [args.profile_batch]),
         max_num_batched_tokens=8192,
         enforce_eager=args.eager,
         prefill_graphs=None if args.prefill_graphs == "auto" else tuple(
@@ -251,9 +259,10 @@ def main() -> None:
             res["prefill_profile_error"] = repr(e)
     if not args.no_profile:
         try:
-            prof = profile_decode(llm, args.prompt_len)
-            floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8)
-            res["profile_bs1"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
+            pb = args.profile_batch
+            prof = profile_decode(llm, args.prompt_len, batch=pb)
+            floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8, batch=pb)
+            res[f"profile_bs{pb}"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
             res["profile_pdl"] = os.environ.get("METAINFER_PDL", "1") != "0"  # on: kernel times overlap
         except Exception as e:  # profiling is optional
             res["profile_error"] = repr(e)
@@ -277,10 +286,11 @@ def main() -> None:
         pp = res["prefill_profile"]
         print(f"prefill {pp['prompt_len']} tokens: wall {pp['wall_ms']:.1f} ms, "
               f"kernels {pp['kernel_ms']:.1f} ms over {pp['launches']} launches")
-    total = sum(r["us_per_step"] for r in res.get("profile_bs1", []))
-    print(f"batch-1 profile (PDL {'on: kernel times overlap' if res.get('profile_pdl') else 'off'}),"
-          f" {total:.0f} us of kernels per step:")
-    for row in res.get("profile_bs1", [])[:25]:
+    prof_rows = res.get(f"profile_bs{args.profile_batch}", [])
+    total = sum(r["us_per_step"] for r in prof_rows)
+    pdl = "on: kernel times overlap" if res.get("profile_pdl") else "off"
+    print(f"batch-{args.profile_batch} profile (PDL {pdl}), {total:.0f} us of kernels per step:")
+    for row in prof_rows[:25]:
         floor = " " * 23
         if row["bytes_per_step"]:
             floor = f"floor {row['floor_us']:6.1f} us ({row['pct_of_floor']:3.0f}%)"
