@@ -1,8 +1,8 @@
 """FP8 block-scaled linear: y = x W^T, W [N, K] e4m3 with fp32 scale_inv [ceil(N/128), ceil(K/128)].
 
 The token count T picks the kernel:
-- T <= SKINNY_MAX_T (decode): `weight_stream` streams every weight tile once, dequantised in
-  registers (W8A16);
+- T <= SKINNY_MAX_T (decode; METAINFER_FP8_STREAM_MAX_T lowers the bound): `weight_stream` streams
+  every weight tile once, dequantised in registers (W8A16);
 - larger T (prefill, compute-bound): activations are quantised per token and 128-column group
   (`_act_quant_kernel`, the published checkpoint's dynamic activation scheme), then `_w8a8_kernel`
   runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from metainfer.kernels import pdl
 from metainfer.kernels.common import interpreting, mma
-from metainfer.kernels.weight_stream import SKINNY_MAX_T, stream_linear
+from metainfer.kernels.weight_stream import fp8_stream_max_t, stream_linear
 
 FP8_MAX = 448.0
 BLOCK = 128  # the checkpoint's weight_block_size
@@ -174,7 +174,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T = x2.shape[0]
-    if T > SKINNY_MAX_T:
+    if T > fp8_stream_max_t():
         return _w8a8(x2, weight, scale_inv).reshape(*lead, N)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
     if T:

@@ -102,7 +102,7 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
     return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
 
 
-MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (the combine launch) instead of `moe_rows` (KB-0035)
+MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (a combine launch), not `moe_rows` (KB-0035)
 
 
 def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None):

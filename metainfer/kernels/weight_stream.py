@@ -28,6 +28,19 @@ from metainfer.kernels import pdl, routing
 from metainfer.kernels.common import TL_DTYPE, load_tuned, num_sms, upcast_dots, wdot
 
 SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_linear's GEMM)
+FP8_STREAM_MAX_T_ENV = "METAINFER_FP8_STREAM_MAX_T"  # FP8 projections of more tokens: the W8A8 GEMM
+
+
+def fp8_stream_max_t() -> int:
+    """The most tokens an FP8 dense projection streams its weights for (W8A16); above it the
+    activations are quantised and the W8A8 GEMM (cuBLAS blockwise on the H200) runs. Default
+    SKINNY_MAX_T; METAINFER_FP8_STREAM_MAX_T lowers it (1..SKINNY_MAX_T)."""
+    v = os.environ.get(FP8_STREAM_MAX_T_ENV, "")
+    if not v:
+        return SKINNY_MAX_T
+    if not v.isdigit() or not 1 <= int(v) <= SKINNY_MAX_T:
+        raise ValueError(f"{FP8_STREAM_MAX_T_ENV} must be an integer in 1..{SKINNY_MAX_T}; got {v!r}")
+    return int(v)
 TUNED_ENV = "METAINFER_FP8_TUNED"
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -434,7 +447,7 @@ def linear_conv_update(
 ) -> torch.Tensor:
     """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
     y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
-    weight-streaming kernel's epilogue where it serves (FP8 up to SKINNY_MAX_T tokens; BF16 where the
+    weight-streaming kernel's epilogue where it serves (FP8 up to fp8_stream_max_t() tokens; BF16 where the
     H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N]."""
     from metainfer.kernels import conv1d
 
@@ -442,7 +455,8 @@ def linear_conv_update(
     N = weight.shape[0]
     fp8 = scale_inv is not None
     cfg = None
-    if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= SKINNY_MAX_T and x.stride(1) == 1:
+    max_t = fp8_stream_max_t() if fp8 else SKINNY_MAX_T
+    if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= max_t and x.stride(1) == 1:
         cfg = stream_config(T, N, K, fp8, x.device)
     if cfg is None:
         from metainfer.kernels.fp8_linear import fp8_linear  # (the module imports this one)

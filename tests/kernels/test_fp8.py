@@ -253,6 +253,23 @@ def test_fp8_linear_w8a8(dtype):
     assert rel_rmse(y, F.linear(x.float(), w)) < 6e-2
 
 
+def test_fp8_stream_max_t_moves_mid_batches_to_the_w8a8_gemm(monkeypatch):
+    """METAINFER_FP8_STREAM_MAX_T=16: 20 tokens take the W8A8 path (activations quantised: equal to
+    the torch emulation of it), 16 still stream (W8A16: equal to the dequantised reference); bad
+    values are refused."""
+    monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, "16")
+    x, _, q, s, ref = _problem(20, N=200, K=300, dtype=torch.float32)
+    xq, xs = _act_quant_ref(x)
+    x_deq = xq.float() * xs.t().repeat_interleave(128, dim=1)[:, :300]
+    emul = F.linear(x_deq, ref_dequant_fp8(q, s, torch.float32))
+    assert rel_rmse(fl.fp8_linear(x, q, s), emul) < 1e-5
+    assert rel_rmse(fl.fp8_linear(x[:16], q, s), ref[:16]) < 1e-5
+    for bad in ("0", "65", "x"):
+        monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, bad)
+        with pytest.raises(ValueError, match="METAINFER_FP8_STREAM_MAX_T"):
+            fl.fp8_linear(x, q, s)
+
+
 def test_fp8_linear_leading_dims_and_asserts():
     x, _, q, s, ref = _problem(4)
     y = fl.fp8_linear(x.view(2, 2, 300), q, s)
