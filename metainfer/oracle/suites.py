@@ -3,7 +3,9 @@
 A suite runs as one continuous batch: short prompts first, long ones split by chunked prefill
 (`chunk_tokens` is the engine's per-step token budget), and a late wave that joins while the first
 wave is already decoding. Two "twin" prompts share their second half and differ in the first, so
-the reference shows whether the model's output depends on history (what cache bugs corrupt).
+the reference shows whether the model's output depends on history (what cache bugs corrupt). The
+full suite's first wave also carries 56 short random prompts, so decode steps of 60-70 sequences (the
+kernels of the throughput batches) are judged too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import torch
 
 SUITES = ("quick", "full")
 ORDINARY_IDS = 248044  # Qwen3.6 ids below this are ordinary BPE tokens (no special tokens)
+# the full suite's extra first-wave prompts (16-48 random ids each): with the others, decode steps of
+# 63 sequences, then 68 when the late wave joins (batch > 16 and > 64: the grouped MoE and the FP8
+# GEMM decode paths; without them the widest judged decode step had 12 sequences)
+WIDE_WAVE = 56
 
 
 class _Tokenizer(Protocol):
@@ -156,6 +162,10 @@ def build_suite(
     if cap is not None:
         lengths = sorted({max(1, min(n, cap)) for n in lengths})
     prompts = [Prompt(f"rand-{n}", _random_ids(n, vocab_size, gen), "random") for n in lengths]
+    if full:  # a wide first wave: decode steps of ~60-70 sequences (the throughput batches' kernels)
+        wide_lens = torch.randint(16, 49, (WIDE_WAVE,), generator=gen).tolist()
+        prompts += [Prompt(f"wide-{i:02d}", _random_ids(min(n, cap or n), vocab_size, gen), "random")
+                    for i, n in enumerate(wide_lens)]
     tw = min(512 if full else 48, cap or 512)
     twin_a, twin_b = _twins(tw, vocab_size, gen)
     specs = [("text-short", _SHORT, 5), ("text-chat", _CHAT, 40)]
@@ -165,7 +175,7 @@ def build_suite(
     if cap is not None:
         texts = [Prompt(t.name, t.token_ids[:cap], t.source) for t in texts]
     prompts = prompts + [twin_a] + texts + [twin_b]
-    late_from = len(lengths) + 1
+    late_from = len(lengths) + (WIDE_WAVE if full else 0) + 1
     names = [p.name for p in prompts]
     alone_names = ("rand-17", "rand-1000") if full else ("rand-17", "rand-150")
     alone = tuple(names.index(n) for n in alone_names if n in names) or (0,)
