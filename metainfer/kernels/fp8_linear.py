@@ -1,9 +1,9 @@
 """FP8 block-scaled linear: y = x W^T, W [N, K] e4m3 with fp32 scale_inv [ceil(N/128), ceil(K/128)].
 
 The token count T picks the kernel:
-- T <= SKINNY_MAX_T (decode; METAINFER_FP8_STREAM_MAX_T lowers the bound): `weight_stream` streams
-  every weight tile once, dequantised in registers (W8A16);
-- larger T (prefill, compute-bound): activations are quantised per token and 128-column group
+- T <= 16 (decode; `weight_stream.fp8_stream_max_t`, METAINFER_FP8_STREAM_MAX_T up to 64): the
+  weight-streaming kernels read every weight tile once, dequantised in registers (W8A16);
+- larger T (wider decode batches, prefill): activations are quantised per token and 128-column group
   (`_act_quant_kernel`, the published checkpoint's dynamic activation scheme), then `_w8a8_kernel`
   runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
   block. On sm_90 with torch >= 2.9 (the H200) this case runs torch._scaled_mm's blockwise (1x128,

@@ -100,8 +100,10 @@ def _problem(T: int, N: int = 200, K: int = 300, seed: int = 0, dtype: torch.dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 3, 17])
-def test_fp8_linear_skinny(T, dtype):
+@pytest.mark.parametrize("T", [1, 3, 16, 17])
+def test_fp8_linear_skinny(T, dtype, monkeypatch):
+    """The weight-streaming path (17 tokens: with METAINFER_FP8_STREAM_MAX_T=64, the old bound)."""
+    monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, "64")
     x, w, q, s, ref = _problem(T, dtype=dtype)
     y = fl.fp8_linear(x, q, s)
     assert y.shape == (T, 200) and y.dtype == dtype
@@ -253,17 +255,20 @@ def test_fp8_linear_w8a8(dtype):
     assert rel_rmse(y, F.linear(x.float(), w)) < 6e-2
 
 
-def test_fp8_stream_max_t_moves_mid_batches_to_the_w8a8_gemm(monkeypatch):
-    """METAINFER_FP8_STREAM_MAX_T=16: 20 tokens take the W8A8 path (activations quantised: equal to
-    the torch emulation of it), 16 still stream (W8A16: equal to the dequantised reference); bad
-    values are refused."""
-    monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, "16")
-    x, _, q, s, ref = _problem(20, N=200, K=300, dtype=torch.float32)
+@pytest.mark.parametrize("env,bound", [(None, 16), ("24", 24)])
+def test_fp8_stream_max_t_moves_mid_batches_to_the_w8a8_gemm(env, bound, monkeypatch):
+    """FP8 projections of more tokens than the bound (default 16, KB-0036; METAINFER_FP8_STREAM_MAX_T)
+    take the W8A8 path (activations quantised: equal to the torch emulation of it), up to it they
+    stream (W8A16: equal to the dequantised reference); bad values are refused."""
+    if env:
+        monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, env)
+    assert ws.fp8_stream_max_t() == bound
+    x, _, q, s, ref = _problem(bound + 4, N=200, K=300, dtype=torch.float32)
     xq, xs = _act_quant_ref(x)
     x_deq = xq.float() * xs.t().repeat_interleave(128, dim=1)[:, :300]
     emul = F.linear(x_deq, ref_dequant_fp8(q, s, torch.float32))
     assert rel_rmse(fl.fp8_linear(x, q, s), emul) < 1e-5
-    assert rel_rmse(fl.fp8_linear(x[:16], q, s), ref[:16]) < 1e-5
+    assert rel_rmse(fl.fp8_linear(x[:bound], q, s), ref[:bound]) < 1e-5
     for bad in ("0", "65", "x"):
         monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, bad)
         with pytest.raises(ValueError, match="METAINFER_FP8_STREAM_MAX_T"):
