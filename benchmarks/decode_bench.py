@@ -87,12 +87,15 @@ def ttft(llm: LLM, prompt_len: int, reps: int = 9, seed: int = 99) -> dict:
 
 
 def profile_decode(llm: LLM, prompt_len: int, steps: int = 6, batch: int = 1) -> list[dict]:
-    """Kernel times per decode step of `batch` sequences (their prefills run before the profile)."""
+    """Kernel times per decode step of `batch` sequences (their prefills run before the profile; every
+    sequence lives past the profiled steps, so the batch stays whole)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
+    prefill_steps = -(-batch * prompt_len // eng.ecfg.max_num_batched_tokens)  # the first decode meanwhile
+    params = SamplingParams(max_tokens=prefill_steps + steps + 8, temperature=0.0, ignore_eos=True)
     for p in random_prompts(batch, prompt_len, seed=7):
-        eng.add_request(p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+        eng.add_request(p, params)
     for _ in range(64):  # every prefill done and a few decode steps (chunked prefills take several)
         sch = eng.scheduler
         if not sch.waiting and all(len(r.output_token_ids) >= 3 for r in sch.running):

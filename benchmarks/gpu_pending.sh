@@ -21,9 +21,13 @@
 #   barrier - KB-0034's first question: the grid barrier's GPU tests, then benchmarks/barrier_bench.py
 #            (a chain of 40 dependent GEMVs: one launch per stage, PDL off / on, vs one persistent
 #            launch with a grid barrier between stages), ~1 min
+#   prof32 - batch-32 decode kernel profiles, PDL off, FP8 and BF16 (the batch kept whole since
+#            2026-11-30h; the c=32 step's split between MoE, DeltaNet, projections and small kernels), ~2 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
+#   Measured (results/2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
+#   sweep, sweep_head.
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -82,7 +86,13 @@ if [[ $PHASES == *barrier* ]]; then
   timeout 120 python -m pytest -q tests/gpu/test_grid_sync_gpu.py -p no:cacheprovider 2>&1 | tail -3
   timeout 120 python benchmarks/barrier_bench.py --out $OUT 2>&1 | grep -v "falling back" | tail -12
 fi
-if [[ $PHASES == *profile* ]]; then
+if [[ $PHASES == *prof32* ]]; then
+  for dt in fp8 bfloat16; do
+    METAINFER_PDL=0 timeout 150 python benchmarks/decode_bench.py --dtype $dt --batches 32 --gen 16 --profile-batch 32 \
+      --out $OUT/prof32_$dt 2>&1 | grep -v "falling back" | sed -n '/profile/,$p' | head -30
+  done
+fi
+if [[ " $PHASES " == *" profile "* ]]; then
   METAINFER_PDL=0 timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 16 \
     --out $OUT/pdl_off_profile 2>&1 | grep -E "^\||TTFT"
   python3 - "$OUT/pdl_off_profile/decode_bench_fp8.json" <<'PY'
