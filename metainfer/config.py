@@ -223,6 +223,7 @@ class ModelConfig:
 
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "fp8")
+SPECULATIVE = (None, "ngram")
 
 
 DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
@@ -251,6 +252,10 @@ class EngineConfig:
     prefill_graphs: tuple[int, ...] | None = None
     warmup: bool = True  # CUDA: eager steps of serving's shapes at start (JIT compiles out of the TTFT)
     async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
+    # speculative decoding: None, or "ngram" (prompt-lookup drafts of greedy requests, verified in
+    # one step; steps then run synchronously); up to num_speculative_tokens drafts per sequence
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -279,6 +284,10 @@ class EngineConfig:
                 f"prefill_graphs sizes must be <= max_model_len ({self.max_model_len}): the padding "
                 "sequence lives in one block-table row"
             )
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}; got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 1..16; got {self.num_speculative_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots <= 0:

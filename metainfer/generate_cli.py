@@ -43,6 +43,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "default: 128,256,512,1024,2048 up to --max-num-batched-tokens; 0: none",
     )
     p.add_argument("--no-warmup", action="store_true", help="no start-up steps compiling the kernels")
+    p.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="speculative decoding of greedy requests: ngram = prompt-lookup drafts (synchronous steps)",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step")
     p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
 
 
@@ -73,6 +80,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs,
         warmup=not args.no_warmup,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
         seed=args.engine_seed,
     )
 
@@ -145,4 +154,8 @@ def run(args: argparse.Namespace) -> int:
             prompt = llm.tokenizer.decode(o.prompt_token_ids)
             print(f"{prompt}\033[1m{o.text}\033[0m" if sys.stdout.isatty() else f"{prompt}{o.text}")
             print(f"[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}]", file=sys.stderr)
+    st = llm.engine.stats
+    if args.speculative:
+        print(f"[speculative: {st['spec_accepted']} of {st['spec_drafted']} drafts accepted over "
+              f"{st['spec_verifies']} verifies; {st['steps']} steps]", file=sys.stderr)
     return 0

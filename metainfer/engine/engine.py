@@ -13,6 +13,7 @@ from metainfer.engine.cache import CacheManager
 from metainfer.engine.request import Request, RequestOutput, SamplingParams, Status
 from metainfer.engine.runner import PENDING, InFlight, ModelRunner, ModelSource
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
+from metainfer.spec.ngram import NgramIndex
 from metainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger("metainfer.engine")
@@ -33,17 +34,20 @@ class LLMEngine:
         self.runner = ModelRunner(ecfg, self.model_config, self.source, progress=progress)
         self.cache = CacheManager(self.runner.num_blocks, ecfg.block_size, self.runner.num_slots)
         self.scheduler = Scheduler(
-            self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, self.max_model_len
+            self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, self.max_model_len,
+            drafter=self._draft if ecfg.speculative else None,
         )
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(ecfg.seed)
-        self.async_scheduling = ecfg.async_scheduling
+        self.proposer = self._ngram_proposer  # (request, k) -> drafts (a test seam)
+        # drafts need the last token on the host when the next step is scheduled: no async steps
+        self.async_scheduling = ecfg.async_scheduling and not ecfg.speculative
         self._pending: InFlight | None = None
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
-                      "slow_launches": 0}
+                      "slow_launches": 0, "spec_verifies": 0, "spec_drafted": 0, "spec_accepted": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -227,23 +231,77 @@ class LLMEngine:
             if req.finished:  # aborted, or stopped by an earlier token while this step ran
                 continue
             req.output_token_ids[idx] = tok
-            self.stats["generation_tokens"] += 1
             if req.request_id in inflight.logprobs:
                 req.logprobs.append(inflight.logprobs[req.request_id])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.detokenizer is not None:
-                req.detokenizer.add([tok])
-            reason = self._check_stop(req, tok, idx + 1)
+            reason = self._took(req, tok, idx + 1, now)
             if reason is not None:
                 del req.output_token_ids[idx + 1 :]  # a token of a step still running, if any
-                delta = self._final_text(req)
-                self.scheduler.remove(req)
-                self._finish(req, reason)
-            else:
-                delta = self._emit_text(req)
-            outputs.append(self._output(req, [tok], delta, n_out=idx + 1))
+            outputs.append(self._advanced(req, [tok], reason, n_out=idx + 1))
+        for req, n in inflight.items:
+            if req.request_id in inflight.verify and not req.finished:
+                outputs.append(self._accept(req, n, inflight, now))
         return outputs
+
+    def _took(self, req: Request, tok: int, n_out: int, now: float) -> str | None:
+        """Bookkeeping of a new output token (the n_out-th): -> the stop reason it triggers, if any."""
+        self.stats["generation_tokens"] += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.detokenizer is not None:
+            req.detokenizer.add([tok])
+        return self._check_stop(req, tok, n_out)
+
+    def _advanced(self, req: Request, new: list[int], reason: str | None, n_out: int) -> RequestOutput:
+        """The output of a request that took `new` tokens; finishes it if one of them stopped it."""
+        if reason is not None:
+            delta = self._final_text(req)
+            self.scheduler.remove(req)
+            self._finish(req, reason)
+        else:
+            delta = self._emit_text(req)
+        return self._output(req, new, delta, n_out=n_out)
+
+    def _accept(self, req: Request, n: int, inflight: InFlight, now: float) -> RequestOutput:
+        """A speculative verify's result: the drafts that equal the greedy tokens are accepted, and
+        the greedy token after them is taken too. If a draft was rejected, the DeltaNet states go
+        back to before the step and the step's accepted tokens are recomputed by the next one (a
+        few tokens more in a memory-bound step; the KV rows past them are simply overwritten)."""
+        greedy, drafts = inflight.verify[req.request_id], req.draft_token_ids
+        j = 0
+        while j < len(drafts) and greedy[j] == drafts[j]:
+            j += 1
+        self.stats["spec_verifies"] += 1
+        self.stats["spec_drafted"] += len(drafts)
+        self.stats["spec_accepted"] += j
+        if j < len(drafts):
+            self.runner.restore_state(req, inflight.saved_states[req.request_id])
+            req.num_computed_tokens -= n
+        req.draft_token_ids = []
+        new: list[int] = []
+        reason = None
+        for tok in greedy[: j + 1]:
+            req.output_token_ids.append(tok)
+            new.append(tok)
+            reason = self._took(req, tok, len(req.output_token_ids), now)
+            if reason is not None:
+                break
+        return self._advanced(req, new, reason, n_out=len(req.output_token_ids))
+
+    def _draft(self, req: Request, k: int) -> list[int]:
+        """The scheduler's drafter: up to k drafts from `proposer` for a greedy request without
+        logprobs whose last token is on the host; none for any other."""
+        p = req.params
+        if not p.greedy or req.score_only or p.logprobs is not None or p.prompt_logprobs is not None:
+            return []
+        if req.output_token_ids and req.output_token_ids[-1] == PENDING:
+            return []
+        return self.proposer(req, min(k, self.ecfg.num_speculative_tokens))
+
+    @staticmethod
+    def _ngram_proposer(req: Request, k: int) -> list[int]:
+        if req.spec_index is None:
+            req.spec_index = NgramIndex()
+        return req.spec_index.propose(req.tokens_slice(0, req.num_tokens), k)
 
     def _check_stop(self, req: Request, tok: int, n_out: int) -> str | None:
         """n_out: tokens generated up to and including `tok`."""

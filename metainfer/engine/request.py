@@ -91,6 +91,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV / state are in the cache
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
+    spec_index: object = None  # the drafter's per-request state (spec.ngram.NgramIndex)
     num_preemptions: int = 0
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None

@@ -89,6 +89,10 @@ class InFlight:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     score_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # speculative verify (synchronous): request id -> the greedy token after the last real token and
+    # after each draft, and its DeltaNet states from before the step (to restore on a rejection)
+    verify: dict[str, list[int]] = field(default_factory=dict)
+    saved_states: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -250,18 +254,20 @@ class ModelRunner:
         A request's last token may still be PENDING (sampled by the previous, unfinished step): its
         id is taken on the device from that step's token buffer."""
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
+        saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
         if self.decode is not None and self._pure_decode(items):
             logits, owners, dst = self._decode_logits(items)
         elif self.prefill is not None and self._lone_prefill(items):
             logits, owners, dst = self._prefill_logits(items[0])
         else:
             logits, owners, dst = self._eager_logits(items)
-        inflight = InFlight(items=items)
+        inflight = InFlight(items=items, saved_states=saved)
         if logits is not None:
             if self.logits_hook is not None:
                 self.logits_hook(owners, logits)
             self._sample(logits, owners, inflight)
             self._extras(logits, owners, inflight)
+            self._verify(logits, owners, inflight)
         self._prev_rows = {r.request_id: j for j, (r, _) in enumerate(inflight.samples)}
         return inflight
 
@@ -270,6 +276,35 @@ class ModelRunner:
         if inflight.event is not None:
             inflight.event.synchronize()
         return inflight.host.tolist() if inflight.host is not None else []
+
+    # ---- speculative verify ---------------------------------------------------------------------
+    def _save_state(self, req: Request) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the request's DeltaNet conv and recurrent states (a verify step advances them
+        over every draft; a rejection puts these back and the accepted tokens are recomputed)."""
+        slot = req.state_slot
+        return [c[slot].clone() for c in self.caches.conv], [h[slot].clone() for h in self.caches.ssm]
+
+    def restore_state(self, req: Request, saved: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        slot = req.state_slot
+        for dst, src in zip(self.caches.conv, saved[0]):
+            dst[slot].copy_(src)
+        for dst, src in zip(self.caches.ssm, saved[1]):
+            dst[slot].copy_(src)
+
+    def _verify(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight) -> None:
+        """Greedy tokens of the verify rows (the last real token's, then each draft's), on the host."""
+        rows: dict[str, list[int]] = {}
+        for i, (r, kind, _) in enumerate(owners):
+            if kind == "verify":
+                rows.setdefault(r.request_id, []).append(i)
+        if not rows:
+            return
+        flat = [i for idx in rows.values() for i in idx]
+        toks = logits[torch.tensor(flat, device=logits.device)].argmax(dim=-1).tolist()
+        at = 0
+        for rid, idx in rows.items():
+            out.verify[rid] = toks[at : at + len(idx)]
+            at += len(idx)
 
     def _pending_source(self, req: Request, pos: int) -> int:
         """Row of the previous step's token buffer holding `req`'s token at `pos` (a PENDING one)."""
@@ -334,13 +369,18 @@ class ModelRunner:
         for req, n in items:
             start = req.num_computed_tokens
             base = len(ids)
-            toks = req.tokens_slice(start, start + n)
+            real = n - len(req.draft_token_ids)  # the sequence's own tokens, then the drafts
+            toks = req.tokens_slice(start, start + real)
             if toks and toks[-1] == PENDING:
-                dst.append((base + n - 1, self._pending_source(req, start + n - 1)))
+                dst.append((base + real - 1, self._pending_source(req, start + real - 1)))
                 toks = toks[:-1] + [0]
-            ids.extend(toks)
+            ids.extend(toks + req.draft_token_ids)
             positions.extend(range(start, start + n))
-            if req.score_only or (
+            if req.draft_token_ids:  # verify: the logits after the last real token and after each draft
+                for j in range(real - 1, n):
+                    logits_rows.append(base + j)
+                    owners.append((req, "verify", start + j))
+            elif req.score_only or (
                 req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
             ):
                 for j in range(n):

@@ -4,6 +4,7 @@ step, preemption by recompute when KV blocks run out. Host state only."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from metainfer.engine.cache import CacheManager
@@ -25,11 +26,16 @@ class ScheduledBatch:
         return len(self.items)
 
 
+Drafter = Callable[[Request, int], list[int]]  # (request, at most k) -> draft tokens, maybe none
+
+
 class Scheduler:
     def __init__(
-        self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        drafter: Drafter | None = None,
     ) -> None:
         self.cache = cache
+        self.drafter = drafter  # speculative decoding: drafts appended to a chunk that ends the sequence
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
@@ -66,8 +72,13 @@ class Scheduler:
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            req.draft_token_ids = []
             if n <= 0 or self._done_pending(req):
                 continue
+            k = self._draft(req, n, budget)
+            if k and not self.cache.can_grow(req, n + k):  # no blocks for the drafts: none, no preemption
+                req.draft_token_ids, k = [], 0
+            n += k
             while not self.cache.can_grow(req, n):
                 victim = self.running[-1]
                 if victim.request_id in scheduled:  # never undo work already scheduled
@@ -101,12 +112,24 @@ class Scheduler:
                 budget -= n
         return ScheduledBatch(items, preempted)
 
+    def _draft(self, req: Request, n: int, budget: int) -> int:
+        """Speculative drafts for a chunk of n tokens that ends the sequence (a decode, or the
+        recompute after a rejection), within the step budget and the request's remaining tokens
+        (a verify emits up to one token more than it drafts). -> how many were drafted."""
+        if self.drafter is None or req.num_computed_tokens + n != req.num_tokens:
+            return 0
+        k = min(budget - n, req.max_tokens - len(req.output_token_ids) - 1)
+        if k > 0 and req.output_token_ids:
+            req.draft_token_ids = self.drafter(req, k)[:k]
+        return len(req.draft_token_ids)
+
     def _done_pending(self, req: Request) -> bool:
         """Its last scheduled step already produces its final token (the result is in flight)."""
         n_out = len(req.output_token_ids)
         return n_out > 0 and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len)
 
     def _preempt(self, req: Request) -> None:
+        req.draft_token_ids = []
         self.running.remove(req)
         self.cache.release(req)
         req.status = Status.WAITING

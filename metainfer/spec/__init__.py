@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers; the engine verifies drafts (engine/scheduler, runner)."""

@@ -166,3 +166,35 @@ def test_kernels_match_reference_path(cfg_path):
         ops.use_kernels(True)
     for x, y in zip(fl, sl):  # the first step is teacher-forced identically; later ones follow greedy
         assert rel_rmse(x[0], y[0]) < 2e-2
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
+    """Speculative decoding on the CUDA kernels (verify steps eager, recompute chunks on the
+    lone-prefill graphs): with drafts half right, half wrong (the states restored after each
+    rejection), the greedy tokens equal plain decoding's up to the first near-tie (top-2 logit gap
+    of plain's row < 0.1: the verify chunk and the decode step round BF16 differently)."""
+    prompts = _prompts(4, seed=5)
+    kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant,
+              max_num_seqs=8, max_model_len=512)
+    plain = LLM(**kw)
+    po, pl = _run(plain, prompts, n=24)
+    del plain
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, po)}
+
+    def half_right(req, k):
+        cont = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+        h = len(cont) // 2
+        return cont[:h] + [(t + 1) % 4096 for t in cont[h:]]
+
+    spec = LLM(**kw, speculative="ngram", num_speculative_tokens=4)
+    spec.engine.proposer = half_right
+    so = spec.generate(prompt_token_ids=prompts,
+                       sampling_params=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    st = spec.engine.stats
+    assert 0 < st["spec_accepted"] < st["spec_drafted"]
+    for a, b, rows in zip(so, po, pl):
+        top2 = rows.topk(2, dim=-1).values
+        tie = [i for i, g in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if g < 0.1]
+        upto = tie[0] + 1 if tie else len(b.token_ids)
+        assert a.token_ids[:upto] == b.token_ids[:upto]

@@ -1,0 +1,133 @@
+"""Speculative decoding (n-gram drafts, verified in one step): greedy outputs equal plain decoding's
+whatever the drafts are (all right, all wrong, half right, the n-gram proposer's), with stops,
+max_tokens, preemption and sampled requests beside; a rejection restores the DeltaNet states; the
+n-gram index proposes what followed the latest earlier occurrence of the suffix."""
+
+from __future__ import annotations
+
+import pytest
+
+from metainfer.config import EngineConfig
+from metainfer.engine.request import SamplingParams
+from metainfer.llm import LLM
+from metainfer.spec.ngram import NgramIndex, propose_ngram
+from tests.helpers import token_prompts, write_config
+
+
+# ---- the n-gram proposer -------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_occurrence():
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # the 3-gram (1, 2, 3)
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 5) == [3, 4, 1, 2, 3]  # past the end: the loop goes on
+    assert propose_ngram([9, 9, 9, 9], 3) == [9, 9, 9]
+    assert propose_ngram([7, 1, 2, 8, 1, 2, 9, 1, 2], 2) == [9, 1]  # the latest occurrence wins
+    assert propose_ngram([5, 6, 7], 2) == [] and propose_ngram([5, 6, 5], 2) == []  # 1-grams: no
+    assert propose_ngram([1, 2, 3, 1, 2], 0) == []
+    with pytest.raises(ValueError):
+        NgramIndex(3, 2)
+
+
+def test_ngram_index_is_incremental():
+    idx, seq = NgramIndex(), [1, 2, 3, 1, 2]
+    for extra in ([], [3], [9, 1, 2], [4, 4, 4, 4]):
+        seq += extra
+        assert idx.propose(seq, 3) == propose_ngram(seq, 3)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return write_config(tmp_path_factory.mktemp("spec"))
+
+
+def _prompts():
+    rep = token_prompts([6], seed=5)[0]
+    return [rep * 4, token_prompts([9], seed=6)[0] + rep * 3, token_prompts([13], seed=7)[0], rep * 2 + [1]]
+
+
+def _llm(cfg, spec, **kw) -> LLM:
+    return LLM(model=f"dummy:{cfg}", device="cpu", dtype="float32", speculative=spec, **kw)
+
+
+def _gen(llm, prompts, params):
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    usage = llm.engine.cache.usage()
+    assert usage["kv_blocks_used"] == 0 and usage["state_slots_used"] == 0
+    return [(o.token_ids, o.finish_reason, o.stop_reason) for o in outs]
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def test_ngram_spec_equals_plain_greedy(cfg):
+    prompts = _prompts()
+    plain = _gen(_llm(cfg, None), prompts, GREEDY)
+    llm = _llm(cfg, "ngram", num_speculative_tokens=3)
+    assert _gen(llm, prompts, GREEDY) == plain
+    st = llm.engine.stats
+    assert st["spec_verifies"] > 0 and st["spec_drafted"] > 0  # the repeated prompts gave drafts
+    assert st["spec_drafted"] <= 3 * st["spec_verifies"]  # at most num_speculative_tokens each
+    assert st["generation_tokens"] == sum(len(t) for t, *_ in plain)
+
+
+def _scripted(llm, truth, how):
+    """Replaces the proposer: drafts from the true continuation, then spoiled per `how`."""
+
+    def drafter(req, k):
+        cont = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids) :][:k]
+        if how == "wrong":
+            return [(t + 1) % 512 for t in cont]
+        if how == "half":
+            return cont[: len(cont) // 2] + [(t + 1) % 512 for t in cont[len(cont) // 2 :]]
+        return cont
+
+    llm.engine.proposer = drafter
+
+
+@pytest.mark.parametrize("how", ["right", "wrong", "half"])
+def test_any_drafts_give_plain_greedy_outputs(cfg, how):
+    prompts = _prompts()
+    plain_llm = _llm(cfg, None)
+    plain = _gen(plain_llm, prompts, GREEDY)
+    truth = {tuple(p): t for p, (t, *_) in zip(prompts, plain)}
+    llm = _llm(cfg, "ngram", num_speculative_tokens=4)
+    _scripted(llm, truth, how)
+    assert _gen(llm, prompts, GREEDY) == plain
+    st = llm.engine.stats
+    assert st["spec_drafted"] > 0
+    if how == "right":  # every draft taken: far fewer steps
+        assert st["spec_accepted"] == st["spec_drafted"]
+        assert st["steps"] < plain_llm.engine.stats["steps"] / 2
+    elif how == "wrong":  # every draft rejected: the states restored every time
+        assert st["spec_accepted"] == 0
+    else:
+        assert 0 < st["spec_accepted"] < st["spec_drafted"]
+
+
+def test_spec_stops_max_tokens_samples_and_preemption(cfg):
+    prompts = _prompts() + token_prompts([3, 20], seed=8)
+    plain = _gen(_llm(cfg, None), prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    stop_tok = plain[0][0][5]  # stops inside a run of accepted drafts
+    params = [
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=(stop_tok,)),
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0.8, seed=3, ignore_eos=True),  # sampled: no drafts
+        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, min_tokens=3),
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+    ]
+    kw = dict(max_num_batched_tokens=24, block_size=8, num_kv_blocks=8, max_model_len=64, max_num_seqs=6)
+    want = _gen(_llm(cfg, None, **kw), prompts, params)
+    assert want[0][1] == "stop" and len(want[0][0]) == 6 and len(want[1][0]) == 7
+    truth = {tuple(p): t for p, (t, *_) in zip(prompts, plain)}
+    llm = _llm(cfg, "ngram", num_speculative_tokens=4, **kw)
+    _scripted(llm, truth, "half")
+    assert _gen(llm, prompts, params) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats["spec_accepted"] > 0
+
+
+def test_spec_config_is_validated():
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(speculative="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
