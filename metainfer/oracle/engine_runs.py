@@ -42,7 +42,8 @@ class GreedyRun:
 @contextmanager
 def capture_rows(llm: LLM, want: dict[str, int]):
     """Routes the engine's sampled-row logits of the requests in `want` (id -> index) into a list of
-    per-request {position: row} dicts (rows cloned: CUDA-graph outputs are reused buffers)."""
+    per-request {position: row} dicts (rows cloned: CUDA-graph outputs are reused buffers); the
+    latest row of a position wins."""
     runner = llm.engine.runner
     store: list[dict[int, torch.Tensor]] = [dict() for _ in range(max(want.values(), default=-1) + 1)]
     prev = runner.logits_hook
@@ -52,7 +53,9 @@ def capture_rows(llm: LLM, want: dict[str, int]):
             prev(owners, logits)
         for k, (req, kind, pos) in enumerate(owners):
             i = want.get(req.request_id)
-            if i is not None and kind == "sample":
+            # speculative verify rows too: a row after a rejected draft is overwritten by the row
+            # of that position once its token is real, and positions past the end are never read
+            if i is not None and kind in ("sample", "verify"):
                 store[i][pos] = logits[k].detach().clone()
 
     runner.logits_hook = hook

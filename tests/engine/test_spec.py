@@ -131,3 +131,35 @@ def test_spec_config_is_validated():
         EngineConfig(speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
+
+
+def test_oracle_rows_of_a_speculative_run_are_plain_decodings(cfg):
+    """The oracle's row capture keeps the latest row per position: after half-wrong drafts, every
+    decode row it reads (positions L-1 .. L+n-2) equals plain decoding's (fp32: rel. RMSE < 1e-4)."""
+    from metainfer.oracle.engine_runs import greedy_batch
+    from tests.helpers import rel_rmse
+
+    prompts = _prompts()
+    plain = greedy_batch(_llm(cfg, None), prompts, 16)
+    truth = {tuple(p): t for p, t in zip(prompts, plain.tokens)}
+    llm = _llm(cfg, "ngram", num_speculative_tokens=4)
+    _scripted(llm, truth, "half")
+    spec = greedy_batch(llm, prompts, 16)
+    assert spec.tokens == plain.tokens and not spec.problems
+    assert 0 < llm.engine.stats["spec_accepted"] < llm.engine.stats["spec_drafted"]
+    for i in range(len(prompts)):
+        (a, na), (b, nb) = spec.decode_rows(i), plain.decode_rows(i)
+        assert na == nb == 16 and rel_rmse(a, b) < 1e-4
+
+
+def test_oracle_passes_a_speculative_engine():
+    """`metainfer verify --speculative ngram` on the default model (quick suite, fp32 gates)."""
+    pytest.importorskip("transformers")
+    from metainfer.oracle.build import build_setup
+    from metainfer.oracle.report import format_table
+    from tests.oracle.oracle_helpers import verify
+
+    setup = build_setup("", "quick", {"device": "cpu", "speculative": "ngram"})
+    v = verify(setup)
+    assert v.passed, format_table(v)
+    assert setup.llm.engine.stats["spec_verifies"] > 0
