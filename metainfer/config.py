@@ -227,6 +227,7 @@ SPECULATIVE = (None, "ngram")
 
 
 DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
+SPEC_PREFILL_GRAPHS = (2, 4, 8, 16)  # with speculation: a lone verify (1 + K tokens) or recompute
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False  # CUDA graphs for decode (on CUDA, when the decode kernels exist)
     # step sizes of CUDA graphs for a prompt alone in a step (idle TTFT, KB-0030); None: the
-    # DEFAULT_PREFILL_GRAPHS up to max_num_batched_tokens; (): none
+    # DEFAULT_PREFILL_GRAPHS (with speculation also SPEC_PREFILL_GRAPHS) up to max_num_batched_tokens;
+    # (): none
     prefill_graphs: tuple[int, ...] | None = None
     warmup: bool = True  # CUDA: eager steps of serving's shapes at start (JIT compiles out of the TTFT)
     async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
@@ -301,4 +303,5 @@ class EngineConfig:
         if self.prefill_graphs is not None:
             return tuple(int(s) for s in self.prefill_graphs)
         bound = min(self.max_num_batched_tokens, self.max_model_len)
-        return tuple(s for s in DEFAULT_PREFILL_GRAPHS if s <= bound)
+        small = SPEC_PREFILL_GRAPHS if self.speculative else ()
+        return tuple(s for s in small + DEFAULT_PREFILL_GRAPHS if s <= bound)

@@ -7,7 +7,8 @@ A captured step of `size` tokens holds two sequences: 0 is the request's chunk o
 the null KV block 0 (like the decode graphs' padding rows: whatever it writes there is never read). The
 kernels take every length from the device offsets; the host gives only `size`, the grids' bound
 (`ForwardMeta.max_query_len`). One graph per size, captured largest first into one pool; the
-logits of the chunk's last token come out of the graph, sampling runs after the replay.
+logits of the chunk's last `logits_rows` tokens come out of the graph (more than one: a speculative
+verify, the last real token and its drafts), sampling runs after the replay.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class PrefillGraphs:
         block_size: int,
         device: torch.device,
         use_graphs: bool = True,
+        logits_rows: int = 1,
     ) -> None:
-        assert sizes and all(s >= 1 for s in sizes), sizes
+        assert sizes and all(s >= 1 for s in sizes) and logits_rows >= 1, (sizes, logits_rows)
         # the padding sequence (up to size - 1 tokens) reads its row of `max_blocks` null blocks
         assert max(sizes) <= max_blocks * block_size, (sizes, max_blocks, block_size)
         self.model, self.caches, self.device = model, caches, device
@@ -48,7 +50,7 @@ class PrefillGraphs:
         self.query_start_loc, self.seq_lens, self.context_lens = self._seq[:3], self._seq[3:5], self._seq[5:7]
         self.block_tables = z(2, max_blocks, dtype=i32)  # row 1: the padding sequence, all null blocks
         self.state_slots = z(2, dtype=i64)
-        self.logits_indices = z(1, dtype=i64)
+        self.logits_indices = z(logits_rows, dtype=i64)  # the chunk's last rows (the last repeated)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs = 0  # steps served (replays, or eager runs of the layout without graphs)
@@ -86,11 +88,13 @@ class PrefillGraphs:
     def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
         meta = self._meta(size, host)
         hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.caches)
-        return self.model.compute_logits(hidden[meta.logits_indices])  # [1, V] fp32
+        return self.model.compute_logits(hidden[meta.logits_indices])  # [logits_rows, V] fp32
 
-    def _fill(self, size: int, tokens: list[int], start: int, block_ids: list[int], slot: int) -> None:
+    def _fill(
+        self, size: int, tokens: list[int], start: int, block_ids: list[int], slot: int, rows: int = 1
+    ) -> None:
         """Stages the chunk tokens[0:n] at positions start.. of a request (its KV blocks, its state
-        slot) and the padding sequence behind it."""
+        slot) and the padding sequence behind it; logits for its last `rows` tokens."""
         n, bs, pad = len(tokens), self.block_size, size - len(tokens)
         assert 0 < n <= size and len(block_ids) * bs >= start + n, (n, size, start, len(block_ids))
         pos = list(range(start, start + n))
@@ -103,7 +107,10 @@ class PrefillGraphs:
         bt[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
         self.block_tables[0].copy_(bt.to(self.device, non_blocking=True))
         self.state_slots.copy_(torch.tensor([slot, 0], dtype=torch.int64).to(self.device, non_blocking=True))
-        self.logits_indices.fill_(n - 1)
+        R = self.logits_indices.shape[0]
+        assert 1 <= rows <= min(n, R), (rows, n, R)
+        idx = list(range(n - rows, n)) + [n - 1] * (R - rows)
+        self.logits_indices.copy_(torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -115,13 +122,16 @@ class PrefillGraphs:
 
         capture_graphs(self.device, self.sizes, prepare, self._forward, self.graphs, self.outputs)
 
-    def run(self, tokens: list[int], start: int, block_ids: list[int], slot: int) -> torch.Tensor:
-        """The chunk's forward (tokens at positions start.., 1 < n <= max_tokens). -> logits [1, V] fp32
-        of its last token (a graph's output buffer when replayed: read it before the next run)."""
+    def run(
+        self, tokens: list[int], start: int, block_ids: list[int], slot: int, rows: int = 1
+    ) -> torch.Tensor:
+        """The chunk's forward (tokens at positions start.., 1 < n <= max_tokens). -> logits
+        [rows, V] fp32 of its last `rows` tokens (a graph's output buffer when replayed: read it
+        before the next run)."""
         size = self.size_for(len(tokens))
-        self._fill(size, tokens, start, block_ids, slot)
+        self._fill(size, tokens, start, block_ids, slot, rows)
         self.runs += 1
         if self.use_graphs:
             self.graphs[size].replay()
-            return self.outputs[size]
-        return self._forward(size, (len(tokens), start, slot))
+            return self.outputs[size][:rows]
+        return self._forward(size, (len(tokens), start, slot))[:rows]

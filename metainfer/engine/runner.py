@@ -160,6 +160,7 @@ class ModelRunner:
             self.blocks_per_seq,
             self.ecfg.block_size,
             self.device,
+            logits_rows=1 + (self.ecfg.num_speculative_tokens if self.ecfg.speculative else 0),
         )
         pg.capture()
         return pg
@@ -327,23 +328,28 @@ class ModelRunner:
         )
 
     def _lone_prefill(self, items: list[tuple[Request, int]]) -> bool:
-        """One request's chunk alone in the step, ending its prompt with a sample, within the graphs."""
+        """One request's chunk alone in the step, ending its tokens (then its drafts, if any) with a
+        sample or a verify, within the graphs."""
         if len(items) != 1:
             return False
         r, n = items[0]
-        start = r.num_computed_tokens
+        start, real = r.num_computed_tokens, n - len(r.draft_token_ids)
         return (
             1 < n <= self.prefill.max_tokens
-            and start + n == r.num_tokens
+            and start + real == r.num_tokens
             and not r.score_only
             and r.params.prompt_logprobs is None
-            and r.token_at(start + n - 1) != PENDING
+            and r.token_at(start + real - 1) != PENDING
         )
 
     def _prefill_logits(self, item: tuple[Request, int]):
         r, n = item
-        start = r.num_computed_tokens
-        logits = self.prefill.run(r.tokens_slice(start, start + n), start, r.block_ids, r.state_slot)
+        start, drafts = r.num_computed_tokens, r.draft_token_ids
+        real = n - len(drafts)
+        toks = r.tokens_slice(start, start + real) + drafts
+        logits = self.prefill.run(toks, start, r.block_ids, r.state_slot, rows=len(drafts) + 1)
+        if drafts:  # verify: the last real token's row, then each draft's
+            return logits, [(r, "verify", start + real - 1 + j) for j in range(len(drafts) + 1)], []
         return logits, [(r, "sample", start + n - 1)], []
 
     def _decode_logits(self, items):
