@@ -227,7 +227,7 @@ SPECULATIVE = (None, "ngram")
 
 
 DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
-SPEC_PREFILL_GRAPHS = (2, 4, 8, 16)  # with speculation: a lone verify (1 + K tokens) or recompute
+SPEC_PREFILL_GRAPHS = (2, 4, 8, 16)  # with speculation (and 1 + K): a lone verify or recompute
 
 
 @dataclass(frozen=True)
@@ -303,5 +303,5 @@ class EngineConfig:
         if self.prefill_graphs is not None:
             return tuple(int(s) for s in self.prefill_graphs)
         bound = min(self.max_num_batched_tokens, self.max_model_len)
-        small = SPEC_PREFILL_GRAPHS if self.speculative else ()
-        return tuple(s for s in small + DEFAULT_PREFILL_GRAPHS if s <= bound)
+        small = sorted({*SPEC_PREFILL_GRAPHS, 1 + self.num_speculative_tokens}) if self.speculative else []
+        return tuple(s for s in (*small, *DEFAULT_PREFILL_GRAPHS) if s <= bound)

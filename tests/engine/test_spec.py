@@ -168,7 +168,7 @@ def test_oracle_passes_a_speculative_engine():
 def test_lone_verify_takes_the_prefill_graph_layout(cfg):
     """A verify (or a recompute) alone in its step runs through the lone-prefill graphs' padded
     layout with logits for its last 1 + K rows (CPU: the layout run eagerly), giving plain greedy
-    outputs; with speculation the default graph sizes gain 2, 4, 8 and 16 tokens."""
+    outputs; with speculation the default graph sizes gain 2, 4, 1 + K, 8 and 16 tokens."""
     prompts = _prompts()
     plain = _gen(_llm(cfg, None), prompts, GREEDY)
     truth = {tuple(p): t for p, (t, *_) in zip(prompts, plain)}
@@ -179,5 +179,5 @@ def test_lone_verify_takes_the_prefill_graph_layout(cfg):
     got = [_gen(llm, [p], GREEDY)[0] for p in prompts]  # one at a time: every step is lone
     assert got == plain
     assert pg.runs > len(prompts) and 0 < llm.engine.stats["spec_accepted"] < llm.engine.stats["spec_drafted"]
-    assert EngineConfig(speculative="ngram").prefill_graph_sizes[:5] == (2, 4, 8, 16, 128)
+    assert EngineConfig(speculative="ngram").prefill_graph_sizes[:6] == (2, 4, 5, 8, 16, 128)  # 5: 1 + K
     assert EngineConfig().prefill_graph_sizes[0] == 128

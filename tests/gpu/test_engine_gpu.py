@@ -189,10 +189,15 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
 
     spec = LLM(**kw, speculative="ngram", num_speculative_tokens=4)
     spec.engine.proposer = half_right
-    so = spec.generate(prompt_token_ids=prompts,
-                       sampling_params=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    so = spec.generate(prompt_token_ids=prompts, sampling_params=sp)  # verify steps of several: eager
     st = spec.engine.stats
     assert 0 < st["spec_accepted"] < st["spec_drafted"]
+    runs = spec.engine.runner.prefill.runs
+    alone = [spec.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in prompts]
+    assert spec.engine.runner.prefill.runs > runs + len(prompts)  # lone verifies replayed graphs
+    for a, c in zip(so, alone):
+        assert a.token_ids == c.token_ids
     for a, b, rows in zip(so, po, pl):
         top2 = rows.topk(2, dim=-1).values
         tie = [i for i, g in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if g < 0.1]
