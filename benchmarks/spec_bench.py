@@ -1,0 +1,80 @@
+"""Batch-1 decode with and without n-gram speculation (KB-0038) on the full config, dummy weights.
+
+Two prompts: 1k random ids, and a 64-token random pattern repeated to 1k (the n-gram proposer's
+best case on the prompt side; whether drafts are accepted depends on what the model continues
+with, reported as the acceptance). Decode tok/s = (tokens - 1) / (end-to-end - TTFT), median of
+`--reps` runs; the greedy tokens with and without speculation are compared.
+
+    python benchmarks/spec_bench.py --dtype fp8 --gen 256 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_smoke import env_info  # noqa: E402
+
+from metainfer.config import FULL_CONFIG  # noqa: E402
+from metainfer.engine.request import SamplingParams  # noqa: E402
+from metainfer.llm import LLM  # noqa: E402
+
+
+def prompts(vocab: int, n: int = 1024) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(11)
+    pattern = torch.randint(0, vocab, (64,), generator=g).tolist()
+    return {"random": torch.randint(0, vocab, (n,), generator=g).tolist(), "repeated": (pattern * n)[:n]}
+
+
+def run(llm: LLM, prompt: list[int], gen: int, reps: int) -> dict:
+    sp = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=sp)  # warm: shapes compiled
+    speeds, st0 = [], dict(llm.engine.stats)
+    for _ in range(reps):
+        o = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
+        speeds.append((len(o.token_ids) - 1) / (o.e2e - o.ttft))
+    keys = ("steps", "spec_verifies", "spec_drafted", "spec_accepted")  # over the timed runs
+    st = {k: llm.engine.stats[k] - st0[k] for k in keys}
+    return {"decode_tok_s": statistics.median(speeds), "all_tok_s": speeds, "tokens": o.token_ids,
+            "ttft_ms": o.ttft * 1e3, **st}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="fp8", choices=["bfloat16", "fp8"])
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--config", default=str(FULL_CONFIG))
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    kw = dict(model=f"dummy:{args.config}", device=args.device, dtype="bfloat16", max_num_seqs=4,
+              max_model_len=2048, quantization="fp8" if args.dtype == "fp8" else None)
+    res = {"env": env_info(), "dtype": args.dtype, "gen": args.gen, "k": args.k, "runs": {}}
+    for mode in ("plain", "ngram"):
+        llm = LLM(**kw, speculative=None if mode == "plain" else "ngram", num_speculative_tokens=args.k)
+        ps = prompts(llm.engine.model_config.vocab_size)
+        for name, p in ps.items():
+            res["runs"][f"{mode}/{name}"] = run(llm, p, args.gen, args.reps)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"spec_bench_{args.dtype}.json").write_text(json.dumps(res, indent=1))
+    print(f"[{args.dtype}] | prompt | plain tok/s | ngram tok/s | accepted / drafted | steps | same tokens |")
+    for name in ("random", "repeated"):
+        a, b = res["runs"][f"plain/{name}"], res["runs"][f"ngram/{name}"]
+        print(f"| {name} | {a['decode_tok_s']:.0f} | {b['decode_tok_s']:.0f} | {b['spec_accepted']} / "
+              f"{b['spec_drafted']} | {a['steps']} -> {b['steps']} | {a['tokens'] == b['tokens']} |")
+
+
+if __name__ == "__main__":
+    main()
