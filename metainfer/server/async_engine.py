@@ -52,6 +52,8 @@ class EngineSnapshot:
     num_preemptions: int = 0
     num_steps: int = 0
     num_step_failures: int = 0
+    spec_drafted: int = 0  # speculative draft tokens verified, and those accepted
+    spec_accepted: int = 0
     alive: bool = True
 
 
@@ -346,5 +348,7 @@ class AsyncEngine:
             num_preemptions=e.scheduler.num_preemptions,
             num_steps=self._steps,
             num_step_failures=self._failures,
+            spec_drafted=e.stats["spec_drafted"],
+            spec_accepted=e.stats["spec_accepted"],
             alive=alive,
         )

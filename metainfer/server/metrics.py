@@ -120,6 +120,8 @@ class _SnapshotCollector(Collector):
         yield counter("num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.num_steps)
         yield counter("engine_step_failures", "Engine steps that raised.", s.num_step_failures)
+        yield counter("spec_draft_tokens", "Speculative draft tokens verified.", s.spec_drafted)
+        yield counter("spec_accepted_tokens", "Speculative draft tokens accepted.", s.spec_accepted)
 
 
 class ServerMetrics:
