@@ -181,3 +181,21 @@ def test_lone_verify_takes_the_prefill_graph_layout(cfg):
     assert pg.runs > len(prompts) and 0 < llm.engine.stats["spec_accepted"] < llm.engine.stats["spec_drafted"]
     assert EngineConfig(speculative="ngram").prefill_graph_sizes[:6] == (2, 4, 5, 8, 16, 128)  # 5: 1 + K
     assert EngineConfig().prefill_graph_sizes[0] == 128
+
+
+def test_drafts_fit_the_step_budget_and_max_tokens(cfg):
+    """The scheduler asks for at most min(K, budget - chunk, max_tokens - outputs - 1) drafts."""
+    prompts = _prompts()[:2]
+    plain = _gen(_llm(cfg, None, max_num_batched_tokens=5), prompts, GREEDY)
+    truth = {tuple(p): t for p, (t, *_) in zip(prompts, plain)}
+    llm = _llm(cfg, "ngram", num_speculative_tokens=8, max_num_batched_tokens=5)
+    asked = []
+
+    def proposer(req, k):
+        asked.append((k, req.max_tokens - len(req.output_token_ids) - 1))
+        return truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+
+    llm.engine.proposer = proposer
+    assert _gen(llm, prompts, GREEDY) == plain
+    assert asked and all(1 <= k <= min(4, left) for k, left in asked)  # budget 5 - 1 real token
+    assert max(k for k, _ in asked) == 4 and min(left for _, left in asked) < 4  # both bounds bit
