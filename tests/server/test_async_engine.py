@@ -26,6 +26,7 @@ class FakeEngine:
         self.fail_next = 0
         self.num_waiting = 0
         self.scheduler = SimpleNamespace(num_preemptions=0)
+        self.stats = {"spec_drafted": 0, "spec_accepted": 0}  # the LLMEngine counters the snapshot reads
         self.cache = SimpleNamespace(
             usage=lambda: {
                 "kv_blocks_used": len(self.reqs),
