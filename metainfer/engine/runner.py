@@ -74,6 +74,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+StateCopy = tuple[list[torch.Tensor], list[torch.Tensor]]  # one slot's DeltaNet conv and recurrent states
+
 PENDING = -1  # placeholder for a token sampled by a step whose results are not on the host yet
 
 
@@ -92,7 +94,7 @@ class InFlight:
     # speculative verify (synchronous): request id -> the greedy token after the last real token and
     # after each draft, and its DeltaNet states from before the step (to restore on a rejection)
     verify: dict[str, list[int]] = field(default_factory=dict)
-    saved_states: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    saved_states: dict[str, StateCopy] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -279,33 +281,33 @@ class ModelRunner:
         return inflight.host.tolist() if inflight.host is not None else []
 
     # ---- speculative verify ---------------------------------------------------------------------
-    def _save_state(self, req: Request) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _save_state(self, req: Request) -> StateCopy:
         """Copies of the request's DeltaNet conv and recurrent states (a verify step advances them
         over every draft; a rejection puts these back and the accepted tokens are recomputed)."""
         slot = req.state_slot
         return [c[slot].clone() for c in self.caches.conv], [h[slot].clone() for h in self.caches.ssm]
 
-    def restore_state(self, req: Request, saved: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+    def restore_state(self, req: Request, saved: StateCopy) -> None:
         slot = req.state_slot
         for dst, src in zip(self.caches.conv, saved[0]):
             dst[slot].copy_(src)
         for dst, src in zip(self.caches.ssm, saved[1]):
             dst[slot].copy_(src)
 
+    @staticmethod
+    def _verify_owners(req: Request, start: int, real: int, n: int) -> list[tuple[Request, str, int]]:
+        """A verify chunk's logits rows (of its n tokens, `real` of them the sequence's own): after
+        the last real token, then after each draft."""
+        return [(req, "verify", start + j) for j in range(real - 1, n)]
+
     def _verify(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight) -> None:
-        """Greedy tokens of the verify rows (the last real token's, then each draft's), on the host."""
-        rows: dict[str, list[int]] = {}
-        for i, (r, kind, _) in enumerate(owners):
-            if kind == "verify":
-                rows.setdefault(r.request_id, []).append(i)
-        if not rows:
+        """Greedy tokens of the verify rows, in order per request, on the host."""
+        idx = [i for i, (_, kind, _) in enumerate(owners) if kind == "verify"]
+        if not idx:
             return
-        flat = [i for idx in rows.values() for i in idx]
-        toks = logits[torch.tensor(flat, device=logits.device)].argmax(dim=-1).tolist()
-        at = 0
-        for rid, idx in rows.items():
-            out.verify[rid] = toks[at : at + len(idx)]
-            at += len(idx)
+        toks = logits[torch.tensor(idx, device=logits.device)].argmax(dim=-1).tolist()
+        for i, tok in zip(idx, toks):
+            out.verify.setdefault(owners[i][0].request_id, []).append(tok)
 
     def _pending_source(self, req: Request, pos: int) -> int:
         """Row of the previous step's token buffer holding `req`'s token at `pos` (a PENDING one)."""
@@ -348,8 +350,8 @@ class ModelRunner:
         real = n - len(drafts)
         toks = r.tokens_slice(start, start + real) + drafts
         logits = self.prefill.run(toks, start, r.block_ids, r.state_slot, rows=len(drafts) + 1)
-        if drafts:  # verify: the last real token's row, then each draft's
-            return logits, [(r, "verify", start + real - 1 + j) for j in range(len(drafts) + 1)], []
+        if drafts:
+            return logits, self._verify_owners(r, start, real, n), []
         return logits, [(r, "sample", start + n - 1)], []
 
     def _decode_logits(self, items):
@@ -382,10 +384,9 @@ class ModelRunner:
                 toks = toks[:-1] + [0]
             ids.extend(toks + req.draft_token_ids)
             positions.extend(range(start, start + n))
-            if req.draft_token_ids:  # verify: the logits after the last real token and after each draft
-                for j in range(real - 1, n):
-                    logits_rows.append(base + j)
-                    owners.append((req, "verify", start + j))
+            if req.draft_token_ids:
+                logits_rows.extend(range(base + real - 1, base + n))
+                owners.extend(self._verify_owners(req, start, real, n))
             elif req.score_only or (
                 req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
             ):

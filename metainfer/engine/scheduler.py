@@ -75,10 +75,11 @@ class Scheduler:
             req.draft_token_ids = []
             if n <= 0 or self._done_pending(req):
                 continue
-            k = self._draft(req, n, budget)
-            if k and not self.cache.can_grow(req, n + k):  # no blocks for the drafts: none, no preemption
-                req.draft_token_ids, k = [], 0
-            n += k
+            drafts = self._drafts(req, n, budget)
+            if drafts and not self.cache.can_grow(req, n + len(drafts)):  # no blocks for them: none
+                drafts = []
+            req.draft_token_ids = drafts
+            n += len(drafts)
             while not self.cache.can_grow(req, n):
                 victim = self.running[-1]
                 if victim.request_id in scheduled:  # never undo work already scheduled
@@ -112,16 +113,14 @@ class Scheduler:
                 budget -= n
         return ScheduledBatch(items, preempted)
 
-    def _draft(self, req: Request, n: int, budget: int) -> int:
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative drafts for a chunk of n tokens that ends the sequence (a decode, or the
         recompute after a rejection), within the step budget and the request's remaining tokens
-        (a verify emits up to one token more than it drafts). -> how many were drafted."""
-        if self.drafter is None or req.num_computed_tokens + n != req.num_tokens:
-            return 0
+        (a verify emits up to one token more than it drafts)."""
+        if self.drafter is None or req.num_computed_tokens + n != req.num_tokens or not req.output_token_ids:
+            return []
         k = min(budget - n, req.max_tokens - len(req.output_token_ids) - 1)
-        if k > 0 and req.output_token_ids:
-            req.draft_token_ids = self.drafter(req, k)[:k]
-        return len(req.draft_token_ids)
+        return self.drafter(req, k)[:k] if k > 0 else []
 
     def _done_pending(self, req: Request) -> bool:
         """Its last scheduled step already produces its final token (the result is in flight)."""

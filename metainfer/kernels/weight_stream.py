@@ -31,6 +31,9 @@ SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_line
 FP8_STREAM_MAX_T_ENV = "METAINFER_FP8_STREAM_MAX_T"  # FP8 projections of more tokens: the W8A8 GEMM
 FP8_STREAM_MAX_T = 16  # KB-0036: decode batch 64 4,587 -> 4,659 tok/s on the cuBLAS GEMM, 17-32 equal
 
+TUNED_ENV = "METAINFER_FP8_TUNED"
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
 
 def fp8_stream_max_t() -> int:
     """The most tokens an FP8 dense projection streams its weights for (W8A16); above it the
@@ -42,8 +45,6 @@ def fp8_stream_max_t() -> int:
     if not v.isdigit() or not 1 <= int(v) <= SKINNY_MAX_T:
         raise ValueError(f"{FP8_STREAM_MAX_T_ENV} must be an integer in 1..{SKINNY_MAX_T}; got {v!r}")
     return int(v)
-TUNED_ENV = "METAINFER_FP8_TUNED"
-_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 # ---- kernels -------------------------------------------------------------------------------------
