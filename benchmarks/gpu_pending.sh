@@ -23,6 +23,8 @@
 #            launch with a grid barrier between stages), ~1 min
 #   prof32 - batch-32 decode kernel profiles, PDL off, FP8 and BF16 (the batch kept whole since
 #            2026-11-30h; the c=32 step's split between MoE, DeltaNet, projections and small kernels), ~2 min
+#   spec   - KB-0038: batch-1 decode with and without n-gram speculation (benchmarks/spec_bench.py,
+#            random and repeated-pattern 1k prompts; acceptance reported), SPEC_DTYPES (fp8), ~2 min each
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -85,6 +87,12 @@ fi
 if [[ $PHASES == *barrier* ]]; then
   timeout 120 python -m pytest -q tests/gpu/test_grid_sync_gpu.py -p no:cacheprovider 2>&1 | tail -3
   timeout 120 python benchmarks/barrier_bench.py --out $OUT 2>&1 | grep -v "falling back" | tail -12
+fi
+if [[ $PHASES == *spec* ]]; then
+  for dt in ${SPEC_DTYPES:-fp8}; do
+    timeout 240 python benchmarks/spec_bench.py --dtype $dt --gen ${SPEC_GEN:-256} --k ${SPEC_K:-4} --out $OUT/spec \
+      2>&1 | grep -v "falling back" | tail -4
+  done
 fi
 if [[ $PHASES == *prof32* ]]; then
   for dt in fp8 bfloat16; do
