@@ -25,6 +25,10 @@
 #            2026-11-30h; the c=32 step's split between MoE, DeltaNet, projections and small kernels), ~2 min
 #   spec   - KB-0038: batch-1 decode with and without n-gram speculation (benchmarks/spec_bench.py,
 #            random and repeated-pattern 1k prompts; acceptance reported), SPEC_DTYPES (fp8), ~2 min each
+#   stream64 - FP8 dense projections of 17-64 tokens (decode batches 24-64) on the weight-streaming
+#            kernel with swept tiles (T = 32, 64; nearest wider config between) instead of cuBLAS's
+#            W8A8 GEMM (24 % of its byte floor at batch 32, 2026-11-30i): sweep, then decode batches
+#            24/32/48/64 without and with it, ~8 min; s64verify: the FP8 oracle with it, ~2 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -93,6 +97,21 @@ if [[ $PHASES == *spec* ]]; then
     timeout 240 python benchmarks/spec_bench.py --dtype $dt --gen ${SPEC_GEN:-256} --k ${SPEC_K:-4} --out $OUT/spec \
       2>&1 | grep -v "falling back" | tail -4
   done
+fi
+if [[ $PHASES == *stream64* ]]; then
+  timeout 300 python benchmarks/sweep_decode_kernels.py --linears deltanet.in_proj,deltanet.out_proj,attn.qkv,attn.o_proj \
+    --moe= --tokens 32,64 --out $OUT/stream64 2>&1 | grep -v "falling back\|skip" | tail -12
+  T64=$OUT/stream64/fp8_skinny_tuned.json
+  for on in 0 1; do
+    sw=(); [[ $on == 1 ]] && sw=(METAINFER_FP8_STREAM_MAX_T=64 METAINFER_FP8_TUNED=$T64)
+    env "${sw[@]}" timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 24,32,48,64 --gen 32 \
+      --no-profile --out $OUT/stream64_ab$on 2>&1 | grep -E "^\|" | sed "s/^/[stream64=$on] /"
+  done
+fi
+if [[ $PHASES == *s64verify* ]]; then  # the oracle on stream64's configs (STREAM64_TUNED: their JSON)
+  METAINFER_FP8_STREAM_MAX_T=64 METAINFER_FP8_TUNED=$STREAM64_TUNED timeout 110 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+    --json $OUT/verify_fp8_stream64.json 2>&1 | grep -E "verdict|decode" | tail -4 | sed "s/^/[stream64] /"
 fi
 if [[ $PHASES == *prof32* ]]; then
   for dt in fp8 bfloat16; do

@@ -43,11 +43,16 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(ecfg.seed)
         self.proposer = self._ngram_proposer  # (request, k) -> drafts (a test seam)
-        # drafts need the last token on the host when the next step is scheduled: no async steps
-        self.async_scheduling = ecfg.async_scheduling and not ecfg.speculative
+        self.async_scheduling = ecfg.async_scheduling
         self._pending: InFlight | None = None
+        # speculation and async steps: drafts need the last tokens on the host when a step is scheduled,
+        # so a verify runs synchronously and so does a probe step (the one before a proposal); after a
+        # proposal that found nothing, 2, 4, ... SPEC_PROBE_MAX steps run async before the next probe
+        self._host_tokens = True  # the batch being scheduled sees every sequence's last token
+        self._spec_wait = 0  # async steps left before the next probe
+        self._spec_misses = 0  # proposals in a row that found no drafts
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
-                      "slow_launches": 0, "spec_verifies": 0, "spec_drafted": 0, "spec_accepted": 0}
+                      "slow_launches": 0, "async_steps": 0, "spec_verifies": 0, "spec_drafted": 0, "spec_accepted": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -158,6 +163,8 @@ class LLMEngine:
                 + self._fail_batch(batch.items, f"internal error while running the model: {e}")
             )
         self.stats["steps"] += 1
+        self.stats["async_steps"] += not sync
+        self._host_tokens = sync
         self._launched(inflight)
         outputs += self._drain()
         if sync:
@@ -183,11 +190,26 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._pending is not None
 
+    SPEC_PROBE_MAX = 8  # async steps at most between two proposals that keep finding nothing
+
     def _async_ok(self, batch: ScheduledBatch) -> bool:
-        return self.async_scheduling and all(
+        """Whether this step may run async (its tokens processed during the next call). Called once
+        per step: with speculation it also counts down to the next probe."""
+        if not self.async_scheduling or not all(
             not r.score_only and r.params.logprobs is None and r.params.prompt_logprobs is None
             for r, _ in batch.items
-        )
+        ):
+            return False
+        if self.scheduler.drafter is None:
+            return True
+        if any(r.draft_token_ids for r, _ in batch.items):  # a verify: its acceptance shapes the next step
+            self._spec_misses = 0
+            return False
+        if self._host_tokens and any(r.output_token_ids and self._draftable(r) for r, _ in batch.items):
+            self._spec_misses += 1  # the proposals for this batch found nothing: back off
+            self._spec_wait = min(2**self._spec_misses, self.SPEC_PROBE_MAX)
+        self._spec_wait -= 1
+        return self._spec_wait > 0
 
     def _launched(self, inflight: InFlight) -> None:
         """Host bookkeeping right after a launch: progress, and a PENDING token per sampling row."""
@@ -290,12 +312,14 @@ class LLMEngine:
     def _draft(self, req: Request, k: int) -> list[int]:
         """The scheduler's drafter: up to k drafts from `proposer` for a greedy request without
         logprobs whose last token is on the host; none for any other."""
-        p = req.params
-        if not p.greedy or req.score_only or p.logprobs is not None or p.prompt_logprobs is not None:
-            return []
-        if req.output_token_ids and req.output_token_ids[-1] == PENDING:
+        if not self._draftable(req) or (req.output_token_ids and req.output_token_ids[-1] == PENDING):
             return []
         return self.proposer(req, min(k, self.ecfg.num_speculative_tokens))
+
+    @staticmethod
+    def _draftable(req: Request) -> bool:
+        p = req.params
+        return p.greedy and not req.score_only and p.logprobs is None and p.prompt_logprobs is None
 
     @staticmethod
     def _ngram_proposer(req: Request, k: int) -> list[int]:

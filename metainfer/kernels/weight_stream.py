@@ -342,9 +342,26 @@ def gemv_config(K: int, T: int, block_n: int, ks: int, num_warps: int = 4) -> di
                 num_warps=num_warps)
 
 
+def tuned_row(table: dict[str, dict], N: int, K: int, T: int) -> dict | None:
+    """The table's FP8 "N,K,T" config for T tokens, else the one measured at the fewest tokens
+    T' in (T, 2T) whose tile holds T (BLOCK_T >= T): a decode batch of 24 takes the 32-token
+    config, 40-64 the 64-token one."""
+    hit = table.get(f"{N},{K},{T}")
+    if hit is not None:
+        return hit
+    near = []
+    for key, cfg in table.items():
+        parts = key.split(",")
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            n, k, t = (int(p) for p in parts)
+            if (n, k) == (N, K) and T < t < 2 * T and cfg.get("BLOCK_T", 0) >= T:
+                near.append((t, key))
+    return table[min(near)[1]] if near else None
+
+
 def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
     """(BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, warps, stages) for the weight-streaming kernel."""
-    hit = tuned_table().get(f"{N},{K},{T}")
+    hit = tuned_row(tuned_table(), N, K, T)
     if hit is not None:
         return dict(hit)
     block_t = 1 if T == 1 else max(16, triton.next_power_of_2(T))

@@ -58,15 +58,45 @@ def _gen(llm, prompts, params):
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-def test_ngram_spec_equals_plain_greedy(cfg):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_spec_equals_plain_greedy(cfg, async_scheduling):
     prompts = _prompts()
     plain = _gen(_llm(cfg, None), prompts, GREEDY)
-    llm = _llm(cfg, "ngram", num_speculative_tokens=3)
+    llm = _llm(cfg, "ngram", num_speculative_tokens=3, async_scheduling=async_scheduling)
     assert _gen(llm, prompts, GREEDY) == plain
     st = llm.engine.stats
-    assert st["spec_verifies"] > 0 and st["spec_drafted"] > 0  # the repeated prompts gave drafts
-    assert st["spec_drafted"] <= 3 * st["spec_verifies"]  # at most num_speculative_tokens each
     assert st["generation_tokens"] == sum(len(t) for t, *_ in plain)
+    if async_scheduling:  # proposals that find nothing back off: most steps run async (no verify here)
+        assert st["async_steps"] > st["steps"] / 2
+    else:  # every step proposes: the output's own repeat (step 9) gave drafts
+        assert st["spec_verifies"] > 0 and st["spec_drafted"] > 0
+        assert st["spec_drafted"] <= 3 * st["spec_verifies"]  # at most num_speculative_tokens each
+
+
+def test_spec_probes_back_off_and_resume(cfg):
+    """With async steps on, a proposal that finds nothing lets the next 2, 4, ... SPEC_PROBE_MAX steps
+    run async (no proposals: their last tokens are on the device); drafts found again run verifies
+    (synchronous) until a proposal fails. Outputs equal plain decoding's throughout."""
+    prompts = _prompts()[:1]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = _gen(_llm(cfg, None), prompts, params)
+    truth = plain[0][0]
+    llm = _llm(cfg, "ngram", num_speculative_tokens=2)
+    calls = []
+
+    def drafter(req, k):  # nothing for the first 12 tokens, then the true continuation
+        n = len(req.output_token_ids)
+        calls.append(n)
+        return truth[n:][:k] if n >= 12 else []
+
+    llm.engine.proposer = drafter
+    assert _gen(llm, prompts, params) == plain
+    st = llm.engine.stats
+    misses = [n for n in calls if n < 12]
+    gaps = [b - a for a, b in zip(misses, misses[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] <= llm.engine.SPEC_PROBE_MAX  # the backoff grows, capped
+    assert len(misses) < 6 and st["async_steps"] >= 12 - len(misses) - 2
+    assert st["spec_accepted"] == st["spec_drafted"] > 0 and st["steps"] < 12 + (40 - 12) / 2
 
 
 def _scripted(llm, truth, how):

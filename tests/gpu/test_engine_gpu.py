@@ -173,7 +173,10 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
     """Speculative decoding on the CUDA kernels (verify steps eager, recompute chunks on the
     lone-prefill graphs): with drafts half right, half wrong (the states restored after each
     rejection), the greedy tokens equal plain decoding's up to the first near-tie (top-2 logit gap
-    of plain's row < 0.1: the verify chunk and the decode step round BF16 differently)."""
+    of plain's row < 0.1 in BF16: the verify chunk and the decode step round differently; < 0.5 in
+    FP8, where a verify step of several sequences (> 16 tokens) quantises its activations to e4m3
+    and a decode step does not: measured 2026-11-30i, the batched and lone FP8 runs parted at
+    token 6)."""
     prompts = _prompts(4, seed=5)
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant,
               max_num_seqs=8, max_model_len=512)
@@ -196,10 +199,11 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
     runs = spec.engine.runner.prefill.runs
     alone = [spec.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in prompts]
     assert spec.engine.runner.prefill.runs > runs + len(prompts)  # lone verifies replayed graphs
-    for a, c in zip(so, alone):
-        assert a.token_ids == c.token_ids
-    for a, b, rows in zip(so, po, pl):
+    if quant is None:  # same kernels, batched or alone
+        assert [a.token_ids for a in so] == [c.token_ids for c in alone]
+    for a, c, b, rows in zip(so, alone, po, pl):
         top2 = rows.topk(2, dim=-1).values
-        tie = [i for i, g in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if g < 0.1]
+        near = 0.1 if quant is None else 0.5
+        tie = [i for i, g in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if g < near]
         upto = tie[0] + 1 if tie else len(b.token_ids)
-        assert a.token_ids[:upto] == b.token_ids[:upto]
+        assert a.token_ids[:upto] == b.token_ids[:upto] and c.token_ids[:upto] == b.token_ids[:upto]

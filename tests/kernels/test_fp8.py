@@ -479,3 +479,14 @@ def test_stream_config_prefers_the_gemv_entry(monkeypatch):
     monkeypatch.setenv(ws.GEMV_ENV, "0")
     assert ws.stream_config(1, 200, 300, True, dev)["BLOCK_K"] == 256
     assert ws.stream_config(1, 200, 300, False, dev) is None
+
+
+def test_tuned_row_takes_the_nearest_wider_measurement():
+    """A decode batch between measured token counts takes the config measured at the fewest tokens
+    above it (less than 2x) whose tile holds it; an exact key wins; nothing wider: the heuristic."""
+    table = {"200,300,32": dict(BLOCK_T=32, tag="t32"), "200,300,64": dict(BLOCK_T=64, tag="t64"),
+             "200,300,40": dict(BLOCK_T=32, tag="tile too small"), "bf16:200,300,32": dict(BLOCK_T=32),
+             "gemv:200,300,48": dict(BLOCK_T=64), "100,300,24": dict(BLOCK_T=32)}
+    pick = lambda T: (ws.tuned_row(table, 200, 300, T) or {}).get("tag")  # noqa: E731
+    assert [pick(T) for T in (16, 17, 24, 32, 33, 40, 48, 64, 65, 128)] == [
+        None, "t32", "t32", "t32", "t64", "tile too small", "t64", "t64", None, None]
