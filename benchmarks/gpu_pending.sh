@@ -94,8 +94,8 @@ if [[ $PHASES == *barrier* ]]; then
 fi
 if [[ $PHASES == *spec* ]]; then
   for dt in ${SPEC_DTYPES:-fp8}; do
-    timeout 240 python benchmarks/spec_bench.py --dtype $dt --gen ${SPEC_GEN:-256} --k ${SPEC_K:-4} --out $OUT/spec \
-      2>&1 | grep -v "falling back" | tail -4
+    timeout 240 python benchmarks/spec_bench.py --dtype $dt --gen ${SPEC_GEN:-256} --k ${SPEC_K:-4} --out $OUT/spec ${SPEC_ARGS:-} \
+      2>&1 | grep -v "falling back" | tail -${SPEC_TAIL:-14}
   done
 fi
 if [[ $PHASES == *stream64* ]]; then

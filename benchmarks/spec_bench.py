@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,17 +39,65 @@ def prompts(vocab: int, n: int = 1024) -> dict[str, list[int]]:
     return {"random": torch.randint(0, vocab, (n,), generator=g).tolist(), "repeated": (pattern * n)[:n]}
 
 
+PATHS = {"_decode_logits": "decode graph", "_prefill_logits": "lone-prefill graph", "_eager_logits": "eager"}
+
+
+def timed_paths(llm: LLM) -> dict[str, list[float]]:
+    """Wraps the runner's three step paths and the engine's step: wall ms of each step() call by the
+    path its launch took (a synchronous step's time includes its GPU time; an async one's, the
+    previous step's)."""
+    runner, engine, last = llm.engine.runner, llm.engine, [None]
+    times: dict[str, list[float]] = {v: [] for v in PATHS.values()}
+    for name, label in PATHS.items():
+        def wrapped(*a, _f=getattr(runner, name), _label=label):
+            last[0] = _label
+            return _f(*a)
+        setattr(runner, name, wrapped)
+    step = engine.step
+
+    def timed_step():
+        last[0] = None
+        t0 = time.perf_counter()
+        out = step()
+        if last[0] is not None:
+            times[last[0]].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    engine.step = timed_step
+    return times
+
+
+def profile_run(llm: LLM, prompt: list[int], gen: int) -> list[dict]:
+    """Kernel totals over one generate of `gen` tokens (its 1k prefill included: the first row group)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sp = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
+    steps0 = llm.engine.stats["steps"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+    steps = llm.engine.stats["steps"] - steps0
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": ev.key[:80], "calls": ev.count, "us": t, "steps": steps})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 def run(llm: LLM, prompt: list[int], gen: int, reps: int) -> dict:
     sp = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
     llm.generate(prompt_token_ids=[prompt], sampling_params=sp)  # warm: shapes compiled
     speeds, st0 = [], dict(llm.engine.stats)
+    times = timed_paths(llm)
     for _ in range(reps):
         o = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
         speeds.append((len(o.token_ids) - 1) / (o.e2e - o.ttft))
-    keys = ("steps", "spec_verifies", "spec_drafted", "spec_accepted")  # over the timed runs
+    llm.engine.step = type(llm.engine).step.__get__(llm.engine)
+    keys = ("steps", "async_steps", "spec_verifies", "spec_drafted", "spec_accepted")  # over the timed runs
     st = {k: llm.engine.stats[k] - st0[k] for k in keys}
+    paths = {k: {"steps": len(v), "median_ms": statistics.median(v) if v else None} for k, v in times.items()}
     return {"decode_tok_s": statistics.median(speeds), "all_tok_s": speeds, "tokens": o.token_ids,
-            "ttft_ms": o.ttft * 1e3, **st}
+            "ttft_ms": o.ttft * 1e3, "paths": paths, **st}
 
 
 def main() -> None:
@@ -59,6 +108,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--script-k", type=lambda v: [int(x) for x in v.split(",") if x], default=[2, 4],
                     help="K of the scripted (perfect-acceptance) runs")
+    ap.add_argument("--profile", type=lambda v: v.split(","), default=[],
+                    help="modes whose random-prompt run gets a kernel profile (e.g. plain,script-4)")
     ap.add_argument("--out", default="out")
     ap.add_argument("--config", default=str(FULL_CONFIG))
     ap.add_argument("--device", default="cuda")
@@ -90,6 +141,11 @@ def main() -> None:
             res["runs"][f"{mode}/{name}"] = r = run(llm, p, args.gen, args.reps)
             if mode == "plain":
                 truth[name] = r["tokens"]
+            if mode in args.profile and name == "random" and torch.cuda.is_available():
+                r["profile"] = prof = profile_run(llm, p, 24)
+                print(f"[{mode}] kernels over one 24-token generate ({prof[0]['steps']} steps, prefill included):")
+                for row in prof[:14]:
+                    print(f"  {row['us'] / 1e3:8.2f} ms {row['calls']:6d}x  {row['kernel']}")
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -102,6 +158,10 @@ def main() -> None:
         a = res["runs"][f"plain/{name}"]
         print(f"| {key} | {r['decode_tok_s']:.0f} | {r['decode_tok_s'] / a['decode_tok_s']:.2f}x | "
               f"{r['spec_accepted']} / {r['spec_drafted']} | {r['steps']} | {r['tokens'] == a['tokens']} |")
+    print("step paths (steps, median wall ms of step()):")
+    for key, r in res["runs"].items():
+        print(f"  {key}: async {r['async_steps']}; " + "; ".join(
+            f"{k} {v['steps']} x {v['median_ms']:.2f} ms" for k, v in r["paths"].items() if v["steps"]))
 
 
 if __name__ == "__main__":

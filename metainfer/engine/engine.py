@@ -190,7 +190,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._pending is not None
 
-    SPEC_PROBE_MAX = 8  # async steps at most between two proposals that keep finding nothing
+    SPEC_PROBE_MAX = 32  # async steps at most between two proposals that keep finding nothing
 
     def _async_ok(self, batch: ScheduledBatch) -> bool:
         """Whether this step may run async (its tokens processed during the next call). Called once

@@ -146,3 +146,87 @@ def gdn_decode_gated(
 ) -> torch.Tensor:
     """`gdn_decode` with the gating folded in: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
     return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias)
+
+
+# ---- short chunks: the decode update looped over each sequence's tokens -------------------------
+RECURRENT_MAX_T_ENV = "METAINFER_GDN_RECURRENT_MAX_T"  # chunks up to this long: the recurrent kernel
+RECURRENT_MAX_T = 16  # KB-0040: a speculative verify's chunk of 1 + K tokens (0: the chunked kernels)
+
+
+def recurrent_max_t() -> int:
+    v = os.environ.get(RECURRENT_MAX_T_ENV, "")
+    if not v:
+        return RECURRENT_MAX_T
+    if not v.isdigit():
+        raise ValueError(f"{RECURRENT_MAX_T_ENV} must be a non-negative integer; got {v!r}")
+    return int(v)
+
+
+@triton.jit
+def _gdn_recurrent_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr, cu_ptr,
+    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, so0, so1, scale,
+    HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr = 0,
+):
+    """Sequence n's tokens cu[n]:cu[n+1] through `_gdn_decode_kernel`'s update one after another,
+    the [DK, BLOCK_V] state block held in registers between them: read and written once per chunk
+    (the chunked prefill's two kernels cost ~75 us per layer on a 5-token chunk). Same operands as
+    the decode kernel with a token axis; out [T, HV, DV] at rows cu[0]:cu[N]."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < DK
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = vv < DV
+    pdl.wait(USE_PDL)
+    start = tl.load(cu_ptr + n).to(tl.int64)  # int64 row offsets: the loop variable is one
+    end = tl.load(cu_ptr + n + 1).to(tl.int64)
+    S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, n, h, kk, vv, vmask, HV, DK, DV)
+    hk = h // REP
+    if GATED:
+        A = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    for t in range(start, end):
+        q = tl.load(q_ptr + t * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        v = tl.load(v_ptr + t * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
+        if GATED:
+            a = tl.load(g_ptr + t * sg0 + h).to(tl.float32) + dtb
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+            decay = tl.exp(-A * softplus)
+            bb = tl.load(beta_ptr + t * sb0 + h).to(tl.float32)
+            beta = tl.sigmoid(bb).to(beta_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            decay = tl.exp(tl.load(g_ptr + t * sg0 + h).to(tl.float32))
+            beta = tl.load(beta_ptr + t * sb0 + h).to(tl.float32)
+        S = S * decay
+        kv = tl.sum(S * k[:, None], axis=0)
+        delta = (v - kv) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(out_ptr + t * so0 + h * so1 + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
+    tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :], eviction_policy="evict_first")
+
+
+def gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, out, gating=None) -> torch.Tensor:
+    """`gdn_prefill.gdn_prefill_varlen`'s contract (checked there) by the token-by-token recurrence:
+    for short chunks (speculative verifies). One launch, graph-capturable, no host sync."""
+    T, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    N = slots.shape[0]
+    if N == 0:
+        return out
+    gated = gating is not None
+    A_log, dt_bias = gating if gated else (g, g)
+    block_v = min(BLOCK_V, triton.next_power_of_2(Dv))
+    _gdn_recurrent_varlen_kernel[(N, Hv, triton.cdiv(Dv, block_v))](
+        q, k, v, g, beta, ssm_state, slots, has_state.view(torch.uint8), out, A_log, dt_bias, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), out.stride(0), out.stride(1), Dk**-0.5,
+        HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
+        num_warps=NUM_WARPS, **pdl.kw(),
+    )
+    return out

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metainfer.kernels import pdl
+from metainfer.kernels import gdn_decode, pdl
 
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK = 64
@@ -409,10 +409,13 @@ def gdn_prefill_varlen(
     assert out.shape == (T, Hv, Dv) and out.is_contiguous() and out.dtype in _TL_DTYPES, out.shape
     if N == 0 or T == 0:
         return out
-    has = has_state.contiguous().view(torch.uint8)
     if gating is not None:
         A_log, dt_bias = gating
         assert A_log.shape == dt_bias.shape == (Hv,) and A_log.is_contiguous() and dt_bias.is_contiguous()
+    if max_seqlen <= gdn_decode.recurrent_max_t():  # short chunks (verifies): the decode update in a loop
+        return gdn_decode.gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots,
+                                               has_state.contiguous(), out, gating)
+    has = has_state.contiguous().view(torch.uint8)
     _launch(q, k, v, g, beta, cu_seqlens, ssm_state, ssm_state, slots, has, out, N, max_seqlen, cfg or CONFIG,
             gating)
     return out

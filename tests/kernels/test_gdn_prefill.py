@@ -172,3 +172,59 @@ def test_gdn_prefill_varlen_gated(dtype):
     want = gp.gdn_prefill_varlen(q, k, v, g, beta, cu, s2, slots, has, max(lens))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_rmse(got, want) < tol and rel_rmse(s1, s2) < tol, (rel_rmse(got, want), rel_rmse(s1, s2))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, monkeypatch):
+    """Chunks of at most RECURRENT_MAX_T tokens (speculative verifies) run the decode update token by
+    token (`gdn_decode.gdn_recurrent_varlen`): against the fp64 recurrence (fp32: 1e-5 out and state;
+    bf16: 1e-2, the bf16 output) and against the chunked kernels on the same call (env 0), on odd
+    head dims (Dk 12, Dv 24: masked lanes), GQA 2:4, an empty and a fresh sequence, rows outside
+    cu[0]:cu[N] untouched."""
+    from metainfer.kernels import gdn_decode
+
+    Hk, Hv, Dk, Dv, S = 2, 4, 12, 24, 7
+    lens, has_list, slot_list = [5, 1, 0, 16, 3], [True, False, False, True, True], [4, 0, 5, 2, 6]
+    lead, tail = 2, 3
+    T = lead + sum(lens) + tail
+    q, k, v, g, beta = _inputs(T, Hk, Hv, Dk, Dv, dtype, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    A_log, dt_bias = torch.rand(Hv, generator=gen) * 2 - 1, torch.rand(Hv, generator=gen) - 3
+    if gated:  # raw projections a, b; the reference gates them as the kernels do
+        proj = (torch.randn(T, 2 * Hv + 1, generator=gen) * 4).to(dtype)
+        proj[lead + 1, 2] = 25.0  # the softplus(x) = x branch
+        g, beta = proj[:, :Hv], proj[:, Hv : 2 * Hv]
+        g_ref, beta_ref = ref.gdn_gating(g, beta, A_log, dt_bias)
+    else:
+        g_ref, beta_ref = g, beta
+    state = torch.randn(S, Hv, Dk, Dv, generator=gen) * 0.5
+    cu_list = [lead]
+    for n in lens:
+        cu_list.append(cu_list[-1] + n)
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    slots, has = torch.tensor(slot_list), torch.tensor(has_list)
+    gating = (A_log, dt_bias) if gated else None
+    runs = {}
+    for max_t in ("16", "0"):  # the recurrent kernel, then the chunked kernels
+        monkeypatch.setenv(gdn_decode.RECURRENT_MAX_T_ENV, max_t)
+        st, out = state.clone(), torch.full((T, Hv, Dv), 7.0, dtype=dtype)
+        gp.gdn_prefill_varlen(q, k, v, g, beta, cu, st, slots, has, max(lens), out=out, gating=gating)
+        runs[max_t] = st, out
+    st, out = runs["16"]
+    assert torch.equal(out[:lead], torch.full_like(out[:lead], 7.0))
+    assert torch.equal(out[cu_list[-1] :], torch.full_like(out[cu_list[-1] :], 7.0))
+    tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 3e-2)
+    for i, (s, e) in enumerate(zip(cu_list[:-1], cu_list[1:])):
+        init = state[slot_list[i]] if has_list[i] else torch.zeros_like(state[0])
+        if e == s:
+            assert torch.equal(st[slot_list[i]], init)
+            continue
+        want, want_state = _recurrent_fp64(q[s:e], k[s:e], v[s:e], g_ref[s:e].float(), beta_ref[s:e], init)
+        _close(out[s:e], want.to(dtype), tol, f"out {i}")
+        _close(st[slot_list[i]], want_state.float(), (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 3e-2),
+               f"state {i}")
+    others = [i for i in range(S) if i not in slot_list]
+    assert torch.equal(st[others], state[others])
+    c_st, c_out = runs["0"]  # the chunked kernels agree (bf16: their bf16 output path)
+    assert rel_rmse(out[lead : cu_list[-1]], c_out[lead : cu_list[-1]]) < tol[0] and rel_rmse(st, c_st) < 1e-2
