@@ -127,7 +127,7 @@ def main() -> None:
         if mode.startswith("script"):
             ps = {"random": ps["random"]}
             script = list(truth["random"])
-            llm.engine.proposer = lambda req, kk: script[len(req.output_token_ids):][:kk]
+            llm.engine.proposer = lambda req, kk, script=script: script[len(req.output_token_ids):][:kk]
             # a verify row and a decode row round differently: where plain's top-2 logits tie (BF16
             # logits near 30 step by 0.125) the run parts from plain's tokens and the script's drafts
             # go wrong; drafting the scripted run's own tokens converges in a few runs
@@ -143,7 +143,8 @@ def main() -> None:
                 truth[name] = r["tokens"]
             if mode in args.profile and name == "random" and torch.cuda.is_available():
                 r["profile"] = prof = profile_run(llm, p, 24)
-                print(f"[{mode}] kernels over one 24-token generate ({prof[0]['steps']} steps, prefill included):")
+                print(f"[{mode}] kernels over one 24-token generate ({prof[0]['steps']} steps, "
+                      "prefill included):")
                 for row in prof[:14]:
                     print(f"  {row['us'] / 1e3:8.2f} ms {row['calls']:6d}x  {row['kernel']}")
         del llm

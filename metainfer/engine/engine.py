@@ -52,7 +52,8 @@ class LLMEngine:
         self._spec_wait = 0  # async steps left before the next probe
         self._spec_misses = 0  # proposals in a row that found no drafts
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
-                      "slow_launches": 0, "async_steps": 0, "spec_verifies": 0, "spec_drafted": 0, "spec_accepted": 0}
+                      "slow_launches": 0, "async_steps": 0, "spec_verifies": 0, "spec_drafted": 0,
+                      "spec_accepted": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:

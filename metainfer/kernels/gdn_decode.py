@@ -211,7 +211,9 @@ def _gdn_recurrent_varlen_kernel(
     tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :], eviction_policy="evict_first")
 
 
-def gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, out, gating=None) -> torch.Tensor:
+def gdn_recurrent_varlen(
+    q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, out, gating=None
+) -> torch.Tensor:
     """`gdn_prefill.gdn_prefill_varlen`'s contract (checked there) by the token-by-token recurrence:
     for short chunks (speculative verifies). One launch, graph-capturable, no host sync."""
     T, Hk, Dk = q.shape
