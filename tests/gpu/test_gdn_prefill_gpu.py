@@ -206,3 +206,46 @@ def test_gdn_prefill_compiles_for_sm90():
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr.lower():
         pytest.skip("no ptxas in this Triton install")
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@cuda
+def test_gdn_recurrent_short_chunks_full_shapes():
+    """Chunks of <= RECURRENT_MAX_T tokens (a speculative verify's 1 + K, short prompts) take the
+    recurrent varlen kernel: against the fp32 reference at full shapes, captured in a CUDA graph
+    and replayed on fresh inputs (same tolerances as the chunked kernels)."""
+    from metainfer.kernels import gdn_decode
+    from metainfer.kernels import gdn_prefill as gp
+
+    lens, slot_list, has_list = [5, 1, 16, 3], [3, 0, 5, 1], [True, False, True, True]
+    cu_list = [2]
+    for n in lens:
+        cu_list.append(cu_list[-1] + n)
+    T = cu_list[-1] + 1
+    assert max(lens) <= gdn_decode.recurrent_max_t()
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    ssm = torch.randn(6, HV, DK, DV, device=DEV, generator=gen) * 0.1
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
+    slots = torch.tensor(slot_list, device=DEV)
+    has = torch.tensor(has_list, device=DEV)
+    q, k, v, g, beta = inputs(T, seed=10)
+    bufs = [t.clone() for t in (q, k, v, g, beta)]
+    out = torch.zeros(T, HV, DV, dtype=torch.bfloat16, device=DEV)
+    state = ssm.clone()
+    gp.gdn_prefill_varlen(*bufs, cu, state, slots, has, max(lens), out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gp.gdn_prefill_varlen(*bufs, cu, state, slots, has, max(lens), out=out)
+    for seed in (11, 12):
+        fresh = inputs(T, seed=seed)
+        for b, t in zip(bufs, fresh):
+            b.copy_(t)
+        state.copy_(ssm)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (s, e) in enumerate(zip(cu_list[:-1], cu_list[1:])):
+            init = ssm[slot_list[i]] if has_list[i] else torch.zeros_like(ssm[0])
+            want, want_state = reference(*(t[s:e] for t in fresh), init)
+            close(out[s:e], want, OUT_TOL, f"out {i}")
+            close(state[slot_list[i]], want_state, STATE_TOL, f"state {i}")
+        assert not out[: cu_list[0]].any() and not out[cu_list[-1] :].any()
