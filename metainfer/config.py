@@ -255,9 +255,13 @@ class EngineConfig:
     warmup: bool = True  # CUDA: eager steps of serving's shapes at start (JIT compiles out of the TTFT)
     async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
     # speculative decoding: None, or "ngram" (prompt-lookup drafts of greedy requests, verified in
-    # one step; steps then run synchronously); up to num_speculative_tokens drafts per sequence
+    # one step; verifies and the probe steps before proposals run synchronously, the steps between
+    # probes async: LLMEngine.SPEC_PROBE_MAX); up to num_speculative_tokens drafts per sequence
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    # drafts only while at most this many sequences run and none waits: a verify alone in its step
+    # replays a lone-prefill CUDA graph, a verify beside other sequences runs eager (slow on the GPU)
+    speculative_max_seqs: int = 1
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -290,6 +294,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be one of {SPECULATIVE}; got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 1..16; got {self.num_speculative_tokens}")
+        if self.speculative_max_seqs < 1:
+            raise ValueError(f"speculative_max_seqs must be >= 1; got {self.speculative_max_seqs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots <= 0:

@@ -47,9 +47,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative",
         default=None,
         choices=["ngram"],
-        help="speculative decoding of greedy requests: ngram = prompt-lookup drafts (synchronous steps)",
+        help="speculative decoding of greedy requests: ngram = prompt-lookup drafts",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step")
+    p.add_argument(
+        "--speculative-max-seqs",
+        type=int,
+        default=1,
+        help="draft only while at most this many sequences run and none waits (a lone verify replays "
+        "a CUDA graph; verifies beside other sequences run eager)",
+    )
     p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
 
 
@@ -82,6 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         warmup=not args.no_warmup,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        speculative_max_seqs=args.speculative_max_seqs,
         seed=args.engine_seed,
     )
 

@@ -148,7 +148,9 @@ class LLMEngine:
         if not batch.items:
             return self._drain()
         sync = not self._async_ok(batch)
-        outputs = self._drain() if sync else []
+        outputs: list[RequestOutput] = []
+        # the previous (async) step's tokens are processed after this launch, sync or not: a request
+        # that token stops is still in this batch, and its blocks must outlive the launch
         now = time.monotonic()
         for req, _ in batch.items:
             req.first_scheduled_time = req.first_scheduled_time or now
@@ -314,6 +316,9 @@ class LLMEngine:
         """The scheduler's drafter: up to k drafts from `proposer` for a greedy request without
         logprobs whose last token is on the host; none for any other."""
         if not self._draftable(req) or (req.output_token_ids and req.output_token_ids[-1] == PENDING):
+            return []
+        sch = self.scheduler
+        if len(sch.running) > self.ecfg.speculative_max_seqs or sch.waiting:
             return []
         return self.proposer(req, min(k, self.ecfg.num_speculative_tokens))
 

@@ -70,3 +70,30 @@ def test_abort_while_a_step_is_in_flight(model_dir):
             done[o.request_id] = o
     assert a not in done and len(done[b].token_ids) == 6
     assert eng.cache.usage()["kv_blocks_used"] == 0 and eng.cache.usage()["state_slots_used"] == 0
+
+
+def test_stop_in_flight_then_a_synchronous_step(model_dir):
+    """A request whose in-flight token stops it is already in the next batch; when that next step
+    must run synchronously (a logprobs request joined), the in-flight tokens are processed after the
+    launch, as in an async step: before 2026-11-30i they were processed first, the stopped request's
+    blocks were freed under the step being launched, and the whole step failed ("internal error")."""
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    res, _ = _run(model_dir, False, sp, [[1, 2, 3]])
+    want = res[0][0]
+    stop = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(want[5],))
+    assert want[5] not in want[:5]
+    llm = LLM(model=str(model_dir), device="cpu", dtype="float32")
+    eng = llm.engine
+    a = eng.add_request([1, 2, 3], stop)
+    done = {}
+    while len(eng.requests[a].output_token_ids) < 6:  # its stop token launched, not yet processed
+        for o in eng.step():
+            done[o.request_id] = o
+    assert eng._pending is not None and eng.requests[a].output_token_ids[5] == -1
+    b = eng.add_request([4, 5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2))
+    while eng.has_unfinished():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert done[a].finish_reason == "stop" and done[a].token_ids == want[:6]
+    assert done[b].finish_reason == "length" and len(done[b].token_ids) == 3
+    assert eng.cache.usage()["kv_blocks_used"] == 0 and eng.cache.usage()["state_slots_used"] == 0

@@ -45,6 +45,9 @@ def _prompts():
 
 
 def _llm(cfg, spec, **kw) -> LLM:
+    """An engine; with speculation, drafts in steps of up to 8 sequences (verifies of several)."""
+    if spec:
+        kw.setdefault("speculative_max_seqs", 8)
     return LLM(model=f"dummy:{cfg}", device="cpu", dtype="float32", speculative=spec, **kw)
 
 
@@ -161,6 +164,8 @@ def test_spec_config_is_validated():
         EngineConfig(speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_max_seqs"):
+        EngineConfig(speculative="ngram", speculative_max_seqs=0)
 
 
 def test_oracle_rows_of_a_speculative_run_are_plain_decodings(cfg):
@@ -183,13 +188,14 @@ def test_oracle_rows_of_a_speculative_run_are_plain_decodings(cfg):
 
 
 def test_oracle_passes_a_speculative_engine():
-    """`metainfer verify --speculative ngram` on the default model (quick suite, fp32 gates)."""
+    """`metainfer verify --speculative ngram --speculative-max-seqs 16` on the default model (quick
+    suite, fp32 gates): verifies beside other sequences too."""
     pytest.importorskip("transformers")
     from metainfer.oracle.build import build_setup
     from metainfer.oracle.report import format_table
     from tests.oracle.oracle_helpers import verify
 
-    setup = build_setup("", "quick", {"device": "cpu", "speculative": "ngram"})
+    setup = build_setup("", "quick", {"device": "cpu", "speculative": "ngram", "speculative_max_seqs": 16})
     v = verify(setup)
     assert v.passed, format_table(v)
     assert setup.llm.engine.stats["spec_verifies"] > 0
@@ -229,3 +235,23 @@ def test_drafts_fit_the_step_budget_and_max_tokens(cfg):
     assert _gen(llm, prompts, GREEDY) == plain
     assert asked and all(1 <= k <= min(4, left) for k, left in asked)  # budget 5 - 1 real token
     assert max(k for k, _ in asked) == 4 and min(left for _, left in asked) < 4  # both bounds bit
+
+
+def test_drafts_only_while_the_step_would_hold_one_sequence(cfg):
+    """The default speculative_max_seqs = 1: no proposal while other sequences run or wait (their
+    verifies would run eager beside them); the last sequence left drafts. Outputs equal plain's."""
+    prompts = _prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 10, 14, 30)]
+    plain = _gen(_llm(cfg, None), prompts, params)
+    truth = {tuple(p): t for p, (t, *_) in zip(prompts, plain)}
+    llm = _llm(cfg, "ngram", num_speculative_tokens=3, speculative_max_seqs=1)
+    seen = []
+
+    def drafter(req, k):
+        seen.append(len(llm.engine.scheduler.running))
+        return truth[tuple(req.prompt_token_ids)][len(req.output_token_ids) :][:k]
+
+    llm.engine.proposer = drafter
+    assert _gen(llm, prompts, params) == plain
+    st = llm.engine.stats
+    assert seen and set(seen) == {1} and st["spec_accepted"] == st["spec_drafted"] > 0

@@ -190,7 +190,7 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
         h = len(cont) // 2
         return cont[:h] + [(t + 1) % 4096 for t in cont[h:]]
 
-    spec = LLM(**kw, speculative="ngram", num_speculative_tokens=4)
+    spec = LLM(**kw, speculative="ngram", num_speculative_tokens=4, speculative_max_seqs=8)
     spec.engine.proposer = half_right
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     so = spec.generate(prompt_token_ids=prompts, sampling_params=sp)  # verify steps of several: eager
