@@ -36,6 +36,42 @@ def _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV: tl.const
 
 
 @triton.jit
+def _lanes(DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's key rows (all of them) and value columns (block program_id(2)), with masks."""
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    return kk, kk < DK, vv, vv < DV
+
+
+@triton.jit
+def _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, row, h, hk, kk, kmask, vv, vmask,
+                 sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED: tl.constexpr):
+    """One token (`row` of q, k, v, g, beta) through the gated delta rule on the state block S
+    [BLOCK_K, BLOCK_V]: -> (S', its output columns [BLOCK_V] fp32). GATED: g_ptr/beta_ptr hold the
+    raw projections a, b; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (as
+    DeltaNet.gating does)."""
+    q = tl.load(q_ptr + row * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + row * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
+    if GATED:
+        a = tl.load(g_ptr + row * sg0 + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        decay = tl.exp(-tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+        bb = tl.load(beta_ptr + row * sb0 + h).to(tl.float32)
+        beta = tl.sigmoid(bb).to(beta_ptr.dtype.element_ty).to(tl.float32)  # rounded like b.sigmoid()
+    else:
+        decay = tl.exp(tl.load(g_ptr + row * sg0 + h).to(tl.float32))
+        beta = tl.load(beta_ptr + row * sb0 + h).to(tl.float32)
+    S = S * decay
+    kv = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
+    delta = (v - kv) * beta
+    S = S + k[:, None] * delta[None, :]
+    return S, tl.sum(S * q[:, None], axis=0)
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr,
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
@@ -44,45 +80,20 @@ def _gdn_decode_kernel(
     USE_PDL: tl.constexpr = 0,
 ):
     """q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state [S, HV, DK, DV] fp32; out [B, HV, DV].
-    GATED: g_ptr/beta_ptr hold the raw projections a, b; g = -exp(A_log) softplus(a + dt_bias),
-    beta = sigmoid(b) are computed here (as DeltaNet.gating does). PRELOAD: the state block is
-    read before the PDL wait (the kernel before this one, the projection, writes neither the
-    states nor the slot inputs, which the step's first copies wrote)."""
+    GATED: see `_delta_token`. PRELOAD: the state block is read before the PDL wait (the kernel
+    before this one, the projection, writes neither the states nor the slot inputs, which the
+    step's first copies wrote)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < DK
-    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    vmask = vv < DV
+    kk, kmask, vv, vmask = _lanes(DK, DV, BLOCK_K, BLOCK_V)
     if PRELOAD:
         S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
     pdl.wait(USE_PDL)
     if not PRELOAD:
         S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
-    hk = h // REP
-
-    q = tl.load(q_ptr + b * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    v = tl.load(v_ptr + b * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
-    if GATED:
-        a = tl.load(g_ptr + b * sg0 + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-        decay = tl.exp(-tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
-        bb = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
-        beta = tl.sigmoid(bb).to(beta_ptr.dtype.element_ty).to(tl.float32)  # rounded like b.sigmoid()
-    else:
-        decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
-        beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
-
-    smask = kmask[:, None] & vmask[None, :]
-    S = S * decay
-    kv = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
-    delta = (v - kv) * beta
-    S = S + k[:, None] * delta[None, :]
-    o = tl.sum(S * q[:, None], axis=0)
-    tl.store(s_ptrs, S, mask=smask, eviction_policy="evict_first")
+    S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, b, h, h // REP, kk, kmask,
+                        vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
+    tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :], eviction_policy="evict_first")
     tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
@@ -175,38 +186,14 @@ def _gdn_recurrent_varlen_kernel(
     the decode kernel with a token axis; out [T, HV, DV] at rows cu[0]:cu[N]."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < DK
-    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    vmask = vv < DV
+    kk, kmask, vv, vmask = _lanes(DK, DV, BLOCK_K, BLOCK_V)
     pdl.wait(USE_PDL)
     start = tl.load(cu_ptr + n).to(tl.int64)  # int64 row offsets: the loop variable is one
     end = tl.load(cu_ptr + n + 1).to(tl.int64)
     S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, n, h, kk, vv, vmask, HV, DK, DV)
-    hk = h // REP
-    if GATED:
-        A = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(start, end):
-        q = tl.load(q_ptr + t * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        v = tl.load(v_ptr + t * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
-        if GATED:
-            a = tl.load(g_ptr + t * sg0 + h).to(tl.float32) + dtb
-            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-            decay = tl.exp(-A * softplus)
-            bb = tl.load(beta_ptr + t * sb0 + h).to(tl.float32)
-            beta = tl.sigmoid(bb).to(beta_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            decay = tl.exp(tl.load(g_ptr + t * sg0 + h).to(tl.float32))
-            beta = tl.load(beta_ptr + t * sb0 + h).to(tl.float32)
-        S = S * decay
-        kv = tl.sum(S * k[:, None], axis=0)
-        delta = (v - kv) * beta
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], axis=0)
+        S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, t, h, h // REP, kk,
+                            kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
         tl.store(out_ptr + t * so0 + h * so1 + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
     tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :], eviction_policy="evict_first")
 

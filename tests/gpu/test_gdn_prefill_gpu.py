@@ -192,13 +192,22 @@ _COMPILE = textwrap.dedent(
         build(gp._scan_kernel, dict(w_ptr=wdt, u_ptr=f32, ke_ptr=wdt, qe_ptr=qdt, a_ptr=qdt, c_ptr=f32,
               cu_ptr=idx[0], init_ptr=f32, final_ptr=f32, slots_ptr=idx[1], has_ptr=idx[2], out_ptr=x),
               dict(BV=cfg.block_v, SLOTS=varlen, **c), cfg.scan_warps, cfg.scan_stages)
+    from metainfer.kernels import gdn_decode as gd  # the decode kernel and its short-chunk loop
+    for gated in (1, 0):
+        t = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=bf if gated else f32, beta_ptr=bf, state_ptr=f32,
+                 slots_ptr="*i64", has_ptr="*u8", out_ptr=bf, alog_ptr=f32, dtb_ptr=f32, cu_ptr="*i32",
+                 scale="fp32")
+        c = dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gd.BLOCK_V, GATED=gated, USE_PDL=1)
+        build(gd._gdn_decode_kernel, t, dict(c, PRELOAD=0), gd.NUM_WARPS)
+        build(gd._gdn_recurrent_varlen_kernel, t, c, gd.NUM_WARPS)
     print("ok")
     """
 )
 
 
 def test_gdn_prefill_compiles_for_sm90():
-    """Both kernels at the full-model constexprs compile to sm_90 cubin (ptxas ships with Triton)."""
+    """The prefill kernels, the DeltaNet decode kernel and its short-chunk loop at the full-model
+    constexprs compile to sm_90 cubin (ptxas ships with Triton)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-c", _COMPILE]
