@@ -29,6 +29,12 @@
 #            kernel with swept tiles (T = 32, 64; nearest wider config between) instead of cuBLAS's
 #            W8A8 GEMM (24 % of its byte floor at batch 32, 2026-11-30i): sweep, then decode batches
 #            24/32/48/64 without and with it, ~8 min; s64verify: the FP8 oracle with it, ~2 min
+#   small  - FP8 dense projections at 2-16 tokens (decode batches 2-16, a lone verify's 1 + K): the
+#            committed table has T = 1 rows only, the rest run skinny_config's heuristic (a 5-token
+#            verify's projections took 25 us per call vs 8.9 at T = 1, 2026-11-30i profile). Sweep at
+#            SMALL_T (2,4,5,8,16), then decode batches 2/4/8/16 and spec_bench's script-4 without and
+#            with the table, ~9 min; then PHASES=s64verify STREAM64_TUNED=<its JSON> style: sverify
+#   sverify - the FP8 oracle with SMALL_TUNED (the small phase's fp8_skinny_tuned.json), ~1.5 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -112,6 +118,23 @@ if [[ $PHASES == *s64verify* ]]; then  # the oracle on stream64's configs (STREA
   METAINFER_FP8_STREAM_MAX_T=64 METAINFER_FP8_TUNED=$STREAM64_TUNED timeout 110 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_stream64.json 2>&1 | grep -E "verdict|decode" | tail -4 | sed "s/^/[stream64] /"
+fi
+if [[ " $PHASES " == *" small "* ]]; then
+  timeout 300 python benchmarks/sweep_decode_kernels.py --linears deltanet.in_proj,deltanet.out_proj,attn.qkv,attn.o_proj \
+    --moe= --tokens ${SMALL_T:-2,4,5,8,16} --out $OUT/small 2>&1 | grep -v "falling back\|skip" | tail -22
+  TS=$OUT/small/fp8_skinny_tuned.json
+  for on in 0 1; do
+    sw=(); [[ $on == 1 ]] && sw=(METAINFER_FP8_TUNED=$TS)
+    env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 2,4,8,16 --gen 32 \
+      --no-profile --out $OUT/small_ab$on 2>&1 | grep -E "^\|" | sed "s/^/[small=$on] /"
+    env "${sw[@]}" timeout 80 python benchmarks/spec_bench.py --dtype fp8 --gen 64 --reps 3 --script-k 4 --modes script \
+      --out $OUT/small_spec$on 2>&1 | grep -E "script-4" | sed "s/^/[small=$on] /"
+  done
+fi
+if [[ $PHASES == *sverify* ]]; then
+  METAINFER_FP8_TUNED=$SMALL_TUNED timeout 110 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+    --json $OUT/verify_fp8_small.json 2>&1 | grep -E "verdict|decode" | tail -4 | sed "s/^/[small] /"
 fi
 if [[ $PHASES == *prof32* ]]; then
   for dt in fp8 bfloat16; do

@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--script-k", type=lambda v: [int(x) for x in v.split(",") if x], default=[2, 4],
                     help="K of the scripted (perfect-acceptance) runs")
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=["ngram", "script"],
+                    help="besides plain (always run: the scripts draft its tokens): ngram, script")
     ap.add_argument("--profile", type=lambda v: v.split(","), default=[],
                     help="modes whose random-prompt run gets a kernel profile (e.g. plain,script-4)")
     ap.add_argument("--out", default="out")
@@ -119,8 +121,8 @@ def main() -> None:
               max_model_len=2048, quantization="fp8" if args.dtype == "fp8" else None)
     res = {"env": env_info(), "dtype": args.dtype, "gen": args.gen, "k": args.k, "script_k": args.script_k,
            "runs": {}}
-    modes = [("plain", None, args.k), ("ngram", "ngram", args.k)]
-    modes += [(f"script-{k}", "ngram", k) for k in args.script_k]
+    modes = [("plain", None, args.k)] + [("ngram", "ngram", args.k)] * ("ngram" in args.modes)
+    modes += [(f"script-{k}", "ngram", k) for k in args.script_k] if "script" in args.modes else []
     truth: dict[str, list[int]] = {}
     for mode, spec, k in modes:
         llm = LLM(**kw, speculative=spec, num_speculative_tokens=k)
