@@ -35,6 +35,9 @@
 #            SMALL_T (2,4,5,8,16), then decode batches 2/4/8/16 and spec_bench's script-4 without and
 #            with the table, ~9 min; then PHASES=s64verify STREAM64_TUNED=<its JSON> style: sverify
 #   sverify - the FP8 oracle with SMALL_TUNED (the small phase's fp8_skinny_tuned.json), ~1.5 min
+#   asplit - METAINFER_ATTN_PREFILL_SPLIT 0 -> 1 (split-KV attention for chunks <= 16 tokens: a
+#            verify's 5 queries over a 1k context ran on 2 programs per layer): its GPU test, spec_bench
+#            script-4 (the verify step's median) without and with it, the FP8 oracle with it, ~4 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -135,6 +138,15 @@ if [[ $PHASES == *sverify* ]]; then
   METAINFER_FP8_TUNED=$SMALL_TUNED timeout 110 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_small.json 2>&1 | grep -E "verdict|decode" | tail -4 | sed "s/^/[small] /"
+fi
+if [[ $PHASES == *asplit* ]]; then
+  timeout 120 python -m pytest -q tests/gpu -p no:cacheprovider -k "prefill_split or compile" 2>&1 | tail -1
+  for on in 0 1; do
+    METAINFER_ATTN_PREFILL_SPLIT=$on timeout 80 python benchmarks/spec_bench.py --dtype fp8 --gen 64 --reps 3 \
+      --script-k 4 --modes script --out $OUT/asplit$on 2>&1 | grep -E "script-4" | sed "s/^/[asplit=$on] /"
+  done
+  METAINFER_ATTN_PREFILL_SPLIT=1 timeout 110 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_asplit.json 2>&1 | grep -E "verdict|decode" | tail -4
 fi
 if [[ $PHASES == *prof32* ]]; then
   for dt in fp8 bfloat16; do

@@ -9,6 +9,8 @@ CUDA-graph capturable. A reduce kernel merges the splits by their log-sum-exp.
 Prefill rows: varlen flash attention over the paged cache. A program takes BLOCK_M query tokens of
 one sequence times the G heads of one KV head (BLOCK_M * G rows); query i of a sequence sits at
 position seq_len - q_len + i and sees keys 0..that position. Online softmax, fp32 accumulators.
+Short chunks over long contexts (a speculative verify: one query block per KV head) can split the
+keys too (METAINFER_ATTN_PREFILL_SPLIT=1, not yet measured), merged by the decode reduce kernel.
 """
 
 from __future__ import annotations
@@ -164,18 +166,26 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * so_t + h * so_h + d, acc, mask=dmask)
 
 
-@triton.jit(do_not_specialize=["seq_offset"])
+@triton.jit(do_not_specialize=["seq_offset", "num_splits"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, gate_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, seq_offset,
-    sq_t, sq_h, so_t, so_h, sg_t, sg_h, sk_blk, sk_tok, sk_h, sbt, scale_log2,
-    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    sq_t, sq_h, so_t, so_h, sg_t, sg_h, sk_blk, sk_tok, sk_h, sbt, scale_log2, part_o_ptr, part_lse_ptr,
+    num_splits,
+    HQ: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
-    # q, out: [T, HQ, D]; row r of a program is token m0 + r // G_P2, head hkv * G + r % G_P2
-    mblk = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
+    # q, out: [T, HQ, D]; row r of a program is token m0 + r // G_P2, head hkv * G + r % G_P2.
+    # SPLIT: program axis 0 is (query block, split); a split takes its share of the block's keys and
+    # writes part_o [T, HQ, num_splits, D] / part_lse [T, HQ, num_splits] (log2 units), merged by
+    # _decode_reduce_kernel over the token rows (short chunks over long contexts: few query blocks)
+    if SPLIT:  # longest causal rows first
+        mblk = tl.num_programs(0) // num_splits - 1 - tl.program_id(0) // num_splits
+        split = tl.program_id(0) % num_splits
+    else:
+        mblk = tl.num_programs(0) - 1 - tl.program_id(0)
     i = (seq_offset + tl.program_id(1)).to(tl.int64)
     hkv = tl.program_id(2)
     q_start = tl.load(qsl_ptr + i)
@@ -196,11 +206,16 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tok_row[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
     qpos = ctx + t  # [R]
     hi = tl.where(m0 < q_len, tl.minimum(seq_len, ctx + m0 + BLOCK_M), 0)
+    lo = 0
+    if SPLIT:  # this split's share of the block's keys, whole BLOCK_N steps
+        per = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(lo + per, hi)
 
     m = tl.full([BLOCK_M * G_P2], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M * G_P2], tl.float32)
     acc = tl.zeros([BLOCK_M * G_P2, BLOCK_D], tl.float32)
-    for s in range(0, hi, BLOCK_N):
+    for s in range(lo, hi, BLOCK_N):
         kpos = s + tl.arange(0, BLOCK_N)
         nmask = kpos < hi
         blk = tl.load(bt_ptr + i * sbt + kpos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
@@ -217,10 +232,17 @@ def _prefill_kernel(
         vt = tl.load(v_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
         m = m_new
-    o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
-    o = _gated(o, gate_ptr, tok_row[:, None] * sg_t + heads[:, None] * sg_h + d[None, :], qmask,
-               out_ptr.dtype.element_ty, GATE)
-    tl.store(out_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :], o, mask=qmask)
+    nonempty = lsum > 0
+    o = acc / tl.where(nonempty, lsum, 1.0)[:, None]
+    if SPLIT:
+        part = (tok_row * HQ + heads) * num_splits + split  # [R]
+        tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=qmask & nonempty[:, None])
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=rmask)
+    else:
+        o = _gated(o, gate_ptr, tok_row[:, None] * sg_t + heads[:, None] * sg_h + d[None, :], qmask,
+                   out_ptr.dtype.element_ty, GATE)
+        tl.store(out_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :], o, mask=qmask)
 
 
 def _interpreting() -> bool:
@@ -285,28 +307,56 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         )
 
 
+PREFILL_SPLIT_ENV = "METAINFER_ATTN_PREFILL_SPLIT"  # "1": split-KV for short prefill chunks (default off)
+PREFILL_SPLIT_MAX_Q = 16  # the longest chunk that splits (a speculative verify's 1 + K tokens)
+
+
+def prefill_num_splits(max_q: int, num_prefills: int, num_kv_heads: int, capacity: int,
+                       dcfg: DecodeConfig = DECODE) -> int:
+    """KV splits per query block of a prefill step, from host ints only (graph-capturable): 1 unless
+    METAINFER_ATTN_PREFILL_SPLIT=1 and every chunk is at most PREFILL_SPLIT_MAX_Q tokens; then, as
+    for decodes, enough programs to fill the GPU, none shorter than dcfg.min_split_tokens at the
+    block-table capacity."""
+    if os.environ.get(PREFILL_SPLIT_ENV, "0") != "1" or max_q > PREFILL_SPLIT_MAX_Q:
+        return 1
+    return decode_num_splits(num_prefills, num_kv_heads, capacity, dcfg)
+
+
 def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: PrefillConfig,
-             gate: torch.Tensor | None = None) -> None:
+             gate: torch.Tensor | None = None, num_splits: int | None = None) -> None:
     nd, B = meta.num_decodes, meta.num_seqs
     max_q = meta.prefill_max_len()
     if max_q == 0:
         return
-    _, Hq, D = q.shape
+    T, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     g_p2 = triton.next_power_of_2(G)
     block_m = max(1, cfg.block_rows // g_p2)
     bt = meta.block_tables
+    ns = num_splits or prefill_num_splits(max_q, B - nd, Hkv, bt.shape[1] * bs)
+    if ns > 1:
+        part_o = torch.empty(T, Hq, ns, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, Hq, ns, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
     g_ptr, sg_t, sg_h, has_gate = _gate_args(gate, out)
-    _prefill_kernel[(triton.cdiv(max_q, block_m), B - nd, Hkv)](
+    _prefill_kernel[(triton.cdiv(max_q, block_m) * ns, B - nd, Hkv)](
         q, k_cache, v_cache, out, g_ptr, bt, meta.query_start_loc, meta.seq_lens, nd,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), sg_t, sg_h,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), scale * _LOG2E,
-        G=G, G_P2=g_p2, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        part_o, part_lse, ns, HQ=Hq, G=G, G_P2=g_p2, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
     )
+    if ns > 1:  # merge each prefill token row's splits (the step's rows s0.. : views from there)
+        s0 = meta.query_start_loc_cpu[nd]
+        _decode_reduce_kernel[(T - s0, Hq)](
+            part_o[s0:], part_lse[s0:], out[s0:], g_ptr[s0:] if has_gate else out,
+            out.stride(0), out.stride(1), sg_t, sg_h, ns, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D),
+            CHUNK=DECODE.reduce_chunk, GATE=has_gate, num_warps=4, **pdl.kw(),
+        )
 
 
 def paged_attention(

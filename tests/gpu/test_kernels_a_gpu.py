@@ -183,6 +183,21 @@ def test_paged_attention_full_shapes(query_lens, context_lens, bs):
     close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
 
 
+@cuda
+@pytest.mark.parametrize(
+    "query_lens,context_lens", [([5], [1000]), ([1, 1, 5, 3, 16], [30, 2047, 4000, 37, 0])]
+)
+def test_paged_attention_prefill_split_full_shapes(query_lens, context_lens, monkeypatch):
+    """METAINFER_ATTN_PREFILL_SPLIT=1: short chunks (a verify's 1 + K) split their keys across programs,
+    merged by the reduce kernel; same bound as the unsplit kernels."""
+    from metainfer.kernels import attention
+
+    monkeypatch.setenv(attention.PREFILL_SPLIT_ENV, "1")
+    q, kc, vc, meta = _attn_setup(query_lens, context_lens, 16, seed=sum(query_lens))
+    assert attention.prefill_num_splits(max(query_lens), 2, kc.shape[2], meta.block_tables.shape[1] * 16) > 1
+    close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
+
+
 # ---- CUDA graphs ---------------------------------------------------------------------------------
 @cuda
 def test_decode_kernels_graph_replay_matches_eager():
@@ -293,10 +308,13 @@ _COMPILE = textwrap.dedent(
     for gate in (0, 1):
         build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf, gate_ptr=bf),
               dict(HQ=16, D=256, BLOCK_D=256, CHUNK=dc.reduce_chunk, GATE=gate), 4)
-        build(A._prefill_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, out_ptr=bf, gate_ptr=bf, bt_ptr="*i32",
-              qsl_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32"),
-              dict(G=8, G_P2=8, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=pc.block_rows // 8,
-                   BLOCK_N=pc.block_n, PREC="tf32", UPCAST=False, GATE=gate), pc.num_warps, pc.num_stages)
+        for split in (0, 1):  # split-KV for short chunks (METAINFER_ATTN_PREFILL_SPLIT)
+            build(A._prefill_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, out_ptr=bf, gate_ptr=bf,
+                  bt_ptr="*i32", qsl_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32", part_o_ptr=f32,
+                  part_lse_ptr=f32),
+                  dict(HQ=16, G=8, G_P2=8, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=pc.block_rows // 8,
+                       BLOCK_N=pc.block_n, SPLIT=split, PREC="tf32", UPCAST=False, GATE=gate),
+                  pc.num_warps, pc.num_stages)
     f8 = "*fp8e4nv"
     for bt, f16, bk, ck in ((1, 0, 128, 0), (16, 1, 128, 0), (16, 1, 256, 0),
                             (16, 1, 128, 4), (1, 0, 256, 4)):

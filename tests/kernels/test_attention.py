@@ -122,3 +122,42 @@ def test_registered():
     from metainfer.kernels import registry
 
     assert registry.load({"paged_attention"}) == {"paged_attention": attn.paged_attention}
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_split_kv(dtype, num_splits, gated):
+    """The prefill kernel's KV splits merged by the decode reduce kernel (prefill rows after two
+    decodes, so the reduce works on a view from row s0): short chunks over cached prefixes (5 after
+    37, 1 after 20, 3 after 0, a fresh 9), more splits than some chunks have key blocks (empty
+    splits), GQA 4:2, with and without the output gate; equal to the unsplit kernel within
+    rounding and to the reference."""
+    query_lens, ctx = [1, 1, 5, 1, 3, 9], [4, 16, 37, 20, 0, 0]
+    q, kc, vc, meta = _setup(query_lens, ctx, Hq=4, Hkv=2, D=32, bs=4, dtype=dtype, seed=9)
+    assert meta.num_decodes == 2
+    scale = 32**-0.5
+    gate = None
+    want = _want(q, kc, vc, meta, scale)
+    if gated:
+        g = torch.Generator().manual_seed(10)
+        gate = (torch.randn(q.shape[0], 4, 64, generator=g) * 2).to(dtype)[..., 32:]
+        want = want * torch.sigmoid(gate)
+    cfg = attn.PrefillConfig(block_rows=16, block_n=8)
+    outs = []
+    for ns in (1, num_splits):
+        out = torch.full_like(q, 5.0)
+        attn._prefill(q, kc, vc, meta, scale, out, cfg, gate=gate, num_splits=ns)
+        assert torch.equal(out[:2], torch.full_like(out[:2], 5.0))  # the decode rows untouched
+        outs.append(out[2:])
+        _close(out[2:], want[2:], dtype)
+    assert rel_rmse(outs[1], outs[0]) < TOL[dtype][0]
+
+
+def test_prefill_num_splits_only_when_on_and_short(monkeypatch):
+    monkeypatch.delenv(attn.PREFILL_SPLIT_ENV, raising=False)
+    assert attn.prefill_num_splits(5, 1, 2, 8192) == 1  # off by default (not yet measured on the H200)
+    monkeypatch.setenv(attn.PREFILL_SPLIT_ENV, "1")
+    assert attn.prefill_num_splits(5, 1, 2, 8192) == attn.decode_num_splits(1, 2, 8192, attn.DECODE) > 1
+    assert attn.prefill_num_splits(attn.PREFILL_SPLIT_MAX_Q + 1, 1, 2, 8192) == 1
+    assert attn.prefill_num_splits(5, 1, 2, 16) == 1  # a context too short to split
