@@ -68,6 +68,27 @@ def _gated(o, gate_ptr, off, mask, DT: tl.constexpr, GATE: tl.constexpr):
     return o.to(DT)
 
 
+@triton.jit
+def _store_result(acc, m, lsum, rid, heads, d, mask, lmask, split, num_splits, out_ptr, so_t, so_h,
+                  gate_ptr, sg_t, sg_h, part_o_ptr, part_lse_ptr, HQ: tl.constexpr, D: tl.constexpr,
+                  SPLIT: tl.constexpr, GATE: tl.constexpr):
+    """acc / lsum of query rows (row ids `rid`: a scalar or a column, `heads`): with SPLIT, split
+    `split`'s partial output and log-sum-exp (log2 units; -inf where it saw no key) into part_o /
+    part_lse [rows, HQ, num_splits(, D)]; else, gated, into out."""
+    nonempty = lsum > 0
+    o = acc / tl.where(nonempty, lsum, 1.0)[:, None]
+    if SPLIT:
+        part = (rid * HQ + heads) * num_splits + split
+        tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=mask & nonempty[:, None])
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=lmask)
+    else:
+        rows = rid if rid.numel == 1 else rid[:, None]
+        off = rows * sg_t + heads[:, None] * sg_h + d[None, :]
+        o = _gated(o, gate_ptr, off, mask, out_ptr.dtype.element_ty, GATE)
+        tl.store(out_ptr + rows * so_t + heads[:, None] * so_h + d[None, :], o, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, gate_ptr,
@@ -115,18 +136,8 @@ def _decode_split_kernel(
         vt = tl.load(v_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
         m = m_new
-    nonempty = lsum > 0
-    o = acc / tl.where(nonempty, lsum, 1.0)[:, None]
-    omask = gmask[:, None] & dmask[None, :]
-    if SPLIT:
-        part = (b * HQ + heads) * num_splits + split  # [G_PAD]
-        tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=omask & nonempty[:, None])
-        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=gmask)
-    else:
-        o = _gated(o, gate_ptr, b * sg_t + heads[:, None] * sg_h + d[None, :], omask,
-                   out_ptr.dtype.element_ty, GATE)
-        tl.store(out_ptr + b * so_t + heads[:, None] * so_h + d[None, :], o, mask=omask)
+    _store_result(acc, m, lsum, b, heads, d, gmask[:, None] & dmask[None, :], gmask, split, num_splits,
+                  out_ptr, so_t, so_h, gate_ptr, sg_t, sg_h, part_o_ptr, part_lse_ptr, HQ, D, SPLIT, GATE)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -186,6 +197,7 @@ def _prefill_kernel(
         split = tl.program_id(0) % num_splits
     else:
         mblk = tl.num_programs(0) - 1 - tl.program_id(0)
+        split = 0
     i = (seq_offset + tl.program_id(1)).to(tl.int64)
     hkv = tl.program_id(2)
     q_start = tl.load(qsl_ptr + i)
@@ -232,17 +244,8 @@ def _prefill_kernel(
         vt = tl.load(v_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
         m = m_new
-    nonempty = lsum > 0
-    o = acc / tl.where(nonempty, lsum, 1.0)[:, None]
-    if SPLIT:
-        part = (tok_row * HQ + heads) * num_splits + split  # [R]
-        tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=qmask & nonempty[:, None])
-        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=rmask)
-    else:
-        o = _gated(o, gate_ptr, tok_row[:, None] * sg_t + heads[:, None] * sg_h + d[None, :], qmask,
-                   out_ptr.dtype.element_ty, GATE)
-        tl.store(out_ptr + tok_row[:, None] * so_t + heads[:, None] * so_h + d[None, :], o, mask=qmask)
+    _store_result(acc, m, lsum, tok_row, heads, d, qmask, rmask, split, num_splits, out_ptr, so_t, so_h,
+                  gate_ptr, sg_t, sg_h, part_o_ptr, part_lse_ptr, HQ, D, SPLIT, GATE)
 
 
 def _interpreting() -> bool:
