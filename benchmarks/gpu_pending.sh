@@ -38,6 +38,9 @@
 #   asplit - METAINFER_ATTN_PREFILL_SPLIT 0 -> 1 (split-KV attention for chunks <= 16 tokens: a
 #            verify's 5 queries over a 1k context ran on 2 programs per layer): its GPU test, spec_bench
 #            script-4 (the verify step's median) without and with it, the FP8 oracle with it, ~4 min
+#   srepeat - the oracle on the speculative verify path: --speculative repeat (the last token drafted K
+#            times: every eligible step verifies, most drafts rejected, states restored) with verifies of
+#            up to 64 sequences beside each other, FP8 and BF16, ~5 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -147,6 +150,13 @@ if [[ $PHASES == *asplit* ]]; then
   done
   METAINFER_ATTN_PREFILL_SPLIT=1 timeout 110 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_asplit.json 2>&1 | grep -E "verdict|decode" | tail -4
+fi
+if [[ $PHASES == *srepeat* ]]; then
+  for dt in fp8 bfloat16; do
+    timeout 250 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
+      --device cuda --suite full --speculative repeat --speculative-max-seqs 64 --json $OUT/verify_${dt}_repeat.json \
+      2>&1 | grep -E "verdict|decode.rel" | sed "s/^/[$dt repeat] /"
+  done
 fi
 if [[ $PHASES == *prof32* ]]; then
   for dt in fp8 bfloat16; do

@@ -223,7 +223,7 @@ class ModelConfig:
 
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "fp8")
-SPECULATIVE = (None, "ngram")
+SPECULATIVE = (None, "ngram", "repeat")  # repeat: the last token K times (judging the verify path)
 
 
 DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
@@ -254,9 +254,11 @@ class EngineConfig:
     prefill_graphs: tuple[int, ...] | None = None
     warmup: bool = True  # CUDA: eager steps of serving's shapes at start (JIT compiles out of the TTFT)
     async_scheduling: bool = True  # launch step N+1 before processing step N's tokens
-    # speculative decoding: None, or "ngram" (prompt-lookup drafts of greedy requests, verified in
+    # speculative decoding: None, "ngram" (prompt-lookup drafts of greedy requests, verified in
     # one step; verifies and the probe steps before proposals run synchronously, the steps between
-    # probes async: LLMEngine.SPEC_PROBE_MAX); up to num_speculative_tokens drafts per sequence
+    # probes async: LLMEngine.SPEC_PROBE_MAX), or "repeat" (the last token drafted K times: every
+    # eligible step verifies, so `verify` judges the verify path even where n-grams find nothing, as
+    # on dummy weights); up to num_speculative_tokens drafts per sequence
     speculative: str | None = None
     num_speculative_tokens: int = 4
     # drafts only while at most this many sequences run and none waits: a verify alone in its step

@@ -46,8 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram"],
-        help="speculative decoding of greedy requests: ngram = prompt-lookup drafts",
+        choices=["ngram", "repeat"],
+        help="speculative decoding of greedy requests: ngram = prompt-lookup drafts; repeat = the last "
+        "token K times (judges the verify path with `metainfer verify`: every eligible step verifies)",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step")
     p.add_argument(

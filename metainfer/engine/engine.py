@@ -42,7 +42,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(ecfg.seed)
-        self.proposer = self._ngram_proposer  # (request, k) -> drafts (a test seam)
+        # (request, k) -> drafts (a test seam)
+        self.proposer = self._repeat_proposer if ecfg.speculative == "repeat" else self._ngram_proposer
         self.async_scheduling = ecfg.async_scheduling
         self._pending: InFlight | None = None
         # speculation and async steps: drafts need the last tokens on the host when a step is scheduled,
@@ -326,6 +327,10 @@ class LLMEngine:
     def _draftable(req: Request) -> bool:
         p = req.params
         return p.greedy and not req.score_only and p.logprobs is None and p.prompt_logprobs is None
+
+    @staticmethod
+    def _repeat_proposer(req: Request, k: int) -> list[int]:
+        return [req.token_at(req.num_tokens - 1)] * k
 
     @staticmethod
     def _ngram_proposer(req: Request, k: int) -> list[int]:

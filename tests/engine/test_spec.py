@@ -255,3 +255,30 @@ def test_drafts_only_while_the_step_would_hold_one_sequence(cfg):
     assert _gen(llm, prompts, params) == plain
     st = llm.engine.stats
     assert seen and set(seen) == {1} and st["spec_accepted"] == st["spec_drafted"] > 0
+
+
+def test_repeat_proposer_verifies_every_step_and_equals_plain(cfg):
+    """--speculative repeat drafts the last token K times: every eligible step is a verify (most drafts
+    rejected, states restored), outputs equal plain greedy decoding's."""
+    prompts = _prompts()
+    plain = _gen(_llm(cfg, None), prompts, GREEDY)
+    llm = _llm(cfg, "repeat", num_speculative_tokens=3)
+    assert _gen(llm, prompts, GREEDY) == plain
+    st = llm.engine.stats
+    assert st["spec_verifies"] >= st["steps"] // 3 and st["spec_drafted"] > st["spec_accepted"]
+    assert st["async_steps"] == 0 or st["spec_verifies"] > st["async_steps"]
+
+
+def test_oracle_passes_a_repeat_speculative_engine():
+    """`metainfer verify --speculative repeat --speculative-max-seqs 16`: the verify rows judged
+    whatever the model generates (dummy weights give the n-gram proposer nothing)."""
+    pytest.importorskip("transformers")
+    from metainfer.oracle.build import build_setup
+    from metainfer.oracle.report import format_table
+    from tests.oracle.oracle_helpers import verify
+
+    setup = build_setup("", "quick", {"device": "cpu", "speculative": "repeat", "speculative_max_seqs": 16})
+    v = verify(setup)
+    assert v.passed, format_table(v)
+    st = setup.llm.engine.stats
+    assert st["spec_verifies"] > 20 and st["spec_drafted"] > st["spec_accepted"]
