@@ -342,6 +342,26 @@ def gemv_config(K: int, T: int, block_n: int, ks: int, num_warps: int = 4) -> di
                 num_warps=num_warps)
 
 
+_BY_SHAPE: dict[int, tuple[dict, dict[tuple[int, int], list[tuple[int, dict]]]]] = {}
+
+
+def _by_shape(table: dict[str, dict]) -> dict[tuple[int, int], list[tuple[int, dict]]]:
+    """The table's FP8 "N,K,T" entries as (N, K) -> [(T, config)] by T, built once per table object
+    (a lookup that misses runs on every eager projection call)."""
+    hit = _BY_SHAPE.get(id(table))
+    if hit is None or hit[0] is not table:
+        index: dict[tuple[int, int], list[tuple[int, dict]]] = {}
+        for key, cfg in table.items():
+            parts = key.split(",")
+            if len(parts) == 3 and all(p.isdigit() for p in parts):
+                n, k, t = (int(p) for p in parts)
+                index.setdefault((n, k), []).append((t, cfg))
+        for rows in index.values():
+            rows.sort(key=lambda r: r[0])
+        hit = _BY_SHAPE[id(table)] = (table, index)
+    return hit[1]
+
+
 def tuned_row(table: dict[str, dict], N: int, K: int, T: int) -> dict | None:
     """The table's FP8 "N,K,T" config for T tokens, else the one measured at the fewest tokens
     T' in (T, 2T) whose tile holds T (BLOCK_T >= T): a decode batch of 24 takes the 32-token
@@ -349,14 +369,10 @@ def tuned_row(table: dict[str, dict], N: int, K: int, T: int) -> dict | None:
     hit = table.get(f"{N},{K},{T}")
     if hit is not None:
         return hit
-    near = []
-    for key, cfg in table.items():
-        parts = key.split(",")
-        if len(parts) == 3 and all(p.isdigit() for p in parts):
-            n, k, t = (int(p) for p in parts)
-            if (n, k) == (N, K) and T < t < 2 * T and cfg.get("BLOCK_T", 0) >= T:
-                near.append((t, key))
-    return table[min(near)[1]] if near else None
+    for t, cfg in _by_shape(table).get((N, K), ()):
+        if T < t < 2 * T and cfg.get("BLOCK_T", 0) >= T:
+            return cfg
+    return None
 
 
 def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
