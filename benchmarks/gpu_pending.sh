@@ -183,3 +183,14 @@ if [[ $PHASES == *verify* ]]; then
       --device cuda --suite full --json $OUT/verify_${dt}_pending.json 2>&1 | grep -E "verdict" | sed "s/^/[$dt ${ON:-}] /"
   done
 fi
+if [[ $PHASES == *bisect* ]]; then  # spec_bench script-4 on an exported older tree (REF_TREE: git archive of metainfer, benchmarks)
+  (cd $REF_TREE && PYTHONPATH=/tmp/site:$PWD timeout 200 python benchmarks/spec_bench.py --dtype fp8 --gen 64 --reps 3 \
+    --script-k 4 --out $OUT/bisect 2>&1 | grep -E "script-4|plain" | sed "s/^/[ref] /")
+fi
+if [[ $PHASES == *t1out* ]]; then  # batch-1 out_proj/o_proj on the T = 2 tensor-core config (benchmarks/tuned/)
+  for on in 0 1; do
+    sw=(); [[ $on == 1 ]] && sw=(METAINFER_FP8_TUNED=$PWD/benchmarks/tuned/t1_out_proj_tc.json)
+    env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 64 --no-profile \
+      --out $OUT/t1out$on 2>&1 | grep -E "^\|" | sed "s/^/[t1out=$on] /"
+  done
+fi
