@@ -194,3 +194,12 @@ if [[ $PHASES == *t1out* ]]; then  # batch-1 out_proj/o_proj on the T = 2 tensor
       --out $OUT/t1out$on 2>&1 | grep -E "^\|" | sed "s/^/[t1out=$on] /"
   done
 fi
+if [[ $PHASES == *newab* ]]; then  # KB-0042..44: the defaults against each new switch off (FP8; fresh processes)
+  timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider \
+    -k "grouped_rows or moe_rows or prefill_split or grouped or speculative or pdl_equals" 2>&1 | tail -2
+  for sw in NONE METAINFER_ALIGN_ROWS METAINFER_MOE_GROUPED_ROWS METAINFER_MOE_BUCKET_ONE; do
+    e=(); [[ $sw != NONE ]] && e=($sw=0)
+    env "${e[@]}" timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches ${NEWAB_BATCHES:-8,32,64} --gen 32 \
+      --no-profile --out $OUT/newab_$sw 2>&1 | grep -E "^\||TTFT" | sed "s/^/[$sw off] /"
+  done
+fi

@@ -433,3 +433,37 @@ def moe_pair_rows(
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg)
     y = _pair_down_rows(act, w_down, _scale_args(down_scale, w_down), ids, fp8, cfg, x)
     return y.view(T, W, H)
+
+
+GROUPED_ROWS_ENV = "METAINFER_MOE_GROUPED_ROWS"  # "0": the grouped path sums its rows in a combine launch
+
+
+def grouped_rows_ok(T: int, fp8: bool) -> bool:
+    """Whether `moe_grouped_rows` serves T tokens: past the per-pair path, unless switched off."""
+    return T > 0 and not use_pair_path(T, fp8) and os.environ.get(GROUPED_ROWS_ENV, "1") != "0"
+
+
+def moe_grouped_rows(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2I, H]
+    w_down: torch.Tensor,  # [E, H, I]
+    ids: torch.Tensor,  # [T, W] int64/int32
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """`moe_pair_rows` for batches past the per-pair path: the grouped GEMMs' unweighted output of
+    each (token, slot), in x's dtype (as `moe_experts`' grouped path rounds them before its combine
+    launch) -> [T, W, H]. The weighted sum is the consumer's (`norm.moe_add_rms_norm`: the combine
+    launch saved, the same sum in the same slot order)."""
+    T, H = x.shape
+    E, W = w_gate_up.shape[0], ids.shape[1]
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    assert x.is_contiguous() and T > 0 and ids.is_contiguous() and ids.shape[0] == T, (x.shape, ids.shape)
+    assert w_gate_up.is_contiguous() and w_down.is_contiguous() and w_down.shape[0] == E
+    assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
+    cfg = config or moe_grouped.grouped_config(T, W, E, fp8)
+    assert not fp8 or 128 % cfg["BLOCK_K"] == 0
+    y = moe_grouped.grouped_rows(x, w_gate_up, w_down, ids, _scale_args(gate_up_scale, w_gate_up),
+                                 _scale_args(down_scale, w_down), fp8, cfg)
+    return y.view(T, W, H)

@@ -66,6 +66,31 @@ def _bucket_kernel(
 
 
 @triton.jit
+def _bucket_one_kernel(
+    ids_ptr, counts_ptr, ends_ptr, sorted_ptr, P, E,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0,
+):
+    """`_count_kernel` + `_bucket_kernel` in one program for P <= BLOCK pairs (decode batches): the
+    counts zeroed here (no memset launch), each pair's rank in its expert from the count's atomic
+    add, then the ends and the bucketed pairs as `_bucket_kernel` lays them out."""
+    pdl.wait(USE_PDL)
+    offs_e = tl.arange(0, E_P2)
+    tl.store(counts_ptr + offs_e, tl.zeros((E_P2,), tl.int32), mask=offs_e < E)
+    tl.debug_barrier()  # the zeros are in memory before any thread counts
+    offs = tl.arange(0, BLOCK)
+    mask = offs < P
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    rank = tl.atomic_add(counts_ptr + ids, 1, mask=mask)
+    tl.debug_barrier()  # every pair counted before the counts are read
+    cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0, cache_modifier=".cg")
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [E_P2] inclusive
+    tl.store(ends_ptr + offs_e, ends, mask=offs_e < E)
+    pos = tl.gather(ends - padded, ids, 0) + rank
+    tl.store(sorted_ptr + pos, offs, mask=mask)
+
+
+@triton.jit
 def _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
     """-> (expert of the M-block starting at padded row row0, its valid-row mask [BLOCK_M], its
     rows [BLOCK_M])."""
@@ -187,9 +212,18 @@ def grouped_config(T: int, top_k: int, E: int, fp8: bool = False) -> dict:
 
 
 def grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
-    """out [T, H] <- the experts of every (token, slot) pair: bucket the pairs by expert, the two
-    grouped GEMMs, then the weighted sum (`routing.combine`). gu, dn: (scales, expert stride, row
-    stride) of the FP8 scales (`moe._scale_args`); cfg: `grouped_config`'s."""
+    """out [T, H] <- the experts of every (token, slot) pair (`grouped_rows`), then their weighted
+    sum (`routing.combine`)."""
+    routing.combine(grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8, cfg), tw, out)
+
+
+BUCKET_ONE_ENV = "METAINFER_MOE_BUCKET_ONE"  # "0": count (after a memset) and bucket in two launches
+
+
+def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict) -> torch.Tensor:
+    """Each (token, slot) pair's expert output, unweighted, in x's dtype: bucket the pairs by
+    expert, the two grouped GEMMs. -> [T*k, H] in pair order (token-major). gu, dn: (scales, expert
+    stride, row stride) of the FP8 scales (`moe._scale_args`); cfg: `grouped_config`'s."""
     T, H = x.shape
     E, k, I = w_gate_up.shape[0], ids.shape[1], w_down.shape[2]
     P, bm = T * k, cfg["BLOCK_M"]
@@ -197,13 +231,18 @@ def grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dic
     e_p2 = triton.next_power_of_2(E)
     upcast = upcast_dots(x)
     dev = x.device
-    counts = torch.zeros(2 * E, dtype=torch.int32, device=dev)  # [counts | cursor]
     ends = torch.empty(E, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
     blk = 1024
-    _count_kernel[(triton.cdiv(P, blk),)](ids, counts, P, BLOCK=blk, **pdl.kw())
-    _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
-                                           BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
+    if P <= blk and os.environ.get(BUCKET_ONE_ENV, "1") != "0":  # one launch, no memset
+        counts = torch.empty(E, dtype=torch.int32, device=dev)
+        _bucket_one_kernel[(1,)](ids, counts, ends, sorted_pairs, P, E, BLOCK_M=bm, E_P2=e_p2, BLOCK=blk,
+                                 num_warps=8, **pdl.kw())
+    else:
+        counts = torch.zeros(2 * E, dtype=torch.int32, device=dev)  # [counts | cursor]
+        _count_kernel[(triton.cdiv(P, blk),)](ids, counts, P, BLOCK=blk, **pdl.kw())
+        _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
+                                               BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
     act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
     a8 = a8_enabled(fp8)
     xa, xs = act_quant(x) if a8 else (x, x)  # e4m3 activations + scales, or x (the scales unused)
@@ -219,4 +258,4 @@ def grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dic
         acts, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],
         as_, act.shape[0], BLOCK_N=cfg["DN_BLOCK_N"], **common, **pdl.kw(),
     )
-    routing.combine(y, tw, out)
+    return y

@@ -82,11 +82,12 @@ def _moe_add_rms_norm_kernel(
     SLOTS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
-    """`_add_rms_norm_kernel` whose x is the weighted sum of SLOTS fp32 rows per token (the MoE
-    experts' outputs): x = sum_j tw[t, j] * y[t, j] in slot order, rounded to the residual's
-    dtype, as `routing.combine` writes it."""
+    """`_add_rms_norm_kernel` whose x is the weighted sum of SLOTS rows per token (the MoE experts'
+    outputs: fp32 from the per-pair kernels, the model dtype from the grouped ones): x = sum_j
+    tw[t, j] * y[t, j] in fp32 and slot order, rounded to the residual's dtype, as
+    `routing.combine` writes it."""
     pdl.wait(USE_PDL)
-    # y: [n_rows, SLOTS, N] fp32; tw: [n_rows, SLOTS] fp32; res: [n_rows, N] row stride sr0
+    # y: [n_rows, SLOTS, N] fp32/bf16/fp16; tw: [n_rows, SLOTS] fp32; res: [n_rows, N] row stride sr0
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -95,7 +96,7 @@ def _moe_add_rms_norm_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
     for j in tl.static_range(SLOTS):
-        y = tl.load(y_ptr + (rows64 * SLOTS + j) * N + cols[None, :], mask=mask, other=0.0)
+        y = tl.load(y_ptr + (rows64 * SLOTS + j) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x += tl.load(tw_ptr + rows * SLOTS + j, mask=rmask, other=0.0)[:, None] * y
     r = x.to(new_res_ptr.dtype.element_ty)
     if HAS_RES:
@@ -194,9 +195,10 @@ def moe_add_rms_norm(
     rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
     eps: float, dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [T, W, N] fp32, weights [T, W] fp32: x = sum_j weights[:, j] * rows[:, j] rounded to the
-    residual's dtype (or `dtype`), then `add_rms_norm(x, residual)`, in one launch."""
-    assert rows.dim() == 3 and rows.is_contiguous() and rows.dtype == torch.float32, (rows.shape, rows.dtype)
+    """rows [T, W, N] (fp32, or the grouped path's x dtype), weights [T, W] fp32: x = sum_j
+    weights[:, j] * rows[:, j] in fp32, rounded to the residual's dtype (or `dtype`), then
+    `add_rms_norm(x, residual)`, in one launch."""
+    assert rows.dim() == 3 and rows.is_contiguous() and rows.dtype in _TL_DTYPE, (rows.shape, rows.dtype)
     T, W, N = rows.shape
     assert weights.shape == (T, W) and weights.is_contiguous() and weights.dtype == torch.float32
     dt = residual.dtype if residual is not None else dtype

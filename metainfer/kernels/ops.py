@@ -109,15 +109,19 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
     """The route launch, then the per-pair experts with the weighted sum left to `moe_add_rms_norm`
     (the combine launch saved; `moe_routed_rows` without the routing inside gate/up, which measured
     slower for BF16): logits [T, E+1] with the shared expert's gate. -> (rows [T, W, H] fp32,
-    weights [T, W] fp32), or None where no kernel serves x, past the per-pair path (BF16 8 tokens,
-    FP8 16), or with METAINFER_MOE_ROWS=0 (then route + `moe_experts`)."""
+    weights [T, W] fp32); past the per-pair path (BF16 8 tokens, FP8 16) the grouped GEMMs' rows
+    in x's dtype (`moe_grouped_rows`, unless METAINFER_MOE_GROUPED_ROWS=0); None where no kernel
+    serves x or with METAINFER_MOE_ROWS=0 (then route + `moe_experts`)."""
     k = _kernel("moe_pair_rows", x)
     if not k or os.environ.get(MOE_ROWS_ENV, "1") == "0":
         return None
-    from metainfer.kernels.moe import use_pair_path
+    from metainfer.kernels.moe import grouped_rows_ok, use_pair_path
 
-    if not (0 < x.shape[0] and use_pair_path(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn)):
-        return None
+    T, fp8 = x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn
+    if not (0 < T and use_pair_path(T, fp8)):
+        if not grouped_rows_ok(T, fp8):
+            return None
+        k = _kernel("moe_grouped_rows", x)  # wider batches, prefills: the grouped GEMMs' rows
     weights, ids = route_with_shared(router_logits, top_k)
     return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale), weights
 

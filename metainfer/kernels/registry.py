@@ -26,6 +26,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
     "moe_pair_rows": ("metainfer.kernels.moe", "moe_pair_rows"),
+    "moe_grouped_rows": ("metainfer.kernels.moe", "moe_grouped_rows"),
     "router_topk": ("metainfer.kernels.weight_stream", "router_topk"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.weight_stream", "dense_linear"),

@@ -14,9 +14,10 @@ from metainfer.kernels import ops
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """A MoE block's output before its weighted sum: rows [T, W, H] fp32 (one per token and slot),
-    weights [T, W] fp32; the sum, rounded to `dtype`, is the block's output. The next
-    `RMSNorm.add_forward` takes it as x and sums it in the same launch as the residual add."""
+    """A MoE block's output before its weighted sum: rows [T, W, H] (one per token and slot; fp32 from
+    the per-pair decode kernels, the model dtype from the grouped ones), weights [T, W] fp32; the
+    sum, rounded to `dtype`, is the block's output. The next `RMSNorm.add_forward` takes it as x
+    and sums it in the same launch as the residual add."""
 
     rows: torch.Tensor
     weights: torch.Tensor

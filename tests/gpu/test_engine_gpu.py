@@ -150,6 +150,18 @@ def test_moe_rows_equal_the_combine_launch(cfg_path, quant, monkeypatch):
         assert rel_rmse(x, y) < 1e-3
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_grouped_rows_equal_the_combine_launch(cfg_path, quant, monkeypatch):
+    """METAINFER_MOE_GROUPED_ROWS=1 (the grouped path's rows summed by the next add+RMSNorm: the
+    prefills and batches past the per-pair path) gives the combine launch's tokens and logits (the
+    same fp32 slot-order sum of the same rounded rows)."""
+    from metainfer.kernels import moe
+
+    for a, x, b, y in _on_and_off(cfg_path, quant, monkeypatch, moe.GROUPED_ROWS_ENV, _prompts(6, seed=4)):
+        assert a.token_ids == b.token_ids
+        assert rel_rmse(x, y) < 1e-3
+
+
 def test_kernels_match_reference_path(cfg_path):
     prompts = _prompts(4, seed=1)
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=512)

@@ -188,8 +188,8 @@ def test_paged_attention_full_shapes(query_lens, context_lens, bs):
     "query_lens,context_lens", [([5], [1000]), ([1, 1, 5, 3, 16], [30, 2047, 4000, 37, 0])]
 )
 def test_paged_attention_prefill_split_full_shapes(query_lens, context_lens, monkeypatch):
-    """METAINFER_ATTN_PREFILL_SPLIT=1: short chunks (a verify's 1 + K) split their keys across programs,
-    merged by the reduce kernel; same bound as the unsplit kernels."""
+    """Split-KV prefill (on by default, KB-0041): short chunks (a verify's 1 + K) split their keys
+    across programs, merged by the reduce kernel; same bound as the unsplit kernels."""
     from metainfer.kernels import attention
 
     monkeypatch.setenv(attention.PREFILL_SPLIT_ENV, "1")
@@ -281,9 +281,9 @@ _COMPILE = textwrap.dedent(
     build(norm._add_rms_norm_kernel,
           dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32"),
           dict(BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
-    for has_res in (0, 1):
+    for has_res, yt in ((0, f32), (1, f32), (1, bf)):  # per-pair rows fp32, the grouped rows bf16
         build(norm._moe_add_rms_norm_kernel,
-              dict(y_ptr=f32, tw_ptr=f32, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32"),
+              dict(y_ptr=yt, tw_ptr=f32, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32"),
               dict(SLOTS=9, HAS_RES=has_res, BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
     build(norm._gated_rms_norm_kernel, dict(x_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32"),
           dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128), norm.NUM_WARPS)
@@ -350,6 +350,8 @@ _COMPILE = textwrap.dedent(
               dict(tiles, TOP_K=8), 4, 3)
         build(mg._grouped_down_kernel, dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st),
               tiles, 4, 3)
+    build(mg._bucket_one_kernel, dict(ids_ptr="*i64", counts_ptr="*i32", ends_ptr="*i32", sorted_ptr="*i32"),
+          dict(BLOCK_M=16, E_P2=512, BLOCK=1024), 8)
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32),
           dict(SLOTS=9, ROUTE_K=8, FP8=1, BLOCK_H=32, I_P2=512, E_P2=256, K_P2=8), 4)
     build(routing._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)

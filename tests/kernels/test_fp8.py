@@ -490,3 +490,31 @@ def test_tuned_row_takes_the_nearest_wider_measurement():
     pick = lambda T: (ws.tuned_row(table, 200, 300, T) or {}).get("tag")  # noqa: E731
     assert [pick(T) for T in (16, 17, 24, 32, 33, 40, 48, 64, 65, 128)] == [
         None, "t32", "t32", "t32", "t64", "tile too small", "t64", "t64", None, None]
+
+
+@pytest.mark.parametrize("T", [1, 5, 32])
+def test_aligned_linear_pads_unaligned_rows(T):
+    """The router's 257 output rows: zero-padded to a multiple of 8, the first 257 columns returned
+    as a strided view; same values as F.linear, the padding made once per weight."""
+    g = torch.Generator().manual_seed(T)
+    w = torch.randn(257, 96, generator=g)
+    x = torch.randn(T, 96, generator=g)
+    y = ws.aligned_linear(x, w)
+    assert y.shape == (T, 257) and y.stride() == (264, 1)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    pad = w._aligned_rows[1]
+    assert pad.shape == (264, 96) and torch.equal(pad[257:], torch.zeros(7, 96))
+    ws.aligned_linear(x, w)
+    assert w._aligned_rows[1] is pad  # made once
+    w.mul_(2.0)  # written in place (a reload): padded again
+    torch.testing.assert_close(ws.aligned_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x3 = x.view(1, T, 96)
+    torch.testing.assert_close(ws.aligned_linear(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+
+
+def test_aligned_linear_on_an_inference_tensor():
+    with torch.inference_mode():
+        w = torch.randn(13, 16)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(ws.aligned_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert ws.aligned_linear(x, w).stride(0) == 16

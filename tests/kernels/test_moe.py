@@ -158,6 +158,36 @@ def test_moe_bucket_layout():
         assert sorted(seg.tolist()) == torch.nonzero(ids.flatten() == e).flatten().tolist()
 
 
+@pytest.mark.parametrize("T,bm,skew", [(17, 16, False), (5, 16, True), (40, 32, True)])
+def test_moe_bucket_one_program_layout(T, bm, skew):
+    """`_bucket_one_kernel` (P <= BLOCK pairs, one launch, counts zeroed inside: the buffer starts
+    as garbage) lays the pairs out as the two-launch count + bucket: the same counts, ends and
+    per-expert sets of pairs."""
+    _, _, _, _, ids = _problem(T, seed=4, skew=skew)
+    P = ids.numel()
+    max_blocks = (P + min(E, P) * (bm - 1)) // bm
+    counts = torch.full((E,), 12345, dtype=torch.int32)
+    ends = torch.empty(E, dtype=torch.int32)
+    sorted_pairs = torch.full((max_blocks * bm,), -1, dtype=torch.int32)
+    moe_grouped._bucket_one_kernel[(1,)](ids, counts, ends, sorted_pairs, P, E, BLOCK_M=bm, E_P2=8, BLOCK=128)
+    want = torch.bincount(ids.flatten(), minlength=E)
+    assert torch.equal(counts.long(), want)
+    padded = (want + bm - 1) // bm * bm
+    assert torch.equal(ends.long(), padded.cumsum(0))
+    for e in range(E):
+        seg = sorted_pairs[ends[e] - padded[e] : ends[e] - padded[e] + want[e]].long()
+        assert sorted(seg.tolist()) == torch.nonzero(ids.flatten() == e).flatten().tolist()
+
+
+def test_moe_grouped_one_bucket_launch_equals_two(monkeypatch):
+    x, w_gu, w_dn, tw, ids = _problem(17, seed=6, skew=True)
+    monkeypatch.setenv(moe_grouped.BUCKET_ONE_ENV, "0")
+    two = moe.moe_experts(x, w_gu, w_dn, tw, ids, path="grouped")
+    monkeypatch.setenv(moe_grouped.BUCKET_ONE_ENV, "1")
+    one = moe.moe_experts(x, w_gu, w_dn, tw, ids, path="grouped")
+    assert torch.equal(one, two)
+
+
 def test_moe_asserts():
     x, w_gu, w_dn, tw, ids = _problem(2)
     q_gu, s_gu = quantize_fp8_block(w_gu)
@@ -305,3 +335,51 @@ def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype, fp8):
     want = norm.add_rms_norm(combined, residual, nw, 1e-6)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == dtype and rel_rmse(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("T,dtype,fp8", [(17, F32, 0), (19, BF16, 0), (20, BF16, 1)])
+def test_grouped_rows_summed_by_the_norm_equal_combine(T, dtype, fp8):
+    """`ops.moe_rows` past the per-pair path: the grouped GEMMs' rows (x's dtype, pair order) summed
+    inside `moe_add_rms_norm` == `moe_experts`' grouped path with its combine launch, then
+    `add_rms_norm`: the same fp32 slot-order sum of the same rounded rows, rounded once (exact)."""
+    from metainfer.kernels import norm
+
+    x, w_gu, w_dn, _, _ = _problem(T, seed=5, dtype=dtype)
+    g = torch.Generator().manual_seed(T)
+    shared_gu = (torch.randn(1, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    shared_dn = (torch.randn(1, H, I, generator=g) / I**0.5).to(dtype)
+    w_gu, w_dn = torch.cat([w_gu, shared_gu]), torch.cat([w_dn, shared_dn])
+    logits = torch.randn(T, E + 1, generator=g) * 2
+    residual, nw = torch.randn(T, H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
+    tw, ids = routing.route_topk(logits, K, shared=True)
+    scales = ()
+    if fp8:
+        (w_gu, s_gu), (w_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        scales = (s_gu, s_dn)
+    assert moe.grouped_rows_ok(T, bool(fp8)) and not moe.use_pair_path(T, bool(fp8))
+    rows = moe.moe_grouped_rows(x, w_gu, w_dn, ids, *scales)
+    assert rows.shape == (T, K + 1, H) and rows.dtype == dtype
+    got = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
+    combined = moe.moe_experts(x, w_gu, w_dn, tw, ids, *scales, path="grouped")
+    want = norm.add_rms_norm(combined, residual, nw, 1e-6)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+
+
+def test_moe_rows_serves_wide_batches_unless_switched_off(monkeypatch):
+    """`ops.moe_rows` hands batches past the per-pair path to the grouped rows (the combine launch
+    saved), and back to route + `moe_experts` with METAINFER_MOE_GROUPED_ROWS=0."""
+    from metainfer.kernels import ops, registry
+
+    kernels = registry.load()
+    monkeypatch.setattr(ops, "_kernel", lambda name, x: kernels.get(name))  # the GPU dispatch, on the CPU
+    T = 17
+    x, w_gu, w_dn, _, _ = _problem(T, seed=2, dtype=F32)
+    w_gu, w_dn = torch.cat([w_gu, w_gu[:1]]), torch.cat([w_dn, w_dn[:1]])
+    logits = torch.randn(T, E + 1, generator=torch.Generator().manual_seed(1))
+    got = ops.moe_rows(x, logits, K, w_gu, w_dn)
+    assert got is not None and got[0].shape == (T, K + 1, H) and got[0].dtype == F32
+    tw, ids = routing.route_topk(logits, K, shared=True)
+    assert torch.equal(got[1], tw)
+    monkeypatch.setenv(moe.GROUPED_ROWS_ENV, "0")
+    assert ops.moe_rows(x, logits, K, w_gu, w_dn) is None
