@@ -194,7 +194,7 @@ if [[ $PHASES == *t1out* ]]; then  # batch-1 out_proj/o_proj on the T = 2 tensor
       --out $OUT/t1out$on 2>&1 | grep -E "^\|" | sed "s/^/[t1out=$on] /"
   done
 fi
-if [[ $PHASES == *newab* ]]; then  # KB-0042..44: the defaults against each new switch off (FP8; fresh processes)
+if [[ $PHASES == *nsw* ]]; then  # KB-0042..44: the defaults against each new switch off (FP8; fresh processes)
   timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider \
     -k "grouped_rows or moe_rows or prefill_split or grouped or speculative or pdl_equals" 2>&1 | tail -2
   for sw in NONE METAINFER_ALIGN_ROWS METAINFER_MOE_GROUPED_ROWS METAINFER_MOE_BUCKET_ONE; do
