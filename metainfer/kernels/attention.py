@@ -315,15 +315,16 @@ PREFILL_SPLIT_ENV = "METAINFER_ATTN_PREFILL_SPLIT"  # "0": no split-KV for short
 PREFILL_SPLIT_MAX_Q = 16  # the longest chunk that splits (a speculative verify's 1 + K tokens)
 
 
-def prefill_num_splits(max_q: int, num_prefills: int, num_kv_heads: int, capacity: int,
-                       dcfg: DecodeConfig = DECODE) -> int:
+def prefill_num_splits(max_q: int, num_kv_heads: int, capacity: int, dcfg: DecodeConfig = DECODE) -> int:
     """KV splits per query block of a prefill step, from host ints only (graph-capturable): 1 when
-    METAINFER_ATTN_PREFILL_SPLIT=0 or a chunk is longer than PREFILL_SPLIT_MAX_Q tokens; else, as
-    for decodes, enough programs to fill the GPU, none shorter than dcfg.min_split_tokens at the
-    block-table capacity (KB-0041: a 5-token verify step over a 1k context 5.82 -> 4.94 ms)."""
+    METAINFER_ATTN_PREFILL_SPLIT=0 or a chunk is longer than PREFILL_SPLIT_MAX_Q tokens; else as
+    many as one sequence's decode would take (enough programs to fill the GPU, none shorter than
+    dcfg.min_split_tokens at the block-table capacity) however many sequences the step holds: a
+    sequence's verify rounds alike batched or alone (KB-0041: a 5-token verify step over a 1k
+    context 5.82 -> 4.94 ms)."""
     if os.environ.get(PREFILL_SPLIT_ENV, "1") == "0" or max_q > PREFILL_SPLIT_MAX_Q:
         return 1
-    return decode_num_splits(num_prefills, num_kv_heads, capacity, dcfg)
+    return decode_num_splits(1, num_kv_heads, capacity, dcfg)
 
 
 def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: PrefillConfig,
@@ -338,7 +339,7 @@ def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Pre
     g_p2 = triton.next_power_of_2(G)
     block_m = max(1, cfg.block_rows // g_p2)
     bt = meta.block_tables
-    ns = num_splits or prefill_num_splits(max_q, B - nd, Hkv, bt.shape[1] * bs)
+    ns = num_splits or prefill_num_splits(max_q, Hkv, bt.shape[1] * bs)
     if ns > 1:
         part_o = torch.empty(T, Hq, ns, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, Hq, ns, dtype=torch.float32, device=q.device)

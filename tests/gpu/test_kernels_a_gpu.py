@@ -194,7 +194,7 @@ def test_paged_attention_prefill_split_full_shapes(query_lens, context_lens, mon
 
     monkeypatch.setenv(attention.PREFILL_SPLIT_ENV, "1")
     q, kc, vc, meta = _attn_setup(query_lens, context_lens, 16, seed=sum(query_lens))
-    assert attention.prefill_num_splits(max(query_lens), 2, kc.shape[2], meta.block_tables.shape[1] * 16) > 1
+    assert attention.prefill_num_splits(max(query_lens), kc.shape[2], meta.block_tables.shape[1] * 16) > 1
     close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
 
 
