@@ -203,7 +203,7 @@ if [[ $PHASES == *nsw* ]]; then  # KB-0042..44: the defaults against each new sw
       --no-profile --out $OUT/newab_$sw 2>&1 | grep -E "^\||TTFT" | sed "s/^/[$sw off] /"
   done
 fi
-if [[ $PHASES == *specgpu* ]]; then  # the speculative GPU test with split-KV prefill on and off (its failure shown)
+if [[ $PHASES == *sgtest* ]]; then  # the speculative GPU test with split-KV prefill on and off (its failure shown)
   for on in 1 0; do
     METAINFER_ATTN_PREFILL_SPLIT=$on timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider \
       -k "speculative_verify_equals" --tb=short 2>&1 | grep -E "^E |assert|passed|failed" | head -12 | sed "s/^/[split=$on] /"
