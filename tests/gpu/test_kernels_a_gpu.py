@@ -188,8 +188,8 @@ def test_paged_attention_full_shapes(query_lens, context_lens, bs):
     "query_lens,context_lens", [([5], [1000]), ([1, 1, 5, 3, 16], [30, 2047, 4000, 37, 0])]
 )
 def test_paged_attention_prefill_split_full_shapes(query_lens, context_lens, monkeypatch):
-    """Split-KV prefill (METAINFER_ATTN_PREFILL_SPLIT=1, KB-0041): short chunks (a verify's 1 + K) split their keys
-    across programs, merged by the reduce kernel; same bound as the unsplit kernels."""
+    """Split-KV prefill (METAINFER_ATTN_PREFILL_SPLIT=1, KB-0041): short chunks (a verify's 1 + K)
+    split their keys across programs, merged by the reduce kernel; same bound as the unsplit ones."""
     from metainfer.kernels import attention
 
     monkeypatch.setenv(attention.PREFILL_SPLIT_ENV, "1")
