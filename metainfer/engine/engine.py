@@ -302,6 +302,7 @@ class LLMEngine:
         if j < len(drafts):
             self.runner.restore_state(req, inflight.saved_states[req.request_id])
             req.num_computed_tokens -= n
+        self._note_acceptance(req, j)
         req.draft_token_ids = []
         new: list[int] = []
         reason = None
@@ -313,10 +314,29 @@ class LLMEngine:
                 break
         return self._advanced(req, new, reason, n_out=len(req.output_token_ids))
 
+    SPEC_REJECT_BACKOFF = True  # n-gram drafts: a request whose verifies accept nothing drafts less often
+
+    def _note_acceptance(self, req: Request, accepted: int) -> None:
+        """Per-request backoff for drafts that verify to nothing: a verify costs ~2-3 decode steps on
+        the H200 and a rejection also recomputes the step's tokens (2026-11-30j: drafts always wrong,
+        0.2x plain). After r verifies in a row that accepted no draft, the request passes up its next
+        min(2^r, SPEC_PROBE_MAX) drafting chances; one accepted draft resets it. `repeat` (the
+        oracle's verify-path mode) never backs off."""
+        if not self.SPEC_REJECT_BACKOFF or self.ecfg.speculative == "repeat":
+            return
+        if accepted:
+            req.spec_rejects = 0
+        else:
+            req.spec_rejects += 1
+            req.spec_skip = min(2**req.spec_rejects, self.SPEC_PROBE_MAX)
+
     def _draft(self, req: Request, k: int) -> list[int]:
         """The scheduler's drafter: up to k drafts from `proposer` for a greedy request without
         logprobs whose last token is on the host; none for any other."""
         if not self._draftable(req) or (req.output_token_ids and req.output_token_ids[-1] == PENDING):
+            return []
+        if req.spec_skip > 0:  # its last verifies accepted nothing (`_note_acceptance`)
+            req.spec_skip -= 1
             return []
         sch = self.scheduler
         if len(sch.running) > self.ecfg.speculative_max_seqs or sch.waiting:

@@ -136,6 +136,34 @@ def test_any_drafts_give_plain_greedy_outputs(cfg, how):
         assert 0 < st["spec_accepted"] < st["spec_drafted"]
 
 
+def test_rejected_drafts_back_off_per_request(cfg):
+    """Drafts that always verify to nothing: after r rejections in a row the request passes up its
+    next min(2^r, SPEC_PROBE_MAX) drafting chances (growing gaps, few verifies); once a draft is
+    accepted the request drafts at every chance again. Outputs equal plain decoding's."""
+    prompts = _prompts()[:1]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = _gen(_llm(cfg, None), prompts, params)
+    truth = plain[0][0]
+    llm = _llm(cfg, "ngram", num_speculative_tokens=3, async_scheduling=False)
+    calls = []
+
+    def drafter(req, k):  # wrong drafts for the first 30 tokens, then the true continuation
+        n = len(req.output_token_ids)
+        calls.append(n)
+        cont = truth[n:][:k]
+        return [(t + 1) % 512 for t in cont] if n < 30 else cont
+
+    llm.engine.proposer = drafter
+    assert _gen(llm, prompts, params) == plain
+    wrong = [n for n in calls if n < 30]
+    gaps = [b - a for a, b in zip(wrong, wrong[1:])]
+    assert len(wrong) <= 5 and gaps == sorted(gaps) and gaps[-1] > 2  # backing off, not every step
+    right = [n for n in calls if n >= 30]
+    assert right and all(b - a <= 4 for a, b in zip(right, right[1:]))  # accepted: drafting resumed
+    st = llm.engine.stats
+    assert st["spec_accepted"] > 0 and st["spec_verifies"] < 30
+
+
 def test_spec_stops_max_tokens_samples_and_preemption(cfg):
     prompts = _prompts() + token_prompts([3, 20], seed=8)
     plain = _gen(_llm(cfg, None), prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
