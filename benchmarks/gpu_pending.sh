@@ -41,10 +41,17 @@
 #   srepeat - the oracle on the speculative verify path: --speculative repeat (the last token drafted K
 #            times: every eligible step verifies, most drafts rejected, states restored) with verifies of
 #            up to 64 sequences beside each other, FP8 and BF16, ~5 min
+#   bisect - spec_bench script-4 on an older tree (REF_TREE: `git archive <sha> metainfer benchmarks`
+#            extracted into an ignored folder, carried), ~2 min
+#   t1out  - batch-1 decode with the T = 1 out_proj/o_proj row on benchmarks/tuned/t1_out_proj_tc.json, ~1.5 min
+#   nsw    - KB-0043/44/45: their GPU tests, then FP8 decode batches 8/32/64 + TTFT with the defaults and
+#            with each of METAINFER_ALIGN_ROWS, METAINFER_MOE_GROUPED_ROWS, METAINFER_MOE_BUCKET_ONE at 0, ~5 min
+#   sgtest - the speculative engine GPU test with METAINFER_ATTN_PREFILL_SPLIT 1 and 0 (KB-0041), ~1.5 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
-#   Measured (results/2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
+#   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
+#   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
