@@ -310,14 +310,10 @@ def test_moe_pair_rows(T, dtype, fp8):
     assert rows.shape == (T, K, H) and rel_rmse(rows, want) < rmse and _max_rel(rows, want) < max_abs
 
 
-@pytest.mark.parametrize("T,dtype,fp8", [(1, F32, 0), (5, F32, 0), (8, BF16, 0), (12, BF16, 1)])
-def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype, fp8):
-    """`ops.moe_rows`' wiring (KB-0035): the route launch (shared slot), the per-pair rows, their
-    weighted sum inside `moe_add_rms_norm` == route, `moe_experts` (pair path, the combine launch),
-    `add_rms_norm`: the same fp32 slot-order sum rounded once (rel. RMSE < 1e-6)."""
-    from metainfer.kernels import norm
-
-    x, w_gu, w_dn, _, _ = _problem(T, seed=3, dtype=dtype)
+def _shared_problem(T: int, seed: int, dtype: torch.dtype, fp8: bool):
+    """`_problem` with the shared expert as expert E (slot K, routed by logit E), the next norm's
+    residual and weight: -> (x, w_gu, w_dn, residual, norm weight, tw, ids, FP8 scales or ())."""
+    x, w_gu, w_dn, _, _ = _problem(T, seed=seed, dtype=dtype)
     g = torch.Generator().manual_seed(T)
     shared_gu = (torch.randn(1, 2 * I, H, generator=g) / H**0.5).to(dtype)  # the shared expert: id E
     shared_dn = (torch.randn(1, H, I, generator=g) / I**0.5).to(dtype)
@@ -326,9 +322,20 @@ def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype, fp8):
     residual, nw = torch.randn(T, H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
     tw, ids = routing.route_topk(logits, K, shared=True)
     scales = ()
-    if fp8:  # FP8 experts: the per-pair path serves up to 16 tokens
+    if fp8:
         (w_gu, s_gu), (w_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
         scales = (s_gu, s_dn)
+    return x, w_gu, w_dn, residual, nw, tw, ids, scales
+
+
+@pytest.mark.parametrize("T,dtype,fp8", [(1, F32, 0), (5, F32, 0), (8, BF16, 0), (12, BF16, 1)])
+def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype, fp8):
+    """`ops.moe_rows`' wiring (KB-0035): the route launch (shared slot), the per-pair rows, their
+    weighted sum inside `moe_add_rms_norm` == route, `moe_experts` (pair path, the combine launch),
+    `add_rms_norm`: the same fp32 slot-order sum rounded once (rel. RMSE < 1e-6)."""
+    from metainfer.kernels import norm
+
+    x, w_gu, w_dn, residual, nw, tw, ids, scales = _shared_problem(T, 3, dtype, fp8)
     rows = moe.moe_pair_rows(x, w_gu, w_dn, ids, *scales)
     got = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
     combined = moe.moe_experts(x, w_gu, w_dn, tw, ids, *scales, path="pair")
@@ -344,18 +351,7 @@ def test_grouped_rows_summed_by_the_norm_equal_combine(T, dtype, fp8):
     `add_rms_norm`: the same fp32 slot-order sum of the same rounded rows, rounded once (exact)."""
     from metainfer.kernels import norm
 
-    x, w_gu, w_dn, _, _ = _problem(T, seed=5, dtype=dtype)
-    g = torch.Generator().manual_seed(T)
-    shared_gu = (torch.randn(1, 2 * I, H, generator=g) / H**0.5).to(dtype)
-    shared_dn = (torch.randn(1, H, I, generator=g) / I**0.5).to(dtype)
-    w_gu, w_dn = torch.cat([w_gu, shared_gu]), torch.cat([w_dn, shared_dn])
-    logits = torch.randn(T, E + 1, generator=g) * 2
-    residual, nw = torch.randn(T, H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
-    tw, ids = routing.route_topk(logits, K, shared=True)
-    scales = ()
-    if fp8:
-        (w_gu, s_gu), (w_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
-        scales = (s_gu, s_dn)
+    x, w_gu, w_dn, residual, nw, tw, ids, scales = _shared_problem(T, 5, dtype, fp8)
     assert moe.grouped_rows_ok(T, bool(fp8)) and not moe.use_pair_path(T, bool(fp8))
     rows = moe.moe_grouped_rows(x, w_gu, w_dn, ids, *scales)
     assert rows.shape == (T, K + 1, H) and rows.dtype == dtype
