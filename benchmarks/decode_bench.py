@@ -141,7 +141,8 @@ def profile_prefill(llm: LLM, prompt_len: int) -> dict:
             "launches": launches, "top": rows[:20]}
 
 
-def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1) -> dict[str, tuple[str, float]]:
+def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
+                  state_bytes: int = 4) -> dict[str, tuple[str, float]]:
     """Bytes each kernel family must move per decode step of `batch` sequences (weights, state, KV
     cache; the activations are noise), keyed by a substring of the kernel name -> (what, bytes).
     Routed experts: the expected number of distinct ones, E (1 - (1 - k/E)^batch), plus the shared."""
@@ -158,7 +159,8 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1) -> 
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     slots = E * (1 - (1 - k / E) ** batch) + 1  # distinct routed experts + the shared expert
     I = cfg.moe_intermediate_size
-    state = batch * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    state = batch * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    state *= state_bytes
     kv = batch * context * hkv * d * 2 * 2  # K and V, bf16
     return {
         "_skinny_kernel": ("dense projections + router",
@@ -204,6 +206,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=1, help="the decode profile's batch size")
     ap.add_argument("--sync-too", action="store_true", help="also time batch 1 with async scheduling off")
+    ap.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="storage of the DeltaNet recurrent states")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -218,6 +222,7 @@ def main() -> None:
         max_num_seqs=max(batches + [args.profile_batch]),
         max_num_batched_tokens=8192,
         enforce_eager=args.eager,
+        ssm_state_dtype=args.ssm_state_dtype,
         prefill_graphs=None if args.prefill_graphs == "auto" else tuple(
             int(s) for s in args.prefill_graphs.split(",") if s and s != "0"),
     )
@@ -233,6 +238,7 @@ def main() -> None:
         "env": env_info(),
         "config": args.config,
         "dtype": args.dtype,
+        "ssm_state_dtype": args.ssm_state_dtype,
         "init_s": init_s,
         "warmup_s": llm.engine.runner.warmup_s,
         "cuda_graphs": bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs),
@@ -267,7 +273,8 @@ def main() -> None:
         try:
             pb = args.profile_batch
             prof = profile_decode(llm, args.prompt_len, batch=pb)
-            floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8, batch=pb)
+            floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8, batch=pb,
+                                   state_bytes=2 if args.ssm_state_dtype == "bfloat16" else 4)
             res[f"profile_bs{pb}"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
             res["profile_pdl"] = os.environ.get("METAINFER_PDL", "1") != "0"  # on: kernel times overlap
         except Exception as e:  # profiling is optional

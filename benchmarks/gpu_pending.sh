@@ -47,6 +47,9 @@
 #   nsw    - KB-0043/44/45: their GPU tests, then FP8 decode batches 8/32/64 + TTFT with the defaults and
 #            with each of METAINFER_ALIGN_ROWS, METAINFER_MOE_GROUPED_ROWS, METAINFER_MOE_BUCKET_ONE at 0, ~5 min
 #   sgtest - the speculative engine GPU test with METAINFER_ATTN_PREFILL_SPLIT 1 and 0 (KB-0041), ~1.5 min
+#   ssm16  - KB-0046 --ssm-state-dtype bfloat16 (the DeltaNet states stored in bf16, fp32 math: half the
+#            state traffic): its GPU tests, FP8 decode batches 1/32/64/128 with fp32 and bf16 states, the
+#            oracle (FP8, BF16) with bf16 states, ~8 min
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
@@ -214,5 +217,17 @@ if [[ $PHASES == *sgtest* ]]; then  # the speculative GPU test with split-KV pre
   for on in 1 0; do
     METAINFER_ATTN_PREFILL_SPLIT=$on timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider \
       -k "speculative_verify_equals" --tb=short 2>&1 | grep -E "^E |assert|passed|failed" | head -12 | sed "s/^/[split=$on] /"
+  done
+fi
+if [[ $PHASES == *ssm16* ]]; then  # --ssm-state-dtype bfloat16 (KB-0046): GPU tests, FP8 decode A/B, the oracle
+  timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "bf16_state or compiles" 2>&1 | tail -2
+  for st in float32 bfloat16; do
+    timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 1,32,64,128 --gen 32 --no-profile \
+      --ssm-state-dtype $st --out $OUT/ssm_$st 2>&1 | grep -E "^\||TTFT" | sed "s/^/[state $st] /"
+  done
+  for dt in fp8 bfloat16; do
+    timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
+      --device cuda --suite full --ssm-state-dtype bfloat16 --json $OUT/verify_${dt}_ssm16.json 2>&1 \
+      | grep -E "verdict|decode.rel" | sed "s/^/[$dt state bf16] /"
   done
 fi

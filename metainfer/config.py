@@ -227,7 +227,8 @@ SPECULATIVE = (None, "ngram", "repeat")  # repeat: the last token K times (judgi
 
 
 DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
-SPEC_PREFILL_GRAPHS = (2, 4, 8, 16)  # with speculation (and 1 + K): a lone verify or recompute
+SPEC_PREFILL_GRAPHS = (2, 4, 8, 16)
+SSM_STATE_DTYPES = ("float32", "bfloat16")  # with speculation (and 1 + K): a lone verify or recompute
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,9 @@ class EngineConfig:
     # drafts only while at most this many sequences run and none waits: a verify alone in its step
     # replays a lone-prefill CUDA graph, a verify beside other sequences runs eager (slow on the GPU)
     speculative_max_seqs: int = 1
+    # the DeltaNet recurrent states' storage (math stays fp32): "float32", or "bfloat16" (half the
+    # state traffic of a decode step, ~1 GB per step at batch 32; vLLM's default for this model)
+    ssm_state_dtype: str = "float32"
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -298,6 +302,10 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be in 1..16; got {self.num_speculative_tokens}")
         if self.speculative_max_seqs < 1:
             raise ValueError(f"speculative_max_seqs must be >= 1; got {self.speculative_max_seqs}")
+        if self.ssm_state_dtype not in SSM_STATE_DTYPES:
+            raise ValueError(
+                f"ssm_state_dtype must be one of {SSM_STATE_DTYPES}; got {self.ssm_state_dtype!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots <= 0:

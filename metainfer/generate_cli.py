@@ -58,6 +58,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="draft only while at most this many sequences run and none waits (a lone verify replays "
         "a CUDA graph; verifies beside other sequences run eager)",
     )
+    p.add_argument(
+        "--ssm-state-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="storage of the DeltaNet recurrent states (the update math is fp32 either way)",
+    )
     p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
 
 
@@ -91,6 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_seqs=args.speculative_max_seqs,
+        ssm_state_dtype=args.ssm_state_dtype,
         seed=args.engine_seed,
     )
 

@@ -104,6 +104,7 @@ class ModelRunner:
         self.ecfg, self.cfg = ecfg, model_cfg
         self.device = resolve_device(ecfg.device)
         self.dtype = resolve_dtype(ecfg.dtype, self.device)
+        self.ssm_dtype = getattr(torch, ecfg.ssm_state_dtype)  # DeltaNet recurrent states' storage
         torch.manual_seed(ecfg.seed)
         self.model: Qwen3_5MoeModel = build_model(model_cfg, self.dtype, self.device)
         if source.weights_dir is None:
@@ -198,7 +199,8 @@ class ModelRunner:
         c = self.cfg
         elt = torch.finfo(self.dtype).bits // 8
         conv = (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim * elt
-        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        ssm_elt = torch.finfo(self.ssm_dtype).bits // 8
+        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * ssm_elt
         return len(c.linear_layer_ids) * (conv + ssm)
 
     def _num_kv_blocks(self) -> int:
@@ -241,7 +243,7 @@ class ModelRunner:
                     c.linear_num_value_heads,
                     c.linear_key_head_dim,
                     c.linear_value_head_dim,
-                    dtype=torch.float32,
+                    dtype=self.ssm_dtype,
                     device=dev,
                 )
                 for _ in range(n_lin)

@@ -16,6 +16,7 @@ import triton.language as tl
 from metainfer.kernels import pdl
 
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent states' storage (the math is fp32)
 
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
 BLOCK_V = 32
@@ -26,13 +27,13 @@ PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "1": read the state block before the PD
 @triton.jit
 def _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr):
-    """-> (the [BLOCK_K, BLOCK_V] state block of sequence b, value head h; zeros where the slot
-    holds no state yet, its pointers)."""
+    """-> (the [BLOCK_K, BLOCK_V] state block of sequence b, value head h, in fp32 whatever the
+    storage; zeros where the slot holds no state yet, its pointers)."""
     slot = tl.load(slots_ptr + b).to(tl.int64)
     n_k = DK * tl.load(has_ptr + b).to(tl.int32)  # DK when the slot holds state, else 0
     s_ptrs = state_ptr + (slot * HV + h) * (DK * DV) + kk[:, None] * DV + vv[None, :]
     S = tl.load(s_ptrs, mask=(kk < n_k)[:, None] & vmask[None, :], other=0.0, eviction_policy="evict_first")
-    return S, s_ptrs
+    return S.to(tl.float32), s_ptrs
 
 
 @triton.jit
@@ -93,7 +94,8 @@ def _gdn_decode_kernel(
         S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
     S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, b, h, h // REP, kk, kmask,
                         vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
-    tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :], eviction_policy="evict_first")
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :],
+             eviction_policy="evict_first")
     tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
@@ -110,7 +112,7 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
     assert g.shape == (B, Hv) and (gated or g.dtype == torch.float32) and g.stride(1) == 1, (g.shape, g.dtype)
     assert not gated or (A_log.shape == (Hv,) and dt_bias.shape == (Hv,)), "A_log, dt_bias: [Hv]"
     assert beta.shape == (B, Hv) and beta.stride(1) == 1 and beta.dtype in _TL_DTYPES, beta.shape
-    assert ssm_state.dtype == torch.float32 and ssm_state.is_contiguous(), ssm_state.dtype
+    assert ssm_state.dtype in STATE_DTYPES and ssm_state.is_contiguous(), ssm_state.dtype
     assert ssm_state.dim() == 4 and ssm_state.shape[1:] == (Hv, Dk, Dv), (ssm_state.shape, Hv, Dk, Dv)
     assert slots.shape == (B,) and slots.dtype == torch.int64, (slots.shape, slots.dtype)
     assert has_state.shape == (B,) and has_state.dtype == torch.bool, (has_state.shape, has_state.dtype)
@@ -195,7 +197,8 @@ def _gdn_recurrent_varlen_kernel(
         S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, t, h, h // REP, kk,
                             kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
         tl.store(out_ptr + t * so0 + h * so1 + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
-    tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :], eviction_policy="evict_first")
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :],
+             eviction_policy="evict_first")
 
 
 def gdn_recurrent_varlen(

@@ -255,7 +255,7 @@ def _scan_kernel(
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
-    # w, u, ke, qe, a, c: from _prep_kernel; init/final: [S, HV, DK, DV] fp32 (the same tensor when
+    # w, u, ke, qe, a, c: from _prep_kernel; init/final: [S, HV, DK, DV] fp32/bf16 (the same tensor when
     # SLOTS, else slot 0 of each); slots: [N] int64; has: [N] uint8; out: [T, HV, DV]
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -275,7 +275,7 @@ def _scan_kernel(
     QDT: tl.constexpr = qe_ptr.dtype.element_ty
 
     s_off = (slot * HV + h) * (DK * DV) + kc[:, None] * DV + vc[None, :]  # [BK, BV]
-    S = tl.load(init_ptr + s_off, mask=(kc < n_k)[:, None] & vm[None, :], other=0.0)
+    S = tl.load(init_ptr + s_off, mask=(kc < n_k)[:, None] & vm[None, :], other=0.0).to(tl.float32)
     for t0 in range(bos, eos, C):
         rows = t0 + ci  # [C]
         rm = rows < eos
@@ -296,7 +296,7 @@ def _scan_kernel(
             o = _mma(a, _to(u, QDT, UPCAST), o, UPCAST)
         S = S * decay + _planes_dot(ke_ptr, krow, kmask, plane, u, True, SPREC, UPCAST)
         tl.store(out_ptr + vrow, _to(o, out_ptr.dtype.element_ty, UPCAST), mask=vmask)
-    tl.store(final_ptr + s_off, S, mask=km[:, None] & vm[None, :])
+    tl.store(final_ptr + s_off, S.to(final_ptr.dtype.element_ty), mask=km[:, None] & vm[None, :])
 
 
 def _check_inputs(q, k, v, g, beta, gated: bool = False) -> None:
@@ -379,7 +379,7 @@ def gdn_prefill_varlen(
     g: torch.Tensor,  # [T, Hv] fp32 log decay (<= 0)
     beta: torch.Tensor,  # [T, Hv]
     cu_seqlens: torch.Tensor,  # [N+1] int32 (device): sequence n is rows cu[n]:cu[n+1]
-    ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32: initial states read, final states written at `slots`
+    ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32/bf16: initial states read, final written at `slots`
     slots: torch.Tensor,  # [N] int64
     has_state: torch.Tensor,  # [N] bool; False: the sequence starts from a zero state
     max_seqlen: int,  # host int >= every cu[n+1] - cu[n] (sizes the prep grid)
@@ -400,7 +400,7 @@ def gdn_prefill_varlen(
     N = slots.shape[0]
     assert cu_seqlens.shape == (N + 1,) and cu_seqlens.dtype == torch.int32, cu_seqlens.dtype
     assert cu_seqlens.is_contiguous() and cu_seqlens.device == q.device, cu_seqlens.device
-    assert ssm_state.dtype == torch.float32 and ssm_state.is_contiguous(), ssm_state.dtype
+    assert ssm_state.dtype in gdn_decode.STATE_DTYPES and ssm_state.is_contiguous(), ssm_state.dtype
     assert ssm_state.dim() == 4 and ssm_state.shape[1:] == (Hv, Dk, Dv), (ssm_state.shape, Hv, Dk, Dv)
     assert slots.dtype == torch.int64 and slots.is_contiguous(), slots.dtype
     assert has_state.shape == (N,) and has_state.dtype == torch.bool, (has_state.shape, has_state.dtype)

@@ -212,16 +212,17 @@ def causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state, cu=N
 def gdn_decode(q, k, v, g, beta, ssm_state, slots, has_state):
     """One gated-delta-rule step per sequence on its state slot (updated in place).
 
-    q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; ssm_state [S, Hv, Dk, Dv] fp32. -> [B, Hv, Dv].
+    q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; ssm_state [S, Hv, Dk, Dv] fp32 or bf16 storage
+    (fp32 math, the new state rounded to the storage). -> [B, Hv, Dv].
     """
     kern = _kernel("gdn_decode", q)
     if kern:
         return kern(q, k, v, g, beta, ssm_state, slots, has_state)
-    init = ssm_state[slots] * has_state[:, None, None, None].to(ssm_state.dtype)
+    init = ssm_state[slots].float() * has_state[:, None, None, None].float()
     out, final = ref.gated_delta_rule_recurrent(
         q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], init
     )
-    ssm_state[slots] = final
+    ssm_state[slots] = final.to(ssm_state.dtype)
     return out[:, 0]
 
 
@@ -253,11 +254,12 @@ def gdn_prefill_varlen(
     cu = cu_seqlens.tolist()
     for i, slot in enumerate(slots.tolist()):
         s, e = cu[i], cu[i + 1]
-        init = ssm_state[slot] if bool(has_state[i]) else torch.zeros_like(ssm_state[slot])
+        init = ssm_state[slot].float() if bool(has_state[i]) else ssm_state.new_zeros(ssm_state.shape[1:],
+                                                                                       dtype=torch.float32)
         if e > s:  # an empty sequence keeps its start state, as the kernel does
             o, init = ref.gated_delta_rule_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
             out[s:e] = o
-        ssm_state[slot] = init
+        ssm_state[slot] = init.to(ssm_state.dtype)
     return out
 
 

@@ -173,14 +173,15 @@ _COMPILE = textwrap.dedent(
         assert k.metadata.shared <= 232448, (kernel.__name__, k.metadata.shared)  # sm_90 max per block
 
     bf, f32 = "*bf16", "*fp32"
-    variants = [  # (config, input dtype, varlen, gates from the raw a, b)
-        (gp.CONFIG, bf, True, 1),
-        (gp.CONFIG, bf, True, 0),
-        (gp.CONFIG, bf, False, 0),
-        (gp.PrefillConfig(state_prec="tf32", sub_block=32, block_v=16), bf, True, 0),
-        (gp.PrefillConfig(out_prec="tf32x3"), f32, False, 0),
+    variants = [  # (config, input dtype, varlen, gates from the raw a, b, state storage)
+        (gp.CONFIG, bf, True, 1, f32),
+        (gp.CONFIG, bf, True, 1, bf),
+        (gp.CONFIG, bf, True, 0, f32),
+        (gp.CONFIG, bf, False, 0, f32),
+        (gp.PrefillConfig(state_prec="tf32", sub_block=32, block_v=16), bf, True, 0, f32),
+        (gp.PrefillConfig(out_prec="tf32x3"), f32, False, 0, f32),
     ]
-    for cfg, x, varlen, gated in variants:
+    for cfg, x, varlen, gated, st in variants:
         sp, op = cfg.state_prec, cfg.out_prec or "bf16"
         wdt, qdt = (bf if sp == "bf16x3" else f32), (bf if op == "bf16" else f32)
         idx = ("*i32", "*i64", "*u8") if varlen else (x, x, x)  # the single-sequence launch passes q
@@ -190,11 +191,11 @@ _COMPILE = textwrap.dedent(
               alog_ptr=f32, dtb_ptr=f32), dict(REP=2, BV=128, B=cfg.sub_block, GATED=gated, **c),
               cfg.prep_warps)
         build(gp._scan_kernel, dict(w_ptr=wdt, u_ptr=f32, ke_ptr=wdt, qe_ptr=qdt, a_ptr=qdt, c_ptr=f32,
-              cu_ptr=idx[0], init_ptr=f32, final_ptr=f32, slots_ptr=idx[1], has_ptr=idx[2], out_ptr=x),
+              cu_ptr=idx[0], init_ptr=st, final_ptr=st, slots_ptr=idx[1], has_ptr=idx[2], out_ptr=x),
               dict(BV=cfg.block_v, SLOTS=varlen, **c), cfg.scan_warps, cfg.scan_stages)
     from metainfer.kernels import gdn_decode as gd  # the decode kernel and its short-chunk loop
-    for gated in (1, 0):
-        t = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=bf if gated else f32, beta_ptr=bf, state_ptr=f32,
+    for gated, st in ((1, f32), (0, f32), (1, bf)):  # fp32 or bf16 state storage
+        t = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=bf if gated else f32, beta_ptr=bf, state_ptr=st,
                  slots_ptr="*i64", has_ptr="*u8", out_ptr=bf, alog_ptr=f32, dtb_ptr=f32, cu_ptr="*i32",
                  scale="fp32")
         c = dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gd.BLOCK_V, GATED=gated, USE_PDL=1)

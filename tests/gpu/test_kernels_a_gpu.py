@@ -132,6 +132,23 @@ def test_conv_and_gdn_full_shapes(B):
         has = torch.ones_like(has)
 
 
+@cuda
+@pytest.mark.parametrize("B", [1, 64])
+def test_gdn_bf16_state_full_shapes(B):
+    """--ssm-state-dtype bfloat16: the decode kernel on bf16 state storage (fp32 math) against the
+    fp32-state update of the same rounded states, rounded (one bf16 rounding: rel. RMSE < 5e-3)."""
+    from metainfer.kernels import gdn_decode
+
+    mixed, _, _, ssm, slots, has, gdec, beta = _deltanet_inputs(B, B + 9, seed=B + 1)
+    q, k, v = torch.split(mixed, [HK * DK, HK * DK, HV * DV], dim=-1)
+    q, k, v = q.view(B, HK, DK), k.view(B, HK, DK), v.view(B, HV, DV)
+    s16 = ssm.to(torch.bfloat16)
+    want_out, want_ssm = _gdn_ref(q, k, v, gdec, beta, s16.float(), slots, has)
+    out = gdn_decode.gdn_decode(q, k, v, gdec, beta, s16, slots, has)
+    close(out, want_out, *BF16)
+    assert s16.dtype == torch.bfloat16 and rel_rmse(s16.float(), want_ssm) < 5e-3
+
+
 # ---- paged attention -----------------------------------------------------------------------------
 def _attn_setup(query_lens, context_lens, bs, seed, max_blocks=None, num_blocks=None):
     g = torch.Generator().manual_seed(seed)

@@ -88,3 +88,30 @@ def test_gated_variant_matches_reference_gating(preload, monkeypatch):
     got = gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s1, slots, has)
     want = ops.gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s2, slots, has)  # CPU: reference
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and torch.allclose(s1, s2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_bf16_state_storage(recurrent):
+    """--ssm-state-dtype bfloat16: the kernels read the bf16 state, update it in fp32 and store it
+    rounded; the same as the fp32-state update of the bf16-rounded state, rounded (rel. RMSE < 1e-2:
+    the interpreter truncates fp32 -> bf16 where the GPU and torch round), and the reference path
+    (`ops.gdn_decode` on the CPU) takes bf16 storage the same way."""
+    from metainfer.kernels import ops
+
+    B, Hk, Hv, Dk, Dv, S = 3, 2, 4, 16, 16, 5
+    q, k, v, g, beta, state, slots, has = _inputs(B, Hk, Hv, Dk, Dv, S=S, dtype=torch.float32, seed=77)
+    s16 = state.to(torch.bfloat16)
+    want, want_state = _reference(q, k, v, g, beta, s16.float(), slots, has)
+    got_state = s16.clone()
+    if recurrent:  # one token per sequence through the short-chunk kernel
+        cu = torch.arange(B + 1, dtype=torch.int32)
+        got = torch.empty(B, Hv, Dv)
+        gdn.gdn_recurrent_varlen(q, k, v, g, beta, cu, got_state, slots, has, got)
+    else:
+        got = gdn._launch(q, k, v, g, beta, got_state, slots, has, block_v=8, num_warps=1)
+    assert got_state.dtype == torch.bfloat16 and rel_rmse(got, want) < 1e-5
+    assert rel_rmse(got_state.float(), want_state) < 1e-2
+    ref_state = s16.clone()
+    ref_out = ops.gdn_decode(q, k, v, g, beta, ref_state, slots, has)
+    assert ref_state.dtype == torch.bfloat16 and rel_rmse(ref_out, want) < 1e-5
+    assert torch.equal(ref_state.float(), want_state.to(torch.bfloat16).float())

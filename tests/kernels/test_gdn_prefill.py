@@ -228,3 +228,30 @@ def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, monkeypatch):
     assert torch.equal(st[others], state[others])
     c_st, c_out = runs["0"]  # the chunked kernels agree (bf16: their bf16 output path)
     assert rel_rmse(out[lead : cu_list[-1]], c_out[lead : cu_list[-1]]) < tol[0] and rel_rmse(st, c_st) < 1e-2
+
+
+def test_gdn_prefill_varlen_bf16_state_storage():
+    """--ssm-state-dtype bfloat16: the scan reads the bf16 initial state, runs in fp32 and stores
+    the final state rounded to bf16 (rel. RMSE < 1e-2 against the fp32 reference from the same
+    rounded start); the CPU reference path (`ops.gdn_prefill_varlen`) takes bf16 storage too."""
+    from metainfer.kernels import ops
+
+    Hk, Hv, Dk, Dv, S = 2, 4, 16, 16, 5
+    lens, slot_list = [70, 9], [3, 1]
+    T = sum(lens)
+    q, k, v, g, beta = _inputs(T, Hk, Hv, Dk, Dv, torch.float32, seed=21)
+    state = (torch.randn(S, Hv, Dk, Dv, generator=torch.Generator().manual_seed(22)) * 0.5).bfloat16()
+    cu = torch.tensor([0, lens[0], T], dtype=torch.int32)
+    slots, has = torch.tensor(slot_list), torch.tensor([True, True])
+    got_state, ref_state = state.clone(), state.clone()
+    out = gp.gdn_prefill_varlen(q, k, v, g, beta, cu, got_state, slots, has, max(lens))
+    ref_out = ops.gdn_prefill_varlen(q, k, v, g, beta, cu, ref_state, slots, has, max(lens),
+                                     torch.empty(T, Hv, Dv))
+    assert got_state.dtype == ref_state.dtype == torch.bfloat16
+    for i, (s, e) in enumerate([(0, lens[0]), (lens[0], T)]):
+        want, want_state = ref.gated_delta_rule_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                                        state[slot_list[i]].float())
+        _close(out[s:e], want, TOL[torch.float32], f"out {i}")
+        _close(ref_out[s:e], want, EXACT, f"reference out {i}")
+        assert rel_rmse(got_state[slot_list[i]].float(), want_state) < 1e-2
+        assert torch.equal(ref_state[slot_list[i]], want_state.bfloat16())
