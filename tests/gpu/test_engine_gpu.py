@@ -218,4 +218,8 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
         near = 0.1 if quant is None else 0.5
         tie = [i for i, g in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if g < near]
         upto = tie[0] + 1 if tie else len(b.token_ids)
-        assert a.token_ids[:upto] == b.token_ids[:upto] and c.token_ids[:upto] == b.token_ids[:upto]
+        same = [x == y == z for x, y, z in zip(a.token_ids[:upto], c.token_ids[:upto], b.token_ids[:upto])]
+        part = same.index(False) if False in same else None
+        gaps = (top2[:, 0] - top2[:, 1]).tolist()
+        assert part is None, (f"parts from plain at token {part} (plain's top-2 gap there {gaps[part]:.4f}, "
+                              f"logit {top2[part, 0].item():.3f}; first near-tie at {upto - 1})")
