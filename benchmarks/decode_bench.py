@@ -249,7 +249,8 @@ def main() -> None:
     print(json.dumps(res["ttft_fresh"]), flush=True)
     for b in batches:
         r = decode_run(llm, b, args.prompt_len, args.gen, seed=b)
-        ceil = decode_ceiling(cfg, roof_dtype, concurrency=b, context=args.prompt_len + args.gen // 2)
+        ceil = decode_ceiling(cfg, roof_dtype, concurrency=b, context=args.prompt_len + args.gen // 2,
+                              state_bytes=2 if args.ssm_state_dtype == "bfloat16" else 4)
         r["ceiling_tok_s"] = ceil.tok_s
         r["pct_of_ceiling"] = 100 * r["decode_tok_s"] / ceil.tok_s
         res["decode"].append(r)

@@ -178,8 +178,10 @@ def step_cost(
     context: int = 0,
     lm_head_dtype: str | None = None,
     kv_dtype: str = "bfloat16",
+    state_bytes: int = STATE_BYTES,
 ) -> StepCost:
-    """A decode step of `concurrency` sequences at `context` cached tokens, or a `context`-token prefill."""
+    """A decode step of `concurrency` sequences at `context` cached tokens, or a `context`-token prefill.
+    state_bytes: the DeltaNet recurrent states' element size (4: fp32, the default; 2: bf16 storage)."""
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase must be decode or prefill, got {phase!r}")
     lm_dt = lm_head_dtype or "bfloat16"
@@ -205,7 +207,7 @@ def step_cost(
     params["embedding"] = tokens * H
 
     state = (
-        nl * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * STATE_BYTES
+        nl * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_bytes
     )
     conv = nl * cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * CONV_STATE_BYTES
     rw = 2 if phase == "decode" else 1  # decode reads and writes; prefill writes
@@ -271,9 +273,10 @@ def decode_ceiling(
     lm_head_dtype: str | None = None,
     kv_dtype: str = "bfloat16",
     peak_tflops: float | None = None,
+    state_bytes: int = STATE_BYTES,
 ) -> Ceiling:
     """Decode tokens/s ceiling (all sequences together) at `concurrency` and `context` cached tokens."""
-    cost = step_cost(cfg, "decode", dtype, concurrency, context, lm_head_dtype, kv_dtype)
+    cost = step_cost(cfg, "decode", dtype, concurrency, context, lm_head_dtype, kv_dtype, state_bytes)
     return ceiling_of(cost, bandwidth, peak_tflops)
 
 

@@ -111,3 +111,14 @@ def test_readme_tables_are_current(cfg: ModelConfig) -> None:
     begin, end = "<!-- roofline-tables:begin -->\n", "<!-- roofline-tables:end -->"
     embedded = readme[readme.index(begin) + len(begin) : readme.index(end)]
     assert embedded == markdown_tables(cfg, 4.3), "regenerate with `metainfer bench roofline --markdown`"
+
+
+def test_bf16_state_storage_halves_the_state_bytes(cfg: ModelConfig) -> None:
+    """--ssm-state-dtype bfloat16 (KB-0046): the decode step's DeltaNet state traffic at 2 bytes per
+    element is half the fp32 one (the conv states stay bf16), and the ceiling rises."""
+    full = dict(step_cost(cfg, "decode", "fp8", 32, 1040).bytes_by_group)["deltanet_state"]
+    half = dict(step_cost(cfg, "decode", "fp8", 32, 1040, state_bytes=2).bytes_by_group)["deltanet_state"]
+    conv = 32 * 2 * len(cfg.linear_layer_ids) * cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * 2
+    assert half - conv == pytest.approx((full - conv) / 2)
+    faster = decode_ceiling(cfg, "fp8", 32, 1040, state_bytes=2)
+    assert faster.tok_s > decode_ceiling(cfg, "fp8", 32, 1040).tok_s
