@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_smoke import env_info  # noqa: E402
 
 from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling  # noqa: E402
-from metainfer.config import FULL_CONFIG, ModelConfig  # noqa: E402
+from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=1, help="the decode profile's batch size")
     ap.add_argument("--sync-too", action="store_true", help="also time batch 1 with async scheduling off")
-    ap.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--ssm-state-dtype", default="float32", choices=SSM_STATE_DTYPES,
                     help="storage of the DeltaNet recurrent states")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

@@ -227,8 +227,8 @@ SPECULATIVE = (None, "ngram", "repeat")  # repeat: the last token K times (judgi
 
 
 DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
-SPEC_PREFILL_GRAPHS = (2, 4, 8, 16)
-SSM_STATE_DTYPES = ("float32", "bfloat16")  # with speculation (and 1 + K): a lone verify or recompute
+SPEC_PREFILL_GRAPHS = (2, 4, 8, 16)  # with speculation (and 1 + K): a lone verify or recompute
+SSM_STATE_DTYPES = ("float32", "bfloat16")  # the DeltaNet recurrent states' storage
 
 
 @dataclass(frozen=True)

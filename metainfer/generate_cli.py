@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from metainfer.config import SSM_STATE_DTYPES
+
 
 def _token_ids(s: str) -> list[int]:
     try:
@@ -61,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ssm-state-dtype",
         default="float32",
-        choices=["float32", "bfloat16"],
+        choices=SSM_STATE_DTYPES,
         help="storage of the DeltaNet recurrent states (the update math is fp32 either way)",
     )
     p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")

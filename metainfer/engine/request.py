@@ -94,7 +94,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
     spec_index: object = None  # the drafter's per-request state (spec.ngram.NgramIndex)
     spec_rejects: int = 0  # verifies in a row that accepted no draft
-    spec_skip: int = 0  # drafting chances left to pass up (LLMEngine.SPEC_REJECT_BACKOFF)
+    spec_skip: int = 0  # drafting chances left to pass up (LLMEngine._note_acceptance)
     num_preemptions: int = 0
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
