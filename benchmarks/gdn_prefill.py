@@ -12,6 +12,7 @@ time into the prep and scan kernels with torch.profiler, and optionally times th
 
     python benchmarks/gdn_prefill.py                 # check + time, table, JSON in --out ($OUT or ./out)
     python benchmarks/gdn_prefill.py --sweep         # also one-knob-at-a-time config sweep at L=1024
+    python benchmarks/gdn_prefill.py --grid "sub_block=2,4;prep_warps=4,8"  # also every combination
     python benchmarks/gdn_prefill.py --ref           # also time the torch reference
     python benchmarks/gdn_prefill.py --dry-run       # CPU, TRITON_INTERPRET, tiny shapes
 """
@@ -19,6 +20,7 @@ time into the prep and scan kernels with torch.profiler, and optionally times th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -46,7 +48,7 @@ HK, DK, HV, DV = (2, 16, 4, 16) if DRY else (16, 128, 32, 128)
 OUT_TOL, STATE_TOL = 1e-2, 1e-3
 SWEEP = {
     "block_v": [16, 32, 64],
-    "sub_block": [8, 16, 32, 64],
+    "sub_block": [1, 2, 4, 8, 16, 32, 64],  # 1: the inverse by block doubling only (log2 64 = 6 products)
     "prep_warps": [4, 8],
     "scan_warps": [4, 8],
     "scan_stages": [1, 2, 3],
@@ -198,6 +200,8 @@ def main() -> int:
     p.add_argument("--lengths", default="256,1024,4096", help="single-sequence lengths")
     p.add_argument("--varlen", default="1024,1024,1024,1024", help="one varlen case ('' for none)")
     p.add_argument("--sweep", action="store_true", help="one-knob-at-a-time config sweep at L=1024")
+    p.add_argument("--grid", action="append", default=[],
+                   help='knob=v1,v2;knob=... : every combination at L=1024 (repeatable)')
     p.add_argument("--ref", action="store_true", help="also time the torch reference")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     a = p.parse_args()
@@ -223,10 +227,18 @@ def main() -> int:
                 cfg = replace(gp.CONFIG, **{knob: val})
                 sweep.append({**run_case(L, cfg, False), "tag": f"{knob}={val}"})
         table(sweep, f"sweep at L={L[0]} (one knob changed from the default)")
-        good = [r for r in sweep if r.get("ok")]
-        if good:
-            best = min(good, key=lambda r: r["us"])
-            print(f"\nfastest passing variant: {best['tag']} {best['us']:.1f} us")
+    for grid in a.grid:
+        L = [70] if DRY else [1024]
+        knobs = [kv.split("=") for kv in grid.split(";") if kv]
+        axes = [[(k, type(getattr(gp.CONFIG, k))(v)) for v in vals.split(",")] for k, vals in knobs]
+        for combo in itertools.product(*axes):
+            cfg = replace(gp.CONFIG, **dict(combo))
+            sweep.append({**run_case(L, cfg, False), "tag": " ".join(f"{k}={v}" for k, v in combo)})
+        table(sweep[-math.prod(len(ax) for ax in axes):], f"grid at L={L[0]}")
+    good = [r for r in sweep if r.get("ok")]
+    if good:
+        best = min(good, key=lambda r: r["us"])
+        print(f"\nfastest passing variant: {best['tag']} {best['us']:.1f} us")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"gdn_prefill_{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.json"

@@ -53,6 +53,11 @@
 #   verify - the oracle with every switch of ON="..." set to 1 (FP8 and BF16), ~2 min
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
+#   gtune  - the DeltaNet prefill kernels' configs (gdn_prefill.py grids: sub_block 1-16 x prep warps, block_v x
+#            scan stages) and the grouped MoE with TMA weight tiles (sweep_decode_kernels.py --grouped-tma, FP8
+#            T = 1024, 64), then FP8 decode batches 1/64 + TTFT with both winners (METAINFER_GDN_PREFILL,
+#            METAINFER_MOE_TUNED) against the defaults, fresh processes, ~7 min
+#   gjudge - the oracle (FP8, BF16) with GDN="<fields>" and MOE_TUNED=<table> (gtune's winners), BF16 TTFT A/B
 #   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
@@ -185,6 +190,44 @@ print(f"prefill {p['prompt_len']} tokens, PDL off: wall {p['wall_ms']:.1f} ms, k
 for r in p["top"][:12]:
     print(f"  {r['us'] / 1e3:7.2f} ms {r['calls']:5d}x  {r['kernel'][:70]}")
 PY
+fi
+if [[ $PHASES == *gtune* ]]; then
+  timeout 150 python benchmarks/gdn_prefill.py --lengths 1024 --varlen '' --grid "sub_block=1,2,4,8,16;prep_warps=4,8" \
+    --grid "block_v=16,32;scan_stages=2,3" --out $OUT/gdn 2>&1 | grep -v "falling back" | tail -24
+  timeout 170 python benchmarks/sweep_decode_kernels.py --grouped-tokens 1024,64 --moe fp8 --grouped-tma \
+    --out $OUT/tma_fp8 2>&1 | grep -v "falling back" | tail -8
+  GDN=$(python3 - "$OUT"/gdn/gdn_prefill_*.json <<'PY'
+import json, sys
+sweep = [r for r in json.load(open(sys.argv[1]))["sweep"] if r.get("ok")]
+won = []  # each grid's fastest passing combination, where >= 3 % faster than the defaults' row
+for first, default in (("sub_block", "sub_block=16 prep_warps=8"), ("block_v", "block_v=32 scan_stages=2")):
+    rows = [r for r in sweep if r["tag"].startswith(first)]
+    base = next((r for r in rows if r["tag"] == default), None)
+    best = min(rows, key=lambda r: r["us"]) if rows else None
+    if best and base and best["us"] < 0.97 * base["us"]:
+        won.append(best["tag"].replace(" ", ","))
+print(",".join(won))
+PY
+)
+  echo "gdn winner: '${GDN}'"
+  for mode in default tuned; do
+    if [[ $mode == tuned ]]; then export METAINFER_GDN_PREFILL=$GDN METAINFER_MOE_TUNED=$OUT/tma_fp8/moe_pair_tuned.json; fi
+    timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1,64 --gen 32 --no-profile \
+      --out $OUT/gtune_$mode 2>&1 | grep -E "^\||TTFT" | sed "s/^/[$mode] /"
+  done
+  unset METAINFER_GDN_PREFILL METAINFER_MOE_TUNED
+fi
+if [[ $PHASES == *gjudge* ]]; then
+  export METAINFER_GDN_PREFILL=${GDN:-} METAINFER_MOE_TUNED=${MOE_TUNED:-}
+  for dt in fp8 bfloat16; do
+    timeout 130 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
+      --device cuda --suite full --json $OUT/verify_${dt}_gjudge.json 2>&1 | grep -E "verdict|rel_rmse" | sed "s/^/[$dt] /"
+  done
+  for mode in tuned default; do
+    if [[ $mode == default ]]; then unset METAINFER_GDN_PREFILL METAINFER_MOE_TUNED; fi
+    timeout 90 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 16 --no-profile \
+      --out $OUT/gjudge_bf16_$mode 2>&1 | grep -E "^\||TTFT" | sed "s/^/[bf16 $mode] /"
+  done
 fi
 if [[ $PHASES == *verify* ]]; then
   for v in ${ON:-}; do export $v=1; done

@@ -200,12 +200,24 @@ def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, c
         torch.cuda.empty_cache()
 
 
-def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path) -> None:
+def grouped_tma_candidates(T: int, fp8: bool) -> list[dict]:
+    """--grouped-tma: the current config with its weight tiles by pointer loads and by TMA, then TMA
+    with N tiles 64/128 at its M-block size and twice it, 4-8 warps, 3-4 stages."""
+    base = moe_grouped.grouped_config(T, 9, 257, fp8)
+    bk = 128 if moe_grouped.a8_enabled(fp8) else base["BLOCK_K"]
+    return [dict(base, TMA=0), dict(base, TMA=1)] + [
+        dict(BLOCK_M=bm, GU_BLOCK_N=n, DN_BLOCK_N=n, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=1)
+        for bm, n, (w, st) in itertools.product((base["BLOCK_M"], 2 * base["BLOCK_M"]), (64, 128),
+                                                 ((4, 3), (4, 4), (8, 3)))]
+
+
+def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path, tma: bool = False) -> None:
     """--grouped-tokens: tiles of the bucketed-expert GEMMs (prefill sizes), keyed by the M-block
     size grouped_config picks for T (`moe_grouped.grouped_key`, in moe_pair_tuned.json)."""
     cfgs, table, everything = {}, [], {}
     key = lambda kind, T, base: moe_grouped.grouped_key(T, 9, 257, kind == "fp8")  # noqa: E731  (rows/expert)
-    sweep_moe(kinds, tokens, "grouped", grouped_candidates, key, cfgs, everything, table)
+    cands = grouped_tma_candidates if tma else grouped_candidates
+    sweep_moe(kinds, tokens, "grouped", cands, key, cfgs, everything, table)
     (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=cfgs), indent=1))
     write_summary(out / "sweep_grouped.json", meta, table, everything)
 
@@ -241,6 +253,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--space", default="base", choices=("base", "wide", "gemv"),
                     help="FP8 linear candidates; gemv: the preloading GEMV for the FP8 and BF16 linears")
+    ap.add_argument("--grouped-tma", action="store_true",
+                    help="with --grouped-tokens: the weight tiles by TMA descriptor (TMA=1) against pointer loads")
     ap.add_argument("--grouped-tokens", default="",
                     help="e.g. 1024: tile search of the grouped MoE path only (--moe kinds)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -256,7 +270,7 @@ def main() -> None:
         return gemv_sweep(args, tokens, meta, out)
     if args.grouped_tokens:
         kinds = list(filter(None, args.moe.split(",")))
-        return grouped_sweep(kinds, [int(t) for t in args.grouped_tokens.split(",")], meta, out)
+        return grouped_sweep(kinds, [int(t) for t in args.grouped_tokens.split(",")], meta, out, args.grouped_tma)
     for name in filter(None, args.linears.split(",")):
         N, K = FP8_LINEARS[name]
         case = LinearCase(name, N, K)

@@ -27,7 +27,7 @@ the host gives only max_seqlen (the prep grid): no host synchronisation, CUDA-gr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -50,7 +50,21 @@ class PrefillConfig:
     out_prec: str | None = None  # "bf16" | "tf32" | "tf32x3" | "ieee"; None: bf16 (16-bit v) or tf32x3
 
 
-CONFIG = PrefillConfig()
+CONFIG_ENV = "METAINFER_GDN_PREFILL"  # e.g. "sub_block=2,prep_warps=4": fields over the defaults (A/B runs)
+
+
+def _config_from_env() -> PrefillConfig:
+    cfg = PrefillConfig()
+    for item in filter(None, os.environ.get(CONFIG_ENV, "").split(",")):
+        name, _, val = item.partition("=")
+        if name not in PrefillConfig.__dataclass_fields__:
+            raise ValueError(f"{CONFIG_ENV}: no PrefillConfig field {name!r}")
+        cur = getattr(cfg, name)
+        cfg = replace(cfg, **{name: type(cur)(val) if cur is not None else val})
+    return cfg
+
+
+CONFIG = _config_from_env()
 
 
 def _interpreting() -> bool:

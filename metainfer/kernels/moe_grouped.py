@@ -109,10 +109,12 @@ def _grouped_gate_up_kernel(
     xs_ptr, n_xs,
     TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0, w_desc=None,
 ):
     """A8 (FP8 weights, BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
-    xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales."""
+    xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales.
+    w_desc (a TMA descriptor over w as [E * 2I, H], block [BLOCK_N, BLOCK_K]; I % BLOCK_N == 0):
+    the weight tiles come by TMA instead of pointer loads."""
     pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
@@ -130,9 +132,14 @@ def _grouped_gate_up_kernel(
         k_mask = offs_k < H
         a_mask = valid[:, None] & k_mask[None, :]
         a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
-        wmask = n_mask[:, None] & k_mask[None, :]
-        bg = tl.trans(tl.load(wg_rows + offs_k[None, :], mask=wmask, other=0.0))  # [BLOCK_K, BLOCK_N]
-        bu = tl.trans(tl.load(wg_rows + I * H + offs_k[None, :], mask=wmask, other=0.0))
+        if w_desc is not None:
+            g_row = (e * (2 * I) + tl.program_id(1) * BLOCK_N).to(tl.int32)
+            bg = tl.trans(w_desc.load([g_row, k0]))  # [BLOCK_K, BLOCK_N]
+            bu = tl.trans(w_desc.load([g_row + I, k0]))
+        else:
+            wmask = n_mask[:, None] & k_mask[None, :]
+            bg = tl.trans(tl.load(wg_rows + offs_k[None, :], mask=wmask, other=0.0))  # [BLOCK_K, BLOCK_N]
+            bu = tl.trans(tl.load(wg_rows + I * H + offs_k[None, :], mask=wmask, other=0.0))
         if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
             sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
             su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
@@ -156,9 +163,10 @@ def _grouped_down_kernel(
     as_ptr, n_as,
     FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0, w_desc=None,
 ):
-    """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel)."""
+    """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel).
+    w_desc: a TMA descriptor over w as [E * H, I], block [BLOCK_N, BLOCK_K] (H % BLOCK_N == 0)."""
     pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
@@ -175,7 +183,10 @@ def _grouped_down_kernel(
         k_mask = offs_k < I
         a_mask = valid[:, None] & k_mask[None, :]
         a = tl.load(act_ptr + rows[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
-        b = tl.trans(tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0))
+        if w_desc is not None:
+            b = tl.trans(w_desc.load([(e * H + tl.program_id(1) * BLOCK_N).to(tl.int32), k0]))
+        else:
+            b = tl.trans(tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0))
         if FP8:
             sb = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
             if A8:
@@ -217,6 +228,25 @@ def grouped_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dic
     routing.combine(grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8, cfg), tw, out)
 
 
+def tma_ok(w_gate_up: torch.Tensor, w_down: torch.Tensor, gu_n: int, dn_n: int) -> bool:
+    """Whether a config's TMA=1 applies: contiguous weights, N tiles that divide each expert's rows
+    (a tile never straddles two experts; past K the descriptor reads zeros); a CUDA device with TMA
+    (sm_90+) or the interpreter."""
+    E, I2, H = w_gate_up.shape
+    ok = w_gate_up.is_contiguous() and w_down.is_contiguous() and (I2 // 2) % gu_n == 0 and H % dn_n == 0
+    if w_gate_up.device.type == "cuda":
+        return ok and torch.cuda.get_device_capability(w_gate_up.device)[0] >= 9
+    return ok and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _desc(w: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor over the expert weights [E, N, K] as [E * N, K], block [block_n, block_k]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, N, K = w.shape
+    return TensorDescriptor(w, [E * N, K], [K, 1], [block_n, block_k])
+
+
 BUCKET_ONE_ENV = "METAINFER_MOE_BUCKET_ONE"  # "0": count (after a memset) and bucket in two launches
 
 
@@ -248,14 +278,18 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict) -> tor
     xa, xs = act_quant(x) if a8 else (x, x)  # e4m3 activations + scales, or x (the scales unused)
     common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    bk = common["BLOCK_K"]
+    tma = cfg.get("TMA", 0) and tma_ok(w_gate_up, w_down, cfg["GU_BLOCK_N"], cfg["DN_BLOCK_N"])
     _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
         xa, w_gate_up, gu[0], sorted_pairs, ends, counts, act, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
         xs, T, TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
+        w_desc=_desc(w_gate_up, cfg["GU_BLOCK_N"], bk) if tma else None,
     )
     acts, as_ = act_quant(act) if a8 else (act, act)
     y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
     _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
         acts, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],
         as_, act.shape[0], BLOCK_N=cfg["DN_BLOCK_N"], **common, **pdl.kw(),
+        w_desc=_desc(w_down, cfg["DN_BLOCK_N"], bk) if tma else None,
     )
     return y

@@ -379,3 +379,26 @@ def test_moe_rows_serves_wide_batches_unless_switched_off(monkeypatch):
     assert torch.equal(got[1], tw)
     monkeypatch.setenv(moe.GROUPED_ROWS_ENV, "0")
     assert ops.moe_rows(x, logits, K, w_gu, w_dn) is None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_grouped_tma_weights(fp8, monkeypatch):
+    """A config's TMA=1 (the weight tiles by TMA descriptor, `moe_grouped.tma_ok`'s shapes: N and K
+    tiles that divide the experts' rows) gives the pointer-load kernels' result exactly."""
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
+    g = torch.Generator().manual_seed(7)
+    h, i, e, T = 256, 64, 8, 19
+    x = torch.randn(T, h, generator=g).to(BF16)
+    w_gu = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(BF16)
+    w_dn = (torch.randn(e, h, i, generator=g) / i**0.5).to(BF16)
+    tw, ids = ref.route(torch.randn(T, e, generator=g) * 2, K)
+    args = (x, w_gu, w_dn, tw, ids)
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
+    cfg = dict(BLOCK_M=16, GU_BLOCK_N=32, DN_BLOCK_N=64, BLOCK_K=128 if fp8 else 64, num_warps=4, num_stages=2)
+    assert moe_grouped.tma_ok(args[1], args[2], 32, 64)  # K = 64 < BLOCK_K 128 for FP8's down: zeros past K
+    want = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=0))
+    got = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=1))
+    assert torch.equal(got, want)
+    assert not moe_grouped.tma_ok(args[1], args[2], 48, 64)  # a tile across two experts' rows
