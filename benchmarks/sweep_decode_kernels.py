@@ -254,7 +254,7 @@ def main() -> None:
     ap.add_argument("--space", default="base", choices=("base", "wide", "gemv"),
                     help="FP8 linear candidates; gemv: the preloading GEMV for the FP8 and BF16 linears")
     ap.add_argument("--grouped-tma", action="store_true",
-                    help="with --grouped-tokens: the weight tiles by TMA descriptor (TMA=1) against pointer loads")
+                    help="with --grouped-tokens: weight tiles by TMA descriptor (TMA=1) vs pointer loads")
     ap.add_argument("--grouped-tokens", default="",
                     help="e.g. 1024: tile search of the grouped MoE path only (--moe kinds)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -270,7 +270,8 @@ def main() -> None:
         return gemv_sweep(args, tokens, meta, out)
     if args.grouped_tokens:
         kinds = list(filter(None, args.moe.split(",")))
-        return grouped_sweep(kinds, [int(t) for t in args.grouped_tokens.split(",")], meta, out, args.grouped_tma)
+        tokens = [int(t) for t in args.grouped_tokens.split(",")]
+        return grouped_sweep(kinds, tokens, meta, out, args.grouped_tma)
     for name in filter(None, args.linears.split(",")):
         N, K = FP8_LINEARS[name]
         case = LinearCase(name, N, K)

@@ -396,7 +396,8 @@ def test_moe_grouped_tma_weights(fp8, monkeypatch):
     if fp8:
         (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
         args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
-    cfg = dict(BLOCK_M=16, GU_BLOCK_N=32, DN_BLOCK_N=64, BLOCK_K=128 if fp8 else 64, num_warps=4, num_stages=2)
+    cfg = dict(BLOCK_M=16, GU_BLOCK_N=32, DN_BLOCK_N=64, BLOCK_K=128 if fp8 else 64, num_warps=4,
+               num_stages=2)
     assert moe_grouped.tma_ok(args[1], args[2], 32, 64)  # K = 64 < BLOCK_K 128 for FP8's down: zeros past K
     want = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=0))
     got = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=1))
