@@ -57,7 +57,8 @@
 #            scan stages) and the grouped MoE with TMA weight tiles (sweep_decode_kernels.py --grouped-tma, FP8
 #            T = 1024, 64), then FP8 decode batches 1/64 + TTFT with both winners (METAINFER_GDN_PREFILL,
 #            METAINFER_MOE_TUNED) against the defaults, fresh processes, ~7 min
-#   gjudge - the oracle (FP8, BF16) with GDN="<fields>" and MOE_TUNED=<table> (gtune's winners), BF16 TTFT A/B
+#   gjudge - with GDN="<fields>" and MOE_TUNED=<table> (gtune's winners): the TMA GPU test, FP8 TTFT default / GDN /
+#            GDN + MoE table, the oracle (FP8, BF16) with both, BF16 TTFT both / default, ~7 min
 #   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
@@ -217,16 +218,23 @@ PY
   done
   unset METAINFER_GDN_PREFILL METAINFER_MOE_TUNED
 fi
-if [[ $PHASES == *gjudge* ]]; then
-  export METAINFER_GDN_PREFILL=${GDN:-} METAINFER_MOE_TUNED=${MOE_TUNED:-}
-  for dt in fp8 bfloat16; do
+if [[ $PHASES == *gjudge* ]]; then  # GDN="<PrefillConfig fields>" MOE_TUNED=<table>
+  timeout 90 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -k tma -p no:cacheprovider 2>&1 | tail -2
+  for mode in default gdn gdn_moe; do
+    unset METAINFER_GDN_PREFILL METAINFER_MOE_TUNED
+    if [[ $mode == gdn* ]]; then export METAINFER_GDN_PREFILL=$GDN; fi
+    if [[ $mode == gdn_moe ]]; then export METAINFER_MOE_TUNED=$MOE_TUNED; fi
+    timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 16 --no-profile \
+      --out $OUT/gj_fp8_$mode 2>&1 | grep -E "TTFT" | sed "s/^/[fp8 $mode] /"
+  done
+  for dt in fp8 bfloat16; do  # both switches on
     timeout 130 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
       --device cuda --suite full --json $OUT/verify_${dt}_gjudge.json 2>&1 | grep -E "verdict|rel_rmse" | sed "s/^/[$dt] /"
   done
-  for mode in tuned default; do
+  for mode in gdn_moe default; do
     if [[ $mode == default ]]; then unset METAINFER_GDN_PREFILL METAINFER_MOE_TUNED; fi
-    timeout 90 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 16 --no-profile \
-      --out $OUT/gjudge_bf16_$mode 2>&1 | grep -E "^\||TTFT" | sed "s/^/[bf16 $mode] /"
+    timeout 80 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 16 --no-profile \
+      --out $OUT/gj_bf16_$mode 2>&1 | grep -E "TTFT" | sed "s/^/[bf16 $mode] /"
   done
 fi
 if [[ $PHASES == *verify* ]]; then

@@ -201,6 +201,27 @@ def test_moe_grouped_w8a8_full_shapes(T, skew, monkeypatch):
     assert torch.equal(got, moe.moe_experts(*args, path="grouped"))
 
 
+@pytest.mark.parametrize("T,fp8", [(64, True), (1024, True), (1024, False)])
+def test_moe_grouped_tma_weights_full_shapes(T, fp8, monkeypatch):
+    """TMA=1 (weight tiles by TMA descriptor) gives the pointer-load kernels' result bit for bit, on the
+    tuned tiles and on 128-wide N tiles, e4m3 activations (FP8) or BF16."""
+    from metainfer.kernels import moe, moe_grouped
+    from metainfer.model.fp8 import quantize_fp8_block
+
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
+    x, w_gu, w_dn, tw, ids = _moe_problem(T, seed=5)
+    args = (x, w_gu.bfloat16(), w_dn.bfloat16(), tw, ids)
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
+    base = moe_grouped.grouped_config(T, ids.shape[1], w_gu.shape[0], fp8)
+    for cfg in (base, dict(base, GU_BLOCK_N=128, DN_BLOCK_N=128, num_warps=8)):
+        assert moe_grouped.tma_ok(args[1], args[2], cfg["GU_BLOCK_N"], cfg["DN_BLOCK_N"])
+        want = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=0))
+        got = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=1))
+        assert torch.equal(got, want), cfg
+
+
 def test_moe_skewed_routing():
     from metainfer.kernels import moe
 
