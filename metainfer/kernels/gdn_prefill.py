@@ -42,8 +42,11 @@ CHUNK = 64
 @dataclass
 class PrefillConfig:
     block_v: int = 32  # value columns per scan program
-    sub_block: int = 16  # diagonal blocks of I + A solved by substitution (B - 1 steps); 64 / B a power of 2
-    prep_warps: int = 8
+    # diagonal blocks of I + A solved by substitution (B - 1 steps), then log2(64 / B) doubling products;
+    # 64 / B a power of 2. B = 2 and 4 warps: the prep kernel 117 -> 70 us per layer at 1k tokens on the
+    # H200 (B = 16, 8 warps before; benchmarks/gdn_prefill.py --grid, KB-0047)
+    sub_block: int = 2
+    prep_warps: int = 4
     scan_warps: int = 4
     scan_stages: int = 2
     state_prec: str = "bf16x3"  # "bf16x3" | "tf32x3" | "tf32" | "ieee"

@@ -108,8 +108,8 @@ def _grouped_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
     xs_ptr, n_xs,
     TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0, w_desc=None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
+    USE_PDL: tl.constexpr = 0,
 ):
     """A8 (FP8 weights, BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
     xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales.
@@ -162,8 +162,8 @@ def _grouped_down_kernel(
     act_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn,
     as_ptr, n_as,
     FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0, w_desc=None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
+    USE_PDL: tl.constexpr = 0,
 ):
     """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel).
     w_desc: a TMA descriptor over w as [E * H, I], block [BLOCK_N, BLOCK_K] (H % BLOCK_N == 0)."""

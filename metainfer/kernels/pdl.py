@@ -20,12 +20,15 @@ dropped (KB-0010).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import triton
 import triton.language as tl
 
 ENV = "METAINFER_PDL"
+PREFILL_ENV = "METAINFER_PDL_PREFILL"  # "1": PDL for prefill chunks too (`off_for`)
+PREFILL_MAX_TOKENS = 16  # a step whose longest chunk is longer launches without PDL (`off_for`)
 # What a kernel may load before its wait, by kernel: memory its predecessor (the only kernel that
 # can still be running) does not write. Weights are never written during a step; the DeltaNet
 # states are written by their own decode kernel only, and the slot inputs by the step's first copies.
@@ -55,8 +58,31 @@ def _supported() -> bool:
     return _SUPPORTED
 
 
+_SUSPENDED = 0  # depth of `suspended` contexts
+
+
 def enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get(ENV, "1") != "0" and _supported()
+    return (_SUSPENDED == 0 and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and os.environ.get(ENV, "1") != "0" and _supported())
+
+
+@contextlib.contextmanager
+def suspended(on: bool = True):
+    """Launches inside (and CUDA graphs captured inside) go without PDL when `on`."""
+    global _SUSPENDED
+    _SUSPENDED += int(on)
+    try:
+        yield
+    finally:
+        _SUSPENDED -= int(on)
+
+
+def off_for(max_chunk: int):
+    """`suspended` for a step whose longest chunk has max_chunk tokens: prefill chunks longer than
+    PREFILL_MAX_TOKENS launch without PDL (a 1k prefill's TTFT on the H200: 25.4-26.2 ms with PDL,
+    24.6-24.8 without, KB-0047; decode steps and short verify chunks keep it), unless
+    METAINFER_PDL_PREFILL=1."""
+    return suspended(max_chunk > PREFILL_MAX_TOKENS and os.environ.get(PREFILL_ENV, "0") != "1")
 
 
 def kw() -> dict:

@@ -93,6 +93,8 @@ def test_gdn_prefill_padded_dims_and_strong_decay(L, Dv):
         (gp.PrefillConfig(sub_block=8, state_prec="ieee"), EXACT),
         (gp.PrefillConfig(sub_block=32, block_v=16, state_prec="tf32x3"), EXACT),
         (gp.PrefillConfig(sub_block=64), TOL[torch.float32]),
+        (gp.PrefillConfig(sub_block=1, prep_warps=8), TOL[torch.float32]),  # the inverse by 6 doublings only
+        (gp.PrefillConfig(sub_block=16, prep_warps=8), TOL[torch.float32]),  # the defaults before KB-0047
         (gp.PrefillConfig(sub_block=16, state_prec="tf32", out_prec="bf16"), TOL[torch.bfloat16]),
     ],
 )
