@@ -88,7 +88,7 @@ class PrefillGraphs:
 
     def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
         meta = self._meta(size, host)
-        with pdl.off_for(size):  # captured as launched: a graph of > 16 tokens without PDL edges
+        with pdl.off_for(size):  # captured as launched (METAINFER_PDL_PREFILL=0: > 16 tokens without PDL)
             hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.caches)
             return self.model.compute_logits(hidden[meta.logits_indices])  # [logits_rows, V] fp32
 

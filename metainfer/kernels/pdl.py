@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 ENV = "METAINFER_PDL"
-PREFILL_ENV = "METAINFER_PDL_PREFILL"  # "1": PDL for prefill chunks too (`off_for`)
-PREFILL_MAX_TOKENS = 16  # a step whose longest chunk is longer launches without PDL (`off_for`)
+PREFILL_ENV = "METAINFER_PDL_PREFILL"  # "0": prefill chunks launch without PDL (`off_for`, KB-0049)
+PREFILL_MAX_TOKENS = 16  # with it "0", a step whose longest chunk is longer launches without PDL
 # What a kernel may load before its wait, by kernel: memory its predecessor (the only kernel that
 # can still be running) does not write. Weights are never written during a step; the DeltaNet
 # states are written by their own decode kernel only, and the slot inputs by the step's first copies.
@@ -78,11 +78,11 @@ def suspended(on: bool = True):
 
 
 def off_for(max_chunk: int):
-    """`suspended` for a step whose longest chunk has max_chunk tokens: prefill chunks longer than
-    PREFILL_MAX_TOKENS launch without PDL (a 1k prefill's TTFT on the H200: 25.4-26.2 ms with PDL,
-    24.6-24.8 without, KB-0047; decode steps and short verify chunks keep it), unless
-    METAINFER_PDL_PREFILL=1."""
-    return suspended(max_chunk > PREFILL_MAX_TOKENS and os.environ.get(PREFILL_ENV, "0") != "1")
+    """`suspended` for a step whose longest chunk has max_chunk tokens, with METAINFER_PDL_PREFILL=0:
+    prefill chunks longer than PREFILL_MAX_TOKENS launch without PDL (decode steps and short verify
+    chunks keep it). A 1k prefill's TTFT on the H200: 25.4-26.2 ms with PDL, 24.6-24.8 with PDL off
+    for the whole engine (KB-0049); off by default until the oracle has judged it."""
+    return suspended(max_chunk > PREFILL_MAX_TOKENS and os.environ.get(PREFILL_ENV, "1") == "0")
 
 
 def kw() -> dict:

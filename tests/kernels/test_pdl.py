@@ -103,14 +103,17 @@ def test_off_on_the_interpreter(monkeypatch):
 
 
 def test_prefill_chunks_launch_without_pdl(monkeypatch):
-    """Steps with a chunk longer than PREFILL_MAX_TOKENS (and graphs captured for them) launch without PDL;
-    decode steps and short verify chunks keep it; METAINFER_PDL_PREFILL=1 keeps it for all."""
+    """With METAINFER_PDL_PREFILL=0, steps with a chunk longer than PREFILL_MAX_TOKENS (and graphs captured
+    for them) launch without PDL; decode steps and short verify chunks keep it; unset: PDL for all."""
     from metainfer.kernels import pdl
 
     monkeypatch.setattr(pdl, "_SUPPORTED", True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv(pdl.ENV, raising=False)
     monkeypatch.delenv(pdl.PREFILL_ENV, raising=False)
+    with pdl.off_for(1024):  # the default: PDL for prefill too
+        assert pdl.enabled()
+    monkeypatch.setenv(pdl.PREFILL_ENV, "0")
     assert pdl.kw() == {"USE_PDL": 1, "launch_pdl": True}
     with pdl.off_for(pdl.PREFILL_MAX_TOKENS):
         assert pdl.enabled()
@@ -125,6 +128,3 @@ def test_prefill_chunks_launch_without_pdl(monkeypatch):
     except RuntimeError:
         pass
     assert pdl.enabled()  # restored after an error inside
-    monkeypatch.setenv(pdl.PREFILL_ENV, "1")
-    with pdl.off_for(1024):
-        assert pdl.enabled()
