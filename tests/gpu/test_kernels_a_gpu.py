@@ -363,10 +363,12 @@ _COMPILE = textwrap.dedent(
         xt, st = (f8, f32) if a8 else (bf, bf)
         idx = dict(sorted_ptr="*i32", ends_ptr="*i32", counts_ptr="*i32")
         tiles = dict(FP8=1, UPCAST=0, E_P2=256, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, A8=a8)
-        build(mg._grouped_gate_up_kernel, dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st),
-              dict(tiles, TOP_K=8), 4, 3)
-        build(mg._grouped_down_kernel, dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st),
-              tiles, 4, 3)
+        for desc in (None, "tensordesc<fp8e4nv[64,128]>"):  # weight tiles by pointer loads, by TMA (KB-0048)
+            wd, wc = (dict(w_desc=desc), {}) if desc else ({}, dict(w_desc=None))
+            gu_types = dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st, **wd)
+            dn_types = dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st, **wd)
+            build(mg._grouped_gate_up_kernel, gu_types, dict(tiles, TOP_K=8, **wc), 4, 3)
+            build(mg._grouped_down_kernel, dn_types, dict(tiles, **wc), 4, 3)
     build(mg._bucket_one_kernel, dict(ids_ptr="*i64", counts_ptr="*i32", ends_ptr="*i32", sorted_ptr="*i32"),
           dict(BLOCK_M=16, E_P2=512, BLOCK=1024), 8)
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32),
