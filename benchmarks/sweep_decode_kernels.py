@@ -202,13 +202,16 @@ def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, c
 
 def grouped_tma_candidates(T: int, fp8: bool) -> list[dict]:
     """--grouped-tma: the current config with its weight tiles by pointer loads and by TMA, then TMA
-    with N tiles 64/128 at its M-block size and twice it, 4-8 warps, 3-4 stages."""
+    with N tiles 64/128 at its M-block size and twice it, 4-8 warps, 3-4 stages, and at its M-block
+    size the down kernel's N tile 128/256 behind a 64-wide gate/up tile."""
     base = moe_grouped.grouped_config(T, 9, 257, fp8)
     bk = 128 if moe_grouped.a8_enabled(fp8) else base["BLOCK_K"]
     return [dict(base, TMA=0), dict(base, TMA=1)] + [
-        dict(BLOCK_M=bm, GU_BLOCK_N=n, DN_BLOCK_N=n, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=1)
-        for bm, n, (w, st) in itertools.product((base["BLOCK_M"], 2 * base["BLOCK_M"]), (64, 128),
-                                                 ((4, 3), (4, 4), (8, 3)))]
+        dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=1)
+        for bm, (gn, dn), (w, st) in itertools.product(
+            (base["BLOCK_M"], 2 * base["BLOCK_M"]), ((64, 64), (128, 128), (64, 128), (64, 256)),
+            ((4, 3), (4, 4), (8, 3)))
+        if bm == base["BLOCK_M"] or gn == dn]  # wider down tiles (K = I = 512: 4 K steps each)
 
 
 def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path, tma: bool = False) -> None:
