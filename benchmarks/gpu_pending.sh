@@ -54,9 +54,10 @@
 #   profile - FP8 batch-1 decode and 1k prefill profiles with PDL off (each kernel's own time; with
 #            PDL on a kernel's time includes its wait for the one before), ~1 min
 #   gtune  - the DeltaNet prefill kernels' configs (gdn_prefill.py grids: sub_block 1-16 x prep warps, block_v x
-#            scan stages) and the grouped MoE with TMA weight tiles (sweep_decode_kernels.py --grouped-tma, FP8
-#            T = 1024, 64), then FP8 decode batches 1/64 + TTFT with both winners (METAINFER_GDN_PREFILL,
-#            METAINFER_MOE_TUNED) against the defaults, fresh processes, ~7 min
+#            scan stages; GDN_GRID=0 skips them) and the grouped MoE with TMA weight tiles and in-kernel activation
+#            quantisation (sweep_decode_kernels.py --grouped-tma: TMA, QA, wider down tiles; FP8 T = 1024, 64),
+#            then FP8 decode batches 1/64 + TTFT with the winners (METAINFER_GDN_PREFILL, METAINFER_MOE_TUNED)
+#            against the defaults, fresh processes, ~7 min (measured at a668ef6: KB-0047, KB-0048)
 #   gjudge - with GDN="<fields>" and MOE_TUNED=<table> (gtune's winners): the TMA GPU test, FP8 TTFT default / GDN /
 #            GDN + MoE table, the oracle (FP8, BF16) with both, BF16 TTFT both / default, ~7 min
 #   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
@@ -192,16 +193,17 @@ for r in p["top"][:12]:
     print(f"  {r['us'] / 1e3:7.2f} ms {r['calls']:5d}x  {r['kernel'][:70]}")
 PY
 fi
-if [[ $PHASES == *gtune* ]]; then
-  timeout 150 python benchmarks/gdn_prefill.py --lengths 1024 --varlen '' --grid "sub_block=1,2,4,8,16;prep_warps=4,8" \
+if [[ $PHASES == *gtune* ]]; then  # GDN_GRID=0: the MoE sweep and the A/B only
+  [[ ${GDN_GRID:-1} == 0 ]] || timeout 150 python benchmarks/gdn_prefill.py --lengths 1024 --varlen '' --grid "sub_block=1,2,4,8,16;prep_warps=4,8" \
     --grid "block_v=16,32;scan_stages=2,3" --out $OUT/gdn 2>&1 | grep -v "falling back" | tail -24
-  timeout 170 python benchmarks/sweep_decode_kernels.py --grouped-tokens 1024,64 --moe fp8 --grouped-tma \
+  timeout 240 python benchmarks/sweep_decode_kernels.py --grouped-tokens 1024,64 --moe fp8 --grouped-tma \
     --out $OUT/tma_fp8 2>&1 | grep -v "falling back" | tail -8
-  GDN=$(python3 - "$OUT"/gdn/gdn_prefill_*.json <<'PY'
+  GDN=""
+  [[ ${GDN_GRID:-1} == 0 ]] || GDN=$(python3 - "$OUT"/gdn/gdn_prefill_*.json <<'PY'
 import json, sys
 sweep = [r for r in json.load(open(sys.argv[1]))["sweep"] if r.get("ok")]
 won = []  # each grid's fastest passing combination, where >= 3 % faster than the defaults' row
-for first, default in (("sub_block", "sub_block=16 prep_warps=8"), ("block_v", "block_v=32 scan_stages=2")):
+for first, default in (("sub_block", "sub_block=2 prep_warps=4"), ("block_v", "block_v=32 scan_stages=2")):
     rows = [r for r in sweep if r["tag"].startswith(first)]
     base = next((r for r in rows if r["tag"] == default), None)
     best = min(rows, key=lambda r: r["us"]) if rows else None
