@@ -12,9 +12,10 @@ import asyncio
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from metainfer.bench.datasets import SampleRequest
@@ -159,7 +160,35 @@ async def _run_all(
     return list(outcomes), time.perf_counter() - t0
 
 
+_TTFT_METRIC = re.compile(r"^(\S*time_to_first_token_seconds)_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def ttft_histogram(text: str) -> tuple[float, float] | None:
+    """(sum in s, count) over every label set of a Prometheus `*time_to_first_token_seconds` histogram
+    (MetaInfer's `metainfer:` and vLLM's `vllm:` metric), or None when the text has none."""
+    tot = {"sum": 0.0, "count": 0.0}
+    found = False
+    for _, kind, value in _TTFT_METRIC.findall(text):
+        tot[kind] += float(value)
+        found = True
+    return (tot["sum"], tot["count"]) if found else None
+
+
+async def _server_ttft(session: Any, base_url: str) -> tuple[float, float] | None:
+    """The server's TTFT histogram from GET /metrics (None when it has none or does not answer)."""
+    import aiohttp
+
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics") as r:
+            return ttft_histogram(await r.text()) if r.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return None
+
+
 async def run_async(cfg: ClientConfig, reqs: Sequence[SampleRequest]) -> ServeRun:
+    """The requests (after `warmup` discarded ones); where the server exports a TTFT histogram, the
+    run's server-side mean TTFT (arrival in the engine to its first token) goes in the metrics'
+    extra as `server_mean_ttft_ms`: the client's mean minus it is HTTP, queues and streaming."""
     if not reqs:
         raise ValueError("no requests")
     rng = random.Random(cfg.seed)
@@ -167,8 +196,13 @@ async def run_async(cfg: ClientConfig, reqs: Sequence[SampleRequest]) -> ServeRu
         if cfg.warmup:
             warm = [reqs[i % len(reqs)] for i in range(cfg.warmup)]
             await _run_all(session, cfg, warm, math.inf, rng)
+        before = await _server_ttft(session, cfg.base_url)
         outcomes, duration = await _run_all(session, cfg, reqs, cfg.request_rate, rng)
+        after = await _server_ttft(session, cfg.base_url) if before is not None else None
     metrics = summarize(outcomes, duration, cfg.max_concurrency, cfg.request_rate, cfg.ignore_eos)
+    if before is not None and after is not None and after[1] > before[1]:
+        server_ms = (after[0] - before[0]) / (after[1] - before[1]) * 1000.0
+        metrics = replace(metrics, extra={**metrics.extra, "server_mean_ttft_ms": server_ms})
     return ServeRun(outcomes=tuple(outcomes), metrics=metrics)
 
 

@@ -243,6 +243,10 @@ def format_table(m: ServeMetrics, roofline_lines: Sequence[tuple[str, Any]] = ()
         out.append(_line(f"Median {short} (ms):", s.median))
         out.append(_line(f"P90 {short} (ms):", s.p90))
         out.append(_line(f"P99 {short} (ms):", s.p99))
+        if attr == "ttft" and "server_mean_ttft_ms" in m.extra:  # the server's own histogram (/metrics)
+            server = m.extra["server_mean_ttft_ms"]
+            out.append(_line("Server-side mean TTFT (ms):", server))
+            out.append(_line("Client - server mean TTFT (ms):", s.mean - server))
     out.append(_rule("Decode"))
     out.append(_line("Decode tok/s per stream (1/TPOT):", m.decode_tok_s_per_stream))
     for label, value in roofline_lines:

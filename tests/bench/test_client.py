@@ -29,11 +29,12 @@ def test_planted_delays_are_measured(fake_server: FakeServer) -> None:
     assert (m.completed, m.failed) == (4, 0)
     assert m.total_output_tokens == 4 * out_len and m.total_input_tokens == 4 * 8
     assert _close(m.ttft.mean, 200.0, slack_ms=40.0) and _close(m.ttft.p99, 200.0, slack_ms=40.0), m.ttft
-    assert _close(m.itl.mean, 50.0) and _close(m.itl.median, 50.0) and _close(m.itl.p90, 50.0), m.itl
-    assert _close(m.tpot.mean, 50.0), m.tpot
-    assert _close(m.e2el.mean, 200.0 + (out_len - 1) * 50.0), m.e2el
+    # 20 %: a 50 ms gap jitters by more than 5 ms when the 2-core CI machine is busy
+    assert all(_close(v, 50.0, 0.2) for v in (m.itl.mean, m.itl.median, m.itl.p90)), m.itl
+    assert _close(m.tpot.mean, 50.0, 0.2), m.tpot
+    assert _close(m.e2el.mean, 200.0 + (out_len - 1) * 50.0, slack_ms=40.0), m.e2el
     assert m.itl.count == 4 * (out_len - 1)
-    assert _close(m.decode_tok_s_per_stream, 20.0)
+    assert _close(m.decode_tok_s_per_stream, 20.0, 0.2)
     assert not m.short_outputs and not m.length_mismatches and m.usage_missing == 0
     assert fake_server.fake.max_in_flight == 2
     body = fake_server.fake.bodies[0]

@@ -102,3 +102,24 @@ def test_prompt_count_mismatch_is_reported() -> None:
     )
     m = summarize([o], 1.0, None, math.inf, ignore_eos=True)
     assert [(x.what, x.expected, x.got) for x in m.length_mismatches] == [("prompt", 8, 9)]
+
+
+def test_ttft_histogram_from_prometheus_text() -> None:
+    """bench serve's server-side TTFT: sum and count of `*time_to_first_token_seconds` over label sets
+    (MetaInfer's and vLLM's names), None without one."""
+    from metainfer.bench.client import ttft_histogram
+
+    text = """# HELP metainfer:time_to_first_token_seconds Time to first token.
+# TYPE metainfer:time_to_first_token_seconds histogram
+metainfer:time_to_first_token_seconds_bucket{le="0.001",model_name="a"} 0.0
+metainfer:time_to_first_token_seconds_count{model_name="a"} 3.0
+metainfer:time_to_first_token_seconds_sum{model_name="a"} 0.09
+metainfer:time_to_first_token_seconds_count{model_name="b"} 1.0
+metainfer:time_to_first_token_seconds_sum{model_name="b"} 0.01
+metainfer:time_per_output_token_seconds_sum{model_name="a"} 5.0
+"""
+    s, c = ttft_histogram(text)
+    assert c == 4.0 and abs(s - 0.1) < 1e-12
+    assert ttft_histogram('vllm:time_to_first_token_seconds_sum{engine="0"} 2.5\n'
+                          'vllm:time_to_first_token_seconds_count{engine="0"} 10\n') == (2.5, 10.0)
+    assert ttft_histogram("vllm:e2e_request_latency_seconds_sum 1.0\n") is None

@@ -77,5 +77,8 @@ def test_short_run_against_metainfer_serve(tmp_path: Path) -> None:
             assert r["output_tokens"] == 8 and r["usage_prompt_tokens"] in (None, 8)
             assert r["num_chunks"] <= 8
         assert m["usage_missing"] == 0, "the server should send usage with stream_options.include_usage"
+        # the server's own TTFT (engine arrival -> first token, from /metrics) lies inside the client's
+        server_ttft = m["server_mean_ttft_ms"]
+        assert 0 < server_ttft <= m["mean_ttft_ms"], (server_ttft, m["mean_ttft_ms"])
     finally:
         server.stop()
