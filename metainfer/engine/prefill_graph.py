@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import torch
 
 from metainfer.engine.cuda_graph import capture_graphs
-from metainfer.kernels import pdl
 from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
@@ -88,9 +87,8 @@ class PrefillGraphs:
 
     def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
         meta = self._meta(size, host)
-        with pdl.off_for(size):  # captured as launched (METAINFER_PDL_PREFILL=0: > 16 tokens without PDL)
-            hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.caches)
-            return self.model.compute_logits(hidden[meta.logits_indices])  # [logits_rows, V] fp32
+        hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.caches)
+        return self.model.compute_logits(hidden[meta.logits_indices])  # [logits_rows, V] fp32
 
     def _fill(
         self, size: int, tokens: list[int], start: int, block_ids: list[int], slot: int, rows: int = 1

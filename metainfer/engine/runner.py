@@ -15,7 +15,7 @@ from metainfer.engine.request import Request, TokenLogprob
 from metainfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.warmup import run_warmup, warmup_steps
-from metainfer.kernels import ops, pdl
+from metainfer.kernels import ops
 from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 from metainfer.model.weights import build_model, init_dummy, load_checkpoint
@@ -410,11 +410,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         self._patch_pending(input_ids, dst)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        with pdl.off_for(max(n for _, n in items)):
-            hidden = self.model(input_ids, pos, meta, self.caches)
-            if not logits_rows:
-                return None, owners, dst
-            return self.model.compute_logits(hidden[meta.logits_indices]), owners, dst  # [R, V] fp32
+        hidden = self.model(input_ids, pos, meta, self.caches)
+        if not logits_rows:
+            return None, owners, dst
+        return self.model.compute_logits(hidden[meta.logits_indices]), owners, dst  # [R, V] fp32
 
     def _sample(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight) -> None:
         rows = [

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from metainfer.config import FULL, ModelConfig
+from metainfer.kernels import pdl
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
 from metainfer.model.layers import ExpertRows, Linear, RMSNorm, SparseMoE
@@ -72,11 +73,14 @@ class Qwen3_5MoeModel(nn.Module):
         meta: ForwardMeta,
         caches: CacheTensors,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta, caches)
-        h, _ = self.norm.add_forward(x, residual)
+        # METAINFER_PDL_PREFILL=0: a step with a chunk of > 16 tokens launches (and a graph of one is
+        # captured) without programmatic dependent launch (`pdl.off_for`, KB-0049)
+        with pdl.off_for(meta.prefill_max_len()):
+            x = self.embed_tokens(input_ids)
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, meta, caches)
+            h, _ = self.norm.add_forward(x, residual)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
