@@ -38,7 +38,9 @@ def test_roundtrip_and_query(tmp_path):
 @pytest.mark.parametrize(
     "bad",
     [{"status": "maybe"}, {"id": "KB-1"}, {"date": "30/11/2026"}, {"lesson": " "},
-     {"oracle": {"passed": False}}],
+     {"oracle": {"passed": False}},
+     {"status": "reverted", "oracle": {"verdict": None, "passed": False}},
+     {"status": "proposed", "oracle": {"verdict": "not run", "passed": None}}],
 )
 def test_invalid_records_rejected(bad):
     with pytest.raises(ValueError):
