@@ -201,14 +201,12 @@ def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, c
 
 
 def grouped_tma_candidates(T: int, fp8: bool) -> list[dict]:
-    """--grouped-tma: the current config with its weight tiles by pointer loads and by TMA (each also
-    with QA=1: the activation tiles quantised in the kernels, e4m3 activations only), then TMA
+    """--grouped-tma: the current config with its weight tiles by pointer loads and by TMA, then TMA
     with N tiles 64/128 at its M-block size and twice it, 4-8 warps, 3-4 stages, and at its M-block
     size the down kernel's N tile 128/256 behind a 64-wide gate/up tile."""
     base = moe_grouped.grouped_config(T, 9, 257, fp8)
     bk = 128 if moe_grouped.a8_enabled(fp8) else base["BLOCK_K"]
-    qa = [dict(base, TMA=t, QA=1) for t in (0, 1)] if moe_grouped.a8_enabled(fp8) else []
-    return [dict(base, TMA=0), dict(base, TMA=1)] + qa + [
+    return [dict(base, TMA=0), dict(base, TMA=1)] + [
         dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=1)
         for bm, (gn, dn), (w, st) in itertools.product(
             (base["BLOCK_M"], 2 * base["BLOCK_M"]), ((64, 64), (128, 128), (64, 128), (64, 256)),

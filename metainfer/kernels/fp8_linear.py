@@ -44,15 +44,6 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def quant_rows(x):
-    """x [R, 128] fp32 (one column group) -> (e4m3 [R, 128], scale [R] fp32) with scale = amax / 448
-    per row and x ~ q * scale: the activation scheme, shared by `_act_quant_kernel` and the kernels
-    that quantise their activation tiles as they load them (bit-identical results)."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    return _round_e4m3(x / scale[:, None]).to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """Per token and 128-column group: s = amax / 448, q = e4m3(x / s). s is stored [ceil(K/128), T]."""
     pdl.wait(USE_PDL)
@@ -62,8 +53,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexp
     t_mask = offs_t < T
     mask = t_mask[:, None] & (offs_k < K)[None, :]
     x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = quant_rows(x)
-    tl.store(q_ptr + offs_t[:, None] * K + offs_k[None, :], q, mask=mask)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    q = _round_e4m3(x / scale[:, None])
+    tl.store(q_ptr + offs_t[:, None] * K + offs_k[None, :], q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + kb * T + offs_t, scale, mask=t_mask)
 
 

@@ -13,9 +13,9 @@ take e4m3 activations quantised per token and 128 columns (`fp8_linear.act_quant
 prefill GEMM's scheme) and run e4m3 x e4m3 on the tensor cores, each 128-wide step's product
 times both scales. `moe.moe_experts` picks this path by T (`moe.use_pair_path`).
 
-Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor (KB-0048); QA=1 has
-the kernels quantise their activation tiles as they load them (`fp8_linear.quant_rows`) instead of
-two act_quant launches: the same operands, bit for bit (not measured yet).
+Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor (KB-0048). Quantising
+the activation tiles inside these kernels instead of act_quant was 2.5x slower at T = 1,024 (each N
+tile re-quantises the same rows) and was removed (KB-0050).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from metainfer.kernels import pdl, routing
 from metainfer.kernels.common import load_tuned, mma, upcast_dots
-from metainfer.kernels.fp8_linear import act_quant, quant_rows
+from metainfer.kernels.fp8_linear import act_quant
 
 A8_ENV = "METAINFER_MOE_W8A8"  # "0": FP8 experts on BF16 activations (weight-only) in the grouped path
 
@@ -112,13 +112,11 @@ def _grouped_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
     xs_ptr, n_xs,
     TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
-    QA: tl.constexpr = 0, w_desc=None, USE_PDL: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
+    USE_PDL: tl.constexpr = 0,
 ):
     """A8 (FP8 weights, BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
     xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales.
-    QA (with A8): x holds the unquantised activations, each tile quantised as it is loaded
-    (`fp8_linear.quant_rows`, act_quant's arithmetic: the same operands, no act_quant launch).
     w_desc (a TMA descriptor over w as [E * 2I, H], block [BLOCK_N, BLOCK_K]; I % BLOCK_N == 0):
     the weight tiles come by TMA instead of pointer loads."""
     pdl.wait(USE_PDL)
@@ -138,8 +136,6 @@ def _grouped_gate_up_kernel(
         k_mask = offs_k < H
         a_mask = valid[:, None] & k_mask[None, :]
         a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
-        if QA:
-            a, a_scale = quant_rows(a.to(tl.float32))
         if w_desc is not None:
             g_row = (e * (2 * I) + tl.program_id(1) * BLOCK_N).to(tl.int32)
             bg = tl.trans(w_desc.load([g_row, k0]))  # [BLOCK_K, BLOCK_N]
@@ -153,10 +149,7 @@ def _grouped_gate_up_kernel(
             su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
             sg, su = sg[None, :], su[None, :]
             if A8:
-                if QA:
-                    sa = a_scale[:, None]
-                else:
-                    sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)[:, None]
+                sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)[:, None]
                 sg, su = sa * sg, sa * su
             acc_g += mma(a, bg, UPCAST) * sg
             acc_u += mma(a, bu, UPCAST) * su
@@ -173,11 +166,10 @@ def _grouped_down_kernel(
     act_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn,
     as_ptr, n_as,
     FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0,
-    QA: tl.constexpr = 0, w_desc=None, USE_PDL: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
+    USE_PDL: tl.constexpr = 0,
 ):
-    """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel);
-    QA: act unquantised, quantised per tile as loaded.
+    """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel).
     w_desc: a TMA descriptor over w as [E * H, I], block [BLOCK_N, BLOCK_K] (H % BLOCK_N == 0)."""
     pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
@@ -195,8 +187,6 @@ def _grouped_down_kernel(
         k_mask = offs_k < I
         a_mask = valid[:, None] & k_mask[None, :]
         a = tl.load(act_ptr + rows[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
-        if QA:
-            a, a_scale = quant_rows(a.to(tl.float32))
         if w_desc is not None:
             b = tl.trans(w_desc.load([(e * H + tl.program_id(1) * BLOCK_N).to(tl.int32), k0]))
         else:
@@ -204,10 +194,7 @@ def _grouped_down_kernel(
         if FP8:
             sb = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
             if A8:
-                if QA:
-                    sb = sb * a_scale[:, None]
-                else:
-                    sb = sb * tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)[:, None]
+                sb = sb * tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)[:, None]
             acc += mma(a, b, UPCAST) * sb
         else:
             acc += mma(a, b, UPCAST)
@@ -292,10 +279,9 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict) -> tor
                                                BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
     act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
     a8 = a8_enabled(fp8)
-    qa = int(a8 and bool(cfg.get("QA", 0)))  # the kernels quantise their activation tiles themselves
-    xa, xs = act_quant(x) if a8 and not qa else (x, x)  # e4m3 activations + scales, or x (scales unused)
+    xa, xs = act_quant(x) if a8 else (x, x)  # e4m3 activations + scales, or x (the scales unused)
     common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
-                  QA=qa, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bk = common["BLOCK_K"]
     tma = cfg.get("TMA", 0) and tma_ok(w_gate_up, w_down, cfg["GU_BLOCK_N"], cfg["DN_BLOCK_N"])
     _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
@@ -303,7 +289,7 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict) -> tor
         xs, T, TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
         w_desc=_desc(w_gate_up, cfg["GU_BLOCK_N"], bk) if tma else None,
     )
-    acts, as_ = act_quant(act) if a8 and not qa else (act, act)
+    acts, as_ = act_quant(act) if a8 else (act, act)
     y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
     _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
         acts, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],

@@ -73,8 +73,8 @@ class Qwen3_5MoeModel(nn.Module):
         meta: ForwardMeta,
         caches: CacheTensors,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
-        # METAINFER_PDL_PREFILL=0: a step with a chunk of > 16 tokens launches (and a graph of one is
-        # captured) without programmatic dependent launch (`pdl.off_for`, KB-0049)
+        # a step with a chunk of > 16 tokens launches (and a graph of one is captured) without
+        # programmatic dependent launch (`pdl.off_for`, KB-0049; METAINFER_PDL_PREFILL=1 keeps it)
         with pdl.off_for(meta.prefill_max_len()):
             x = self.embed_tokens(input_ids)
             residual = None

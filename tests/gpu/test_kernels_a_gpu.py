@@ -359,10 +359,10 @@ _COMPILE = textwrap.dedent(
               UPCAST=0, DOT_F16=mma, ROUTE_K=route, E_P2=256, K_P2=8), 2)
         build(moe._pair_down_rows_kernel, dict(act_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", y_ptr=f32),
               dict(FP8=fp8, BLOCK_H=32, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
-    for a8, qa in ((0, 0), (1, 0), (1, 1)):  # bucketed path, FP8 weights: bf16 / e4m3 / in-kernel e4m3 acts
-        xt, st = (f8, f32) if a8 and not qa else (bf, bf)
+    for a8 in (0, 1):  # the bucketed (prefill) path, FP8 weights, bf16 or e4m3 activations
+        xt, st = (f8, f32) if a8 else (bf, bf)
         idx = dict(sorted_ptr="*i32", ends_ptr="*i32", counts_ptr="*i32")
-        tiles = dict(FP8=1, UPCAST=0, E_P2=256, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, A8=a8, QA=qa)
+        tiles = dict(FP8=1, UPCAST=0, E_P2=256, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, A8=a8)
         for desc in (None, "tensordesc<fp8e4nv[64,128]>"):  # weight tiles by pointer loads, by TMA (KB-0048)
             wd, wc = (dict(w_desc=desc), {}) if desc else ({}, dict(w_desc=None))
             gu_types = dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st, **wd)

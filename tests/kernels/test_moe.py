@@ -403,17 +403,3 @@ def test_moe_grouped_tma_weights(fp8, monkeypatch):
     got = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=1))
     assert torch.equal(got, want)
     assert not moe_grouped.tma_ok(args[1], args[2], 48, 64)  # a tile across two experts' rows
-
-
-@pytest.mark.parametrize("skew", [False, True])
-def test_moe_grouped_in_kernel_activation_quant(skew, monkeypatch):
-    """QA=1 (the grouped kernels quantise their activation tiles as they load them, no act_quant
-    launches) gives the act_quant path's result exactly: the same e4m3 operands and scales."""
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
-    x, w_gu, w_dn, tw, ids = _problem(17, seed=6, skew=skew, dtype=BF16)
-    (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
-    args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
-    cfg = dict(BLOCK_M=16, GU_BLOCK_N=32, DN_BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2)
-    want = moe.moe_experts(*args, path="grouped", config=dict(cfg, QA=0))
-    got = moe.moe_experts(*args, path="grouped", config=dict(cfg, QA=1))
-    assert torch.equal(got, want)

@@ -103,17 +103,18 @@ def test_off_on_the_interpreter(monkeypatch):
 
 
 def test_prefill_chunks_launch_without_pdl(monkeypatch):
-    """With METAINFER_PDL_PREFILL=0, steps with a chunk longer than PREFILL_MAX_TOKENS (and graphs captured
-    for them) launch without PDL; decode steps and short verify chunks keep it; unset: PDL for all."""
+    """By default (METAINFER_PDL_PREFILL unset or 0) steps with a chunk longer than PREFILL_MAX_TOKENS
+    (and graphs captured for them) launch without PDL; decode steps and short verify chunks keep it;
+    METAINFER_PDL_PREFILL=1: PDL for all."""
     from metainfer.kernels import pdl
 
     monkeypatch.setattr(pdl, "_SUPPORTED", True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv(pdl.ENV, raising=False)
-    monkeypatch.delenv(pdl.PREFILL_ENV, raising=False)
-    with pdl.off_for(1024):  # the default: PDL for prefill too
+    monkeypatch.setenv(pdl.PREFILL_ENV, "1")
+    with pdl.off_for(1024):  # PDL for prefill too
         assert pdl.enabled()
-    monkeypatch.setenv(pdl.PREFILL_ENV, "0")
+    monkeypatch.delenv(pdl.PREFILL_ENV)  # the default
     assert pdl.kw() == {"USE_PDL": 1, "launch_pdl": True}
     with pdl.off_for(pdl.PREFILL_MAX_TOKENS):
         assert pdl.enabled()
