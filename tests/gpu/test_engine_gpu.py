@@ -211,15 +211,17 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
     runs = spec.engine.runner.prefill.runs
     alone = [spec.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in prompts]
     assert spec.engine.runner.prefill.runs > runs + len(prompts)  # lone verifies replayed graphs
-    if quant is None:  # same kernels, batched or alone
-        assert [a.token_ids for a in so] == [c.token_ids for c in alone]
     for a, c, b, rows in zip(so, alone, po, pl):
         top2 = rows.topk(2, dim=-1).values
+        if quant is None:  # same kernels, batched or alone
+            diff = [i for i, (x, y) in enumerate(zip(a.token_ids, c.token_ids)) if x != y]
+            assert not diff, (f"batched and lone speculative runs part at token {diff[0]} (plain's top-2 gap "
+                              f"there {(top2[diff[0], 0] - top2[diff[0], 1]).item():.4f})")
         near = 0.1 if quant is None else 0.5
         tie = [i for i, g in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if g < near]
-        upto = tie[0] + 1 if tie else len(b.token_ids)
+        upto = tie[0] if tie else len(b.token_ids)  # token i comes from row i: the tie's own token may flip
         same = [x == y == z for x, y, z in zip(a.token_ids[:upto], c.token_ids[:upto], b.token_ids[:upto])]
         part = same.index(False) if False in same else None
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
         assert part is None, (f"parts from plain at token {part} (plain's top-2 gap there {gaps[part]:.4f}, "
-                              f"logit {top2[part, 0].item():.3f}; first near-tie at {upto - 1})")
+                              f"logit {top2[part, 0].item():.3f}; first near-tie at {upto})")
