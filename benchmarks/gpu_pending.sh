@@ -58,7 +58,7 @@
 #            quantisation (sweep_decode_kernels.py --grouped-tma: TMA, QA, wider down tiles; FP8 T = 1024, 64),
 #            then FP8 decode batches 1/64 + TTFT with the winners (METAINFER_GDN_PREFILL, METAINFER_MOE_TUNED)
 #            against the defaults, fresh processes, ~7 min (measured at a668ef6: KB-0047, KB-0048)
-#   specdiag - the speculative-vs-plain GPU test (failed at 79ef3e9: BF16 batched vs lone, FP8 at an exact tie)
+#   tiediag - the speculative-vs-plain GPU test (failed at 79ef3e9: BF16 batched vs lone, FP8 at an exact tie)
 #            at the defaults, with METAINFER_PDL_PREFILL=1 and with the pre-KB-0047 prep config
 #   gjudge - with GDN="<fields>" and MOE_TUNED=<table> (gtune's winners): the TMA GPU test, FP8 TTFT default / GDN /
 #            GDN + MoE table, the oracle (FP8, BF16) with both, BF16 TTFT both / default, ~7 min
@@ -286,7 +286,7 @@ if [[ $PHASES == *ssm16* ]]; then  # --ssm-state-dtype bfloat16 (KB-0046): GPU t
       | grep -E "verdict|decode.rel" | sed "s/^/[$dt state bf16] /"
   done
 fi
-if [[ $PHASES == *specdiag* ]]; then
+if [[ $PHASES == *tiediag* ]]; then
   T=tests/gpu/test_engine_gpu.py::test_speculative_verify_equals_plain_greedy
   for mode in default pdl_prefill_1 prep_16_8; do
     unset METAINFER_PDL_PREFILL METAINFER_GDN_PREFILL

@@ -188,7 +188,9 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
     of plain's row < 0.1 in BF16: the verify chunk and the decode step round differently; < 0.5 in
     FP8, where a verify step of several sequences (> 16 tokens) quantises its activations to e4m3
     and a decode step does not: measured 2026-11-30i, the batched and lone FP8 runs parted at
-    token 6)."""
+    token 6). The batched and lone speculative runs are held to the same bound, not to equality: a
+    verify step of four sequences and one of a lone sequence take other MoE / GEMM paths, and at an
+    exact tie (plain's BF16 gap 0.0000 at token 9 after KB-0047's prep config, 2026-11-30l) they part."""
     prompts = _prompts(4, seed=5)
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant,
               max_num_seqs=8, max_model_len=512)
@@ -213,10 +215,6 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
     assert spec.engine.runner.prefill.runs > runs + len(prompts)  # lone verifies replayed graphs
     for a, c, b, rows in zip(so, alone, po, pl):
         top2 = rows.topk(2, dim=-1).values
-        if quant is None:  # same kernels, batched or alone
-            diff = [i for i, (x, y) in enumerate(zip(a.token_ids, c.token_ids)) if x != y]
-            assert not diff, (f"batched and lone speculative runs part at token {diff[0]} (plain's top-2 gap "
-                              f"there {(top2[diff[0], 0] - top2[diff[0], 1]).item():.4f})")
         near = 0.1 if quant is None else 0.5
         tie = [i for i, g in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if g < near]
         upto = tie[0] if tie else len(b.token_ids)  # token i comes from row i: the tie's own token may flip
