@@ -52,9 +52,11 @@ class Record:
         if self.status == "kept" and self.oracle.get("passed") is False:
             raise ValueError(f"{self.id}: a kept optimisation cannot have a failing oracle verdict")
         if self.oracle.get("passed") is not None and not self.oracle.get("verdict"):
-            raise ValueError(f"{self.id}: oracle 'passed' needs a verdict (a run's JSON); use passed: null when not run")
+            raise ValueError(f"{self.id}: oracle 'passed' needs a verdict (a run's JSON); "
+                             "use passed: null when not run")
         if str(self.oracle.get("verdict") or "").strip().lower() in ("not run", "none", "n/a"):
-            raise ValueError(f"{self.id}: oracle verdict {self.oracle['verdict']!r}: use null when the oracle did not run")
+            raise ValueError(f"{self.id}: oracle verdict {self.oracle['verdict']!r}: "
+                             "use null when the oracle did not run")
         for name in ("title", "change", "prediction", "benchmark", "lesson"):
             if not str(getattr(self, name)).strip():
                 raise ValueError(f"{self.id}: {name} must not be empty")

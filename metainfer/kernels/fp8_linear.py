@@ -44,19 +44,25 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    """Per token and 128-column group: s = amax / 448, q = e4m3(x / s). s is stored [ceil(K/128), T]."""
-    pdl.wait(USE_PDL)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    kb = tl.program_id(1)
+def quant_tile(x_ptr, q_ptr, s_ptr, offs_t, t_mask, T, K, stride_xt, kb):
+    """Rows offs_t (where t_mask) of x, column group kb: s = amax / 448, q = e4m3(x / s); s is stored
+    [ceil(K/128), T]. The one definition of the activation scheme (`_act_quant_kernel`, and the
+    grouped MoE's quantisation of its valid rows only)."""
     offs_k = kb * 128 + tl.arange(0, 128)
-    t_mask = offs_t < T
     mask = t_mask[:, None] & (offs_k < K)[None, :]
     x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     q = _round_e4m3(x / scale[:, None])
     tl.store(q_ptr + offs_t[:, None] * K + offs_k[None, :], q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + kb * T + offs_t, scale, mask=t_mask)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """Per token and 128-column group: s = amax / 448, q = e4m3(x / s). s is stored [ceil(K/128), T]."""
+    pdl.wait(USE_PDL)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    quant_tile(x_ptr, q_ptr, s_ptr, offs_t, offs_t < T, T, K, stride_xt, tl.program_id(1))
 
 
 @triton.jit

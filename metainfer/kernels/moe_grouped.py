@@ -28,7 +28,7 @@ import triton.language as tl
 
 from metainfer.kernels import pdl, routing
 from metainfer.kernels.common import load_tuned, mma, upcast_dots
-from metainfer.kernels.fp8_linear import act_quant
+from metainfer.kernels.fp8_linear import BLOCK, act_quant, quant_tile
 
 A8_ENV = "METAINFER_MOE_W8A8"  # "0": FP8 experts on BF16 activations (weight-only) in the grouped path
 
@@ -95,16 +95,39 @@ def _bucket_one_kernel(
 
 
 @triton.jit
-def _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
-    """-> (expert of the M-block starting at padded row row0, its valid-row mask [BLOCK_M], its
-    rows [BLOCK_M])."""
+def _bucket_rows(ends_ptr, counts_ptr, row0, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr, N: tl.constexpr):
+    """-> (expert of padded row row0 (buckets padded to BLOCK_M rows), the valid-row mask of rows
+    row0 ... row0 + N - 1 [N], those rows); the N rows lie in one M-block (N divides BLOCK_M,
+    row0 % N == 0)."""
     offs_e = tl.arange(0, E_P2)
     ends = tl.load(ends_ptr + offs_e, mask=offs_e < E, other=2147483647)
     e = tl.minimum(tl.sum((ends <= row0).to(tl.int32)), E - 1)
     cnt = tl.load(counts_ptr + e)
     start = tl.load(ends_ptr + e) - (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
+    rows = row0 + tl.arange(0, N)
     return e.to(tl.int64), (rows - start) < cnt, rows
+
+
+@triton.jit
+def _block_expert(ends_ptr, counts_ptr, row0, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
+    """-> (expert of the M-block starting at padded row row0, its valid-row mask [BLOCK_M], its
+    rows [BLOCK_M])."""
+    return _bucket_rows(ends_ptr, counts_ptr, row0, E, BLOCK_M, E_P2, BLOCK_M)
+
+
+@triton.jit
+def _valid_rows_quant_kernel(x_ptr, q_ptr, s_ptr, ends_ptr, counts_ptr, T, K, E,
+                             BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+                             USE_PDL: tl.constexpr = 0):
+    """`fp8_linear.act_quant` of the gate/up kernel's bucketed output [T padded rows, K], its valid
+    rows only: tiles past the last bucket return at once and each bucket's padding rows are left
+    unwritten (the down kernel masks their rows and scales). The valid rows' q and s are act_quant's."""
+    pdl.wait(USE_PDL)
+    t0 = tl.program_id(0) * BLOCK_T
+    if t0 >= tl.load(ends_ptr + E - 1):
+        return
+    _, valid, offs_t = _bucket_rows(ends_ptr, counts_ptr, t0, E, BLOCK_M, E_P2, BLOCK_T)
+    quant_tile(x_ptr, q_ptr, s_ptr, offs_t, valid, T, K, K, tl.program_id(1))
 
 
 @triton.jit
@@ -203,6 +226,23 @@ def _grouped_down_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------------
+VALID_ROWS_ENV = "METAINFER_MOE_QUANT_VALID"  # "0": quantise every padded row of the gate/up output
+
+
+def quant_valid_rows(act, ends, counts, bm: int, e_p2: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s) as `act_quant(act)` gives them on the valid rows of the bucketed [padded rows, I]
+    activations (ends / counts: the bucketing's); the padding rows' q and s are left unset."""
+    if os.environ.get(VALID_ROWS_ENV, "1") == "0":
+        return act_quant(act)
+    R, K = act.shape
+    q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=act.device)
+    s = torch.empty(triton.cdiv(K, BLOCK), R, dtype=torch.float32, device=act.device)
+    bt = min(16, bm)
+    _valid_rows_quant_kernel[(triton.cdiv(R, bt), triton.cdiv(K, BLOCK))](
+        act, q, s, ends, counts, R, K, ends.shape[0], BLOCK_M=bm, E_P2=e_p2, BLOCK_T=bt, **pdl.kw())
+    return q, s
+
+
 def grouped_key(T: int, top_k: int, E: int, fp8: bool) -> str:
     """The tuned-table key: weights' kind and the heuristic M-block size for the mean rows per
     expert (a tuned config may pick another M-block size; the key stays the heuristic's)."""
@@ -289,7 +329,7 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict) -> tor
         xs, T, TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
         w_desc=_desc(w_gate_up, cfg["GU_BLOCK_N"], bk) if tma else None,
     )
-    acts, as_ = act_quant(act) if a8 else (act, act)
+    acts, as_ = quant_valid_rows(act, ends, counts, bm, e_p2) if a8 else (act, act)
     y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
     _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
         acts, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],

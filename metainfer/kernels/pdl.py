@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 ENV = "METAINFER_PDL"
-PREFILL_ENV = "METAINFER_PDL_PREFILL"  # "1": prefill chunks launch with PDL too (default "0": `off_for`, KB-0049)
+PREFILL_ENV = "METAINFER_PDL_PREFILL"  # "1": prefill chunks launch with PDL too (default: `off_for`, KB-0049)
 PREFILL_MAX_TOKENS = 16  # with it "0", a step whose longest chunk is longer launches without PDL
 # What a kernel may load before its wait, by kernel: memory its predecessor (the only kernel that
 # can still be running) does not write. Weights are never written during a step; the DeltaNet

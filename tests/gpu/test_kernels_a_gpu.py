@@ -274,7 +274,7 @@ _COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from metainfer.kernels import attention as A, conv1d, gdn_decode, moe, norm, routing
-    from metainfer.kernels import moe_grouped as mg, weight_stream as ws
+    from metainfer.kernels import fp8_linear as fl, moe_grouped as mg, weight_stream as ws
 
     def build(kernel, types, consts, num_warps, num_stages=2):
         # constexpr parameters left out take their defaults, as in a launch
@@ -369,6 +369,11 @@ _COMPILE = textwrap.dedent(
             dn_types = dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st, **wd)
             build(mg._grouped_gate_up_kernel, gu_types, dict(tiles, TOP_K=8, **wc), 4, 3)
             build(mg._grouped_down_kernel, dn_types, dict(tiles, **wc), 4, 3)
+    for bm in (16, 64):  # the down kernel's e4m3 input: valid rows only (and act_quant's kernel)
+        build(mg._valid_rows_quant_kernel,
+              dict(x_ptr=bf, q_ptr=f8, s_ptr=f32, ends_ptr="*i32", counts_ptr="*i32"),
+              dict(BLOCK_M=bm, E_P2=256, BLOCK_T=16), 4)
+    build(fl._act_quant_kernel, dict(x_ptr=bf, q_ptr=f8, s_ptr=f32), dict(BLOCK_T=16), 4)
     build(mg._bucket_one_kernel, dict(ids_ptr="*i64", counts_ptr="*i32", ends_ptr="*i32", sorted_ptr="*i32"),
           dict(BLOCK_M=16, E_P2=512, BLOCK=1024), 8)
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32),

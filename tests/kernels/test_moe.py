@@ -403,3 +403,39 @@ def test_moe_grouped_tma_weights(fp8, monkeypatch):
     got = moe.moe_experts(*args, path="grouped", config=dict(cfg, TMA=1))
     assert torch.equal(got, want)
     assert not moe_grouped.tma_ok(args[1], args[2], 48, 64)  # a tile across two experts' rows
+
+
+@pytest.mark.parametrize("bm, K", [(16, 512), (32, 200)])
+def test_quant_valid_rows_equals_act_quant(bm, K):
+    """The down kernel's e4m3 input quantised on the bucketed rows that hold pairs only: those rows'
+    q and s equal act_quant's bit for bit (an empty bucket, partial buckets, K not a multiple of
+    128, NaN padding rows and a tail past the last bucket)."""
+    from metainfer.kernels.fp8_linear import act_quant
+
+    counts = torch.tensor([5, 0, 2 * bm + 1, bm, 1], dtype=torch.int32)
+    padded = (counts + bm - 1) // bm * bm
+    ends = torch.cumsum(padded, 0).to(torch.int32)
+    R = int(ends[-1]) + 2 * bm
+    act = torch.randn(R, K, generator=torch.Generator().manual_seed(7)).to(BF16) * 3
+    valid = torch.zeros(R, dtype=torch.bool)
+    for e in range(len(counts)):
+        start = int(ends[e] - padded[e])
+        valid[start : start + int(counts[e])] = True
+    act[~valid] = float("nan")
+    q, s = moe_grouped.quant_valid_rows(act, ends, counts, bm, 8)
+    q_all, s_all = act_quant(act)
+    assert torch.equal(q[valid].view(torch.uint8), q_all[valid].view(torch.uint8))
+    assert torch.equal(s[:, valid], s_all[:, valid])
+
+
+def test_moe_grouped_valid_rows_quant_equals_all_rows(monkeypatch):
+    """FP8 grouped experts with the down input quantised on the valid rows only
+    (METAINFER_MOE_QUANT_VALID=1, the default) equal the all-rows quantisation exactly."""
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
+    x, w_gu, w_dn, tw, ids = _problem(19, seed=8, skew=True, dtype=BF16)
+    (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+    args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
+    monkeypatch.setenv(moe_grouped.VALID_ROWS_ENV, "0")
+    want = moe.moe_experts(*args, path="grouped")
+    monkeypatch.setenv(moe_grouped.VALID_ROWS_ENV, "1")
+    assert torch.equal(moe.moe_experts(*args, path="grouped"), want)
