@@ -127,8 +127,7 @@ def _valid_rows_quant_kernel(x_ptr, q_ptr, s_ptr, ends_ptr, counts_ptr, T, K, E,
     if t0 >= tl.load(ends_ptr + E - 1):
         return
     _, valid, offs_t = _bucket_rows(ends_ptr, counts_ptr, t0, E, BLOCK_M, E_P2, BLOCK_T)
-    for kb in range(0, tl.cdiv(K, 128)):  # every column group: one bucket search per row tile
-        quant_tile(x_ptr, q_ptr, s_ptr, offs_t, valid, T, K, K, kb)
+    quant_tile(x_ptr, q_ptr, s_ptr, offs_t, valid, T, K, K, tl.program_id(1))
 
 
 @triton.jit
@@ -228,7 +227,6 @@ def _grouped_down_kernel(
 
 # ---- launchers -----------------------------------------------------------------------------------
 VALID_ROWS_ENV = "METAINFER_MOE_QUANT_VALID"  # "0": quantise every padded row of the gate/up output
-VALID_ROWS_TILE_ENV = "METAINFER_MOE_QUANT_TILE"  # rows per program: a power of 2 <= BLOCK_M (default)
 
 
 def quant_valid_rows(act, ends, counts, bm: int, e_p2: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,10 +237,9 @@ def quant_valid_rows(act, ends, counts, bm: int, e_p2: int) -> tuple[torch.Tenso
     R, K = act.shape
     q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=act.device)
     s = torch.empty(triton.cdiv(K, BLOCK), R, dtype=torch.float32, device=act.device)
-    bt = min(int(os.environ.get(VALID_ROWS_TILE_ENV, "0")) or bm, bm)  # row tile: one M-block by default
-    _valid_rows_quant_kernel[(triton.cdiv(R, bt),)](
-        act, q, s, ends, counts, R, K, ends.shape[0], BLOCK_M=bm, E_P2=e_p2, BLOCK_T=bt,
-        num_warps=4 if bt <= 64 else 8, **pdl.kw())
+    bt = min(16, bm)
+    _valid_rows_quant_kernel[(triton.cdiv(R, bt), triton.cdiv(K, BLOCK))](
+        act, q, s, ends, counts, R, K, ends.shape[0], BLOCK_M=bm, E_P2=e_p2, BLOCK_T=bt, **pdl.kw())
     return q, s
 
 

@@ -372,7 +372,7 @@ _COMPILE = textwrap.dedent(
     for bm in (16, 64):  # the down kernel's e4m3 input: valid rows only (and act_quant's kernel)
         build(mg._valid_rows_quant_kernel,
               dict(x_ptr=bf, q_ptr=f8, s_ptr=f32, ends_ptr="*i32", counts_ptr="*i32"),
-              dict(BLOCK_M=bm, E_P2=512, BLOCK_T=bm), 4)
+              dict(BLOCK_M=bm, E_P2=256, BLOCK_T=16), 4)
     build(fl._act_quant_kernel, dict(x_ptr=bf, q_ptr=f8, s_ptr=f32), dict(BLOCK_T=16), 4)
     build(mg._bucket_one_kernel, dict(ids_ptr="*i64", counts_ptr="*i32", ends_ptr="*i32", sorted_ptr="*i32"),
           dict(BLOCK_M=16, E_P2=512, BLOCK=1024), 8)
