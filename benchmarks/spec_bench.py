@@ -135,13 +135,18 @@ def main() -> None:
             # logits near 30 step by 0.125) the run parts from plain's tokens and the script's drafts
             # go wrong; drafting the scripted run's own tokens converges in a few runs
             sp = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True, detokenize=False)
+            tries = []  # per try: where the scripted run first left its script (None: it followed it)
             for _ in range(4):
                 got = llm.generate(prompt_token_ids=[ps["random"]], sampling_params=sp)[0].token_ids
+                tries.append(next((i for i, (a, b) in enumerate(zip(got, script)) if a != b), None))
                 if got == script:
                     break
                 script[:] = got
+            print(f"[{mode}] scripted run left its script at tokens {tries} (None: followed it)")
         for name, p in ps.items():
             res["runs"][f"{mode}/{name}"] = r = run(llm, p, args.gen, args.reps)
+            if mode.startswith("script"):
+                r["script_first_mismatch_per_try"] = tries
             if mode == "plain":
                 truth[name] = r["tokens"]
             if mode in args.profile and name == "random" and torch.cuda.is_available():
