@@ -13,6 +13,9 @@ take e4m3 activations quantised per token and 128 columns (`fp8_linear.act_quant
 prefill GEMM's scheme) and run e4m3 x e4m3 on the tensor cores, each 128-wide step's product
 times both scales. `moe.moe_experts` picks this path by T (`moe.use_pair_path`).
 
+The down kernel's e4m3 input is quantised on the bucketed rows that hold pairs only
+(`quant_valid_rows`: tiles past the last bucket and each bucket's padding rows skipped; KB-0051).
+
 Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor (KB-0048). Quantising
 the activation tiles inside these kernels instead of act_quant was 2.5x slower at T = 1,024 (each N
 tile re-quantises the same rows) and was removed (KB-0050).
