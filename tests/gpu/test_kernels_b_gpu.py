@@ -226,17 +226,10 @@ def test_moe_grouped_tma_weights_full_shapes(T, fp8, monkeypatch):
 def test_moe_grouped_valid_rows_quant_full_shapes(T, monkeypatch):
     """FP8 grouped experts with the down input quantised on the bucketed rows that hold pairs only
     (METAINFER_MOE_QUANT_VALID=1, the default) equal the all-rows act_quant path bit for bit."""
-    from metainfer.kernels import moe, moe_grouped
-    from metainfer.model.fp8 import quantize_fp8_block
+    from metainfer.kernels import moe_grouped
+    from tests.helpers import assert_fp8_grouped_switch_exact
 
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
-    x, w_gu, w_dn, tw, ids = _moe_problem(T, seed=6)
-    (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
-    args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
-    monkeypatch.setenv(moe_grouped.VALID_ROWS_ENV, "0")
-    want = moe.moe_experts(*args, path="grouped")
-    monkeypatch.setenv(moe_grouped.VALID_ROWS_ENV, "1")
-    assert torch.equal(moe.moe_experts(*args, path="grouped"), want)
+    assert_fp8_grouped_switch_exact(monkeypatch, moe_grouped.VALID_ROWS_ENV, _moe_problem(T, seed=6))
 
 
 def test_moe_skewed_routing():

@@ -21,7 +21,7 @@ from metainfer.kernels import moe, moe_grouped, routing
 from metainfer.kernels import reference as ref
 from metainfer.kernels.ops import ref_dequant_fp8
 from metainfer.model.fp8 import quantize_fp8_block
-from tests.helpers import rel_rmse
+from tests.helpers import assert_fp8_grouped_switch_exact, rel_rmse
 
 H, I, E, K = 160, 48, 8, 2
 
@@ -431,11 +431,5 @@ def test_quant_valid_rows_equals_act_quant(bm, K):
 def test_moe_grouped_valid_rows_quant_equals_all_rows(monkeypatch):
     """FP8 grouped experts with the down input quantised on the valid rows only
     (METAINFER_MOE_QUANT_VALID=1, the default) equal the all-rows quantisation exactly."""
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
-    x, w_gu, w_dn, tw, ids = _problem(19, seed=8, skew=True, dtype=BF16)
-    (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
-    args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
-    monkeypatch.setenv(moe_grouped.VALID_ROWS_ENV, "0")
-    want = moe.moe_experts(*args, path="grouped")
-    monkeypatch.setenv(moe_grouped.VALID_ROWS_ENV, "1")
-    assert torch.equal(moe.moe_experts(*args, path="grouped"), want)
+    problem = _problem(19, seed=8, skew=True, dtype=BF16)
+    assert_fp8_grouped_switch_exact(monkeypatch, moe_grouped.VALID_ROWS_ENV, problem)
