@@ -58,6 +58,9 @@
 #            quantisation (sweep_decode_kernels.py --grouped-tma: TMA, QA, wider down tiles; FP8 T = 1024, 64),
 #            then FP8 decode batches 1/64 + TTFT with the winners (METAINFER_GDN_PREFILL, METAINFER_MOE_TUNED)
 #            against the defaults, fresh processes, ~7 min (measured at a668ef6: KB-0047, KB-0048)
+#   nquant - METAINFER_NORM_QUANT=1 (KB-0052: the norms before FP8 prefill GEMMs write their e4m3 copy; 80
+#            act_quant launches fewer per 1k prefill): its GPU tests, the FP8 A/B (TTFT, batches 32/64), the
+#            oracle (FP8) with it on, ~6 min
 #   tiediag - the speculative-vs-plain GPU test (failed at 79ef3e9: BF16 batched vs lone, FP8 at an exact tie)
 #            at the defaults, with METAINFER_PDL_PREFILL=1 and with the pre-KB-0047 prep config
 #   gjudge - with GDN="<fields>" and MOE_TUNED=<table> (gtune's winners): the TMA GPU test, FP8 TTFT default / GDN /
@@ -297,4 +300,10 @@ if [[ $PHASES == *tiediag* ]]; then
       | sed "s/^/[spec $mode] /"
   done
   unset METAINFER_PDL_PREFILL METAINFER_GDN_PREFILL
+fi
+if [[ $PHASES == *nquant* ]]; then
+  timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "norm_quant or compiles or norm" 2>&1 | tail -2
+  VAR=METAINFER_NORM_QUANT MODES="0 1 0 1" DTYPES=fp8 BATCHES=32,64 GEN=16 EXTRA=--no-profile bash benchmarks/gpu_ab.sh
+  METAINFER_NORM_QUANT=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_nquant.json 2>&1 | grep -E "verdict|rel_rmse"
 fi

@@ -44,6 +44,15 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def quant_groups(x):
+    """x [R, G, 128] fp32 -> (q [R, G, 128] e4m3, s [R, G] fp32): s = amax / 448 per row and group,
+    q = e4m3(x / s): `quant_tile`'s arithmetic on G column groups at once (the norms that write their
+    output's e4m3 copy; tests assert both give the same bits)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-12) / 448.0
+    return _round_e4m3(x / scale[:, :, None]).to(tl.float8e4nv), scale
+
+
+@triton.jit
 def quant_tile(x_ptr, q_ptr, s_ptr, offs_t, t_mask, T, K, stride_xt, kb):
     """Rows offs_t (where t_mask) of x, column group kb: s = amax / 448, q = e4m3(x / s); s is stored
     [ceil(K/128), T]. The one definition of the activation scheme (`_act_quant_kernel`, and the
@@ -147,7 +156,37 @@ def gemm_config(M: int, N: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
-def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+NORM_QUANT_ENV = "METAINFER_NORM_QUANT"  # "1": the norms before FP8 GEMMs write their e4m3 copy too
+
+
+def act_rows(T: int) -> int:
+    """Rows of the cuBLAS path's e4m3 activations for T tokens: T rounded up to a multiple of 4."""
+    return T + (-T % 4)
+
+
+def act_buffers(T: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [Tp, K] e4m3, s [K/128, Tp] fp32), Tp = act_rows(T), for a norm to fill rows < T
+    (`norm.add_rms_norm(xq_out=...)`); the padding rows are zeros, as the W8A8 GEMM pads a step
+    (their outputs are dropped)."""
+    Tp = act_rows(T)
+    q = torch.empty(Tp, K, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty(triton.cdiv(K, BLOCK), Tp, dtype=torch.float32, device=device)
+    if Tp > T:
+        q[T:].zero_()
+        s[:, T:].fill_(1e-12 / FP8_MAX)
+    return q, s
+
+
+def norm_quant_wanted(T: int, device) -> bool:
+    """Whether a norm should write its output's e4m3 copy for an FP8 consumer of T tokens: with
+    METAINFER_NORM_QUANT=1, on CUDA with cuBLAS's blockwise GEMM (the path that takes it), T past the
+    weight-streaming bound."""
+    return (os.environ.get(NORM_QUANT_ENV, "0") == "1" and torch.device(device).type == "cuda"
+            and T > fp8_stream_max_t() and _use_cublas())
+
+
+def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None,
+          xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
     if x.is_cuda and _use_cublas():
@@ -155,7 +194,11 @@ def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = 
         # cuBLASLt takes M-major scales only with M a multiple of 4 (65, 66: NOT_SUPPORTED, and torch
         # refuses a padded stride): rows of zeros pad the step, their outputs dropped
         pad = -M % 4
-        xq, xs = act_quant(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
+        if xq is not None:  # a norm's e4m3 copy of x (`act_buffers`): act_quant's bits
+            xq, xs = xq
+            assert xq.shape == (M + pad, K) and xs.shape == (triton.cdiv(K, BLOCK), M + pad), (xq.shape, M)
+        else:
+            xq, xs = act_quant(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
         y = torch._scaled_mm(xq, w.t(), scale_a=xs.t(), scale_b=s.t(), out_dtype=x.dtype)
         return y[:M] if pad else y
     xq, xs = act_quant(x)
@@ -167,8 +210,11 @@ def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = 
     return y
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] e4m3, scale_inv)^T -> [..., N] in x's dtype."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+               xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] e4m3, scale_inv)^T -> [..., N] in x's dtype.
+    xq: x's e4m3 copy from the norm that wrote x (`act_buffers`), used where the cuBLAS W8A8 GEMM runs
+    (else ignored: the same operands either way)."""
     N, K = weight.shape
     assert weight.dtype == torch.float8_e4m3fn and weight.is_contiguous(), (weight.dtype, weight.stride())
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
@@ -181,7 +227,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
         x2 = x2.contiguous()
     T = x2.shape[0]
     if T > fp8_stream_max_t():
-        return _w8a8(x2, weight, scale_inv).reshape(*lead, N)
+        return _w8a8(x2, weight, scale_inv, xq=xq).reshape(*lead, N)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
     if T:
         stream_linear(x2, weight, scale_inv, y)

@@ -451,6 +451,7 @@ def moe_grouped_rows(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict | None = None,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,  # x's e4m3 copy (`fp8_linear.act_buffers`)
 ) -> torch.Tensor:
     """`moe_pair_rows` for batches past the per-pair path: the grouped GEMMs' unweighted output of
     each (token, slot), in x's dtype (as `moe_experts`' grouped path rounds them before its combine
@@ -465,5 +466,5 @@ def moe_grouped_rows(
     cfg = config or moe_grouped.grouped_config(T, W, E, fp8)
     assert not fp8 or 128 % cfg["BLOCK_K"] == 0
     y = moe_grouped.grouped_rows(x, w_gate_up, w_down, ids, _scale_args(gate_up_scale, w_gate_up),
-                                 _scale_args(down_scale, w_down), fp8, cfg)
+                                 _scale_args(down_scale, w_down), fp8, cfg, xq=xq)
     return y.view(T, W, H)

@@ -297,10 +297,11 @@ def _desc(w: torch.Tensor, block_n: int, block_k: int):
 BUCKET_ONE_ENV = "METAINFER_MOE_BUCKET_ONE"  # "0": count (after a memset) and bucket in two launches
 
 
-def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict) -> torch.Tensor:
+def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict, xq=None) -> torch.Tensor:
     """Each (token, slot) pair's expert output, unweighted, in x's dtype: bucket the pairs by
     expert, the two grouped GEMMs. -> [T*k, H] in pair order (token-major). gu, dn: (scales, expert
-    stride, row stride) of the FP8 scales (`moe._scale_args`); cfg: `grouped_config`'s."""
+    stride, row stride) of the FP8 scales (`moe._scale_args`); cfg: `grouped_config`'s; xq: x's e4m3
+    copy (q [Tp >= T, H], s [H/128, Tp]) from the norm that wrote x, in act_quant's place."""
     T, H = x.shape
     E, k, I = w_gate_up.shape[0], ids.shape[1], w_down.shape[2]
     P, bm = T * k, cfg["BLOCK_M"]
@@ -322,14 +323,20 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict) -> tor
                                                BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
     act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
     a8 = a8_enabled(fp8)
-    xa, xs = act_quant(x) if a8 else (x, x)  # e4m3 activations + scales, or x (the scales unused)
+    if not a8:
+        xa, xs = x, x  # x itself (the scales unused)
+    elif xq is not None:
+        xa, xs = xq
+        assert xa.shape[1] == H and xa.shape[0] >= T and xs.shape[1] == xa.shape[0], (xa.shape, xs.shape, T)
+    else:
+        xa, xs = act_quant(x)  # e4m3 activations + scales
     common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bk = common["BLOCK_K"]
     tma = cfg.get("TMA", 0) and tma_ok(w_gate_up, w_down, cfg["GU_BLOCK_N"], cfg["DN_BLOCK_N"])
     _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
         xa, w_gate_up, gu[0], sorted_pairs, ends, counts, act, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
-        xs, T, TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
+        xs, xs.shape[-1], TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
         w_desc=_desc(w_gate_up, cfg["GU_BLOCK_N"], bk) if tma else None,
     )
     acts, as_ = quant_valid_rows(act, ends, counts, bm, e_p2) if a8 else (act, act)

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
+from metainfer.kernels.fp8_linear import BLOCK as QBLOCK
+from metainfer.kernels.fp8_linear import quant_groups
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -44,21 +46,33 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, mask, N, eps):
-    """Stores the new residual r (already in its dtype) and x / rms(x) * (1 + w) of it."""
+def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
+                             q_ptr, s_ptr, n_s, QUANT: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores the new residual r (already in its dtype) and x / rms(x) * (1 + w) of it; QUANT: also
+    the output's e4m3 copy q [rows, N] and its per-128-column scales s [N/128, n_s] (N % 128 == 0),
+    as `fp8_linear.act_quant` of the stored output gives them."""
+    mask = rmask[:, None] & cmask[None, :]
     tl.store(new_res_ptr + off, r, mask=mask)
     rf = r.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(rf * rf, axis=1) / N + eps)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = rf * rstd[:, None] * (1.0 + w)[None, :]
-    tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = (rf * rstd[:, None] * (1.0 + w)[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + off, y, mask=mask)
+    if QUANT:
+        G: tl.constexpr = BLOCK_N // 128  # the checkpoint's 128-column activation groups
+        q, scale = quant_groups(tl.reshape(y.to(tl.float32), (BLOCK_R, G, 128)))  # [R, G, 128], [R, G]
+        tl.store(q_ptr + off, tl.reshape(q, (BLOCK_R, BLOCK_N)), mask=mask)
+        g = tl.arange(0, G)
+        smask = rmask[:, None] & (g * 128 < N)[None, :]
+        tl.store(s_ptr + g[None, :] * n_s + rows[:, None], scale, mask=smask)
 
 
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    n_rows, sx0, sr0, N, eps,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_rows, sx0, sr0, N, eps, q_ptr, s_ptr, n_s,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl.wait(USE_PDL)
@@ -66,21 +80,23 @@ def _add_rms_norm_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
-    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    rmask = rows < n_rows
+    mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * sx0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     off = rows64 * N + cols[None, :]
     r = (x + res).to(new_res_ptr.dtype.element_ty)  # the residual stream is rounded before the norm
-    _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, mask, N, eps)
+    _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
+                             q_ptr, s_ptr, n_s, QUANT, BLOCK_R, BLOCK_N)
 
 
 @triton.jit
 def _moe_add_rms_norm_kernel(
     y_ptr, tw_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    n_rows, sr0, N, eps,
+    n_rows, sr0, N, eps, q_ptr, s_ptr, n_s,
     SLOTS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
+    QUANT: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     """`_add_rms_norm_kernel` whose x is the weighted sum of SLOTS rows per token (the MoE experts'
     outputs: fp32 from the per-pair kernels, the model dtype from the grouped ones): x = sum_j
@@ -103,7 +119,8 @@ def _moe_add_rms_norm_kernel(
         res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         r = (r.to(tl.float32) + res).to(new_res_ptr.dtype.element_ty)
     off = rows64 * N + cols[None, :]
-    _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, mask, N, eps)
+    _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
+                             q_ptr, s_ptr, n_s, QUANT, BLOCK_R, BLOCK_N)
 
 
 @triton.jit
@@ -169,11 +186,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def _quant_args(xq_out, T: int, N: int, device) -> dict:
+    """The kernels' (q_ptr, s_ptr, n_s, QUANT) for an `xq_out` = (q [Tp, N] e4m3, s [N/128, Tp] fp32),
+    Tp >= T (rows past T are the caller's), or none."""
+    if xq_out is None:
+        return dict(q_ptr=None, s_ptr=None, n_s=0, QUANT=0)
+    q, s = xq_out
+    Tp = q.shape[0]
+    assert N % QBLOCK == 0 and Tp >= T and q.shape == (Tp, N) and q.dtype == torch.float8_e4m3fn, q.shape
+    assert s.shape == (N // QBLOCK, Tp) and s.dtype == torch.float32, s.shape
+    assert q.is_contiguous() and s.is_contiguous()
+    assert q.device == s.device == device
+    return dict(q_ptr=q, s_ptr=s, n_s=Tp, QUANT=1)
+
+
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [T, N] -> (rms_norm(x + residual), x + residual); residual None: (rms_norm(x), x)."""
+    """x, residual [T, N] -> (rms_norm(x + residual), x + residual); residual None: (rms_norm(x), x).
+    xq_out (with a residual): (q [Tp, N], s [N/128, Tp]) get the output's e4m3 copy as
+    `fp8_linear.act_quant` gives it, rows < T (`fp8_linear.act_buffers`)."""
     if residual is None:
+        assert xq_out is None, "xq_out needs the residual add"
         return rms_norm(x, weight, eps), x
     assert x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1, "x, residual: [T, N], N contiguous"
     assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
@@ -186,18 +221,19 @@ def add_rms_norm(
     block_r, block_n = _tile(N)
     _add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
         x, residual, weight, out, new_res, T, x.stride(0), residual.stride(0), N, eps,
-        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
+        **_quant_args(xq_out, T, N, x.device), BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        **pdl.kw(),
     )
     return out, new_res
 
 
 def moe_add_rms_norm(
     rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-    eps: float, dtype: torch.dtype | None = None,
+    eps: float, dtype: torch.dtype | None = None, xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [T, W, N] (fp32, or the grouped path's x dtype), weights [T, W] fp32: x = sum_j
     weights[:, j] * rows[:, j] in fp32, rounded to the residual's dtype (or `dtype`), then
-    `add_rms_norm(x, residual)`, in one launch."""
+    `add_rms_norm(x, residual)`, in one launch (xq_out: as there)."""
     assert rows.dim() == 3 and rows.is_contiguous() and rows.dtype in _TL_DTYPE, (rows.shape, rows.dtype)
     T, W, N = rows.shape
     assert weights.shape == (T, W) and weights.is_contiguous() and weights.dtype == torch.float32
@@ -214,7 +250,8 @@ def moe_add_rms_norm(
     res = residual if residual is not None else new_res  # unused pointer without a residual
     _moe_add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
         rows, weights, res, weight, out, new_res, T, res.stride(0), N, eps,
-        SLOTS=W, HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+        **_quant_args(xq_out, T, N, rows.device), SLOTS=W, HAS_RES=residual is not None, BLOCK_R=block_r,
+        BLOCK_N=block_n,
         num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out, new_res

@@ -49,8 +49,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return k(x, weight, eps) if k else ref.rms_norm(x, weight, eps)
 
 
-def add_rms_norm(x, residual, weight, eps):
+def add_rms_norm(x, residual, weight, eps, xq_out=None):
+    """xq_out: buffers for the output's e4m3 copy (`fp8_linear.act_buffers`); the kernel only."""
     k = _kernel("add_rms_norm", x)
+    if xq_out is not None:
+        assert k, "xq_out needs the norm kernel"
+        return k(x, residual, weight, eps, xq_out=xq_out)
     return k(x, residual, weight, eps) if k else ref.add_rms_norm(x, residual, weight, eps)
 
 
@@ -105,13 +109,14 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
 MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (a combine launch), not `moe_rows` (KB-0035)
 
 
-def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
+def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None, xq=None):
     """The route launch, then the per-pair experts with the weighted sum left to `moe_add_rms_norm`
     (the combine launch saved; `moe_routed_rows` without the routing inside gate/up, which measured
     slower for BF16): logits [T, E+1] with the shared expert's gate. -> (rows [T, W, H] fp32,
     weights [T, W] fp32); past the per-pair path (BF16 8 tokens, FP8 16) the grouped GEMMs' rows
     in x's dtype (`moe_grouped_rows`, unless METAINFER_MOE_GROUPED_ROWS=0); None where no kernel
-    serves x or with METAINFER_MOE_ROWS=0 (then route + `moe_experts`)."""
+    serves x or with METAINFER_MOE_ROWS=0 (then route + `moe_experts`). xq: x's e4m3 copy from its
+    norm (`fp8_linear.act_buffers`), taken by the grouped FP8 GEMMs."""
     k = _kernel("moe_pair_rows", x)
     if not k or os.environ.get(MOE_ROWS_ENV, "1") == "0":
         return None
@@ -121,7 +126,9 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
     if not (0 < T and use_pair_path(T, fp8)):
         if not grouped_rows_ok(T, fp8):
             return None
-        k = _kernel("moe_grouped_rows", x)  # wider batches, prefills: the grouped GEMMs' rows
+        weights, ids = route_with_shared(router_logits, top_k)  # wider batches, prefills: grouped GEMMs' rows
+        rows = _kernel("moe_grouped_rows", x)(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, xq=xq)
+        return rows, weights
     weights, ids = route_with_shared(router_logits, top_k)
     return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale), weights
 
@@ -145,10 +152,13 @@ def moe_pair_rows(x, w_gate_up, w_down, ids, gate_up_scale=None, down_scale=None
     return ref.moe_expert_rows(x, w_gate_up, w_down, ids)
 
 
-def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None):
+def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=None):
     """`add_rms_norm(moe_combine(rows, weights), residual)`: the MoE's weighted sum, the residual
-    add and the next RMSNorm in one pass. -> (normed, new residual)."""
+    add and the next RMSNorm in one pass. -> (normed, new residual). xq_out: as `add_rms_norm`."""
     k = _kernel("moe_add_rms_norm", rows)
+    if xq_out is not None:
+        assert k, "xq_out needs the norm kernel"
+        return k(rows, weights, residual, weight, eps, dtype, xq_out=xq_out)
     if k:
         return k(rows, weights, residual, weight, eps, dtype)
     x = ref.moe_combine(rows, weights, residual.dtype if residual is not None else dtype)
@@ -176,10 +186,11 @@ def linear_conv_update(x, weight, scale_inv, conv_weight, conv_state, slots, has
     return y
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, xq=None) -> torch.Tensor:
+    """xq: x's e4m3 copy from its norm, an optional shortcut of the kernel path (the same operands)."""
     k = _kernel("fp8_linear", x)
     if k:
-        return k(x, weight, scale_inv)
+        return k(x, weight, scale_inv, xq=xq) if xq is not None else k(x, weight, scale_inv)
     return torch.nn.functional.linear(x, ref_dequant_fp8(weight, scale_inv, x.dtype))
 
 

@@ -36,9 +36,10 @@ class GatedAttention(nn.Module):
         meta: ForwardMeta,
         k_cache: torch.Tensor,  # [N, bs, Hkv, D]
         v_cache: torch.Tensor,
+        xq: tuple[torch.Tensor, torch.Tensor] | None = None,  # x's e4m3 copy from its norm, for qkv_proj
     ) -> torch.Tensor:
         T = x.shape[0]
-        qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qg, k, v = self.qkv_proj.split(self.qkv_proj(x, xq))
         qg = qg.view(T, self.hq, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d :]
         q = ops.qk_norm_rope_write(  # [T, Hq, D]; keys and values land in the cache

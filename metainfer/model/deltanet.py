@@ -44,7 +44,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, {"out_proj": H})
 
     def forward(
-        self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor
+        self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+        xq: tuple[torch.Tensor, torch.Tensor] | None = None,  # x's e4m3 copy from its norm, for in_proj
     ) -> torch.Tensor:  # [T, H] -> [T, H]
         T = x.shape[0]
         nd = meta.num_decodes
@@ -52,7 +53,7 @@ class GatedDeltaNet(nn.Module):
         if nd:  # the decode rows' qkv columns come back convolved (conv states updated)
             proj = self.in_proj.conv_forward(x, self.conv_weight, conv_state, slots, has_state)
         else:
-            proj = self.in_proj(x)
+            proj = self.in_proj(x, xq)
         mixed, z, b, a = self.in_proj.split(proj)
         core = (
             None if nd == T else torch.empty(T, self.hv, self.dv, dtype=x.dtype, device=x.device)

@@ -36,12 +36,15 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(
-        self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None
+        self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None,
+        xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one pass."""
+        """(norm(x + residual), x + residual) in one pass; xq_out: buffers that also get the output's
+        e4m3 copy (`fp8_linear.act_buffers`; the norm kernels only)."""
         if isinstance(x, ExpertRows):
-            return ops.moe_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps, x.dtype)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.moe_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps, x.dtype,
+                                        xq_out=xq_out)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, xq_out=xq_out)
 
 
 class Linear(nn.Module):
@@ -67,9 +70,10 @@ class Linear(nn.Module):
             off += n
         raise KeyError(part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """xq: x's e4m3 copy from its norm (FP8 weights; an optional shortcut, the same operands)."""
         if self.weight_scale_inv is not None:
-            return ops.fp8_linear(x, self.weight, self.weight_scale_inv)
+            return ops.fp8_linear(x, self.weight, self.weight_scale_inv, xq=xq)
         return ops.linear(x, self.weight)
 
     def conv_forward(
@@ -121,8 +125,18 @@ class SparseMoE(nn.Module):
             self.shared_gate_up = Linear(H, {"gate_proj": Is, "up_proj": Is})
             self.shared_down = Linear(Is, {"down_proj": H})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
-        """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm)."""
+    def takes_fp8_input(self, T: int) -> bool:
+        """Whether a step of T tokens runs the grouped e4m3 x e4m3 experts (which take x's e4m3 copy)."""
+        from metainfer.kernels import moe, moe_grouped
+
+        fp8 = self.w_gate_up_scale is not None
+        return fp8 and self.fused_shared and moe.grouped_rows_ok(T, fp8) and moe_grouped.a8_enabled(fp8)
+
+    def forward(
+        self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
+        """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm). xq: x's
+        e4m3 copy from its norm, taken by the grouped FP8 experts."""
         scales = (self.w_gate_up_scale, self.w_down_scale)
         if self.fused_shared and self.router.weight_scale_inv is None:  # routing in the router's launch
             routed = ops.router_topk(x, self.router.weight, self.top_k, True)
@@ -134,7 +148,7 @@ class SparseMoE(nn.Module):
         if self.fused_shared:
             part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
             if part is None:  # the route launch, then the experts; the sum still in the next norm
-                part = ops.moe_rows(x, logits, self.top_k, self.w_gate_up, self.w_down, *scales)
+                part = ops.moe_rows(x, logits, self.top_k, self.w_gate_up, self.w_down, *scales, xq=xq)
             if part is not None:
                 return ExpertRows(*part, x.dtype)
             weights, ids = ops.route_with_shared(logits, self.top_k)  # [T, k+1]

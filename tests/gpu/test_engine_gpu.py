@@ -125,6 +125,17 @@ def _on_and_off(cfg_path, quant, monkeypatch, env: str, prompts):
     return zip(*runs["1"], *runs["0"])
 
 
+def test_norm_quant_copy_equals_act_quant(cfg_path, monkeypatch):
+    """METAINFER_NORM_QUANT=1 (the norms before FP8 prefill GEMMs write their output's e4m3 copy, so the
+    cuBLAS projections and the grouped experts skip their act_quant launches): the same logits bits."""
+    from metainfer.kernels import fp8_linear
+
+    runs = _on_and_off(cfg_path, "fp8", monkeypatch, fp8_linear.NORM_QUANT_ENV, _prompts(6, seed=7))
+    for a, x, b, y in runs:
+        assert a.token_ids == b.token_ids
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_pdl_equals_serialised_launches(cfg_path, quant, monkeypatch):
     """Programmatic dependent launch (graph replay and eager) gives the same logits bits as plain

@@ -295,13 +295,16 @@ _COMPILE = textwrap.dedent(
     bf, f32 = "*bf16", "*fp32"
     build(norm._rms_norm_kernel, dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32", sx0="i64", sx1="i64"),
           dict(BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
-    build(norm._add_rms_norm_kernel,
-          dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32"),
-          dict(BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
-    for has_res, yt in ((0, f32), (1, f32), (1, bf)):  # per-pair rows fp32, the grouped rows bf16
+    qa = dict(q_ptr="*fp8e4nv", s_ptr=f32)  # METAINFER_NORM_QUANT's e4m3 copy (QUANT=1)
+    for quant in (0, 1):
+        build(norm._add_rms_norm_kernel,
+              dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32", **qa),
+              dict(BLOCK_R=2, BLOCK_N=2048, QUANT=quant), norm.NUM_WARPS)
+    # per-pair rows fp32, the grouped rows bf16 (with the e4m3 copy: prefill)
+    for has_res, yt, quant in ((0, f32, 0), (1, f32, 0), (1, bf, 0), (1, bf, 1)):
         build(norm._moe_add_rms_norm_kernel,
-              dict(y_ptr=yt, tw_ptr=f32, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32"),
-              dict(SLOTS=9, HAS_RES=has_res, BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
+              dict(y_ptr=yt, tw_ptr=f32, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32", **qa),
+              dict(SLOTS=9, HAS_RES=has_res, BLOCK_R=2, BLOCK_N=2048, QUANT=quant), norm.NUM_WARPS)
     build(norm._gated_rms_norm_kernel, dict(x_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32"),
           dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128), norm.NUM_WARPS)
     build(conv1d._conv_prefill_kernel, dict(x_ptr=bf, state_ptr=bf, w_ptr=bf, out_ptr=bf, cu_ptr="*i32",

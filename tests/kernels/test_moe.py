@@ -433,3 +433,20 @@ def test_moe_grouped_valid_rows_quant_equals_all_rows(monkeypatch):
     (METAINFER_MOE_QUANT_VALID=1, the default) equal the all-rows quantisation exactly."""
     problem = _problem(19, seed=8, skew=True, dtype=BF16)
     assert_fp8_grouped_switch_exact(monkeypatch, moe_grouped.VALID_ROWS_ENV, problem)
+
+
+def test_moe_grouped_takes_the_norms_e4m3_copy(monkeypatch):
+    """The grouped FP8 experts given x's e4m3 copy (a norm's `act_buffers`, padded rows) compute what
+    they compute from act_quant(x) themselves, bit for bit."""
+    from metainfer.kernels import fp8_linear
+
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
+    x, w_gu, w_dn, tw, ids = _problem(19, seed=9, skew=True, dtype=BF16)
+    (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+    gu, dn = moe._scale_args(s_gu, q_gu), moe._scale_args(s_dn, q_dn)
+    cfg = moe_grouped.grouped_config(19, ids.shape[1], q_gu.shape[0], True)
+    want = moe_grouped.grouped_rows(x, q_gu, q_dn, ids, gu, dn, True, cfg)
+    xq = fp8_linear.act_buffers(19, x.shape[1], "cpu")
+    q, s = fp8_linear.act_quant(x)
+    xq[0][:19], xq[1][:, :19] = q, s
+    assert torch.equal(moe_grouped.grouped_rows(x, q_gu, q_dn, ids, gu, dn, True, cfg, xq=xq), want)

@@ -109,3 +109,31 @@ def test_moe_add_rms_norm(T, W, dtype):
     want_x = ref.moe_combine(rows, tw, dtype)
     _close(x, want_x, dtype)
     _close(out, ref.rms_norm(want_x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("moe_rows", [False, True])
+def test_norm_writes_act_quant_copy(moe_rows):
+    """xq_out (METAINFER_NORM_QUANT's buffers): the fused add+norm also writes its output's e4m3
+    copy and per-128-column scales, the bits `fp8_linear.act_quant` gives for that output; the
+    padding rows of the buffers (T = 5 -> 8 rows) stay zeros."""
+    from metainfer.kernels import fp8_linear
+
+    T, N, W = 5, 384, 3
+    g = torch.Generator().manual_seed(3)
+    res = torch.randn(T, N, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, generator=g) * 0.1).to(torch.bfloat16)
+    xq = fp8_linear.act_buffers(T, N, "cpu")
+    if moe_rows:
+        rows = torch.randn(T, W, N, generator=g)
+        tw = torch.rand(T, W, generator=g)
+        out, new_res = norm.moe_add_rms_norm(rows, tw, res, w, 1e-6, xq_out=xq)
+        want = norm.moe_add_rms_norm(rows, tw, res, w, 1e-6)
+    else:
+        x = torch.randn(T, N, generator=g).to(torch.bfloat16) * 4
+        out, new_res = norm.add_rms_norm(x, res, w, 1e-6, xq_out=xq)
+        want = norm.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(out, want[0]) and torch.equal(new_res, want[1])
+    q, s = fp8_linear.act_quant(out)
+    assert torch.equal(xq[0][:T].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(xq[1][:, :T], s)
+    assert not xq[0][T:].view(torch.uint8).any()
