@@ -126,10 +126,12 @@ def _moe_add_rms_norm_kernel(
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
-    n_rows, R2, sx0, sx1, sz0, sz1, N, eps,
-    MID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_rows, R2, sx0, sx1, sz0, sz1, N, eps, q_ptr, s_ptr, n_s,
+    MID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
+    """QUANT: also the output's e4m3 copy, as `fp8_linear.act_quant` of out viewed [R1, R2 * N] gives
+    it (q like out; scales [R2 * N / 128, n_s]; N % 128 == 0: a head's row is whole groups)."""
     pdl.wait(USE_PDL)
     # x, z: [R1, R2, N] strided (last dim contiguous); out: [R1 * R2, N] contiguous
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -147,9 +149,16 @@ def _gated_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     h = (h * w[None, :]).to(MID).to(tl.float32)
     zf = z.to(tl.float32)
-    y = h * (zf * tl.sigmoid(zf))
+    y = (h * (zf * tl.sigmoid(zf))).to(out_ptr.dtype.element_ty)
     ooff = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(out_ptr + ooff, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + ooff, y, mask=mask)
+    if QUANT:
+        G: tl.constexpr = BLOCK_N // 128
+        q, scale = quant_groups(tl.reshape(y.to(tl.float32), (BLOCK_R, G, 128)))  # [R, G, 128], [R, G]
+        tl.store(q_ptr + ooff, tl.reshape(q, (BLOCK_R, BLOCK_N)), mask=mask)
+        g = tl.arange(0, G)
+        smask = (rows < n_rows)[:, None] & (g * 128 < N)[None, :]
+        tl.store(s_ptr + (r2[:, None] * (N // 128) + g[None, :]) * n_s + r1[:, None], scale, mask=smask)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -257,8 +266,11 @@ def moe_add_rms_norm(
     return out, new_res
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, z [T, Hv, Dv] (last dim contiguous), weight [Dv] -> (w * x / rms(x)) * silu(z) per head."""
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   xq_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x, z [T, Hv, Dv] (last dim contiguous), weight [Dv] -> (w * x / rms(x)) * silu(z) per head.
+    xq_out: buffers (`fp8_linear.act_buffers(T, Hv * Dv)`) that also get the output's e4m3 copy, as
+    act_quant of the output viewed [T, Hv * Dv] gives it (Dv % 128 == 0)."""
     N = x.shape[-1]
     assert x.shape == z.shape and x.dtype == z.dtype, (x.shape, z.shape, x.dtype, z.dtype)
     assert x.stride(-1) == 1 and z.stride(-1) == 1, "last dims of x and z must be contiguous"
@@ -270,8 +282,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     n_rows = x3.shape[0] * x3.shape[1]
     block_r, block_n = _tile(N)
     mid = _TL_DTYPE[torch.promote_types(weight.dtype, x.dtype)]
+    assert xq_out is None or (block_n == N and x.dim() == 3), "xq_out: [T, Hv, Dv] with Dv a power of 2"
     _gated_rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x3, z3, weight, out, n_rows, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
-        N, eps, MID=mid, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
+        N, eps, **_quant_args(xq_out, x3.shape[0], x3.shape[1] * N, x.device), MID=mid, BLOCK_R=block_r,
+        BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out

@@ -58,8 +58,12 @@ def add_rms_norm(x, residual, weight, eps, xq_out=None):
     return k(x, residual, weight, eps) if k else ref.add_rms_norm(x, residual, weight, eps)
 
 
-def gated_rms_norm(x, z, weight, eps):
+def gated_rms_norm(x, z, weight, eps, xq_out=None):
+    """xq_out: as `add_rms_norm`'s (the kernel only)."""
     k = _kernel("gated_rms_norm", x)
+    if xq_out is not None:
+        assert k, "xq_out needs the norm kernel"
+        return k(x, z, weight, eps, xq_out=xq_out)
     return k(x, z, weight, eps) if k else ref.gated_rms_norm(x, z, weight, eps)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from metainfer.config import ModelConfig
 from metainfer.kernels import ops
-from metainfer.model.layers import Linear
+from metainfer.model.layers import Linear, fp8_copy_buffers
 from metainfer.model.meta import ForwardMeta
 
 
@@ -102,5 +102,6 @@ class GatedDeltaNet(nn.Module):
                 core[s0:],
                 gating=(self.A_log, self.dt_bias),
             )
-        h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps)
-        return self.out_proj(h.view(T, self.value_dim))
+        hq = fp8_copy_buffers(self.out_proj, T, self.value_dim, x.device, "gated_rms_norm")  # KB-0052
+        h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps, xq_out=hq)
+        return self.out_proj(h.view(T, self.value_dim), hq)

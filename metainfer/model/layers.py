@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metainfer.config import ModelConfig
-from metainfer.kernels import ops
+from metainfer.kernels import fp8_linear, ops
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,17 @@ class ExpertRows:
     rows: torch.Tensor
     weights: torch.Tensor
     dtype: torch.dtype
+
+
+def fp8_copy_buffers(consumer: Linear | bool, T: int, K: int, device, norm_op: str = "add_rms_norm"
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Buffers for a norm's e4m3 copy of its [T, K] output (METAINFER_NORM_QUANT=1, KB-0052), where the
+    consumer (a Linear with FP8 weights, or True) would quantise the same rows itself (T past the
+    weight-streaming bound, the cuBLAS / grouped e4m3 GEMMs) and the norm's kernel runs; else None."""
+    fp8 = consumer if isinstance(consumer, bool) else consumer.weight_scale_inv is not None
+    if not (fp8 and fp8_linear.norm_quant_wanted(T, device) and ops.has_kernel(norm_op)):
+        return None
+    return fp8_linear.act_buffers(T, K, device)
 
 
 class RMSNorm(nn.Module):

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from metainfer.config import FULL, ModelConfig
-from metainfer.kernels import fp8_linear, ops, pdl
+from metainfer.kernels import pdl
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
-from metainfer.model.layers import ExpertRows, Linear, RMSNorm, SparseMoE
+from metainfer.model.layers import ExpertRows, Linear, RMSNorm, SparseMoE, fp8_copy_buffers
 from metainfer.model.meta import CacheTensors, ForwardMeta
 
 
@@ -39,30 +39,21 @@ class DecoderLayer(nn.Module):
         meta: ForwardMeta,
         caches: CacheTensors,
     ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
-        T, dev = positions.shape[0], positions.device
+        T, H, dev = positions.shape[0], self.input_layernorm.weight.shape[0], positions.device
         if self.layer_type == FULL:
             mixer_in = self.self_attn.qkv_proj
         else:  # a step with decodes runs in_proj with the conv epilogue, on bf16 inputs
-            mixer_in = self.linear_attn.in_proj if meta.num_decodes == 0 else None
-        fp8_in = mixer_in is not None and mixer_in.weight_scale_inv is not None
-        xq = self._fp8_copy(residual is not None and fp8_in, T, dev)  # layer 0's norm adds no residual
+            mixer_in = self.linear_attn.in_proj if meta.num_decodes == 0 else False
+        xq = fp8_copy_buffers(mixer_in if residual is not None else False, T, H, dev)  # layer 0: no add
         h, residual = self.input_layernorm.add_forward(x, residual, xq_out=xq)
         i = self.cache_index
         if self.layer_type == FULL:
             h = self.self_attn(h, positions, meta, caches.k[i], caches.v[i], xq=xq)
         else:
             h = self.linear_attn(h, meta, caches.conv[i], caches.ssm[i], xq=xq)
-        xq = self._fp8_copy(self.mlp.takes_fp8_input(T), T, dev)
+        xq = fp8_copy_buffers(self.mlp.takes_fp8_input(T), T, H, dev)
         h, residual = self.post_attention_layernorm.add_forward(h, residual, xq_out=xq)
         return self.mlp(h, xq), residual
-
-    def _fp8_copy(self, consumer_fp8: bool, T: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Buffers for a norm's e4m3 copy of its output (METAINFER_NORM_QUANT=1): where its consumer
-        would quantise the same rows itself (FP8 weights, T past the weight-streaming bound, the cuBLAS /
-        grouped e4m3 GEMMs) and the norm kernels run; else None."""
-        if not (consumer_fp8 and fp8_linear.norm_quant_wanted(T, device) and ops.has_kernel("add_rms_norm")):
-            return None
-        return fp8_linear.act_buffers(T, self.input_layernorm.weight.shape[0], device)
 
 
 class Qwen3_5MoeModel(nn.Module):

@@ -305,8 +305,9 @@ _COMPILE = textwrap.dedent(
         build(norm._moe_add_rms_norm_kernel,
               dict(y_ptr=yt, tw_ptr=f32, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32", **qa),
               dict(SLOTS=9, HAS_RES=has_res, BLOCK_R=2, BLOCK_N=2048, QUANT=quant), norm.NUM_WARPS)
-    build(norm._gated_rms_norm_kernel, dict(x_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32"),
-          dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128), norm.NUM_WARPS)
+    for quant in (0, 1):
+        build(norm._gated_rms_norm_kernel, dict(x_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32", **qa),
+              dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128, QUANT=quant), norm.NUM_WARPS)
     build(conv1d._conv_prefill_kernel, dict(x_ptr=bf, state_ptr=bf, w_ptr=bf, out_ptr=bf, cu_ptr="*i32",
           slots_ptr="*i64", has_ptr="*u8"), dict(K=4, KP=4, Y_DT=tl.bfloat16, BLOCK_T=conv1d.PREFILL_BLOCK_T,
           BLOCK_C=conv1d.PREFILL_BLOCK_C), 4)

@@ -137,3 +137,22 @@ def test_norm_writes_act_quant_copy(moe_rows):
     assert torch.equal(xq[0][:T].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(xq[1][:, :T], s)
     assert not xq[0][T:].view(torch.uint8).any()
+
+
+def test_gated_norm_writes_act_quant_copy():
+    """xq_out on the DeltaNet gated norm: the e4m3 copy of its [T, Hv, Dv] output is act_quant's of the
+    output viewed [T, Hv * Dv] (each head's row: Dv / 128 whole groups), padding rows zero."""
+    from metainfer.kernels import fp8_linear
+
+    T, Hv, Dv = 5, 3, 128
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, Hv, Dv, generator=g).to(torch.bfloat16) * 2
+    z = torch.randn(T, 2 * Hv, Dv, generator=g).to(torch.bfloat16)[:, ::2]  # a strided head view
+    w = (1 + 0.1 * torch.randn(Dv, generator=g)).to(torch.bfloat16)
+    xq = fp8_linear.act_buffers(T, Hv * Dv, "cpu")
+    out = norm.gated_rms_norm(x, z, w, 1e-6, xq_out=xq)
+    assert torch.equal(out, norm.gated_rms_norm(x, z, w, 1e-6))
+    q, s = fp8_linear.act_quant(out.view(T, Hv * Dv))
+    assert torch.equal(xq[0][:T].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(xq[1][:, :T], s)
+    assert not xq[0][T:].view(torch.uint8).any()
