@@ -282,7 +282,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     n_rows = x3.shape[0] * x3.shape[1]
     block_r, block_n = _tile(N)
     mid = _TL_DTYPE[torch.promote_types(weight.dtype, x.dtype)]
-    assert xq_out is None or (block_n == N and x.dim() == 3), "xq_out: [T, Hv, Dv] with Dv a power of 2"
+    assert xq_out is None or (block_n == N and N % 128 == 0 and x.dim() == 3), "xq_out: [T, Hv, 128 * 2^k]"
     _gated_rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x3, z3, weight, out, n_rows, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
         N, eps, **_quant_args(xq_out, x3.shape[0], x3.shape[1] * N, x.device), MID=mid, BLOCK_R=block_r,

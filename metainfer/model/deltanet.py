@@ -102,6 +102,8 @@ class GatedDeltaNet(nn.Module):
                 core[s0:],
                 gating=(self.A_log, self.dt_bias),
             )
-        hq = fp8_copy_buffers(self.out_proj, T, self.value_dim, x.device, "gated_rms_norm")  # KB-0052
+        # KB-0052: the gated norm's e4m3 copy for out_proj (a head's row must be whole 128-column groups)
+        hq = fp8_copy_buffers(self.out_proj if self.dv % 128 == 0 else False, T, self.value_dim, x.device,
+                              "gated_rms_norm")
         h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps, xq_out=hq)
         return self.out_proj(h.view(T, self.value_dim), hq)
