@@ -72,23 +72,24 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+has() { [[ " $PHASES " == *" $1 "* ]]; }  # a phase named exactly (not a substring of another)
 PHASES=${PHASES:-tests ab}
-if [[ $PHASES == *tests* ]]; then
+if has tests; then
   timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated or compiles" 2>&1 \
     | tee $OUT/gpu_tests_pending.log | tail -3
 fi
-if [[ $PHASES == *ab* ]]; then
+if has ab; then
   VAR=METAINFER_PREFILL_GATING DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh
   # FP8 batches 9-32 on the grouped e4m3 path instead of the per-pair one (32: today's bound)
   VAR=METAINFER_MOE_PAIR_MAX_T MODES="32 8" DTYPES=fp8 BATCHES=16,32 bash benchmarks/gpu_ab.sh
   # prefill dense FP8 GEMMs (T > 64) on cuBLAS's blockwise _scaled_mm instead of _w8a8_kernel (KB-0031)
   VAR=METAINFER_FP8_GEMM MODES="triton cublas" DTYPES=fp8 bash benchmarks/gpu_ab.sh
 fi
-if [[ $PHASES == *rows* ]]; then  # KB-0035: the combine launch left out (BF16 batches 1-8; FP8 5-16)
+if has rows; then  # KB-0035: the combine launch left out (BF16 batches 1-8; FP8 5-16)
   timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -k moe_rows -p no:cacheprovider 2>&1 | tail -2
   VAR=METAINFER_MOE_ROWS MODES="0 1" DTYPES="bfloat16 fp8" BATCHES=1,8,16 bash benchmarks/gpu_ab.sh | grep -v TTFT
 fi
-if [[ $PHASES == *pgraph* ]]; then
+if has pgraph; then
   for dt in fp8 bfloat16; do
     for pg in "" 1024; do
       timeout 120 python benchmarks/decode_bench.py --dtype $dt --batches 1 --gen 32 --prefill-graphs "$pg" \
@@ -99,7 +100,7 @@ if [[ $PHASES == *pgraph* ]]; then
       | grep -E "verdict" | sed "s/^/[$dt prefill graphs] /"
   done
 fi
-if [[ $PHASES == *sweep_head* ]]; then
+if has sweep_head; then
   for space in base gemv; do
     timeout 280 python benchmarks/sweep_decode_kernels.py --space $space --linears lm_head --moe= \
       --out $OUT/sweep_head_$space 2>&1 | grep -v "falling back\|skip" | tail -2 | sed "s/^/[lm_head $space] /"
@@ -111,7 +112,7 @@ if [[ " $PHASES " == *" sweep "* ]]; then
       --linears= --out $OUT/sweep_grouped_a8_$a8 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[a8=$a8] /"
   done
 fi
-if [[ $PHASES == *sweep16* ]]; then
+if has sweep16; then
   timeout 280 python benchmarks/sweep_decode_kernels.py --grouped-tokens 64 --moe fp8 --linears= \
     --out $OUT/sweep16 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[grouped T=64] /"
   T16=$OUT/sweep16/moe_pair_tuned.json
@@ -122,17 +123,17 @@ if [[ $PHASES == *sweep16* ]]; then
   METAINFER_MOE_TUNED=$T16 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_sweep16.json 2>&1 | grep -E "verdict" | sed "s/^/[sweep16] /"
 fi
-if [[ $PHASES == *barrier* ]]; then
+if has barrier; then
   timeout 120 python -m pytest -q tests/gpu/test_grid_sync_gpu.py -p no:cacheprovider 2>&1 | tail -3
   timeout 120 python benchmarks/barrier_bench.py --out $OUT 2>&1 | grep -v "falling back" | tail -12
 fi
-if [[ $PHASES == *spec* ]]; then
+if has spec; then
   for dt in ${SPEC_DTYPES:-fp8}; do
     timeout 240 python benchmarks/spec_bench.py --dtype $dt --gen ${SPEC_GEN:-256} --k ${SPEC_K:-4} --out $OUT/spec ${SPEC_ARGS:-} \
       2>&1 | grep -v "falling back" | tail -${SPEC_TAIL:-14}
   done
 fi
-if [[ $PHASES == *stream64* ]]; then
+if has stream64; then
   timeout 300 python benchmarks/sweep_decode_kernels.py --linears deltanet.in_proj,deltanet.out_proj,attn.qkv,attn.o_proj \
     --moe= --tokens 32,64 --out $OUT/stream64 2>&1 | grep -v "falling back\|skip" | tail -12
   T64=$OUT/stream64/fp8_skinny_tuned.json
@@ -142,7 +143,7 @@ if [[ $PHASES == *stream64* ]]; then
       --no-profile --out $OUT/stream64_ab$on 2>&1 | grep -E "^\|" | sed "s/^/[stream64=$on] /"
   done
 fi
-if [[ $PHASES == *s64verify* ]]; then  # the oracle on stream64's configs (STREAM64_TUNED: their JSON)
+if has s64verify; then  # the oracle on stream64's configs (STREAM64_TUNED: their JSON)
   METAINFER_FP8_STREAM_MAX_T=64 METAINFER_FP8_TUNED=$STREAM64_TUNED timeout 110 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_stream64.json 2>&1 | grep -E "verdict|decode" | tail -4 | sed "s/^/[stream64] /"
@@ -159,12 +160,12 @@ if [[ " $PHASES " == *" small "* ]]; then
       --out $OUT/small_spec$on 2>&1 | grep -E "script-4" | sed "s/^/[small=$on] /"
   done
 fi
-if [[ $PHASES == *sverify* ]]; then
+if has sverify; then
   METAINFER_FP8_TUNED=$SMALL_TUNED timeout 110 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_small.json 2>&1 | grep -E "verdict|decode" | tail -4 | sed "s/^/[small] /"
 fi
-if [[ $PHASES == *asplit* ]]; then
+if has asplit; then
   timeout 120 python -m pytest -q tests/gpu -p no:cacheprovider -k "prefill_split or compile" 2>&1 | tail -1
   for on in 0 1; do
     METAINFER_ATTN_PREFILL_SPLIT=$on timeout 80 python benchmarks/spec_bench.py --dtype fp8 --gen 64 --reps 3 \
@@ -173,14 +174,14 @@ if [[ $PHASES == *asplit* ]]; then
   METAINFER_ATTN_PREFILL_SPLIT=1 timeout 110 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_asplit.json 2>&1 | grep -E "verdict|decode" | tail -4
 fi
-if [[ $PHASES == *srepeat* ]]; then
+if has srepeat; then
   for dt in fp8 bfloat16; do
     timeout 250 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
       --device cuda --suite full --speculative repeat --speculative-max-seqs 64 --json $OUT/verify_${dt}_repeat.json \
       2>&1 | grep -E "verdict|decode.rel" | sed "s/^/[$dt repeat] /"
   done
 fi
-if [[ $PHASES == *prof32* ]]; then
+if has prof32; then
   for dt in fp8 bfloat16; do
     METAINFER_PDL=0 timeout 150 python benchmarks/decode_bench.py --dtype $dt --batches 32 --gen 16 --profile-batch 32 \
       --out $OUT/prof32_$dt 2>&1 | grep -v "falling back" | sed -n '/profile/,$p' | head -30
@@ -198,7 +199,7 @@ for r in p["top"][:12]:
     print(f"  {r['us'] / 1e3:7.2f} ms {r['calls']:5d}x  {r['kernel'][:70]}")
 PY
 fi
-if [[ $PHASES == *gtune* ]]; then  # GDN_GRID=0: the MoE sweep and the A/B only
+if has gtune; then  # GDN_GRID=0: the MoE sweep and the A/B only
   [[ ${GDN_GRID:-1} == 0 ]] || timeout 150 python benchmarks/gdn_prefill.py --lengths 1024 --varlen '' --grid "sub_block=1,2,4,8,16;prep_warps=4,8" \
     --grid "block_v=16,32;scan_stages=2,3" --out $OUT/gdn 2>&1 | grep -v "falling back" | tail -24
   timeout 240 python benchmarks/sweep_decode_kernels.py --grouped-tokens 1024,64 --moe fp8 --grouped-tma \
@@ -225,7 +226,7 @@ PY
   done
   unset METAINFER_GDN_PREFILL METAINFER_MOE_TUNED
 fi
-if [[ $PHASES == *gjudge* ]]; then  # GDN="<PrefillConfig fields>" MOE_TUNED=<table>
+if has gjudge; then  # GDN="<PrefillConfig fields>" MOE_TUNED=<table>
   timeout 90 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -k tma -p no:cacheprovider 2>&1 | tail -2
   for mode in default gdn gdn_moe; do
     unset METAINFER_GDN_PREFILL METAINFER_MOE_TUNED
@@ -244,25 +245,25 @@ if [[ $PHASES == *gjudge* ]]; then  # GDN="<PrefillConfig fields>" MOE_TUNED=<ta
       --out $OUT/gj_bf16_$mode 2>&1 | grep -E "TTFT" | sed "s/^/[bf16 $mode] /"
   done
 fi
-if [[ $PHASES == *verify* ]]; then
+if has verify; then
   for v in ${ON:-}; do export $v=1; done
   for dt in fp8 bfloat16; do
     timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
       --device cuda --suite full --json $OUT/verify_${dt}_pending.json 2>&1 | grep -E "verdict" | sed "s/^/[$dt ${ON:-}] /"
   done
 fi
-if [[ $PHASES == *bisect* ]]; then  # spec_bench script-4 on an exported older tree (REF_TREE: git archive of metainfer, benchmarks)
+if has bisect; then  # spec_bench script-4 on an exported older tree (REF_TREE: git archive of metainfer, benchmarks)
   (cd $REF_TREE && PYTHONPATH=/tmp/site:$PWD timeout 200 python benchmarks/spec_bench.py --dtype fp8 --gen 64 --reps 3 \
     --script-k 4 --out $OUT/bisect 2>&1 | grep -E "script-4|plain" | sed "s/^/[ref] /")
 fi
-if [[ $PHASES == *t1out* ]]; then  # batch-1 out_proj/o_proj on the T = 2 tensor-core config (benchmarks/tuned/)
+if has t1out; then  # batch-1 out_proj/o_proj on the T = 2 tensor-core config (benchmarks/tuned/)
   for on in 0 1; do
     sw=(); [[ $on == 1 ]] && sw=(METAINFER_FP8_TUNED=$PWD/benchmarks/tuned/t1_out_proj_tc.json)
     env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 64 --no-profile \
       --out $OUT/t1out$on 2>&1 | grep -E "^\|" | sed "s/^/[t1out=$on] /"
   done
 fi
-if [[ $PHASES == *nsw* ]]; then  # KB-0042..44: the defaults against each new switch off (FP8; fresh processes)
+if has nsw; then  # KB-0042..44: the defaults against each new switch off (FP8; fresh processes)
   timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider \
     -k "grouped_rows or moe_rows or prefill_split or grouped or speculative or pdl_equals" 2>&1 | tail -2
   for sw in NONE METAINFER_ALIGN_ROWS METAINFER_MOE_GROUPED_ROWS METAINFER_MOE_BUCKET_ONE; do
@@ -271,13 +272,13 @@ if [[ $PHASES == *nsw* ]]; then  # KB-0042..44: the defaults against each new sw
       --no-profile --out $OUT/newab_$sw 2>&1 | grep -E "^\||TTFT" | sed "s/^/[$sw off] /"
   done
 fi
-if [[ $PHASES == *sgtest* ]]; then  # the speculative GPU test with split-KV prefill on and off (its failure shown)
+if has sgtest; then  # the speculative GPU test with split-KV prefill on and off (its failure shown)
   for on in 1 0; do
     METAINFER_ATTN_PREFILL_SPLIT=$on timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider \
       -k "speculative_verify_equals" --tb=short 2>&1 | grep -E "^E |assert|passed|failed" | head -12 | sed "s/^/[split=$on] /"
   done
 fi
-if [[ $PHASES == *ssm16* ]]; then  # --ssm-state-dtype bfloat16 (KB-0046): GPU tests, FP8 decode A/B, the oracle
+if has ssm16; then  # --ssm-state-dtype bfloat16 (KB-0046): GPU tests, FP8 decode A/B, the oracle
   timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "bf16_state or compiles" 2>&1 | tail -2
   for st in float32 bfloat16; do
     timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 1,32,64,128 --gen 32 --no-profile \
@@ -289,7 +290,7 @@ if [[ $PHASES == *ssm16* ]]; then  # --ssm-state-dtype bfloat16 (KB-0046): GPU t
       | grep -E "verdict|decode.rel" | sed "s/^/[$dt state bf16] /"
   done
 fi
-if [[ $PHASES == *tiediag* ]]; then
+if has tiediag; then
   T=tests/gpu/test_engine_gpu.py::test_speculative_verify_equals_plain_greedy
   for mode in default pdl_prefill_1 prep_16_8; do
     unset METAINFER_PDL_PREFILL METAINFER_GDN_PREFILL
@@ -301,7 +302,7 @@ if [[ $PHASES == *tiediag* ]]; then
   done
   unset METAINFER_PDL_PREFILL METAINFER_GDN_PREFILL
 fi
-if [[ $PHASES == *nquant* ]]; then
+if has nquant; then
   timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "norm_quant or compiles or norm" 2>&1 | tail -2
   VAR=METAINFER_NORM_QUANT MODES="0 1 0 1" DTYPES=fp8 BATCHES=32,64 GEN=16 EXTRA=--no-profile bash benchmarks/gpu_ab.sh
   METAINFER_NORM_QUANT=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
