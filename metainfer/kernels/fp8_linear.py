@@ -193,7 +193,7 @@ def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = 
         # scale_a [M, K/128] M-major and scale_b [K/128, N/128] K-major: the (1x128, 128x128) recipe;
         # cuBLASLt takes M-major scales only with M a multiple of 4 (65, 66: NOT_SUPPORTED, and torch
         # refuses a padded stride): rows of zeros pad the step, their outputs dropped
-        pad = -M % 4
+        pad = act_rows(M) - M
         if xq is not None:  # a norm's e4m3 copy of x (`act_buffers`): act_quant's bits
             xq, xs = xq
             assert xq.shape == (M + pad, K) and xs.shape == (triton.cdiv(K, BLOCK), M + pad), (xq.shape, M)

@@ -52,19 +52,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x, residual, weight, eps, xq_out=None):
     """xq_out: buffers for the output's e4m3 copy (`fp8_linear.act_buffers`); the kernel only."""
     k = _kernel("add_rms_norm", x)
-    if xq_out is not None:
-        assert k, "xq_out needs the norm kernel"
+    if k:
         return k(x, residual, weight, eps, xq_out=xq_out)
-    return k(x, residual, weight, eps) if k else ref.add_rms_norm(x, residual, weight, eps)
+    assert xq_out is None, "xq_out needs the norm kernel"
+    return ref.add_rms_norm(x, residual, weight, eps)
 
 
 def gated_rms_norm(x, z, weight, eps, xq_out=None):
     """xq_out: as `add_rms_norm`'s (the kernel only)."""
     k = _kernel("gated_rms_norm", x)
-    if xq_out is not None:
-        assert k, "xq_out needs the norm kernel"
+    if k:
         return k(x, z, weight, eps, xq_out=xq_out)
-    return k(x, z, weight, eps) if k else ref.gated_rms_norm(x, z, weight, eps)
+    assert xq_out is None, "xq_out needs the norm kernel"
+    return ref.gated_rms_norm(x, z, weight, eps)
 
 
 rope_inv_freq = ref.rope_inv_freq
@@ -127,14 +127,13 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
     from metainfer.kernels.moe import grouped_rows_ok, use_pair_path
 
     T, fp8 = x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn
+    kw = {}
     if not (0 < T and use_pair_path(T, fp8)):
         if not grouped_rows_ok(T, fp8):
             return None
-        weights, ids = route_with_shared(router_logits, top_k)  # wider batches, prefills: grouped GEMMs' rows
-        rows = _kernel("moe_grouped_rows", x)(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, xq=xq)
-        return rows, weights
+        k, kw = _kernel("moe_grouped_rows", x), dict(xq=xq)  # wider batches, prefills: grouped rows
     weights, ids = route_with_shared(router_logits, top_k)
-    return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale), weights
+    return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, **kw), weights
 
 
 def router_topk(x, weight, top_k, shared):
@@ -160,11 +159,9 @@ def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=No
     """`add_rms_norm(moe_combine(rows, weights), residual)`: the MoE's weighted sum, the residual
     add and the next RMSNorm in one pass. -> (normed, new residual). xq_out: as `add_rms_norm`."""
     k = _kernel("moe_add_rms_norm", rows)
-    if xq_out is not None:
-        assert k, "xq_out needs the norm kernel"
-        return k(rows, weights, residual, weight, eps, dtype, xq_out=xq_out)
     if k:
-        return k(rows, weights, residual, weight, eps, dtype)
+        return k(rows, weights, residual, weight, eps, dtype, xq_out=xq_out)
+    assert xq_out is None, "xq_out needs the norm kernel"
     x = ref.moe_combine(rows, weights, residual.dtype if residual is not None else dtype)
     return add_rms_norm(x, residual, weight, eps)
 
@@ -194,7 +191,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, x
     """xq: x's e4m3 copy from its norm, an optional shortcut of the kernel path (the same operands)."""
     k = _kernel("fp8_linear", x)
     if k:
-        return k(x, weight, scale_inv, xq=xq) if xq is not None else k(x, weight, scale_inv)
+        return k(x, weight, scale_inv, xq=xq)
     return torch.nn.functional.linear(x, ref_dequant_fp8(weight, scale_inv, x.dtype))
 
 
