@@ -131,9 +131,9 @@ def test_norm_quant_copy_equals_act_quant(cfg_path, monkeypatch):
     from metainfer.kernels import fp8_linear
 
     runs = _on_and_off(cfg_path, "fp8", monkeypatch, fp8_linear.NORM_QUANT_ENV, _prompts(6, seed=7))
-    for a, x, b, y in runs:
-        assert a.token_ids == b.token_ids
-        assert torch.equal(x, y)
+    for i, (a, x, b, y) in enumerate(runs):
+        assert a.token_ids == b.token_ids, (i, a.token_ids, b.token_ids)
+        assert torch.equal(x, y), (i, rel_rmse(x, y))
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])

@@ -65,6 +65,39 @@ def test_norms_full_shapes(T):
     close(norm.gated_rms_norm(core, z, wn, 1e-6), ref.gated_rms_norm(core, z, wn, 1e-6), *BF16)
 
 
+@cuda
+@pytest.mark.parametrize("T", [17, 1024, 4099])
+def test_norm_quant_copies_full_shapes(T):
+    """KB-0052 at full shapes on the GPU: each norm's e4m3 copy (xq_out) has the bits `act_quant` gives
+    for the norm's stored output (add+norm, the MoE rows' add+norm, the DeltaNet gated norm)."""
+    from metainfer.kernels import fp8_linear, norm
+
+    g = gen(T + 1)
+    x = torch.randn(T, H, device=DEV, generator=g).bfloat16() * 4
+    r = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    w = (0.1 * torch.randn(H, device=DEV, generator=g)).bfloat16()
+    rows = torch.randn(T, 8, H, device=DEV, generator=g).bfloat16()
+    tw = torch.rand(T, 8, device=DEV, generator=g)
+    core = torch.randn(T, HV, DV, device=DEV, generator=g).bfloat16()
+    z = torch.randn(T, 2 * HV * DV, device=DEV, generator=g).bfloat16()[:, HV * DV :].view(T, HV, DV)
+    wn = (1 + 0.1 * torch.randn(DV, device=DEV, generator=g)).bfloat16()
+    cases = {
+        "add_rms_norm": lambda xq: norm.add_rms_norm(x, r, w, 1e-6, xq_out=xq)[0],
+        "moe_add_rms_norm": lambda xq: norm.moe_add_rms_norm(rows, tw, r, w, 1e-6, xq_out=xq)[0],
+        "gated_rms_norm": lambda xq: norm.gated_rms_norm(core, z, wn, 1e-6, xq_out=xq).view(T, HV * DV),
+    }
+    bad = {}
+    for name, fn in cases.items():
+        xq = fp8_linear.act_buffers(T, H if name != "gated_rms_norm" else HV * DV, DEV)
+        out = fn(xq)
+        q, s = fp8_linear.act_quant(out)
+        qd = (xq[0][:T].view(torch.uint8) != q.view(torch.uint8)).sum().item()
+        sd = (xq[1][:, :T] != s).sum().item()
+        if qd or sd:
+            bad[name] = (qd, sd, (xq[1][:, :T] / s - 1).abs().max().item())
+    assert not bad, bad  # name: (e4m3 bytes that differ, scales that differ, their largest relative gap)
+
+
 # ---- DeltaNet decode -----------------------------------------------------------------------------
 def _deltanet_inputs(B, S, seed):
     g = gen(seed)
