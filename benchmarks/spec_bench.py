@@ -17,6 +17,7 @@ figure for real text.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -85,6 +86,26 @@ def profile_run(llm: LLM, prompt: list[int], gen: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+@contextlib.contextmanager
+def record_verifies(llm: LLM, n: int):
+    """The engine's first n verifies while inside: (output position, drafts, greedy tokens) each, to
+    see where a scripted run leaves its script (the greedy token at a position against the last try's)."""
+    eng, log = llm.engine, []
+    accept = eng._accept
+
+    def spy(req, n_tok, inflight, now):
+        if len(log) < n:
+            greedy = inflight.verify[req.request_id]
+            log.append((len(req.output_token_ids), list(req.draft_token_ids), list(greedy)))
+        return accept(req, n_tok, inflight, now)
+
+    eng._accept = spy
+    try:
+        yield log
+    finally:
+        del eng._accept  # the class method again
+
+
 def run(llm: LLM, prompt: list[int], gen: int, reps: int) -> dict:
     sp = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
     llm.generate(prompt_token_ids=[prompt], sampling_params=sp)  # warm: shapes compiled
@@ -136,19 +157,29 @@ def main() -> None:
             # go wrong; drafting the scripted run's own tokens converges in a few runs
             sp = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True, detokenize=False)
             tries = []  # per try: where the scripted run first left its script (None: it followed it)
+            verifies: list[list] = []  # per try: its first verifies (position, drafts, greedy tokens)
             for _ in range(4):
-                got = llm.generate(prompt_token_ids=[ps["random"]], sampling_params=sp)[0].token_ids
+                with record_verifies(llm, 12) as log:
+                    got = llm.generate(prompt_token_ids=[ps["random"]], sampling_params=sp)[0].token_ids
+                verifies.append(log)
                 tries.append(next((i for i, (a, b) in enumerate(zip(got, script)) if a != b), None))
                 if got == script:
                     break
                 script[:] = got
             print(f"[{mode}] scripted run left its script at tokens {tries} (None: followed it)")
+            for i, log in enumerate(verifies[:3]):
+                print(f"[{mode}] try {i} verifies (position, drafts, greedy): {log[:6]}")
         for name, p in ps.items():
             res["runs"][f"{mode}/{name}"] = r = run(llm, p, args.gen, args.reps)
             if mode.startswith("script"):
-                r["script_first_mismatch_per_try"] = tries
+                r["script_first_mismatch_per_try"], r["script_verifies_per_try"] = tries, verifies
             if mode == "plain":
                 truth[name] = r["tokens"]
+                if name == "random":  # plain's top-2 logprob gap per token: where a verify may round apart
+                    o = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+                        max_tokens=32, temperature=0, ignore_eos=True, detokenize=False, logprobs=2))[0]
+                    r["top2_gap"] = gaps = [t.top[0][1] - t.top[1][1] for t in o.logprobs]
+                    print(f"[plain] top-2 logprob gaps, first tokens: {[round(g, 4) for g in gaps[:12]]}")
             if mode in args.profile and name == "random" and torch.cuda.is_available():
                 r["profile"] = prof = profile_run(llm, p, 24)
                 print(f"[{mode}] kernels over one 24-token generate ({prof[0]['steps']} steps, "
