@@ -46,6 +46,26 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _quant_stored(out_ptr, q_ptr, s_ptr, row_off, s_off, n_s, rmask, N, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The e4m3 copy of the rows this program just stored at out_ptr + row_off (N columns, N % 128 == 0)
+    into q (the same offsets) and their scales (group g of a row at s_ptr + s_off + g * n_s). The rows
+    are read back after a barrier, not reshaped in registers: a [R, G, 128] view of the norm's own
+    values made Triton lay out (and so round) the norm's reduction differently from the kernel without
+    the copy (2026-11-30m, H200: 5-37 output elements of ~2M differed)."""
+    G: tl.constexpr = BLOCK_N // 128  # the checkpoint's 128-column activation groups
+    g = tl.arange(0, G)
+    cols = g[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]  # [1, G, 128]
+    offs = row_off[:, None, None] + cols
+    mask = rmask[:, None, None] & (cols < N)
+    tl.debug_barrier()  # every thread's share of the rows is stored (and visible to the block)
+    y = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q, scale = quant_groups(y)  # [R, G, 128], [R, G]
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(s_ptr + s_off[:, None] + g[None, :] * n_s, scale, mask=rmask[:, None] & (g * 128 < N)[None, :])
+
+
+@triton.jit
 def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
                              q_ptr, s_ptr, n_s, QUANT: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -60,12 +80,7 @@ def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, r
     y = (rf * rstd[:, None] * (1.0 + w)[None, :]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + off, y, mask=mask)
     if QUANT:
-        G: tl.constexpr = BLOCK_N // 128  # the checkpoint's 128-column activation groups
-        q, scale = quant_groups(tl.reshape(y.to(tl.float32), (BLOCK_R, G, 128)))  # [R, G, 128], [R, G]
-        tl.store(q_ptr + off, tl.reshape(q, (BLOCK_R, BLOCK_N)), mask=mask)
-        g = tl.arange(0, G)
-        smask = rmask[:, None] & (g * 128 < N)[None, :]
-        tl.store(s_ptr + g[None, :] * n_s + rows[:, None], scale, mask=smask)
+        _quant_stored(out_ptr, q_ptr, s_ptr, rows.to(tl.int64) * N, rows, n_s, rmask, N, BLOCK_R, BLOCK_N)
 
 
 @triton.jit
@@ -152,13 +167,9 @@ def _gated_rms_norm_kernel(
     y = (h * (zf * tl.sigmoid(zf))).to(out_ptr.dtype.element_ty)
     ooff = rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out_ptr + ooff, y, mask=mask)
-    if QUANT:
-        G: tl.constexpr = BLOCK_N // 128
-        q, scale = quant_groups(tl.reshape(y.to(tl.float32), (BLOCK_R, G, 128)))  # [R, G, 128], [R, G]
-        tl.store(q_ptr + ooff, tl.reshape(q, (BLOCK_R, BLOCK_N)), mask=mask)
-        g = tl.arange(0, G)
-        smask = (rows < n_rows)[:, None] & (g * 128 < N)[None, :]
-        tl.store(s_ptr + (r2[:, None] * (N // 128) + g[None, :]) * n_s + r1[:, None], scale, mask=smask)
+    if QUANT:  # scale of (row r1, column group r2 * N / 128 + g) at [r2 * N / 128 + g, r1]
+        _quant_stored(out_ptr, q_ptr, s_ptr, rows.to(tl.int64) * N, r2 * (N // 128) * n_s + r1, n_s,
+                      rows < n_rows, N, BLOCK_R, BLOCK_N)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:

@@ -310,3 +310,36 @@ def test_oracle_passes_a_repeat_speculative_engine():
     assert v.passed, format_table(v)
     st = setup.llm.engine.stats
     assert st["spec_verifies"] > 20 and st["spec_drafted"] > st["spec_accepted"]
+
+
+def test_spec_bench_forced_acceptance_emits_the_script(cfg):
+    """benchmarks/spec_bench.py's ceiling rows: with `force_acceptance` every verify accepts its drafts,
+    so a run drafting an arbitrary script (here not the model's tokens) emits the script from its first
+    verify on (the model's tokens before it) and counts every draft accepted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_bench.py"
+    spec = importlib.util.spec_from_file_location("spec_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    llm = LLM(model=f"dummy:{cfg}", speculative="ngram", num_speculative_tokens=3)
+    script = [(7 * i + 3) % 500 for i in range(40)]
+    llm.engine.proposer = lambda req, k: script[len(req.output_token_ids):][:k]
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, detokenize=False)
+    prompt = token_prompts([12], seed=5)[0]
+    plain = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].token_ids
+    assert plain[1:] != script[1:30]  # the script is not what the model says
+    bench.force_acceptance(llm, script)
+    st0 = dict(llm.engine.stats)
+    with bench.record_verifies(llm, 30) as log:  # (position, drafts, the model's own greedy tokens)
+        got = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].token_ids
+    drafted, accepted = (llm.engine.stats[k] - st0[k] for k in ("spec_drafted", "spec_accepted"))
+    assert log and accepted == drafted == sum(len(d) for _, d, _ in log) > 0
+    first = log[0][0]
+    assert got[:first] == plain[:first]  # before the first verify: the model's tokens
+    for pos, drafts, greedy in log:  # each verify emits its drafts and the script's next token
+        end = min(pos + len(drafts) + 1, 30)
+        assert got[pos:end] == script[pos:end]
+        assert greedy[: len(drafts)] != drafts  # the model itself would have rejected them
+
