@@ -156,7 +156,7 @@ def gemm_config(M: int, N: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
-NORM_QUANT_ENV = "METAINFER_NORM_QUANT"  # "1": the norms before FP8 GEMMs write their e4m3 copy too
+NORM_QUANT_ENV = "METAINFER_NORM_QUANT"  # "0": the FP8 GEMMs quantise their input themselves (KB-0052)
 
 
 def act_rows(T: int) -> int:
@@ -178,10 +178,10 @@ def act_buffers(T: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def norm_quant_wanted(T: int, device) -> bool:
-    """Whether a norm should write its output's e4m3 copy for an FP8 consumer of T tokens: with
-    METAINFER_NORM_QUANT=1, on CUDA with cuBLAS's blockwise GEMM (the path that takes it), T past the
-    weight-streaming bound."""
-    return (os.environ.get(NORM_QUANT_ENV, "0") == "1" and torch.device(device).type == "cuda"
+    """Whether a norm should write its output's e4m3 copy for an FP8 consumer of T tokens (KB-0052, on
+    unless METAINFER_NORM_QUANT=0): on CUDA with cuBLAS's blockwise GEMM (the path that takes it), T
+    past the weight-streaming bound."""
+    return (os.environ.get(NORM_QUANT_ENV, "1") != "0" and torch.device(device).type == "cuda"
             and T > fp8_stream_max_t() and _use_cublas())
 
 

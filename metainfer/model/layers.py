@@ -26,7 +26,7 @@ class ExpertRows:
 
 def fp8_copy_buffers(consumer: Linear | bool, T: int, K: int, device, norm_op: str = "add_rms_norm"
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Buffers for a norm's e4m3 copy of its [T, K] output (METAINFER_NORM_QUANT=1, KB-0052), where the
+    """Buffers for a norm's e4m3 copy of its [T, K] output (KB-0052; off: METAINFER_NORM_QUANT=0), where the
     consumer (a Linear with FP8 weights, or True) would quantise the same rows itself (T past the
     weight-streaming bound, the cuBLAS / grouped e4m3 GEMMs) and the norm's kernel runs; else None."""
     fp8 = consumer if isinstance(consumer, bool) else consumer.weight_scale_inv is not None

@@ -126,8 +126,9 @@ def _on_and_off(cfg_path, quant, monkeypatch, env: str, prompts):
 
 
 def test_norm_quant_copy_equals_act_quant(cfg_path, monkeypatch):
-    """METAINFER_NORM_QUANT=1 (the norms before FP8 prefill GEMMs write their output's e4m3 copy, so the
-    cuBLAS projections and the grouped experts skip their act_quant launches): the same logits bits."""
+    """KB-0052, METAINFER_NORM_QUANT 1 (default) vs 0: the norms before FP8 GEMMs of > 16 tokens write
+    their output's e4m3 copy, so the cuBLAS projections and the grouped experts skip their act_quant
+    launches; the same logits bits."""
     from metainfer.kernels import fp8_linear
 
     runs = _on_and_off(cfg_path, "fp8", monkeypatch, fp8_linear.NORM_QUANT_ENV, _prompts(6, seed=7))
