@@ -153,6 +153,7 @@ def main() -> None:
                     help="besides plain (always run: the scripts draft its tokens): ngram, script")
     ap.add_argument("--profile", type=lambda v: v.split(","), default=[],
                     help="modes whose random-prompt run gets a kernel profile (e.g. plain,script-4)")
+    ap.add_argument("--profile-gen", type=int, default=24, help="tokens of the profiled generate")
     ap.add_argument("--out", default="out")
     ap.add_argument("--config", default=str(FULL_CONFIG))
     ap.add_argument("--device", default="cuda")
@@ -192,10 +193,10 @@ def main() -> None:
                     gaps[:] = r["top2_gap"] = [t.top[0][1] - t.top[1][1] for t in o.logprobs]
                     print(f"[plain] top-2 logprob gaps, first tokens: {[round(g, 4) for g in gaps[:12]]}")
             if mode in args.profile and name == "random" and torch.cuda.is_available():
-                r["profile"] = prof = profile_run(llm, p, 24)
-                print(f"[{mode}] kernels over one 24-token generate ({prof[0]['steps']} steps, "
-                      "prefill included):")
-                for row in prof[:14]:
+                r["profile"] = prof = profile_run(llm, p, args.profile_gen)
+                print(f"[{mode}] kernels over one {args.profile_gen}-token generate "
+                      f"({prof[0]['steps']} steps, prefill included):")
+                for row in prof[:20]:
                     print(f"  {row['us'] / 1e3:8.2f} ms {row['calls']:6d}x  {row['kernel']}")
         del llm
         gc.collect()  # the engine's reference cycles: its memory back before the next engine sizes its cache
