@@ -58,7 +58,7 @@
 #            quantisation (sweep_decode_kernels.py --grouped-tma: TMA, QA, wider down tiles; FP8 T = 1024, 64),
 #            then FP8 decode batches 1/64 + TTFT with the winners (METAINFER_GDN_PREFILL, METAINFER_MOE_TUNED)
 #            against the defaults, fresh processes, ~7 min (measured at a668ef6: KB-0047, KB-0048)
-#   nquant - METAINFER_NORM_QUANT=1 (KB-0052: the norms before FP8 prefill GEMMs write their e4m3 copy; 110
+#   nquant - METAINFER_NORM_QUANT 0 vs 1 (KB-0052, on by default since 2026-11-30m: the norms before FP8 GEMMs write their e4m3 copy; 110
 #            of 120 act_quant launches fewer per 1k prefill): its GPU tests, the FP8 A/B (TTFT, batches 32/64), the
 #            oracle (FP8) with it on, ~6 min
 #   tiediag - the speculative-vs-plain GPU test (failed at 79ef3e9: BF16 batched vs lone, FP8 at an exact tie)

