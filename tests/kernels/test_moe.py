@@ -291,6 +291,21 @@ def test_moe_routed_rows_asserts():
 
 
 
+def test_routed_rows_bound(monkeypatch):
+    """moe_routed_rows serves FP8 batches up to ROUTED_MAX_T tokens; METAINFER_MOE_ROUTED_MAX_T moves
+    the bound (a verify of 1 + 4 tokens), METAINFER_MOE_ROUTED=0 turns it off, bad values are refused."""
+    monkeypatch.delenv(moe.ROUTED_MAX_T_ENV, raising=False)
+    assert moe.routed_rows_ok(moe.ROUTED_MAX_T, True) and not moe.routed_rows_ok(moe.ROUTED_MAX_T + 1, True)
+    assert not moe.routed_rows_ok(1, False)  # BF16 experts route in their own launch
+    monkeypatch.setenv(moe.ROUTED_MAX_T_ENV, "5")
+    assert moe.routed_rows_ok(5, True) and not moe.routed_rows_ok(6, True)
+    monkeypatch.setenv(moe.ROUTED_ENV, "0")
+    assert not moe.routed_rows_ok(1, True)
+    monkeypatch.setenv(moe.ROUTED_MAX_T_ENV, "five")
+    with pytest.raises(ValueError):
+        moe.routed_rows_ok(1, True)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T,dtype", [(1, F32), (3, BF16)])
 def test_moe_pair_rows(T, dtype, fp8):
