@@ -33,6 +33,17 @@ def num_sms(device: torch.device) -> int:
     return _NUM_SMS[device]
 
 
+def env_int(name: str, default: int, lo: int = 0, hi: int | None = None) -> int:
+    """An integer switch: $name if set (an integer in lo..hi, else ValueError), else default."""
+    v = os.environ.get(name, "")
+    if not v:
+        return default
+    if not v.isdigit() or not lo <= int(v) <= (hi if hi is not None else int(v)):
+        span = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an integer {span}; got {v!r}")
+    return int(v)
+
+
 _TUNED: dict[str, dict[str, dict]] = {}
 
 

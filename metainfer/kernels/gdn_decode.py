@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
+from metainfer.kernels.common import env_int
 
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent states' storage (the math is fp32)
@@ -167,12 +168,7 @@ RECURRENT_MAX_T = 16  # KB-0040: a speculative verify's chunk of 1 + K tokens (0
 
 
 def recurrent_max_t() -> int:
-    v = os.environ.get(RECURRENT_MAX_T_ENV, "")
-    if not v:
-        return RECURRENT_MAX_T
-    if not v.isdigit():
-        raise ValueError(f"{RECURRENT_MAX_T_ENV} must be a non-negative integer; got {v!r}")
-    return int(v)
+    return env_int(RECURRENT_MAX_T_ENV, RECURRENT_MAX_T)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import moe_grouped, pdl, routing
-from metainfer.kernels.common import load_tuned, upcast_dots, wdot
+from metainfer.kernels.common import env_int, load_tuned, upcast_dots, wdot
 
 PAIR_MAX_T = 8
 DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
@@ -236,7 +236,7 @@ def use_pair_path(T: int, fp8: bool) -> bool:
     the weight-only grouped GEMM, 180 vs 193 µs at T=32); with the grouped path's e4m3 activations
     (KB-0024) the engine measured batch 32 2,792 -> 3,100 tok/s on the grouped path and batch 16
     2,226 -> 2,142 (so 16 stays per-pair). METAINFER_MOE_PAIR_MAX_T moves the bound for A/Bs."""
-    return T <= (int(os.environ.get(PAIR_MAX_T_FP8_ENV, "16")) if fp8 else PAIR_MAX_T)
+    return T <= (env_int(PAIR_MAX_T_FP8_ENV, 16) if fp8 else PAIR_MAX_T)
 
 
 def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -365,12 +365,7 @@ ROUTED_MAX_T_ENV = "METAINFER_MOE_ROUTED_MAX_T"  # the bound below (a verify of 
 
 
 def routed_max_t() -> int:
-    v = os.environ.get(ROUTED_MAX_T_ENV, "")
-    if not v:
-        return ROUTED_MAX_T
-    if not v.isdigit():
-        raise ValueError(f"{ROUTED_MAX_T_ENV} must be a non-negative integer; got {v!r}")
-    return int(v)
+    return env_int(ROUTED_MAX_T_ENV, ROUTED_MAX_T)
 
 
 def routed_rows_ok(T: int, fp8: bool) -> bool:

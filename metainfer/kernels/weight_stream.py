@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl, routing
-from metainfer.kernels.common import TL_DTYPE, load_tuned, num_sms, upcast_dots, wdot
+from metainfer.kernels.common import TL_DTYPE, env_int, load_tuned, num_sms, upcast_dots, wdot
 
 SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_linear's GEMM)
 FP8_STREAM_MAX_T_ENV = "METAINFER_FP8_STREAM_MAX_T"  # FP8 projections of more tokens: the W8A8 GEMM
@@ -39,12 +39,7 @@ def fp8_stream_max_t() -> int:
     """The most tokens an FP8 dense projection streams its weights for (W8A16); above it the
     activations are quantised and the W8A8 GEMM (cuBLAS blockwise on the H200) runs. Default
     FP8_STREAM_MAX_T; METAINFER_FP8_STREAM_MAX_T sets it (1..SKINNY_MAX_T; 64 was the old bound)."""
-    v = os.environ.get(FP8_STREAM_MAX_T_ENV, "")
-    if not v:
-        return FP8_STREAM_MAX_T
-    if not v.isdigit() or not 1 <= int(v) <= SKINNY_MAX_T:
-        raise ValueError(f"{FP8_STREAM_MAX_T_ENV} must be an integer in 1..{SKINNY_MAX_T}; got {v!r}")
-    return int(v)
+    return env_int(FP8_STREAM_MAX_T_ENV, FP8_STREAM_MAX_T, 1, SKINNY_MAX_T)
 
 
 # ---- kernels -------------------------------------------------------------------------------------
