@@ -65,10 +65,12 @@
 #            at the defaults, with METAINFER_PDL_PREFILL=1 and with the pre-KB-0047 prep config
 #   gjudge - with GDN="<fields>" and MOE_TUNED=<table> (gtune's winners): the TMA GPU test, FP8 TTFT default / GDN /
 #            GDN + MoE table, the oracle (FP8, BF16) with both, BF16 TTFT both / default, ~7 min
-#   vstep  - the speculative verify step (1 + 4 tokens: 5.36 ms vs a 2.2 ms decode step, 2026-11-30m): its kernel
-#            profile with PDL off (split-KV attention on), the BF16 router on the weight-streaming kernel at
-#            T = 3, 5 (swept against cuBLAS), the route launch folded into gate/up at T = 5
-#            (METAINFER_MOE_ROUTED_MAX_T=5), each in spec_bench's forced-acceptance script-4 rows, ~7 min
+#   vstep  - the speculative verify step (1 + 4 tokens: 5.36 ms vs a 2.2 ms decode step, 2026-11-30m): the
+#            short-chunk DeltaNet kernel's GPU test with its BLOCK_T form, the step's kernel profile with PDL off
+#            (split-KV attention on), the BF16 router on the weight-streaming kernel at T = 3, 5 (swept against
+#            cuBLAS), then spec_bench's forced-acceptance script-4 rows: base, the route launch folded into
+#            gate/up at T = 5 (METAINFER_MOE_ROUTED_MAX_T=5), the swept router, the DeltaNet inputs loaded
+#            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1), all three, ~7 min
 #   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
@@ -313,18 +315,20 @@ if has nquant; then
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_nquant.json 2>&1 | grep -E "verdict|rel_rmse"
 fi
 if has vstep; then
+  timeout 120 python -m pytest -q tests/gpu/test_gdn_prefill_gpu.py -k "recurrent" -p no:cacheprovider 2>&1 | tail -2
   SB="python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes script --script-k 4"
   METAINFER_PDL=0 timeout 100 $SB --reps 1 --profile script-4 --profile-gen 128 --out $OUT/vstep_profile 2>&1 \
     | grep -A21 "^\[script-4\] kernels" | sed "s/^/[profile] /"
   timeout 200 python benchmarks/sweep_decode_kernels.py --linears= --moe= --bf16-linears moe.router --tokens 3,5 \
     --out $OUT/vsweep 2>&1 | grep -v "falling back\|skip" | tail -4
   VT=$OUT/vsweep/fp8_skinny_tuned.json
-  for mode in base routed5 router both; do
+  for mode in base routed5 router gpre all; do
     sw=()
     case $mode in
       routed5) sw=(METAINFER_MOE_ROUTED_MAX_T=5) ;;
       router) sw=(METAINFER_FP8_TUNED=$VT) ;;
-      both) sw=(METAINFER_MOE_ROUTED_MAX_T=5 METAINFER_FP8_TUNED=$VT) ;;
+      gpre) sw=(METAINFER_GDN_RECURRENT_PRELOAD=1) ;;
+      all) sw=(METAINFER_MOE_ROUTED_MAX_T=5 METAINFER_FP8_TUNED=$VT METAINFER_GDN_RECURRENT_PRELOAD=1) ;;
     esac
     env "${sw[@]}" timeout 90 $SB --reps 2 --out $OUT/vstep_$mode 2>&1 | grep -E "^\| script|script-4/random: " \
       | sed "s/^/[$mode] /"
