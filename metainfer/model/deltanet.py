@@ -43,6 +43,11 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
         self.out_proj = Linear(self.value_dim, {"out_proj": H})
 
+    def input_proj(self, meta: ForwardMeta) -> Linear | bool:
+        """The projection that takes the step's normed input as is, or False: a step with decodes runs
+        in_proj with the conv epilogue (`Linear.conv_forward`), which takes no e4m3 copy."""
+        return self.in_proj if meta.num_decodes == 0 else False
+
     def forward(
         self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor,
         xq: tuple[torch.Tensor, torch.Tensor] | None = None,  # x's e4m3 copy from its norm, for in_proj

@@ -40,11 +40,9 @@ class DecoderLayer(nn.Module):
         caches: CacheTensors,
     ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         T, H, dev = positions.shape[0], self.input_layernorm.weight.shape[0], positions.device
-        if self.layer_type == FULL:
-            mixer_in = self.self_attn.qkv_proj
-        else:  # a step with decodes runs in_proj with the conv epilogue, on bf16 inputs
-            mixer_in = self.linear_attn.in_proj if meta.num_decodes == 0 else False
-        xq = fp8_copy_buffers(mixer_in if residual is not None else False, T, H, dev)  # layer 0: no add
+        mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
+        consumer = mixer.input_proj(meta) if residual is not None else False  # layer 0: no add, no copy
+        xq = fp8_copy_buffers(consumer, T, H, dev)
         h, residual = self.input_layernorm.add_forward(x, residual, xq_out=xq)
         i = self.cache_index
         if self.layer_type == FULL:
