@@ -189,8 +189,20 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
     return Response(to_json(model), status_code=status, media_type="application/json")
 
 
+# Line breaks to str.splitlines (and clients that split a stream with it, such as requests'
+# iter_lines) that JSON leaves raw: escaped in events, so an event is one line to any reader
+_SPLITLINES_ONLY = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def sse(model: BaseModel) -> str:
-    return f"data: {to_json(model)}\n\n"
+    """One server-sent event. JSON escapes \\r and \\n; U+0085, U+2028 and U+2029 (which generated
+    text can hold) are escaped too: the SSE spec ends lines at CR/LF only, but splitlines-based
+    readers would cut the event there."""
+    data = to_json(model)
+    for raw, esc in _SPLITLINES_ONLY.items():
+        if raw in data:
+            data = data.replace(raw, esc)
+    return f"data: {data}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -140,3 +140,21 @@ def test_odd_text_is_served(http: httpx.Client, stream: bool) -> None:
 def test_odd_text_in_error_messages(http: httpx.Client) -> None:
     raw = '{"model": "bad\\ud800", "prompt": "x"}'
     assert_error(http.post(CMPL, content=raw, headers={"content-type": "application/json"}), 404, "model")
+
+
+def test_sse_event_is_one_line_to_splitlines():
+    """Generated text with U+0085 / U+2028 / U+2029 (line breaks to str.splitlines, raw in JSON) still
+    makes one event line for splitlines-based readers (a fuzzed stream was cut there), and decodes
+    back to the same text."""
+    from pydantic import BaseModel
+
+    from metainfer.server.serving import sse
+
+    class Chunk(BaseModel):
+        text: str
+
+    text = "a\u0085b\u2028c\u2029d\r\ne\x1cf"
+    event = sse(Chunk(text=text))
+    lines = [line for line in event.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: ") :]) == {"text": text}
