@@ -71,6 +71,8 @@
 #            cuBLAS), then spec_bench's forced-acceptance script-4 rows: base, the route launch folded into
 #            gate/up at T = 5 (METAINFER_MOE_ROUTED_MAX_T=5), the swept router, the DeltaNet inputs loaded
 #            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1), all three, ~7 min
+#   host   - the verify step's host work: stacked DeltaNet states and staged prefill-graph inputs (REF_TREE =
+#            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
 #   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
@@ -313,6 +315,20 @@ if has nquant; then
   VAR=METAINFER_NORM_QUANT MODES="0 1 0 1" DTYPES=fp8 BATCHES=32,64 GEN=16 EXTRA=--no-profile bash benchmarks/gpu_ab.sh
   METAINFER_NORM_QUANT=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_nquant.json 2>&1 | grep -E "verdict|rel_rmse"
+fi
+if has host; then  # the verify step's host work (stacked DeltaNet states: 2 snapshot copies, not 60; the prefill
+  # graphs' inputs in 2 staged copies, not 5) against REF_TREE, interleaved; then with the routing in gate/up
+  # at T = 5 and the swept BF16 router at T = 3, 5 (benchmarks/tuned/router_t3_t5.json)
+  timeout 200 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+    -k "speculative or prefill_graph or graph_replay" 2>&1 | tail -2
+  SB="python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes script --script-k 4 --reps 2"
+  for rep in 1 2; do
+    (cd $REF_TREE && PYTHONPATH=/tmp/site:$PWD timeout 90 $SB --out $OUT/host_ref$rep 2>&1 \
+      | grep -E "^\| script|script-4/random: " | sed "s/^/[ref $rep] /")
+    timeout 90 $SB --out $OUT/host_new$rep 2>&1 | grep -E "^\| script|script-4/random: " | sed "s/^/[new $rep] /"
+    METAINFER_MOE_ROUTED_MAX_T=5 METAINFER_FP8_TUNED=$PWD/benchmarks/tuned/router_t3_t5.json timeout 90 $SB \
+      --out $OUT/host_rr$rep 2>&1 | grep -E "^\| script|script-4/random: " | sed "s/^/[new+rr $rep] /"
+  done
 fi
 if has vstep; then
   timeout 120 python -m pytest -q tests/gpu/test_gdn_prefill_gpu.py -k "recurrent" -p no:cacheprovider 2>&1 | tail -2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from metainfer.engine.cuda_graph import capture_graphs
@@ -43,14 +44,20 @@ class PrefillGraphs:
         self.block_size = block_size
         self.use_graphs = use_graphs and device.type == "cuda"
         S, i32, i64 = self.sizes[-1], torch.int32, torch.int64
-        z = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        self._tok = z(3, S, dtype=i64)  # input ids, positions, KV slot of each token
+        R = logits_rows
+        # two device buffers, each filled by one host->device copy per step (from `_Staging`)
+        self._i64 = torch.zeros(3 * S + 2 + R, dtype=i64, device=device)
+        self._tok = self._i64[: 3 * S].view(3, S)  # input ids, positions, KV slot of each token
         self.input_ids, self.positions, self.slot_mapping = self._tok
-        self._seq = z(7, dtype=i32)  # query_start_loc [3] | seq_lens [2] | context_lens [2]
+        self.state_slots = self._i64[3 * S : 3 * S + 2]
+        self.logits_indices = self._i64[3 * S + 2 :]  # the chunk's last rows (the last repeated)
+        # query_start_loc [3] | seq_lens [2] | context_lens [2] | 1 spare | block tables [2, max_blocks]
+        # (row 1: the padding sequence, all null blocks, never written)
+        self._i32 = torch.zeros(8 + 2 * max_blocks, dtype=i32, device=device)
+        self._seq = self._i32[:7]
         self.query_start_loc, self.seq_lens, self.context_lens = self._seq[:3], self._seq[3:5], self._seq[5:7]
-        self.block_tables = z(2, max_blocks, dtype=i32)  # row 1: the padding sequence, all null blocks
-        self.state_slots = z(2, dtype=i64)
-        self.logits_indices = z(logits_rows, dtype=i64)  # the chunk's last rows (the last repeated)
+        self.block_tables = self._i32[8:].view(2, max_blocks)
+        self._staging = _Staging(self._i64, self._i32[: 8 + max_blocks], device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs = 0  # steps served (replays, or eager runs of the layout without graphs)
@@ -94,23 +101,28 @@ class PrefillGraphs:
         self, size: int, tokens: list[int], start: int, block_ids: list[int], slot: int, rows: int = 1
     ) -> None:
         """Stages the chunk tokens[0:n] at positions start.. of a request (its KV blocks, its state
-        slot) and the padding sequence behind it; logits for its last `rows` tokens."""
-        n, bs, pad = len(tokens), self.block_size, size - len(tokens)
+        slot) and the padding sequence behind it; logits for its last `rows` tokens. Two copies: the
+        int64 buffer whole, the int32 one up to the request's last block (row 0's entries past it
+        are stale and never read: kernels read blocks below seq_len only)."""
+        n, bs, pad, S = len(tokens), self.block_size, size - len(tokens), self.sizes[-1]
         assert 0 < n <= size and len(block_ids) * bs >= start + n, (n, size, start, len(block_ids))
-        pos = list(range(start, start + n))
-        kv = [block_ids[p // bs] * bs + p % bs for p in pos] + [p % bs for p in range(pad)]  # pad: block 0
-        tok = torch.tensor([tokens + [0] * pad, pos + list(range(pad)), kv], dtype=torch.int64)
-        self._tok[:, :size].copy_(tok.to(self.device, non_blocking=True))
-        seq = torch.tensor([0, n, size, start + n, pad, start, 0], dtype=torch.int32)
-        self._seq.copy_(seq.to(self.device, non_blocking=True))
-        bt = torch.zeros(self.block_tables.shape[1], dtype=torch.int32)  # row 1 stays all null blocks
-        bt[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
-        self.block_tables[0].copy_(bt.to(self.device, non_blocking=True))
-        self.state_slots.copy_(torch.tensor([slot, 0], dtype=torch.int64).to(self.device, non_blocking=True))
         R = self.logits_indices.shape[0]
         assert 1 <= rows <= min(n, R), (rows, n, R)
-        idx = list(range(n - rows, n)) + [n - 1] * (R - rows)
-        self.logits_indices.copy_(torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True))
+        h64, h32 = self._staging.next()  # numpy views of the pinned staging set
+        pos = np.arange(start, start + n)
+        bids = np.asarray(block_ids, dtype=np.int64)
+        h64[:n] = tokens
+        h64[n:size] = 0
+        h64[S : S + n] = pos
+        h64[S + n : S + size] = np.arange(pad)
+        h64[2 * S : 2 * S + n] = bids[pos // bs] * bs + pos % bs
+        h64[2 * S + n : 2 * S + size] = np.arange(pad) % bs  # the padding sequence: null block 0
+        h64[3 * S : 3 * S + 2] = (slot, 0)
+        h64[3 * S + 2 : 3 * S + 2 + rows] = np.arange(n - rows, n)
+        h64[3 * S + 2 + rows :] = n - 1
+        h32[:7] = (0, n, size, start + n, pad, start, 0)
+        h32[8 : 8 + len(block_ids)] = bids
+        self._staging.copy(8 + len(block_ids))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -135,3 +147,42 @@ class PrefillGraphs:
             self.graphs[size].replay()
             return self.outputs[size][:rows]
         return self._forward(size, (len(tokens), start, slot))[:rows]
+
+
+class _Staging:
+    """Host staging for PrefillGraphs' two device buffers: pinned on CUDA (a non-blocking copy),
+    two sets used in turn, and a set is rewritten only after the copy that last read it ran
+    (its event), so a step launched behind an unfinished one never sees the host's next writes."""
+
+    def __init__(self, d64: torch.Tensor, d32: torch.Tensor, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.dev = (d64, d32)
+        self.sets = [
+            (
+                torch.zeros(d64.shape, dtype=d64.dtype, pin_memory=pin),
+                torch.zeros(d32.shape, dtype=d32.dtype, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
+        self.views = [(a.numpy(), b.numpy()) for a, b in self.sets]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.i = 0
+        self.cuda = pin
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next set, as numpy views (host writes), once its last copy has run."""
+        self.i ^= 1
+        if self.events[self.i] is not None:
+            self.events[self.i].synchronize()
+        return self.views[self.i]
+
+    def copy(self, n32: int) -> None:
+        """Enqueues the current set's copies: the int64 buffer whole, the int32 one's first n32."""
+        h64, h32 = self.sets[self.i]
+        d64, d32 = self.dev
+        d64.copy_(h64, non_blocking=self.cuda)
+        d32[:n32].copy_(h32[:n32], non_blocking=self.cuda)
+        if self.cuda:
+            ev = self.events[self.i] or torch.cuda.Event()
+            ev.record()
+            self.events[self.i] = ev

@@ -74,7 +74,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-StateCopy = tuple[list[torch.Tensor], list[torch.Tensor]]  # one slot's DeltaNet conv and recurrent states
+StateCopy = tuple[torch.Tensor, torch.Tensor]  # one slot's DeltaNet conv and recurrent states, [layer, ...]
 
 PENDING = -1  # placeholder for a token sampled by a step whose results are not on the host yet
 
@@ -225,29 +225,24 @@ class ModelRunner:
         return n
 
     def _allocate_caches(self) -> CacheTensors:
+        """KV blocks per full-attention layer; the DeltaNet states of every layer in one tensor each
+        ([layer, slot, ...]: a slot's states over all layers are one strided view, so a verify's
+        snapshot and restore are one copy each, not one per layer), handed to the model as per-layer
+        views."""
         c, dev, dt = self.cfg, self.device, self.dtype
         nb, bs = self.num_blocks + 1, self.ecfg.block_size  # +1: block 0 is the null block
         ns = self.num_slots + 1
         kv_shape = (nb, bs, c.num_key_value_heads, c.head_dim)
         n_full, n_lin = len(c.full_layer_ids), len(c.linear_layer_ids)
+        conv_shape = (n_lin, ns, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
+        self.conv_states = torch.zeros(conv_shape, dtype=dt, device=dev)
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        self.ssm_states = torch.zeros(n_lin, ns, hv, dk, dv, dtype=self.ssm_dtype, device=dev)
         return CacheTensors(
             k=[torch.zeros(kv_shape, dtype=dt, device=dev) for _ in range(n_full)],
             v=[torch.zeros(kv_shape, dtype=dt, device=dev) for _ in range(n_full)],
-            conv=[
-                torch.zeros(ns, c.linear_conv_kernel_dim - 1, c.linear_conv_dim, dtype=dt, device=dev)
-                for _ in range(n_lin)
-            ],
-            ssm=[
-                torch.zeros(
-                    ns,
-                    c.linear_num_value_heads,
-                    c.linear_key_head_dim,
-                    c.linear_value_head_dim,
-                    dtype=self.ssm_dtype,
-                    device=dev,
-                )
-                for _ in range(n_lin)
-            ],
+            conv=list(self.conv_states.unbind(0)),
+            ssm=list(self.ssm_states.unbind(0)),
         )
 
     # ---- one step -----------------------------------------------------------------------------
@@ -284,17 +279,16 @@ class ModelRunner:
 
     # ---- speculative verify ---------------------------------------------------------------------
     def _save_state(self, req: Request) -> StateCopy:
-        """Copies of the request's DeltaNet conv and recurrent states (a verify step advances them
-        over every draft; a rejection puts these back and the accepted tokens are recomputed)."""
+        """Copies of the request's DeltaNet conv and recurrent states, all layers (a verify step
+        advances them over every draft; a rejection puts these back and the accepted tokens are
+        recomputed). Two copies: the slot's view across the stacked layers."""
         slot = req.state_slot
-        return [c[slot].clone() for c in self.caches.conv], [h[slot].clone() for h in self.caches.ssm]
+        return self.conv_states[:, slot].clone(), self.ssm_states[:, slot].clone()
 
     def restore_state(self, req: Request, saved: StateCopy) -> None:
         slot = req.state_slot
-        for dst, src in zip(self.caches.conv, saved[0]):
-            dst[slot].copy_(src)
-        for dst, src in zip(self.caches.ssm, saved[1]):
-            dst[slot].copy_(src)
+        self.conv_states[:, slot].copy_(saved[0])
+        self.ssm_states[:, slot].copy_(saved[1])
 
     @staticmethod
     def _verify_owners(req: Request, start: int, real: int, n: int) -> list[tuple[Request, str, int]]:
@@ -307,7 +301,8 @@ class ModelRunner:
         idx = [i for i, (_, kind, _) in enumerate(owners) if kind == "verify"]
         if not idx:
             return
-        toks = logits[torch.tensor(idx, device=logits.device)].argmax(dim=-1).tolist()
+        rows = logits if len(idx) == logits.shape[0] else logits[torch.tensor(idx, device=logits.device)]
+        toks = rows.argmax(dim=-1).tolist()
         for i, tok in zip(idx, toks):
             out.verify.setdefault(owners[i][0].request_id, []).append(tok)
 

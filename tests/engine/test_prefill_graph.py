@@ -85,3 +85,25 @@ def test_prefill_graph_default_sizes():
     assert EngineConfig(max_model_len=512).prefill_graph_sizes == (128, 256, 512)  # one block-table row
     assert EngineConfig(prefill_graphs=()).prefill_graph_sizes == ()
     assert _llm("").engine.runner.prefill is None  # CPU default
+
+
+def test_staged_inputs_layout():
+    """`PrefillGraphs._fill` writes the step's device buffers from two staged copies: a long chunk
+    then a short one (stale host and device entries past the short one's tokens and blocks are
+    never read) leaves exactly the layout the module docstring describes."""
+    import torch
+
+    from metainfer.engine.prefill_graph import PrefillGraphs
+
+    pg = PrefillGraphs(None, None, [5, 16], 8, 4, torch.device("cpu"), use_graphs=False, logits_rows=3)
+    pg._fill(16, list(range(100, 116)), 4, [7, 3, 9, 2, 6], 2, rows=3)
+    toks, start, blocks, slot = [11, 12, 13, 14], 6, [5, 1, 8], 3  # positions 6..9: blocks 1 and 8
+    pg._fill(5, toks, start, blocks, slot, rows=2)
+    assert pg.input_ids[:5].tolist() == toks + [0]
+    assert pg.positions[:5].tolist() == [6, 7, 8, 9, 0]  # the padding sequence starts at 0
+    assert pg.slot_mapping[:5].tolist() == [1 * 4 + 2, 1 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, 0]  # pad: block 0
+    assert pg.query_start_loc.tolist() == [0, 4, 5]
+    assert pg.seq_lens.tolist() == [10, 1] and pg.context_lens.tolist() == [6, 0]
+    assert pg.block_tables[0, :3].tolist() == blocks and pg.block_tables[1].tolist() == [0] * 8
+    assert pg.state_slots.tolist() == [3, 0]
+    assert pg.logits_indices.tolist() == [2, 3, 3]  # the last 2 rows, the last repeated
