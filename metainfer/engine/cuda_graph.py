@@ -77,6 +77,7 @@ class DecodeGraphs:
         self.slot_tables = z(num_slots + 1, max_blocks, dtype=i32)
         self._synced: dict[int, tuple[str, int]] = {}  # slot -> (request id, blocks written)
         self._tables_dirty = True
+        self._copied: torch.cuda.Event | None = None  # after the last step's host->device copies
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
         self.logits_indices = torch.arange(max_bs, dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -127,6 +128,7 @@ class DecodeGraphs:
         if owner != owner_key:
             n = 0
         if len(block_ids) > n:
+            self._host_free()
             row = self.host_slot_tables[slot]
             row[n : len(block_ids)] = torch.tensor(block_ids[n:], dtype=torch.int32)
             self._synced[slot] = (owner_key, len(block_ids))
@@ -136,6 +138,7 @@ class DecodeGraphs:
         """Stages one decode batch (token, position, kv slot, state slot per row) into the buffers;
         returns the padded size. Padding rows decode one token at position 0 on the null slot."""
         pbs = self.padded_size(bs) if bs else self.max_bs
+        self._host_free()
         h = self._host
         h[:, :pbs].zero_()
         if bs:
@@ -150,7 +153,17 @@ class DecodeGraphs:
         if self._tables_dirty:
             self.slot_tables.copy_(self.host_slot_tables, non_blocking=True)
             self._tables_dirty = False
+        if self.device.type == "cuda":
+            self._copied = self._copied or torch.cuda.Event()
+            self._copied.record()
         return pbs
+
+    def _host_free(self) -> None:
+        """Waits until the last step's non-blocking copies have read the pinned host buffers, before
+        the host rewrites them (in the async loop the step before it has finished by then, so this
+        rarely waits: the copies run right behind it)."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def run(self, rows: list[tuple[int, int, int, int]], patch=None) -> torch.Tensor:
         """One decode step; rows are (token, position, kv slot, state slot). -> logits [bs, V] fp32.
