@@ -73,6 +73,8 @@
 #            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1), all three, ~7 min
 #   host   - the verify step's host work: stacked DeltaNet states and staged prefill-graph inputs (REF_TREE =
 #            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
+#   host2  - the host A/B again (5 alternating processes) and the verify step's PDL-off kernel profiles:
+#            defaults, routing in gate/up at T = 5 + swept router, KB-0053; ~6 min
 #   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
@@ -328,6 +330,25 @@ if has host; then  # the verify step's host work (stacked DeltaNet states: 2 sna
     timeout 90 $SB --out $OUT/host_new$rep 2>&1 | grep -E "^\| script|script-4/random: " | sed "s/^/[new $rep] /"
     METAINFER_MOE_ROUTED_MAX_T=5 METAINFER_FP8_TUNED=$PWD/benchmarks/tuned/router_t3_t5.json timeout 90 $SB \
       --out $OUT/host_rr$rep 2>&1 | grep -E "^\| script|script-4/random: " | sed "s/^/[new+rr $rep] /"
+  done
+fi
+if has host2; then  # the host A/B again (ref, new alternating, 5 processes), then PDL-off kernel profiles of the
+  # verify step: the defaults, + routing in gate/up at T = 5 and the swept router (rr), + KB-0053 (gpre)
+  SB="python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes script --script-k 4"
+  for run in new1 ref1 new2 ref2 new3; do
+    if [[ $run == ref* ]]; then
+      (cd $REF_TREE && PYTHONPATH=/tmp/site:$PWD timeout 90 $SB --reps 2 --out $OUT/h2_$run 2>&1 \
+        | grep -E "script-4/random: " | sed "s/^/[$run] /")
+    else
+      timeout 90 $SB --reps 2 --out $OUT/h2_$run 2>&1 | grep -E "script-4/random: " | sed "s/^/[$run] /"
+    fi
+  done
+  RR=(METAINFER_MOE_ROUTED_MAX_T=5 METAINFER_FP8_TUNED=$PWD/benchmarks/tuned/router_t3_t5.json)
+  for mode in base rr gpre; do
+    sw=(METAINFER_PDL=0)
+    case $mode in rr) sw+=("${RR[@]}") ;; gpre) sw+=(METAINFER_GDN_RECURRENT_PRELOAD=1) ;; esac
+    env "${sw[@]}" timeout 100 $SB --reps 1 --profile script-4 --profile-gen 128 --out $OUT/h2_prof_$mode 2>&1 \
+      | grep -E "script-4/random: " | sed "s/^/[prof $mode] /"
   done
 fi
 if has vstep; then
