@@ -70,7 +70,8 @@
 #            (split-KV attention on), the BF16 router on the weight-streaming kernel at T = 3, 5 (swept against
 #            cuBLAS), then spec_bench's forced-acceptance script-4 rows: base, the route launch folded into
 #            gate/up at T = 5 (METAINFER_MOE_ROUTED_MAX_T=5), the swept router, the DeltaNet inputs loaded
-#            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1), all three, ~7 min
+#            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1, KB-0053: 1.8x slower, removed since;
+#            the switch now does nothing), all three, ~7 min
 #   host   - the verify step's host work: stacked DeltaNet states and staged prefill-graph inputs (REF_TREE =
 #            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
 #   host2  - the host A/B again (5 alternating processes) and the verify step's PDL-off kernel profiles:
@@ -346,7 +347,7 @@ if has host2; then  # the host A/B again (ref, new alternating, 5 processes), th
   RR=(METAINFER_MOE_ROUTED_MAX_T=5 METAINFER_FP8_TUNED=$PWD/benchmarks/tuned/router_t3_t5.json)
   for mode in base rr gpre; do
     sw=(METAINFER_PDL=0)
-    case $mode in rr) sw+=("${RR[@]}") ;; gpre) sw+=(METAINFER_GDN_RECURRENT_PRELOAD=1) ;; esac
+    case $mode in rr) sw+=("${RR[@]}") ;; gpre) sw+=(METAINFER_GDN_RECURRENT_PRELOAD=1) ;; esac  # gpre: removed since
     env "${sw[@]}" timeout 100 $SB --reps 1 --profile script-4 --profile-gen 128 --out $OUT/h2_prof_$mode 2>&1 \
       | grep -E "script-4/random: " | sed "s/^/[prof $mode] /"
   done

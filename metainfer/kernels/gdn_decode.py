@@ -191,17 +191,14 @@ def _gdn_recurrent_varlen_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr, cu_ptr,
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, so0, so1, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, BLOCK_T: tl.constexpr = 0,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     """Sequence n's tokens cu[n]:cu[n+1] through `_gdn_decode_kernel`'s update one after another,
     the [DK, BLOCK_V] state block held in registers between them: read and written once per chunk
     (the chunked prefill's two kernels cost ~75 us per layer on a 5-token chunk). Same operands as
-    the decode kernel with a token axis; out [T, HV, DV] at rows cu[0]:cu[N]. BLOCK_T > 0 (a power of
-    two >= the longest chunk): every token's q, k, v and gates loaded and normalised up front in one
-    [BLOCK_T, ...] block, each step taking its row from registers (no load latency in the serial
-    chain; the per-row sums of squares may round apart from the per-token ones), the outputs stored
-    once."""
+    the decode kernel with a token axis; out [T, HV, DV] at rows cu[0]:cu[N]. (Loading every token's
+    inputs before the loop, KB-0053, made it 1.8x slower on the H200.)"""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kk, kmask, vv, vmask = _lanes(DK, DV, BLOCK_K, BLOCK_V)
@@ -209,51 +206,19 @@ def _gdn_recurrent_varlen_kernel(
     start = tl.load(cu_ptr + n).to(tl.int64)  # int64 row offsets: the loop variable is one
     end = tl.load(cu_ptr + n + 1).to(tl.int64)
     S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, n, h, kk, vv, vmask, HV, DK, DV)
-    if BLOCK_T:
-        tt = tl.arange(0, BLOCK_T)
-        rows = start + tt
-        tmask = rows < end
-        hk = h // REP
-        km = tmask[:, None] & kmask[None, :]
-        Q = tl.load(q_ptr + rows[:, None] * sq0 + hk * sq1 + kk[None, :], mask=km, other=0.0).to(tl.float32)
-        K = tl.load(k_ptr + rows[:, None] * sk0 + hk * sk1 + kk[None, :], mask=km, other=0.0).to(tl.float32)
-        Q = Q * (tl.rsqrt(tl.sum(Q * Q, axis=1) + 1e-6) * scale)[:, None]
-        K = K * tl.rsqrt(tl.sum(K * K, axis=1) + 1e-6)[:, None]
-        vm = tmask[:, None] & vmask[None, :]
-        V = tl.load(v_ptr + rows[:, None] * sv0 + h * sv1 + vv[None, :], mask=vm, other=0.0).to(tl.float32)
-        a = tl.load(g_ptr + rows * sg0 + h, mask=tmask, other=0.0).to(tl.float32)
-        b = tl.load(beta_ptr + rows * sb0 + h, mask=tmask, other=0.0).to(tl.float32)
-        decay, beta = _gates(a, b, alog_ptr, dtb_ptr, beta_ptr, h, GATED)  # [BLOCK_T] each
-        O = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-        for i in range(0, end - start):
-            sel = tt == i  # row i, taken exactly (a sum of one value and zeros)
-            row = sel[:, None]
-            q, k = tl.sum(tl.where(row, Q, 0.0), axis=0), tl.sum(tl.where(row, K, 0.0), axis=0)
-            v = tl.sum(tl.where(row, V, 0.0), axis=0)
-            d, bt = tl.sum(tl.where(sel, decay, 0.0), axis=0), tl.sum(tl.where(sel, beta, 0.0), axis=0)
-            S, o = _delta_update(S, q, k, v, d, bt)
-            O = tl.where(row, o[None, :], O)
-        o_ptrs = out_ptr + rows[:, None] * so0 + h * so1 + vv[None, :]
-        tl.store(o_ptrs, O.to(out_ptr.dtype.element_ty), mask=vm)
-    else:
-        for t in range(start, end):
-            S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, t, h, h // REP,
-                                kk, kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
-            tl.store(out_ptr + t * so0 + h * so1 + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
+    for t in range(start, end):
+        S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, t, h, h // REP,
+                            kk, kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
+        tl.store(out_ptr + t * so0 + h * so1 + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :],
              eviction_policy="evict_first")
 
 
-RECURRENT_PRELOAD_ENV = "METAINFER_GDN_RECURRENT_PRELOAD"  # "1": the short-chunk kernel's BLOCK_T form
-
-
 def gdn_recurrent_varlen(
-    q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, out, gating=None, max_seqlen=None
+    q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, out, gating=None
 ) -> torch.Tensor:
     """`gdn_prefill.gdn_prefill_varlen`'s contract (checked there) by the token-by-token recurrence:
-    for short chunks (speculative verifies). One launch, graph-capturable, no host sync. With
-    METAINFER_GDN_RECURRENT_PRELOAD=1 and max_seqlen (a bound on every chunk) the kernel's BLOCK_T
-    form: all tokens' inputs loaded before the serial loop."""
+    for short chunks (speculative verifies). One launch, graph-capturable, no host sync."""
     T, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     N = slots.shape[0]
@@ -262,13 +227,11 @@ def gdn_recurrent_varlen(
     gated = gating is not None
     A_log, dt_bias = gating if gated else (g, g)
     block_v = min(BLOCK_V, triton.next_power_of_2(Dv))
-    preload = os.environ.get(RECURRENT_PRELOAD_ENV, "0") == "1" and max_seqlen is not None and max_seqlen > 0
-    block_t = triton.next_power_of_2(max_seqlen) if preload else 0
     _gdn_recurrent_varlen_kernel[(N, Hv, triton.cdiv(Dv, block_v))](
         q, k, v, g, beta, ssm_state, slots, has_state.view(torch.uint8), out, A_log, dt_bias, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), out.stride(0), out.stride(1), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        BLOCK_T=block_t, num_warps=NUM_WARPS, **pdl.kw(),
+        num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out

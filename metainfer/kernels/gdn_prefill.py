@@ -431,7 +431,7 @@ def gdn_prefill_varlen(
         assert A_log.shape == dt_bias.shape == (Hv,) and A_log.is_contiguous() and dt_bias.is_contiguous()
     if max_seqlen <= gdn_decode.recurrent_max_t():  # short chunks (verifies): the decode update in a loop
         return gdn_decode.gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots,
-                                               has_state.contiguous(), out, gating, max_seqlen)
+                                               has_state.contiguous(), out, gating)
     has = has_state.contiguous().view(torch.uint8)
     _launch(q, k, v, g, beta, cu_seqlens, ssm_state, ssm_state, slots, has, out, N, max_seqlen, cfg or CONFIG,
             gating)

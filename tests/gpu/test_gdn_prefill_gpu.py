@@ -200,8 +200,7 @@ _COMPILE = textwrap.dedent(
                  scale="fp32")
         c = dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gd.BLOCK_V, GATED=gated, USE_PDL=1)
         build(gd._gdn_decode_kernel, t, dict(c, PRELOAD=0), gd.NUM_WARPS)
-        for block_t in (0, 8, 16):  # METAINFER_GDN_RECURRENT_PRELOAD's form: inputs loaded first
-            build(gd._gdn_recurrent_varlen_kernel, t, dict(c, BLOCK_T=block_t), gd.NUM_WARPS)
+        build(gd._gdn_recurrent_varlen_kernel, t, c, gd.NUM_WARPS)
     print("ok")
     """
 )
@@ -220,16 +219,12 @@ def test_gdn_prefill_compiles_for_sm90():
 
 
 @cuda
-@pytest.mark.parametrize("preload", ["0", "1"])
-def test_gdn_recurrent_short_chunks_full_shapes(preload, monkeypatch):
+def test_gdn_recurrent_short_chunks_full_shapes():
     """Chunks of <= RECURRENT_MAX_T tokens (a speculative verify's 1 + K, short prompts) take the
-    recurrent varlen kernel (preload: METAINFER_GDN_RECURRENT_PRELOAD's form): against the fp32
-    reference at full shapes, captured in a CUDA graph and replayed on fresh inputs (same tolerances
-    as the chunked kernels)."""
+    recurrent varlen kernel: against the fp32 reference at full shapes, captured in a CUDA graph
+    and replayed on fresh inputs (same tolerances as the chunked kernels)."""
     from metainfer.kernels import gdn_decode
     from metainfer.kernels import gdn_prefill as gp
-
-    monkeypatch.setenv(gdn_decode.RECURRENT_PRELOAD_ENV, preload)
 
     lens, slot_list, has_list = [5, 1, 16, 3], [3, 0, 5, 1], [True, False, True, True]
     cu_list = [2]
