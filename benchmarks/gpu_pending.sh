@@ -72,6 +72,8 @@
 #            gate/up at T = 5 (METAINFER_MOE_ROUTED_MAX_T=5), the swept router, the DeltaNet inputs loaded
 #            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1, KB-0053: 1.8x slower, removed since;
 #            the switch now does nothing), all three, ~7 min
+#   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
+#            sweep at T = 64 / 1,024, FP8 batch 64 + TTFT on the swept table vs the committed one (x2), ~9 min
 #   host   - the verify step's host work: stacked DeltaNet states and staged prefill-graph inputs (REF_TREE =
 #            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
 #   host2  - the host A/B again (5 alternating processes) and the verify step's PDL-off kernel profiles:
@@ -318,6 +320,19 @@ if has nquant; then
   VAR=METAINFER_NORM_QUANT MODES="0 1 0 1" DTYPES=fp8 BATCHES=32,64 GEN=16 EXTRA=--no-profile bash benchmarks/gpu_ab.sh
   METAINFER_NORM_QUANT=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_nquant.json 2>&1 | grep -E "verdict|rel_rmse"
+fi
+if has gswap; then  # METAINFER_MOE_GROUPED_SWAP: the grouped (prefill, batch > 16) GEMMs with the weight tile as the
+  # MMA's M side; GPU tests, the sweep (FP8, T = 64 and 1,024: current config unswapped / swapped, then 27 swapped
+  # configs), then FP8 decode_bench batch 64 + 1k TTFT on its table vs the committed one
+  timeout 240 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -p no:cacheprovider \
+    -k "swapped or tma_weights or w8a8_full" 2>&1 | tail -2
+  timeout 330 python benchmarks/sweep_decode_kernels.py --grouped-tokens 64,1024 --moe fp8 --grouped-swap \
+    --out $OUT/gswap 2>&1 | grep -v "falling back\|skip" | tail -5
+  for m in 0 1 0 1; do
+    sw=(); [[ $m == 1 ]] && sw=(METAINFER_MOE_TUNED=$OUT/gswap/moe_pair_tuned.json)
+    env "${sw[@]}" timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 64 --gen 16 --no-profile \
+      --out $OUT/gswap_ab$m 2>&1 | grep -E "^\| *64|TTFT" | sed "s/^/[swept=$m] /"
+  done
 fi
 if has host; then  # the verify step's host work (stacked DeltaNet states: 2 snapshot copies, not 60; the prefill
   # graphs' inputs in 2 staged copies, not 5) against REF_TREE, interleaved; then with the routing in gate/up

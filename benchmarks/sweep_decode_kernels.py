@@ -214,12 +214,28 @@ def grouped_tma_candidates(T: int, fp8: bool) -> list[dict]:
         if bm == base["BLOCK_M"] or gn == dn]  # wider down tiles (K = I = 512: 4 K steps each)
 
 
-def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path, tma: bool = False) -> None:
+def grouped_swap_candidates(T: int, fp8: bool) -> list[dict]:
+    """--grouped-swap: the current config unswapped and swapped (METAINFER_MOE_GROUPED_SWAP's form:
+    the weight tile the MMA's M side, an expert's rows its N side), then swapped with row blocks of
+    16-64 (the N side: less padding than the unswapped M-block), weight tiles 64/128, pointer loads
+    or TMA (4 warps), 4-8 warps, 3 stages: 29 configs."""
+    base = moe_grouped.grouped_config(T, 9, 257, fp8)
+    bk = 128 if moe_grouped.a8_enabled(fp8) else base["BLOCK_K"]
+    return [dict(base, SWAP=0), dict(base, SWAP=1)] + [
+        dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=tma,
+             SWAP=1)
+        for bm, (gn, dn), tma, (w, st) in itertools.product(
+            (16, 32, 64), ((64, 64), (128, 128), (64, 128)), (0, 1), ((4, 3), (8, 3)))
+        if not (tma and w == 8)]
+
+
+def grouped_sweep(kinds: list[str], tokens: list[int], meta: dict, out: Path, tma: bool = False,
+                  swap: bool = False) -> None:
     """--grouped-tokens: tiles of the bucketed-expert GEMMs (prefill sizes), keyed by the M-block
     size grouped_config picks for T (`moe_grouped.grouped_key`, in moe_pair_tuned.json)."""
     cfgs, table, everything = {}, [], {}
     key = lambda kind, T, base: moe_grouped.grouped_key(T, 9, 257, kind == "fp8")  # noqa: E731  (rows/expert)
-    cands = grouped_tma_candidates if tma else grouped_candidates
+    cands = grouped_swap_candidates if swap else grouped_tma_candidates if tma else grouped_candidates
     sweep_moe(kinds, tokens, "grouped", cands, key, cfgs, everything, table)
     (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=cfgs), indent=1))
     write_summary(out / "sweep_grouped.json", meta, table, everything)
@@ -258,6 +274,8 @@ def main() -> None:
                     help="FP8 linear candidates; gemv: the preloading GEMV for the FP8 and BF16 linears")
     ap.add_argument("--grouped-tma", action="store_true",
                     help="with --grouped-tokens: weight tiles by TMA descriptor (TMA=1) vs pointer loads")
+    ap.add_argument("--grouped-swap", action="store_true",
+                    help="with --grouped-tokens: the swapped-operand form (SWAP=1) vs the current config")
     ap.add_argument("--grouped-tokens", default="",
                     help="e.g. 1024: tile search of the grouped MoE path only (--moe kinds)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -274,7 +292,7 @@ def main() -> None:
     if args.grouped_tokens:
         kinds = list(filter(None, args.moe.split(",")))
         tokens = [int(t) for t in args.grouped_tokens.split(",")]
-        return grouped_sweep(kinds, tokens, meta, out, args.grouped_tma)
+        return grouped_sweep(kinds, tokens, meta, out, args.grouped_tma, args.grouped_swap)
     for name in filter(None, args.linears.split(",")):
         N, K = FP8_LINEARS[name]
         case = LinearCase(name, N, K)

@@ -16,7 +16,10 @@ times both scales. `moe.moe_experts` picks this path by T (`moe.use_pair_path`).
 The down kernel's e4m3 input is quantised on the bucketed rows that hold pairs only
 (`quant_valid_rows`: tiles past the last bucket and each bucket's padding rows skipped; KB-0051).
 
-Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor (KB-0048). Quantising
+Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor (KB-0048); SWAP=1
+(or METAINFER_MOE_GROUPED_SWAP=1) computes each tile transposed, weights @ rows^T, so the weight
+tile is the MMA's M side and an expert's ~36 rows (1k prefill) its N side (KB-0057; no table entry
+has it yet). Quantising
 the activation tiles inside these kernels instead of act_quant was 2.5x slower at T = 1,024 (each N
 tile re-quantises the same rows) and was removed (KB-0050).
 """
@@ -30,7 +33,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl, routing
-from metainfer.kernels.common import load_tuned, mma, upcast_dots
+from metainfer.kernels.common import env_int, load_tuned, mma, upcast_dots, wdot
 from metainfer.kernels.fp8_linear import BLOCK, act_quant, quant_tile
 
 A8_ENV = "METAINFER_MOE_W8A8"  # "0": FP8 experts on BF16 activations (weight-only) in the grouped path
@@ -134,17 +137,52 @@ def _valid_rows_quant_kernel(x_ptr, q_ptr, s_ptr, ends_ptr, counts_ptr, T, K, E,
 
 
 @triton.jit
+def _swap_dot(a, w, UPCAST: tl.constexpr, SWAP: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] (rows) times w [BLOCK_N, BLOCK_K] (weight rows), transposed: -> fp32
+    [BLOCK_M, BLOCK_N], or with SWAP its transpose [BLOCK_N, BLOCK_M] from w @ a^T (the weights the
+    MMA's M side, the few rows per expert its N side). Exact operands: w is converted to a's dtype."""
+    if SWAP:
+        out = wdot(w, tl.trans(a), UPCAST, 0)
+    else:
+        out = mma(a, tl.trans(w), UPCAST)
+    return out
+
+
+@triton.jit
+def _scaled_dot(a, w, sa, sw, UPCAST: tl.constexpr, SWAP: tl.constexpr):
+    """`_swap_dot` of one 128-wide K step times its scales: sa [BLOCK_M] per row, sw [BLOCK_N] per
+    weight row (the block scale)."""
+    if SWAP:
+        out = _swap_dot(a, w, UPCAST, SWAP) * (sw[:, None] * sa[None, :])
+    else:
+        out = _swap_dot(a, w, UPCAST, SWAP) * (sa[:, None] * sw[None, :])
+    return out
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, rows, valid, offs_n, n_mask, N, SWAP: tl.constexpr):
+    """out[rows, offs_n] <- acc ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with SWAP) on valid rows."""
+    if SWAP:
+        tl.store(out_ptr + rows[None, :] * N + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[None, :] & n_mask[:, None])
+    else:
+        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
     xs_ptr, n_xs,
     TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
-    USE_PDL: tl.constexpr = 0,
+    SWAP: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     """A8 (FP8 weights, BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
     xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales.
     w_desc (a TMA descriptor over w as [E * 2I, H], block [BLOCK_N, BLOCK_K]; I % BLOCK_N == 0):
-    the weight tiles come by TMA instead of pointer loads."""
+    the weight tiles come by TMA instead of pointer loads. SWAP: the MMA computes the transposed
+    tile, weights [BLOCK_N, BLOCK_K] as its M side and the expert's rows as N (`_swap_dot`)."""
     pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
@@ -155,8 +193,8 @@ def _grouped_gate_up_kernel(
     n_mask = offs_n < I
     wg_rows = w_ptr + e * stride_we + offs_n[:, None] * H  # [BLOCK_N, 1]; up rows at +I*H
     s_base = s_ptr + e * stride_se
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < H
@@ -164,27 +202,26 @@ def _grouped_gate_up_kernel(
         a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
         if w_desc is not None:
             g_row = (e * (2 * I) + tl.program_id(1) * BLOCK_N).to(tl.int32)
-            bg = tl.trans(w_desc.load([g_row, k0]))  # [BLOCK_K, BLOCK_N]
-            bu = tl.trans(w_desc.load([g_row + I, k0]))
+            wg = w_desc.load([g_row, k0])  # [BLOCK_N, BLOCK_K]
+            wu = w_desc.load([g_row + I, k0])
         else:
             wmask = n_mask[:, None] & k_mask[None, :]
-            bg = tl.trans(tl.load(wg_rows + offs_k[None, :], mask=wmask, other=0.0))  # [BLOCK_K, BLOCK_N]
-            bu = tl.trans(tl.load(wg_rows + I * H + offs_k[None, :], mask=wmask, other=0.0))
+            wg = tl.load(wg_rows + offs_k[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
+            wu = tl.load(wg_rows + I * H + offs_k[None, :], mask=wmask, other=0.0)
         if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
             sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
             su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
-            sg, su = sg[None, :], su[None, :]
             if A8:
-                sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)[:, None]
-                sg, su = sa * sg, sa * su
-            acc_g += mma(a, bg, UPCAST) * sg
-            acc_u += mma(a, bu, UPCAST) * su
+                sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)
+            else:
+                sa = tl.full((BLOCK_M,), 1.0, tl.float32)
+            acc_g += _scaled_dot(a, wg, sa, sg, UPCAST, SWAP)
+            acc_u += _scaled_dot(a, wu, sa, su, UPCAST, SWAP)
         else:
-            acc_g += mma(a, bg, UPCAST)
-            acc_u += mma(a, bu, UPCAST)
+            acc_g += _swap_dot(a, wg, UPCAST, SWAP)
+            acc_u += _swap_dot(a, wu, UPCAST, SWAP)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
-    out_mask = valid[:, None] & n_mask[None, :]
-    tl.store(act_ptr + rows[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty), mask=out_mask)
+    _store_rows(act_ptr, act, rows, valid, offs_n, n_mask, I, SWAP)
 
 
 @triton.jit
@@ -193,10 +230,11 @@ def _grouped_down_kernel(
     as_ptr, n_as,
     FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
-    USE_PDL: tl.constexpr = 0,
+    SWAP: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel).
-    w_desc: a TMA descriptor over w as [E * H, I], block [BLOCK_N, BLOCK_K] (H % BLOCK_N == 0)."""
+    w_desc: a TMA descriptor over w as [E * H, I], block [BLOCK_N, BLOCK_K] (H % BLOCK_N == 0).
+    SWAP: as the gate/up kernel's."""
     pdl.wait(USE_PDL)
     row0 = tl.program_id(0) * BLOCK_M
     if row0 >= tl.load(ends_ptr + E - 1):
@@ -207,25 +245,26 @@ def _grouped_down_kernel(
     n_mask = offs_n < H
     w_rows = w_ptr + e * stride_we + offs_n[:, None] * I  # [BLOCK_N, 1]
     s_rows = s_ptr + e * stride_se + (offs_n // 128) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < I
         a_mask = valid[:, None] & k_mask[None, :]
         a = tl.load(act_ptr + rows[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0)
         if w_desc is not None:
-            b = tl.trans(w_desc.load([(e * H + tl.program_id(1) * BLOCK_N).to(tl.int32), k0]))
+            w = w_desc.load([(e * H + tl.program_id(1) * BLOCK_N).to(tl.int32), k0])  # [BLOCK_N, BLOCK_K]
         else:
-            b = tl.trans(tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0))
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if FP8:
-            sb = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[None, :]
+            sb = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)
             if A8:
-                sb = sb * tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)[:, None]
-            acc += mma(a, b, UPCAST) * sb
+                sa = tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)
+            else:
+                sa = tl.full((BLOCK_M,), 1.0, tl.float32)
+            acc += _scaled_dot(a, w, sa, sb, UPCAST, SWAP)
         else:
-            acc += mma(a, b, UPCAST)
-    out_mask = valid[:, None] & n_mask[None, :]
-    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            acc += _swap_dot(a, w, UPCAST, SWAP)
+    _store_rows(y_ptr, acc, pair, valid, offs_n, n_mask, H, SWAP)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -295,6 +334,13 @@ def _desc(w: torch.Tensor, block_n: int, block_k: int):
 
 
 BUCKET_ONE_ENV = "METAINFER_MOE_BUCKET_ONE"  # "0": count (after a memset) and bucket in two launches
+SWAP_ENV = "METAINFER_MOE_GROUPED_SWAP"  # 0/1: the MMAs' operands swapped (weights as M) or not; unset: cfg's
+
+
+def grouped_swap(cfg: dict) -> int:
+    """Whether the grouped GEMMs run swapped (`_swap_dot`): METAINFER_MOE_GROUPED_SWAP, else the
+    config's SWAP (none in the table yet: 0)."""
+    return env_int(SWAP_ENV, int(cfg.get("SWAP", 0)), 0, 1)
 
 
 def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict, xq=None) -> torch.Tensor:
@@ -331,7 +377,7 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict, xq=Non
     else:
         xa, xs = act_quant(x)  # e4m3 activations + scales
     common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  SWAP=grouped_swap(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bk = common["BLOCK_K"]
     tma = cfg.get("TMA", 0) and tma_ok(w_gate_up, w_down, cfg["GU_BLOCK_N"], cfg["DN_BLOCK_N"])
     _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](

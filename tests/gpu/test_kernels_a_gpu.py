@@ -405,8 +405,9 @@ _COMPILE = textwrap.dedent(
             wd, wc = (dict(w_desc=desc), {}) if desc else ({}, dict(w_desc=None))
             gu_types = dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st, **wd)
             dn_types = dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st, **wd)
-            build(mg._grouped_gate_up_kernel, gu_types, dict(tiles, TOP_K=8, **wc), 4, 3)
-            build(mg._grouped_down_kernel, dn_types, dict(tiles, **wc), 4, 3)
+            for swap in (0, 1):  # SWAP: weights as the MMA's M side (METAINFER_MOE_GROUPED_SWAP)
+                build(mg._grouped_gate_up_kernel, gu_types, dict(tiles, TOP_K=8, SWAP=swap, **wc), 4, 3)
+                build(mg._grouped_down_kernel, dn_types, dict(tiles, SWAP=swap, **wc), 4, 3)
     for bm in (16, 64):  # the down kernel's e4m3 input: valid rows only (and act_quant's kernel)
         build(mg._valid_rows_quant_kernel,
               dict(x_ptr=bf, q_ptr=f8, s_ptr=f32, ends_ptr="*i32", counts_ptr="*i32"),

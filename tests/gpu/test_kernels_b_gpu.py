@@ -222,6 +222,32 @@ def test_moe_grouped_tma_weights_full_shapes(T, fp8, monkeypatch):
         assert torch.equal(got, want), cfg
 
 
+@pytest.mark.parametrize(
+    "T,fp8,skew", [(64, True, False), (1024, True, False), (1024, True, True), (1024, False, False)]
+)
+def test_moe_grouped_swapped_full_shapes(T, fp8, skew, monkeypatch):
+    """SWAP=1 (the grouped GEMMs as weights @ rows^T) on the tuned tiles, with pointer loads and TMA
+    and on 16/32-row blocks: within 5e-3 rel. RMSE of the unswapped kernels (the sums' order may
+    differ and flip an e4m3 rounding of the down input), 1e-2 for BF16, and deterministic."""
+    from metainfer.kernels import moe, moe_grouped
+    from metainfer.model.fp8 import quantize_fp8_block
+
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
+    monkeypatch.delenv(moe_grouped.SWAP_ENV, raising=False)
+    x, w_gu, w_dn, tw, ids = _moe_problem(T, seed=7, skew=skew)
+    args = (x, w_gu.bfloat16(), w_dn.bfloat16(), tw, ids)
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
+    base = moe_grouped.grouped_config(T, ids.shape[1], w_gu.shape[0], fp8)
+    want = moe.moe_experts(*args, path="grouped", config=dict(base, SWAP=0))
+    for cfg in (dict(base, TMA=0), dict(base, TMA=1), dict(base, BLOCK_M=16),
+                dict(base, BLOCK_M=32, GU_BLOCK_N=128)):
+        got = moe.moe_experts(*args, path="grouped", config=dict(cfg, SWAP=1))
+        assert _rel(got, want) < (5e-3 if fp8 else 1e-2), cfg
+        assert torch.equal(got, moe.moe_experts(*args, path="grouped", config=dict(cfg, SWAP=1))), cfg
+
+
 @pytest.mark.parametrize("T", [33, 1024])
 def test_moe_grouped_valid_rows_quant_full_shapes(T, monkeypatch):
     """FP8 grouped experts with the down input quantised on the bucketed rows that hold pairs only

@@ -465,3 +465,31 @@ def test_moe_grouped_takes_the_norms_e4m3_copy(monkeypatch):
     q, s = fp8_linear.act_quant(x)
     xq[0][:19], xq[1][:, :19] = q, s
     assert torch.equal(moe_grouped.grouped_rows(x, q_gu, q_dn, ids, gu, dn, True, cfg, xq=xq), want)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8", "w8a8", "w8a8-skew"])
+def test_moe_grouped_swapped_operands(kind, monkeypatch):
+    """METAINFER_MOE_GROUPED_SWAP=1 (the grouped GEMMs as weights @ rows^T: the weight tile the
+    MMA's M side): within the dtype's tolerance of the reference and of the unswapped kernels
+    (rel RMSE < 1e-5 fp32 / 1e-2 bf16, e4m3 x e4m3 1e-3: the sums' order may differ)."""
+    dtype = BF16 if kind == "bf16" else F32
+    monkeypatch.setenv(moe_grouped.A8_ENV, "1" if kind.startswith("w8a8") else "0")
+    x, w_gu, w_dn, tw, ids = _problem(17, seed=5, skew=kind.endswith("skew"), dtype=dtype)
+    args, ref_w = (x, w_gu, w_dn, tw, ids), (w_gu, w_dn)
+    if kind in ("fp8", "w8a8", "w8a8-skew"):
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
+        ref_w = (ref_dequant_fp8(q_gu, s_gu, dtype), ref_dequant_fp8(q_dn, s_dn, dtype))
+    runs = {}
+    for swap in ("0", "1"):
+        monkeypatch.setenv(moe_grouped.SWAP_ENV, swap)
+        runs[swap] = moe.moe_experts(*args, path="grouped")
+    want = ref.moe_experts(x, *ref_w, tw, ids)
+    rmse, max_abs = TOL[dtype]
+    tol = 8e-2 if kind.startswith("w8a8") else rmse  # e4m3 activations: as test_moe_grouped_w8a8
+    assert rel_rmse(runs["1"], want) < tol
+    same = 1e-2 if dtype == BF16 else 1e-3 if kind.startswith("w8a8") else 1e-5
+    assert rel_rmse(runs["1"], runs["0"]) < same, rel_rmse(runs["1"], runs["0"])
+    monkeypatch.setenv(moe_grouped.SWAP_ENV, "2")
+    with pytest.raises(ValueError, match="METAINFER_MOE_GROUPED_SWAP"):
+        moe.moe_experts(*args, path="grouped")
