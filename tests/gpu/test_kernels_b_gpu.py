@@ -248,6 +248,32 @@ def test_moe_grouped_swapped_full_shapes(T, fp8, skew, monkeypatch):
         assert torch.equal(got, moe.moe_experts(*args, path="grouped", config=dict(cfg, SWAP=1))), cfg
 
 
+@pytest.mark.parametrize("T,fp8", [(2, True), (5, True), (16, True), (5, False), (8, False)])
+def test_moe_pair_rows_shared_once_full_shapes(T, fp8, monkeypatch):
+    """METAINFER_MOE_SHARED_ONCE=1 (every token's shared slot in one tensor-core program) at full
+    shapes, shared expert = expert 256 as the engine routes it: the routed slots bit-equal to the
+    per-token programs, the shared slot within 1e-3 (FP8) / 1e-2 (BF16 weights) rel. RMSE of them,
+    deterministic."""
+    from metainfer.kernels import moe
+    from metainfer.model.fp8 import quantize_fp8_block
+
+    x, w_gu, w_dn, _, ids = _moe_problem(T, seed=8)
+    E = w_gu.shape[0]
+    ids = torch.cat([ids.clamp_max(E - 2), torch.full_like(ids[:, :1], E - 1)], dim=1).contiguous()
+    args = (x, w_gu.bfloat16(), w_dn.bfloat16(), ids)
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (x, q_gu, q_dn, ids, s_gu, s_dn)
+    cfg = dict(moe.pair_config(T, fp8), BLOCK_I=16)
+    monkeypatch.setenv(moe.SHARED_ONCE_ENV, "0")
+    base = moe.moe_pair_rows(*args, config=cfg, shared_last=True)
+    monkeypatch.setenv(moe.SHARED_ONCE_ENV, "1")
+    got = moe.moe_pair_rows(*args, config=cfg, shared_last=True)
+    assert torch.equal(got[:, :-1], base[:, :-1])
+    assert _rel(got[:, -1], base[:, -1]) < (1e-3 if fp8 else 1e-2)
+    assert torch.equal(got, moe.moe_pair_rows(*args, config=cfg, shared_last=True))
+
+
 @pytest.mark.parametrize("T", [33, 1024])
 def test_moe_grouped_valid_rows_quant_full_shapes(T, monkeypatch):
     """FP8 grouped experts with the down input quantised on the bucketed rows that hold pairs only
