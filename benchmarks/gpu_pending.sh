@@ -72,8 +72,10 @@
 #            gate/up at T = 5 (METAINFER_MOE_ROUTED_MAX_T=5), the swept router, the DeltaNet inputs loaded
 #            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1, KB-0053: 1.8x slower, removed since;
 #            the switch now does nothing), all three, ~7 min
-#   sonce  - the per-pair MoE kernels' shared slot once for all tokens (METAINFER_MOE_SHARED_ONCE, KB-0058): GPU
-#            tests, FP8/BF16 batches 2, 8, 16 A/B (x2), verify-step profiles, FP8 repeat oracle with it on, ~9 min
+#   sonce  - the per-pair MoE kernels' shared slot once for all tokens (METAINFER_MOE_SHARED_ONCE, KB-0058) and
+#            their down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059): GPU tests, FP8 batches
+#            2, 8, 16 A/B (x2) of SONCE_VARS (default SHARED_ONCE; SONCE_DTYPES), verify-step profiles of SHARED_ONCE,
+#            with SONCE_ORACLE=1 its FP8 repeat oracle; ~6 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
 #            sweep at T = 64 / 1,024, FP8 batch 64 + TTFT on the swept table vs the committed one (x2), ~9 min
 #   host   - the verify step's host work: stacked DeltaNet states and staged prefill-graph inputs (REF_TREE =
@@ -325,15 +327,17 @@ if has nquant; then
 fi
 if has sonce; then  # METAINFER_MOE_SHARED_ONCE (KB-0058): every token's shared slot in one per-pair program (T 2..16)
   timeout 200 python -m pytest -q tests/gpu/test_kernels_b_gpu.py tests/gpu/test_kernels_a_gpu.py -p no:cacheprovider \
-    -k "shared_once or compile" 2>&1 | tail -2
-  VAR=METAINFER_MOE_SHARED_ONCE MODES="0 1 0 1" DTYPES="fp8 bfloat16" BATCHES=2,8,16 GEN=16 EXTRA=--no-profile \
-    bash benchmarks/gpu_ab.sh | grep -v TTFT
-  for on in 0 1; do
+    -k "shared_once or down_from_ids or compile" 2>&1 | tail -2
+  for var in ${SONCE_VARS:-METAINFER_MOE_SHARED_ONCE}; do  # KB-0058; SONCE_VARS=METAINFER_MOE_DOWN_IDS: KB-0059
+    VAR=$var MODES="0 1 0 1" DTYPES=${SONCE_DTYPES:-fp8} BATCHES=2,8,16 GEN=16 EXTRA=--no-profile \
+      bash benchmarks/gpu_ab.sh | grep -v TTFT
+  done
+  for on in 0 1; do  # (PDL off: the kernels' own times; KB-0059's preload shows with PDL only)
     METAINFER_MOE_SHARED_ONCE=$on METAINFER_PDL=0 timeout 100 python benchmarks/spec_bench.py --dtype fp8 --gen 128 \
       --modes script --script-k 4 --reps 1 --profile script-4 --profile-gen 128 --out $OUT/sonce_prof$on 2>&1 \
       | grep -E "script-4/random: |_pair_" | sed "s/^/[once=$on] /"
   done
-  METAINFER_MOE_SHARED_ONCE=1 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+  [[ -n ${SONCE_ORACLE:-} ]] && METAINFER_MOE_SHARED_ONCE=1 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --speculative repeat --speculative-max-seqs 64 \
     --json $OUT/verify_fp8_repeat_sonce.json 2>&1 | grep -E "verdict:|decode.rel" | sed "s/^/[once=1] /"
 fi

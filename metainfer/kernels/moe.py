@@ -38,6 +38,7 @@ from metainfer.kernels.common import env_int, load_tuned, upcast_dots, wdot
 PAIR_MAX_T = 8
 DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
 DOWN_PRELOAD_BLOCK_H = 32
+DOWN_IDS_ENV = "METAINFER_MOE_DOWN_IDS"  # "1": `moe_pair_rows` downs on `_routed_down_kernel` (from ids)
 
 
 # ---- small T: one program per (pair, block) ------------------------------------------------------
@@ -288,10 +289,16 @@ def _routed_down_kernel(
     from the router logits itself (`routing.slot_pick`, the gate/up kernel's picks: the logits were
     written two kernels back, so they are final once this kernel launches) and loads its whole
     [BLOCK_H, I] weight tile (and block scales) while the gate/up kernel still runs; then waits,
-    reads the pair's activation and reduces on the CUDA cores. y[pair, h-block] fp32."""
+    reads the pair's activation and reduces on the CUDA cores. y[pair, h-block] fp32.
+
+    ROUTE_K = 0: logits_ptr holds the pairs' expert ids [T * SLOTS] int64 instead, written by the
+    route launch two kernels back like the logits (`moe_pair_rows` with METAINFER_MOE_DOWN_IDS=1)."""
     pair = tl.program_id(0)
     t = pair // SLOTS
-    e, _, _ = routing.slot_pick(logits_ptr + t * stride_lt, E, pair - t * SLOTS, ROUTE_K, E_P2, K_P2)
+    if ROUTE_K:
+        e, _, _ = routing.slot_pick(logits_ptr + t * stride_lt, E, pair - t * SLOTS, ROUTE_K, E_P2, K_P2)
+    else:
+        e = tl.load(logits_ptr + pair).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_k = tl.arange(0, I_P2)
     h_mask = offs_h < H
@@ -394,18 +401,20 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor,
 
 
 def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, num_warps: int) -> torch.Tensor:
-    """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits,
-    weights loaded before the PDL wait -> y [T*W, H] fp32. num_warps: the gate/up kernel's, so the
-    routing's reductions run in the same order and pick the same experts even at a near-tie."""
+    """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits (or,
+    top_k = 0, read from the ids [T, slots] passed as logits), weights loaded before the PDL wait
+    -> y [T*W, H] fp32. num_warps: the gate/up kernel's, so the routing's reductions run in the
+    same order and pick the same experts even at a near-tie."""
     H, I = w_down.shape[1], w_down.shape[2]
     P = act.shape[0]
-    E = logits.shape[1] - (slots - top_k)
+    E = logits.shape[1] - (slots - top_k) if top_k else 1
     y = torch.empty(P, H, dtype=torch.float32, device=act.device)
     block_h = DOWN_PRELOAD_BLOCK_H
     _routed_down_kernel[(P, triton.cdiv(H, block_h))](
         act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
-        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(top_k), num_warps=num_warps, **pdl.kw(),
+        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)), num_warps=num_warps,
+        **pdl.kw(),
     )
     return y
 
@@ -548,7 +557,11 @@ def moe_pair_rows(
     cfg = config or pair_config(T, fp8)
     once = shared_once(T, cfg, shared_last)
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg, once=once)
-    y = _pair_down_rows(act, w_down, _scale_args(down_scale, w_down), ids, fp8, cfg, x, once=once)
+    dn = _scale_args(down_scale, w_down)
+    if os.environ.get(DOWN_IDS_ENV, "0") == "1" and not once:  # KB-0059: weights loaded before the wait
+        y = _routed_down(act, w_down, dn, ids, 0, W, fp8, cfg["num_warps"])
+    else:
+        y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x, once=once)
     return y.view(T, W, H)
 
 

@@ -424,6 +424,8 @@ _COMPILE = textwrap.dedent(
           dict(BLOCK_M=16, E_P2=512, BLOCK=1024), 8)
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32),
           dict(SLOTS=9, ROUTE_K=8, FP8=1, BLOCK_H=32, I_P2=512, E_P2=256, K_P2=8), 4)
+    build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr="*i64", y_ptr=f32),
+          dict(SLOTS=9, ROUTE_K=0, FP8=1, BLOCK_H=32, I_P2=512, E_P2=1, K_P2=1), 4)  # METAINFER_MOE_DOWN_IDS
     build(routing._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
     build(routing._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
           dict(TOP_K=8, E_P2=256, K_P2=8, SHARED=1), 4)

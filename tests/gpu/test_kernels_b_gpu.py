@@ -274,6 +274,45 @@ def test_moe_pair_rows_shared_once_full_shapes(T, fp8, monkeypatch):
     assert torch.equal(got, moe.moe_pair_rows(*args, config=cfg, shared_last=True))
 
 
+@pytest.mark.parametrize("T,fp8", [(5, True), (16, True), (8, False)])
+def test_moe_pair_rows_down_from_ids_full_shapes(T, fp8, monkeypatch):
+    """METAINFER_MOE_DOWN_IDS=1 (the per-pair rows' down on `_routed_down_kernel`, reading the ids and
+    loading its weights before the PDL wait), as the engine runs it: route kernel, gate/up, down in
+    a CUDA graph with PDL; rows within 1e-5 rel. RMSE of the per-pair down kernel's (fp32 rows,
+    another summation order), deterministic."""
+    from metainfer.kernels import moe, ops
+    from metainfer.model.fp8 import quantize_fp8_block
+
+    x, w_gu, w_dn, _, _ = _moe_problem(T, seed=9)
+    E = w_gu.shape[0]
+    logits = torch.randn(T, E, device="cuda").bfloat16()  # [T, E-1 routed + the shared gate]
+    args = (w_gu.bfloat16(), w_dn.bfloat16())
+    if fp8:
+        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
+        args = (q_gu, q_dn, s_gu, s_dn)
+    ops.use_kernels(True)
+    try:
+        def step():
+            return ops.moe_rows(x, logits, TOPK, *args)[0]
+
+        monkeypatch.setenv(moe.DOWN_IDS_ENV, "0")
+        want = step().clone()
+        monkeypatch.setenv(moe.DOWN_IDS_ENV, "1")
+        got = step().clone()
+        assert _rel(got, want) < 1e-5
+        g = torch.cuda.CUDAGraph()
+        step()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            out = step()
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, got)
+    finally:
+        ops.use_kernels(False)
+
+
 @pytest.mark.parametrize("T", [33, 1024])
 def test_moe_grouped_valid_rows_quant_full_shapes(T, monkeypatch):
     """FP8 grouped experts with the down input quantised on the bucketed rows that hold pairs only
