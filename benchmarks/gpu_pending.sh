@@ -77,7 +77,8 @@
 #            2, 8, 16 A/B (x2) of SONCE_VARS (default SHARED_ONCE; SONCE_DTYPES), verify-step profiles of SHARED_ONCE,
 #            with SONCE_ORACLE=1 its FP8 repeat oracle; ~6 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
-#            sweep at T = 64 / 1,024, FP8 batch 64 + TTFT on the swept table vs the committed one (x2), ~9 min
+#            sweep at T = 64 / 1,024, FP8 batches 8 / 16 on the swapped grouped path vs per-pair, FP8 batch 64 +
+#            TTFT on the swept table vs the committed one (x2), ~10 min (the sweep alone ~5)
 #   host   - the verify step's host work: stacked DeltaNet states and staged prefill-graph inputs (REF_TREE =
 #            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
 #   host2  - the host A/B again (5 alternating processes) and the verify step's PDL-off kernel profiles:
@@ -348,6 +349,13 @@ if has gswap; then  # METAINFER_MOE_GROUPED_SWAP: the grouped (prefill, batch > 
     -k "swapped or tma_weights or w8a8_full" 2>&1 | tail -2
   timeout 330 python benchmarks/sweep_decode_kernels.py --grouped-tokens 64,1024 --moe fp8 --grouped-swap \
     --out $OUT/gswap 2>&1 | grep -v "falling back\|skip" | tail -5
+  # batches 8 / 16 on the grouped path (bucketed: an expert drawn by several tokens streamed once) swapped, with
+  # 16-row blocks, against the per-pair default
+  for m in pair gswap; do
+    sw=(); [[ $m == gswap ]] && sw=(METAINFER_MOE_PAIR_MAX_T=4 METAINFER_MOE_GROUPED_SWAP=1)
+    env "${sw[@]}" timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 8,16 --gen 16 --no-profile \
+      --out $OUT/gswap_small_$m 2>&1 | grep -E "^\| *(8|16) " | sed "s/^/[$m] /"
+  done
   for m in 0 1 0 1; do
     sw=(); [[ $m == 1 ]] && sw=(METAINFER_MOE_TUNED=$OUT/gswap/moe_pair_tuned.json)
     env "${sw[@]}" timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 64 --gen 16 --no-profile \
