@@ -46,8 +46,7 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _quant_stored(out_ptr, q_ptr, s_ptr, row_off, s_off, n_s, rmask, N, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+def _quant_stored(out_ptr, q_ptr, s_ptr, row_off, s_off, n_s, rmask, N, BLOCK_N: tl.constexpr):
     """The e4m3 copy of the rows this program just stored at out_ptr + row_off (N columns, N % 128 == 0)
     into q (the same offsets) and their scales (group g of a row at s_ptr + s_off + g * n_s). The rows
     are read back after a barrier, not reshaped in registers: a [R, G, 128] view of the norm's own
@@ -67,8 +66,7 @@ def _quant_stored(out_ptr, q_ptr, s_ptr, row_off, s_off, n_s, rmask, N, BLOCK_R:
 
 @triton.jit
 def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
-                             q_ptr, s_ptr, n_s, QUANT: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                             q_ptr, s_ptr, n_s, QUANT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Stores the new residual r (already in its dtype) and x / rms(x) * (1 + w) of it; QUANT: also
     the output's e4m3 copy q [rows, N] and its per-128-column scales s [N/128, n_s] (N % 128 == 0),
     as `fp8_linear.act_quant` of the stored output gives them."""
@@ -80,7 +78,7 @@ def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, r
     y = (rf * rstd[:, None] * (1.0 + w)[None, :]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + off, y, mask=mask)
     if QUANT:
-        _quant_stored(out_ptr, q_ptr, s_ptr, rows.to(tl.int64) * N, rows, n_s, rmask, N, BLOCK_R, BLOCK_N)
+        _quant_stored(out_ptr, q_ptr, s_ptr, rows.to(tl.int64) * N, rows, n_s, rmask, N, BLOCK_N)
 
 
 @triton.jit
@@ -103,7 +101,7 @@ def _add_rms_norm_kernel(
     off = rows64 * N + cols[None, :]
     r = (x + res).to(new_res_ptr.dtype.element_ty)  # the residual stream is rounded before the norm
     _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
-                             q_ptr, s_ptr, n_s, QUANT, BLOCK_R, BLOCK_N)
+                             q_ptr, s_ptr, n_s, QUANT, BLOCK_N)
 
 
 @triton.jit
@@ -135,7 +133,7 @@ def _moe_add_rms_norm_kernel(
         r = (r.to(tl.float32) + res).to(new_res_ptr.dtype.element_ty)
     off = rows64 * N + cols[None, :]
     _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
-                             q_ptr, s_ptr, n_s, QUANT, BLOCK_R, BLOCK_N)
+                             q_ptr, s_ptr, n_s, QUANT, BLOCK_N)
 
 
 @triton.jit
@@ -169,7 +167,7 @@ def _gated_rms_norm_kernel(
     tl.store(out_ptr + ooff, y, mask=mask)
     if QUANT:  # scale of (row r1, column group r2 * N / 128 + g) at [r2 * N / 128 + g, r1]
         _quant_stored(out_ptr, q_ptr, s_ptr, rows.to(tl.int64) * N, r2 * (N // 128) * n_s + r1, n_s,
-                      rows < n_rows, N, BLOCK_R, BLOCK_N)
+                      rows < n_rows, N, BLOCK_N)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -271,8 +269,7 @@ def moe_add_rms_norm(
     _moe_add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
         rows, weights, res, weight, out, new_res, T, res.stride(0), N, eps,
         **_quant_args(xq_out, T, N, rows.device), SLOTS=W, HAS_RES=residual is not None, BLOCK_R=block_r,
-        BLOCK_N=block_n,
-        num_warps=NUM_WARPS, **pdl.kw(),
+        BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out, new_res
 
