@@ -72,10 +72,8 @@
 #            gate/up at T = 5 (METAINFER_MOE_ROUTED_MAX_T=5), the swept router, the DeltaNet inputs loaded
 #            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1, KB-0053: 1.8x slower, removed since;
 #            the switch now does nothing), all three, ~7 min
-#   sonce  - the per-pair MoE kernels' shared slot once for all tokens (METAINFER_MOE_SHARED_ONCE, KB-0058) and
-#            their down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059): GPU tests, FP8 batches
-#            2, 8, 16 A/B (x2) of SONCE_VARS (default SHARED_ONCE; SONCE_DTYPES), verify-step profiles of SHARED_ONCE,
-#            with SONCE_ORACLE=1 its FP8 repeat oracle; ~6 min
+#   downids - the per-pair rows' down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059; the FP8
+#            default since 2026-12-01a): GPU test, batches DI_BATCHES (2,8) A/B (x2) in DI_DTYPES (bfloat16), ~3 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
 #            sweep at T = 64 / 1,024, FP8 batches 8 / 16 on the swapped grouped path vs per-pair, FP8 batch 64 +
 #            TTFT on the swept table vs the committed one (x2), ~10 min (the sweep alone ~5)
@@ -83,7 +81,9 @@
 #            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
 #   host2  - the host A/B again (5 alternating processes) and the verify step's PDL-off kernel profiles:
 #            defaults, routing in gate/up at T = 5 + swept router, KB-0053; ~6 min
-#   Measured (results/2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
+#   Measured (results/2026-12-01a): sonce (KB-0058: slower, removed; KB-0059 kept for FP8), gswap (KB-0057:
+#   the swapped FP8 configs in the table; the swapped grouped path at batches 8 / 16 slower than per-pair);
+#   (2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
@@ -326,21 +326,10 @@ if has nquant; then
   METAINFER_NORM_QUANT=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_nquant.json 2>&1 | grep -E "verdict|rel_rmse"
 fi
-if has sonce; then  # METAINFER_MOE_SHARED_ONCE (KB-0058): every token's shared slot in one per-pair program (T 2..16)
-  timeout 200 python -m pytest -q tests/gpu/test_kernels_b_gpu.py tests/gpu/test_kernels_a_gpu.py -p no:cacheprovider \
-    -k "shared_once or down_from_ids or compile" 2>&1 | tail -2
-  for var in ${SONCE_VARS:-METAINFER_MOE_SHARED_ONCE}; do  # KB-0058; SONCE_VARS=METAINFER_MOE_DOWN_IDS: KB-0059
-    VAR=$var MODES="0 1 0 1" DTYPES=${SONCE_DTYPES:-fp8} BATCHES=2,8,16 GEN=16 EXTRA=--no-profile \
-      bash benchmarks/gpu_ab.sh | grep -v TTFT
-  done
-  for on in 0 1; do  # (PDL off: the kernels' own times; KB-0059's preload shows with PDL only)
-    METAINFER_MOE_SHARED_ONCE=$on METAINFER_PDL=0 timeout 100 python benchmarks/spec_bench.py --dtype fp8 --gen 128 \
-      --modes script --script-k 4 --reps 1 --profile script-4 --profile-gen 128 --out $OUT/sonce_prof$on 2>&1 \
-      | grep -E "script-4/random: |_pair_" | sed "s/^/[once=$on] /"
-  done
-  [[ -n ${SONCE_ORACLE:-} ]] && METAINFER_MOE_SHARED_ONCE=1 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
-    --dtype fp8 --device cuda --suite full --speculative repeat --speculative-max-seqs 64 \
-    --json $OUT/verify_fp8_repeat_sonce.json 2>&1 | grep -E "verdict:|decode.rel" | sed "s/^/[once=1] /"
+if has downids; then  # KB-0059: METAINFER_MOE_DOWN_IDS 0 / 1 (unset: FP8 on, BF16 off)
+  timeout 200 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -p no:cacheprovider -k "down_from_ids" 2>&1 | tail -2
+  VAR=METAINFER_MOE_DOWN_IDS MODES="0 1 0 1" DTYPES=${DI_DTYPES:-bfloat16} BATCHES=${DI_BATCHES:-2,8} GEN=16 \
+    EXTRA=--no-profile bash benchmarks/gpu_ab.sh | grep -v TTFT
 fi
 if has gswap; then  # METAINFER_MOE_GROUPED_SWAP: the grouped (prefill, batch > 16) GEMMs with the weight tile as the
   # MMA's M side; GPU tests, the sweep (FP8, T = 64 and 1,024: current config unswapped / swapped, then 27 swapped

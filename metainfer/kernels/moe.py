@@ -14,12 +14,9 @@ weights in slot order ("rows", the default), or `_pair_down_kernel` over (token,
 ("fused"). Each pair reads its expert's rows once; the loops pipeline all their loads
 (`tl.range(num_stages=...)`). `moe_routed_rows` (FP8, up to ROUTED_MAX_T tokens) routes inside the
 gate/up kernel and leaves the weighted sum to the next add+RMSNorm (`norm.moe_add_rms_norm`): two
-launches per layer instead of four.
-
-With METAINFER_MOE_SHARED_ONCE=1 (KB-0058, off by default) and the shared expert in every token's
-last slot (`moe_pair_rows(..., shared_last=True)`, as the model routes), one program per block
-computes that slot for all 2-16 tokens on the tensor cores (tokens as the operand's columns): the
-shared expert's rows are streamed once per step instead of once per token.
+launches per layer instead of four. `moe_pair_rows` (the rows of batches past that, weighted sum
+left to the add+RMSNorm too) runs its FP8 down projection on `_routed_down_kernel` from the route
+launch's ids (`down_from_ids`): weights loaded before the PDL wait.
 
 Large T: `moe_grouped` (pairs bucketed by expert, grouped GEMMs), picked by `use_pair_path`.
 """
@@ -38,87 +35,26 @@ from metainfer.kernels.common import env_int, load_tuned, upcast_dots, wdot
 PAIR_MAX_T = 8
 DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
 DOWN_PRELOAD_BLOCK_H = 32
-DOWN_IDS_ENV = "METAINFER_MOE_DOWN_IDS"  # "1": `moe_pair_rows` downs on `_routed_down_kernel` (from ids)
+DOWN_IDS_ENV = "METAINFER_MOE_DOWN_IDS"  # `moe_pair_rows`' down on `_routed_down_kernel`: "1"/"0"; unset: FP8
+
+
+def down_from_ids(fp8: bool) -> bool:
+    """Whether `moe_pair_rows` runs its down projection on `_routed_down_kernel` from the ids (weights
+    loaded before the PDL wait; KB-0059: FP8 batches 8 / 16 1,684 -> 1,734 / 2,357 -> 2,448 tok/s on
+    the H200) rather than `_pair_down_rows_kernel`: FP8 by default, BF16 only with
+    METAINFER_MOE_DOWN_IDS=1 (not measured faster there), neither with =0."""
+    env = os.environ.get(DOWN_IDS_ENV, "")
+    return env == "1" or (env == "" and fp8)
 
 
 # ---- small T: one program per (pair, block) ------------------------------------------------------
-@triton.jit
-def _shared_pair(pair, SLOTS: tl.constexpr):
-    """SHARED_ONCE grids: program `pair` of T * (SLOTS - 1) + 1 along axis 0 -> (its (token, slot)
-    row of a routed slot, or -1 for the last program: every token's shared slot SLOTS - 1; T)."""
-    last = tl.num_programs(0) - 1
-    t = pair // (SLOTS - 1)
-    row = tl.where(pair == last, -1, t * SLOTS + pair - t * (SLOTS - 1))
-    return row, last // (SLOTS - 1)
-
-
-@triton.jit
-def _shared_gate_up(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H, I, stride_we, stride_se, stride_sn, n_tok,
-                    offs_i, i_mask, SLOTS: tl.constexpr, FP8: tl.constexpr, BLOCK_I: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr, DOT_F16: tl.constexpr):
-    """silu(gate) * up of the expert in slot SLOTS - 1 (the shared one: the same for every token) for
-    all n_tok <= 16 tokens at once: the tokens are the 16 columns of a tensor-core operand, so the
-    expert's rows are streamed once, not once per token."""
-    tt = tl.arange(0, 16)
-    t_mask = tt < n_tok
-    e = tl.load(ids_ptr + SLOTS - 1).to(tl.int64)  # token 0's shared slot: every token's expert
-    wg_rows = w_ptr + e * stride_we + offs_i[:, None] * H
-    s_base = s_ptr + e * stride_se
-    acc_g = tl.zeros((BLOCK_I, 16), tl.float32)
-    acc_u = tl.zeros((BLOCK_I, 16), tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < H
-        xt = tl.load(x_ptr + tt[None, :] * H + offs_k[:, None], mask=t_mask[None, :] & k_mask[:, None],
-                     other=0.0)  # [BLOCK_K, 16]: token t in column t
-        m2 = i_mask[:, None] & k_mask[None, :]
-        pg = wdot(tl.load(wg_rows + offs_k[None, :], mask=m2, other=0.0), xt, UPCAST, DOT_F16)  # [BLOCK_I,16]
-        pu = wdot(tl.load(wg_rows + I * H + offs_k[None, :], mask=m2, other=0.0), xt, UPCAST, DOT_F16)
-        if FP8:
-            sg = tl.load(s_base + (offs_i // 128) * stride_sn + k0 // 128, mask=i_mask, other=0.0)
-            su = tl.load(s_base + ((offs_i + I) // 128) * stride_sn + k0 // 128, mask=i_mask, other=0.0)
-            pg = pg * sg[:, None]
-            pu = pu * su[:, None]
-        acc_g += pg
-        acc_u += pu
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    rows = tt * SLOTS + SLOTS - 1
-    tl.store(act_ptr + rows[None, :] * I + offs_i[:, None], act.to(act_ptr.dtype.element_ty),
-             mask=i_mask[:, None] & t_mask[None, :])
-
-
-@triton.jit
-def _shared_down(act_ptr, w_ptr, s_ptr, ids_ptr, y_ptr, H, I, stride_we, stride_se, stride_sn, n_tok, offs_h,
-                 h_mask, h_blk, SLOTS: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr, DOT_F16: tl.constexpr):
-    """`_shared_gate_up`'s down projection: y of every token's shared slot, fp32, the expert's rows
-    streamed once."""
-    tt = tl.arange(0, 16)
-    t_mask = tt < n_tok
-    rows = tt * SLOTS + SLOTS - 1
-    e = tl.load(ids_ptr + SLOTS - 1).to(tl.int64)
-    acc = tl.zeros((BLOCK_H, 16), tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < I
-        a = tl.load(act_ptr + rows[None, :] * I + offs_k[:, None], mask=t_mask[None, :] & k_mask[:, None],
-                    other=0.0)
-        w = tl.load(w_ptr + e * stride_we + offs_h[:, None] * I + offs_k[None, :],
-                    mask=h_mask[:, None] & k_mask[None, :], other=0.0)
-        p = wdot(w, a, UPCAST, DOT_F16)  # [BLOCK_H, 16]
-        if FP8:
-            p = p * tl.load(s_ptr + e * stride_se + h_blk * stride_sn + k0 // 128)
-        acc += p
-    tl.store(y_ptr + rows[None, :] * H + offs_h[:, None], acc, mask=h_mask[:, None] & t_mask[None, :])
-
-
 @triton.jit
 def _pair_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, logits_ptr, tw_ptr, H, I, E, stride_we, stride_se, stride_sn,
     stride_lt,
     SLOTS: tl.constexpr, FP8: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, MMA: tl.constexpr = 0, UPCAST: tl.constexpr = 0, DOT_F16: tl.constexpr = 0,
-    ROUTE_K: tl.constexpr = 0, E_P2: tl.constexpr = 1, K_P2: tl.constexpr = 1, SHARED_ONCE: tl.constexpr = 0,
+    ROUTE_K: tl.constexpr = 0, E_P2: tl.constexpr = 1, K_P2: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
     """Pair = (token, slot), SLOTS slots per token. MMA: the weight tiles go through the tensor
@@ -130,21 +66,11 @@ def _pair_gate_up_kernel(
     j + 1 rounds of `routing.softmax_topk` over the token's E router logits (the same steps as
     `_route_kernel`, so the same picks); a slot ROUTE_K (SLOTS = ROUTE_K + 1) is the shared expert,
     id E, weight sigmoid(logit E). The first I-block of the last routed slot writes the token's
-    ids and renormalised weights, the shared slot's its own, for the down and combine steps.
-
-    SHARED_ONCE (ROUTE_K = 0; slot SLOTS - 1 holds the same expert for every token, the shared one;
-    T <= 16, BLOCK_I >= 16): the grid has T * (SLOTS - 1) + 1 programs along axis 0, the last one
-    computing every token's shared slot at once (`_shared_gate_up`)."""
+    ids and renormalised weights, the shared slot's its own, for the down and combine steps."""
     pdl.wait(USE_PDL)
     pair = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_mask = offs_i < I
-    if SHARED_ONCE:
-        pair, n_tok = _shared_pair(pair, SLOTS)
-        if pair < 0:
-            _shared_gate_up(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H, I, stride_we, stride_se, stride_sn,
-                            n_tok, offs_i, i_mask, SLOTS, FP8, BLOCK_I, BLOCK_K, STAGES, UPCAST, DOT_F16)
-            return
     t = pair // SLOTS
     if ROUTE_K:
         j = pair - t * SLOTS
@@ -235,25 +161,18 @@ def _pair_down_kernel(
 def _pair_down_rows_kernel(
     act_ptr, w_ptr, s_ptr, ids_ptr, y_ptr, H, I, stride_we, stride_se, stride_sn,
     FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    MMA: tl.constexpr = 0, UPCAST: tl.constexpr = 0, DOT_F16: tl.constexpr = 0, SLOTS: tl.constexpr = 1,
-    SHARED_ONCE: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    MMA: tl.constexpr = 0, UPCAST: tl.constexpr = 0, DOT_F16: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
     """y[pair, h-block] = down_e(act[pair]) in fp32, one program per (pair, H-block): T*k times
     more programs than `_pair_down_kernel`, so a single token still spreads over every SM. The
     weighted sum over a token's slots is `routing.combine`'s (fixed slot order). MMA as in
-    `_pair_gate_up_kernel` (BLOCK_H and BLOCK_K divide 128: one FP8 scale per step). SHARED_ONCE
-    as there (`_shared_down`)."""
+    `_pair_gate_up_kernel` (BLOCK_H and BLOCK_K divide 128: one FP8 scale per step)."""
     pdl.wait(USE_PDL)
     pair = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     h_blk = tl.program_id(1) * BLOCK_H // 128
-    if SHARED_ONCE:
-        pair, n_tok = _shared_pair(pair, SLOTS)
-        if pair < 0:
-            _shared_down(act_ptr, w_ptr, s_ptr, ids_ptr, y_ptr, H, I, stride_we, stride_se, stride_sn, n_tok,
-                         offs_h, h_mask, h_blk, SLOTS, FP8, BLOCK_H, BLOCK_K, STAGES, UPCAST, DOT_F16)
-            return
     e = tl.load(ids_ptr + pair).to(tl.int64)
     ACC_N: tl.constexpr = 16 if MMA else BLOCK_K
     col = tl.arange(0, 16)
@@ -292,7 +211,7 @@ def _routed_down_kernel(
     reads the pair's activation and reduces on the CUDA cores. y[pair, h-block] fp32.
 
     ROUTE_K = 0: logits_ptr holds the pairs' expert ids [T * SLOTS] int64 instead, written by the
-    route launch two kernels back like the logits (`moe_pair_rows` with METAINFER_MOE_DOWN_IDS=1)."""
+    route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`)."""
     pair = tl.program_id(0)
     t = pair // SLOTS
     if ROUTE_K:
@@ -347,36 +266,21 @@ def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tens
     return scale, scale.stride(0), scale.stride(1)
 
 
-SHARED_ONCE_ENV = "METAINFER_MOE_SHARED_ONCE"  # "1": the shared slot's expert streamed once per step
-
-
-def shared_once(T: int, cfg: dict, shared_last: bool) -> bool:
-    """Whether the per-pair kernels compute every token's shared slot in one program (KB-0058; off
-    unless METAINFER_MOE_SHARED_ONCE=1): the last slot holds the shared expert for every token
-    (shared_last), 2..16 tokens, tiles of >= 16 rows (the tensor-core operand's M side)."""
-    return (
-        shared_last and 2 <= T <= 16 and cfg["BLOCK_I"] >= 16 and cfg["BLOCK_H"] >= 16
-        and os.environ.get(SHARED_ONCE_ENV, "0") == "1"
-    )
-
-
-def _pair_gate_up(x, w_gate_up, gu, ids, fp8: bool, cfg: dict, route=None, once=False) -> torch.Tensor:
+def _pair_gate_up(x, w_gate_up, gu, ids, fp8: bool, cfg: dict, route=None) -> torch.Tensor:
     """silu(gate) * up of every (token, slot) pair -> act [T*W, I]. route = (logits, top_k, tw):
-    the kernel routes (see `_pair_gate_up_kernel`) and writes ids and tw. once: `shared_once`."""
+    the kernel routes (see `_pair_gate_up_kernel`) and writes ids and tw."""
     T, H = x.shape
     slots = ids.shape[1]
     I = w_gate_up.shape[1] // 2
-    assert not (once and route is not None)
     act = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)  # [T*W, I]
     logits, top_k, tw = route if route is not None else (x, 0, x)  # unused pointers without routing
     E = logits.shape[1] - (slots - top_k) if route is not None else 0
-    grid0 = T * (slots - 1) + 1 if once else T * slots
-    _pair_gate_up_kernel[(grid0, triton.cdiv(I, cfg["BLOCK_I"]))](
+    _pair_gate_up_kernel[(T * slots, triton.cdiv(I, cfg["BLOCK_I"]))](
         x, w_gate_up, gu[0], ids, act, logits, tw, H, I, E, w_gate_up.stride(0), gu[1], gu[2],
         logits.stride(0), SLOTS=slots, FP8=fp8, BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"],
         STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], **_mma_args(x, fp8, cfg),
         ROUTE_K=top_k, E_P2=triton.next_power_of_2(max(E, 1)), K_P2=triton.next_power_of_2(max(top_k, 1)),
-        SHARED_ONCE=int(once), **pdl.kw(),
+        **pdl.kw(),
     )
     return act
 
@@ -386,16 +290,15 @@ def _mma_args(x: torch.Tensor, fp8: bool, cfg: dict) -> dict:
                 DOT_F16=cfg.get("DOT_F16", 0) if fp8 else 0)  # BF16 weights stay exact
 
 
-def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor, once=False) -> torch.Tensor:
-    """Each pair's unweighted down projection -> y [T*W, H] fp32. once: `shared_once`."""
+def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor) -> torch.Tensor:
+    """Each pair's unweighted down projection -> y [T*W, H] fp32."""
     H, I = w_down.shape[1], w_down.shape[2]
     P = act.shape[0]
-    T, slots = ids.shape
     y = torch.empty(P, H, dtype=torch.float32, device=act.device)
-    _pair_down_rows_kernel[(T * (slots - 1) + 1 if once else P, triton.cdiv(H, cfg["BLOCK_H"]))](
+    _pair_down_rows_kernel[(P, triton.cdiv(H, cfg["BLOCK_H"]))](
         act, w_down, dn[0], ids, y, H, I, w_down.stride(0), dn[1], dn[2],
         FP8=fp8, BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"], **_mma_args(x, fp8, cfg), SLOTS=slots, SHARED_ONCE=int(once), **pdl.kw(),
+        num_warps=cfg["num_warps"], **_mma_args(x, fp8, cfg), **pdl.kw(),
     )
     return y
 
@@ -542,12 +445,10 @@ def moe_pair_rows(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict | None = None,
-    shared_last: bool = False,  # ids[:, -1] is the same (shared) expert for every token
 ) -> torch.Tensor:
     """Each (token, slot)'s expert output, unweighted, by the per-pair decode kernels (gate/up, then
     down rows): -> [T, W, H] fp32, `reference.moe_expert_rows`. The weighted sum is the consumer's
-    (`norm.moe_add_rms_norm`). shared_last: the shared slot may run once for all tokens
-    (`shared_once`)."""
+    (`norm.moe_add_rms_norm`)."""
     T, H = x.shape
     W = ids.shape[1]
     fp8 = w_gate_up.dtype == torch.float8_e4m3fn
@@ -555,13 +456,12 @@ def moe_pair_rows(
     assert w_gate_up.is_contiguous() and w_down.is_contiguous()
     assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
     cfg = config or pair_config(T, fp8)
-    once = shared_once(T, cfg, shared_last)
-    act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg, once=once)
+    act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg)
     dn = _scale_args(down_scale, w_down)
-    if os.environ.get(DOWN_IDS_ENV, "0") == "1" and not once:  # KB-0059: weights loaded before the wait
+    if down_from_ids(fp8):  # KB-0059: the weights loaded before the PDL wait
         y = _routed_down(act, w_down, dn, ids, 0, W, fp8, cfg["num_warps"])
     else:
-        y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x, once=once)
+        y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H)
 
 

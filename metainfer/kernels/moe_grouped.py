@@ -18,10 +18,10 @@ The down kernel's e4m3 input is quantised on the bucketed rows that hold pairs o
 
 Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor (KB-0048); SWAP=1
 (or METAINFER_MOE_GROUPED_SWAP=1) computes each tile transposed, weights @ rows^T, so the weight
-tile is the MMA's M side and an expert's ~36 rows (1k prefill) its N side (KB-0057; no table entry
-has it yet). Quantising
-the activation tiles inside these kernels instead of act_quant was 2.5x slower at T = 1,024 (each N
-tile re-quantises the same rows) and was removed (KB-0050).
+tile is the MMA's M side and an expert's ~36 rows (1k prefill) its N side (KB-0057; the FP8 table's
+configs since 2026-12-01a: T = 64 / 1,024 / 4,096 212.8 / 353.1 / 850.8 -> 202.7 / 318.0 / 763.1
+us). Quantising the activation tiles inside these kernels instead of act_quant was 2.5x slower at
+T = 1,024 (each N tile re-quantises the same rows) and was removed (KB-0050).
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ SWAP_ENV = "METAINFER_MOE_GROUPED_SWAP"  # 0/1: the MMAs' operands swapped (weig
 
 def grouped_swap(cfg: dict) -> int:
     """Whether the grouped GEMMs run swapped (`_swap_dot`): METAINFER_MOE_GROUPED_SWAP, else the
-    config's SWAP (none in the table yet: 0)."""
+    config's SWAP (the FP8 table's keys 16 / 64 / 128 since KB-0057)."""
     return env_int(SWAP_ENV, int(cfg.get("SWAP", 0)), 0, 1)
 
 

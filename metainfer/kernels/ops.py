@@ -131,8 +131,6 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
         if not grouped_rows_ok(T, fp8):
             return None
         k, kw = _kernel("moe_grouped_rows", x), dict(xq=xq)  # wider batches, prefills: grouped rows
-    else:
-        kw = dict(shared_last=True)  # route_with_shared: the shared expert in every token's last slot
     weights, ids = route_with_shared(router_logits, top_k)
     return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, **kw), weights
 
@@ -145,12 +143,11 @@ def router_topk(x, weight, top_k, shared):
     return k(x, weight, top_k, shared) if k else None
 
 
-def moe_pair_rows(x, w_gate_up, w_down, ids, gate_up_scale=None, down_scale=None, shared_last=False):
-    """Each (token, slot)'s expert output, unweighted, fp32: -> [T, W, H]. shared_last: ids[:, -1]
-    is the shared expert for every token (the kernels may stream it once)."""
+def moe_pair_rows(x, w_gate_up, w_down, ids, gate_up_scale=None, down_scale=None):
+    """Each (token, slot)'s expert output, unweighted, fp32: -> [T, W, H]."""
     k = _kernel("moe_pair_rows", x)
     if k:
-        return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, shared_last=shared_last)
+        return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale)
     if gate_up_scale is not None:
         w_gate_up = ref_dequant_fp8(w_gate_up, gate_up_scale, x.dtype)
         w_down = ref_dequant_fp8(w_down, down_scale, x.dtype)

@@ -153,7 +153,7 @@ class SparseMoE(nn.Module):
             routed = ops.router_topk(x, self.router.weight, self.top_k, True)
             if routed is not None:
                 _, weights, ids = routed
-                rows = ops.moe_pair_rows(x, self.w_gate_up, self.w_down, ids, *scales, shared_last=True)
+                rows = ops.moe_pair_rows(x, self.w_gate_up, self.w_down, ids, *scales)
                 return ExpertRows(rows, weights, x.dtype)
         logits = self.router(x)  # [T, E+1]
         if self.fused_shared:

@@ -397,13 +397,6 @@ _COMPILE = textwrap.dedent(
               UPCAST=0, DOT_F16=mma, ROUTE_K=route, E_P2=256, K_P2=8), 2)
         build(moe._pair_down_rows_kernel, dict(act_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", y_ptr=f32),
               dict(FP8=fp8, BLOCK_H=32, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
-        if not route:  # METAINFER_MOE_SHARED_ONCE: the shared slot of every token in one program
-            gu_t = dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf, logits_ptr=bf, tw_ptr=f32)
-            dn_t = dict(act_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", y_ptr=f32)
-            once = dict(FP8=fp8, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma, SLOTS=9,
-                        SHARED_ONCE=1)
-            build(moe._pair_gate_up_kernel, gu_t, dict(once, BLOCK_I=16), 2)
-            build(moe._pair_down_rows_kernel, dn_t, dict(once, BLOCK_H=32), 2)
     for a8 in (0, 1):  # the bucketed (prefill) path, FP8 weights, bf16 or e4m3 activations
         xt, st = (f8, f32) if a8 else (bf, bf)
         idx = dict(sorted_ptr="*i32", ends_ptr="*i32", counts_ptr="*i32")

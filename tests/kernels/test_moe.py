@@ -493,35 +493,3 @@ def test_moe_grouped_swapped_operands(kind, monkeypatch):
     monkeypatch.setenv(moe_grouped.SWAP_ENV, "2")
     with pytest.raises(ValueError, match="METAINFER_MOE_GROUPED_SWAP"):
         moe.moe_experts(*args, path="grouped")
-
-
-SHARED_ONCE_CASES = [(2, "f32"), (5, "f32"), (8, "bf16"), (3, "bf16"), (5, "fp8"), (16, "fp8")]
-
-
-@pytest.mark.parametrize("T,kind", SHARED_ONCE_CASES)
-def test_moe_pair_rows_shared_once(T, kind, monkeypatch):
-    """METAINFER_MOE_SHARED_ONCE=1 with the shared expert in every token's last slot: the per-pair
-    kernels compute that slot for all tokens in one program (tokens as tensor-core columns). Rows
-    within the dtype's tolerance of the reference and of the per-token programs (the shared rows
-    summed in another order; the routed rows bit-equal); off without shared_last or with 1 token."""
-    dtype = BF16 if kind == "bf16" else F32
-    x, w_gu, w_dn, _, ids = _problem(T, seed=6, dtype=dtype)
-    shared = torch.full((T, 1), E - 1, dtype=ids.dtype)  # the last expert plays the shared one
-    ids = torch.cat([ids.clamp_max(E - 2), shared], dim=1).contiguous()
-    args, ref_w = (x, w_gu, w_dn, ids), (w_gu, w_dn)
-    if kind == "fp8":
-        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
-        args = (x, q_gu, q_dn, ids, s_gu, s_dn)
-        ref_w = (ref_dequant_fp8(q_gu, s_gu, dtype), ref_dequant_fp8(q_dn, s_dn, dtype))
-    cfg = dict(moe.pair_config(T, kind == "fp8"), BLOCK_I=16)
-    assert moe.shared_once(T, cfg, True) is False  # off by default
-    base = moe.moe_pair_rows(*args, config=cfg, shared_last=True)
-    monkeypatch.setenv(moe.SHARED_ONCE_ENV, "1")
-    assert moe.shared_once(T, cfg, True) and not moe.shared_once(T, cfg, False)
-    assert not moe.shared_once(1, cfg, True)
-    got = moe.moe_pair_rows(*args, config=cfg, shared_last=True)
-    want = ref.moe_expert_rows(x, *ref_w, ids)
-    rmse = 1e-2 if dtype == BF16 else 1e-5
-    assert rel_rmse(got, want) < max(rmse, TOL[dtype][0])
-    assert torch.equal(got[:, :-1], base[:, :-1])  # the routed slots: the same programs
-    assert rel_rmse(got[:, -1], base[:, -1]) < rmse
