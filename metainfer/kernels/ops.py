@@ -127,6 +127,7 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
     from metainfer.kernels.moe import grouped_rows_ok, use_pair_path
 
     T, fp8 = x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn
+    kw = {}  # the per-pair rows take no extra arguments
     if not (0 < T and use_pair_path(T, fp8)):
         if not grouped_rows_ok(T, fp8):
             return None

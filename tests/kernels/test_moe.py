@@ -377,14 +377,15 @@ def test_grouped_rows_summed_by_the_norm_equal_combine(T, dtype, fp8):
         assert a.dtype == b.dtype == dtype and torch.equal(a, b)
 
 
-def test_moe_rows_serves_wide_batches_unless_switched_off(monkeypatch):
-    """`ops.moe_rows` hands batches past the per-pair path to the grouped rows (the combine launch
-    saved), and back to route + `moe_experts` with METAINFER_MOE_GROUPED_ROWS=0."""
+@pytest.mark.parametrize("T", [3, 17])
+def test_moe_rows_serves_wide_batches_unless_switched_off(T, monkeypatch):
+    """`ops.moe_rows` serves small batches by the per-pair rows and hands batches past the per-pair
+    path to the grouped rows (the combine launch saved); wide ones go back to route + `moe_experts`
+    with METAINFER_MOE_GROUPED_ROWS=0."""
     from metainfer.kernels import ops, registry
 
     kernels = registry.load()
     monkeypatch.setattr(ops, "_kernel", lambda name, x: kernels.get(name))  # the GPU dispatch, on the CPU
-    T = 17
     x, w_gu, w_dn, _, _ = _problem(T, seed=2, dtype=F32)
     w_gu, w_dn = torch.cat([w_gu, w_gu[:1]]), torch.cat([w_dn, w_dn[:1]])
     logits = torch.randn(T, E + 1, generator=torch.Generator().manual_seed(1))
@@ -392,8 +393,10 @@ def test_moe_rows_serves_wide_batches_unless_switched_off(monkeypatch):
     assert got is not None and got[0].shape == (T, K + 1, H) and got[0].dtype == F32
     tw, ids = routing.route_topk(logits, K, shared=True)
     assert torch.equal(got[1], tw)
+    want = moe.moe_experts(x, w_gu, w_dn, tw, ids)
+    assert rel_rmse(torch.einsum("tw,twh->th", tw, got[0].float()), want.float()) < 1e-5
     monkeypatch.setenv(moe.GROUPED_ROWS_ENV, "0")
-    assert ops.moe_rows(x, logits, K, w_gu, w_dn) is None
+    assert (ops.moe_rows(x, logits, K, w_gu, w_dn) is None) == (T > moe.PAIR_MAX_T)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
