@@ -277,6 +277,7 @@ def test_moe_pair_rows_down_from_ids_full_shapes(T, fp8, monkeypatch):
         assert _rel(got, want) < 1e-5
         monkeypatch.delenv(moe.DOWN_IDS_ENV)
         assert torch.equal(step(), got if fp8 else want)
+        monkeypatch.setenv(moe.DOWN_IDS_ENV, "1")  # the graph below: the preloading form, PDL on
         g = torch.cuda.CUDAGraph()
         step()
         torch.cuda.synchronize()
