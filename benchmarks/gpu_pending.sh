@@ -72,6 +72,9 @@
 #            gate/up at T = 5 (METAINFER_MOE_ROUTED_MAX_T=5), the swept router, the DeltaNet inputs loaded
 #            before the token loop (METAINFER_GDN_RECURRENT_PRELOAD=1, KB-0053: 1.8x slower, removed since;
 #            the switch now does nothing), all three, ~7 min
+#   mtp    - MTP speculation (--speculative mtp, KB-0060): FP8 oracle with it (--speculative-max-seqs 64; on dummy
+#            weights its drafts are noise: the verify path judged), spec_bench plain / mtp / mtp-script-2,4
+#            (the MTP drafter's cost at forced acceptance) and a profile of mtp-script-4, ~6 min
 #   downids - the per-pair rows' down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059; the FP8
 #            default since 2026-12-01a): GPU test, batches DI_BATCHES (2,8) A/B (x2) in DI_DTYPES (bfloat16), ~3 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
@@ -325,6 +328,13 @@ if has nquant; then
   VAR=METAINFER_NORM_QUANT MODES="0 1 0 1" DTYPES=fp8 BATCHES=32,64 GEN=16 EXTRA=--no-profile bash benchmarks/gpu_ab.sh
   METAINFER_NORM_QUANT=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_nquant.json 2>&1 | grep -E "verdict|rel_rmse"
+fi
+if has mtp; then  # KB-0060: the checkpoint's MTP layer as the drafter
+  timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
+    --device cuda --suite full --speculative mtp --speculative-max-seqs 64 --json $OUT/verify_fp8_mtp.json 2>&1 \
+    | grep -E "verdict:|decode.rel" | sed "s/^/[fp8 mtp] /"
+  timeout 240 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp,mtp-script --script-k 2,4 --reps 2 \
+    --profile mtp-script-4 --profile-gen 64 --out $OUT/mtp 2>&1 | grep -vE "falling back" | tail -40
 fi
 if has downids; then  # KB-0059: METAINFER_MOE_DOWN_IDS 0 / 1 (unset: FP8 on, BF16 off)
   timeout 200 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -p no:cacheprovider -k "down_from_ids" 2>&1 | tail -2

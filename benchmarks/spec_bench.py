@@ -12,6 +12,11 @@ on dummy weights verify and decode rows part at near-ties within a few tokens): 
 perfect acceptance would give at this verify cost. An upper bound, not a figure for real text, and
 not a correctness check (the GPU tests and the oracle's --speculative repeat are).
 
+`mtp` rows draft with the checkpoint's MTP layer (`--speculative mtp`; on dummy weights its drafts are
+noise: the cost of MTP speculation left idle); `mtp-script-K` rows run the MTP drafter (its cost paid:
+K chained MTP steps per verify) and then draft the script's tokens, forced accepted: the ceiling of MTP
+speculation at perfect acceptance.
+
     python benchmarks/spec_bench.py --dtype fp8 --gen 256 --out $OUT
 """
 
@@ -150,7 +155,8 @@ def main() -> None:
     ap.add_argument("--script-k", type=lambda v: [int(x) for x in v.split(",") if x], default=[2, 4],
                     help="K of the scripted (perfect-acceptance) runs")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=["ngram", "script"],
-                    help="besides plain (always run: the scripts draft its tokens): ngram, script")
+                    help="besides plain (always run: the scripts draft its tokens): ngram, script, mtp, "
+                    "mtp-script")
     ap.add_argument("--profile", type=lambda v: v.split(","), default=[],
                     help="modes whose random-prompt run gets a kernel profile (e.g. plain,script-4)")
     ap.add_argument("--profile-gen", type=int, default=24, help="tokens of the profiled generate")
@@ -164,15 +170,21 @@ def main() -> None:
            "runs": {}}
     modes = [("plain", None, args.k)] + [("ngram", "ngram", args.k)] * ("ngram" in args.modes)
     modes += [(f"script-{k}", "ngram", k) for k in args.script_k] if "script" in args.modes else []
+    modes += [("mtp", "mtp", args.k)] * ("mtp" in args.modes)
+    modes += [(f"mtp-script-{k}", "mtp", k) for k in args.script_k] if "mtp-script" in args.modes else []
     truth: dict[str, list[int]] = {}
     gaps: list[float] = []
     for mode, spec, k in modes:
         llm = LLM(**kw, speculative=spec, num_speculative_tokens=k)
         ps = prompts(llm.engine.model_config.vocab_size)
-        if mode.startswith("script"):
+        if "script" in mode:
             ps = {"random": ps["random"]}
             script = list(truth["random"])
             llm.engine.proposer = lambda req, kk, script=script: script[len(req.output_token_ids):][:kk]
+            if spec == "mtp":  # the MTP drafts computed (their cost), the script's drafted instead
+                mtp = llm.engine.runner.mtp.propose
+                llm.engine.proposer = lambda req, kk, script=script, mtp=mtp: (
+                    mtp(req, kk) and script[len(req.output_token_ids):][:kk])
             sp = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True, detokenize=False)
             with record_verifies(llm, 12) as log:  # unforced: where the verify rows part from plain's
                 got = llm.generate(prompt_token_ids=[ps["random"]], sampling_params=sp)[0].token_ids
@@ -183,7 +195,7 @@ def main() -> None:
             force_acceptance(llm, script)
         for name, p in ps.items():
             res["runs"][f"{mode}/{name}"] = r = run(llm, p, args.gen, args.reps)
-            if mode.startswith("script"):
+            if "script" in mode:
                 r["unforced_parted_at"], r["unforced_verifies"] = parted, log
             if mode == "plain":
                 truth[name] = r["tokens"]

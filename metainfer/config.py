@@ -223,7 +223,7 @@ class ModelConfig:
 
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "fp8")
-SPECULATIVE = (None, "ngram", "repeat")  # repeat: the last token K times (judging the verify path)
+SPECULATIVE = (None, "ngram", "repeat", "mtp")  # repeat: the last token K times (judging the verify path)
 
 
 DEFAULT_PREFILL_GRAPHS = (128, 256, 512, 1024, 2048)  # a prompt pads to the next size (<= 2x work)
@@ -259,7 +259,8 @@ class EngineConfig:
     # one step; verifies and the probe steps before proposals run synchronously, the steps between
     # probes async: LLMEngine.SPEC_PROBE_MAX), or "repeat" (the last token drafted K times: every
     # eligible step verifies, so `verify` judges the verify path even where n-grams find nothing, as
-    # on dummy weights); up to num_speculative_tokens drafts per sequence
+    # on dummy weights), or "mtp" (the checkpoint's multi-token-prediction layer, chained: spec.mtp);
+    # up to num_speculative_tokens drafts per sequence
     speculative: str | None = None
     num_speculative_tokens: int = 4
     # drafts only while at most this many sequences run and none waits: a verify alone in its step

@@ -48,9 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram", "repeat"],
+        choices=["ngram", "repeat", "mtp"],
         help="speculative decoding of greedy requests: ngram = prompt-lookup drafts; repeat = the last "
-        "token K times (judges the verify path with `metainfer verify`: every eligible step verifies)",
+        "token K times (judges the verify path with `metainfer verify`: every eligible step verifies); "
+        "mtp = the checkpoint's multi-token-prediction layer, chained K times",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step")
     p.add_argument(

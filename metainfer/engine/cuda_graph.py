@@ -82,6 +82,8 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(max_bs, dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # size -> the forward's final hidden states [size, H]
+        self.last_hidden: torch.Tensor | None = None  # the last run's, [bs, H] (read before the next run)
         self.use_graphs = use_graphs and device.type == "cuda"
 
     def padded_size(self, bs: int) -> int:
@@ -112,6 +114,7 @@ class DecodeGraphs:
     def _forward(self, bs: int, seq_lens_cpu=None, state_slots_cpu=None) -> torch.Tensor:
         meta = self.meta(bs, seq_lens_cpu, state_slots_cpu)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta, self.caches)
+        self.hidden[bs] = hidden  # captured: the graph's output buffer (the MTP drafter reads it)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -172,9 +175,13 @@ class DecodeGraphs:
         pbs = self._fill(rows, bs)
         if patch is not None:
             patch(self.input_ids)
+        self.last_hidden = None
         if self.use_graphs and pbs in self.graphs:
             self.graphs[pbs].replay()
+            self.last_hidden = self.hidden[pbs][:bs]
             return self.outputs[pbs][:bs]
         pad = pbs - bs
         seq_lens = [r[1] + 1 for r in rows] + [1] * pad
-        return self._forward(pbs, seq_lens, [r[3] for r in rows] + [0] * pad)[:bs]
+        logits = self._forward(pbs, seq_lens, [r[3] for r in rows] + [0] * pad)[:bs]
+        self.last_hidden = self.hidden.pop(pbs)[:bs]
+        return logits

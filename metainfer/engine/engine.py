@@ -36,6 +36,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, self.max_model_len,
             drafter=self._draft if ecfg.speculative else None,
+            draft_kv=self.runner.mtp is not None,
         )
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
@@ -43,7 +44,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(ecfg.seed)
         # (request, k) -> drafts (a test seam)
-        self.proposer = self._repeat_proposer if ecfg.speculative == "repeat" else self._ngram_proposer
+        mtp = self.runner.mtp
+        self.proposer = {"repeat": self._repeat_proposer, "mtp": mtp and mtp.propose}.get(
+            ecfg.speculative, self._ngram_proposer)
         self.async_scheduling = ecfg.async_scheduling
         self._pending: InFlight | None = None
         # speculation and async steps: drafts need the last tokens on the host when a step is scheduled,
@@ -209,7 +212,7 @@ class LLMEngine:
         if any(r.draft_token_ids for r, _ in batch.items):  # a verify: its acceptance shapes the next step
             self._spec_misses = 0
             return False
-        if self._host_tokens and any(r.output_token_ids and self._draftable(r) for r, _ in batch.items):
+        if self._host_tokens and any(r.output_token_ids and r.draftable for r, _ in batch.items):
             self._spec_misses += 1  # the proposals for this batch found nothing: back off
             self._spec_wait = min(2**self._spec_misses, self.SPEC_PROBE_MAX)
         self._spec_wait -= 1
@@ -331,7 +334,7 @@ class LLMEngine:
     def _draft(self, req: Request, k: int) -> list[int]:
         """The scheduler's drafter: up to k drafts from `proposer` for a greedy request without
         logprobs whose last token is on the host; none for any other."""
-        if not self._draftable(req) or (req.output_token_ids and req.output_token_ids[-1] == PENDING):
+        if not req.draftable or (req.output_token_ids and req.output_token_ids[-1] == PENDING):
             return []
         if req.spec_skip > 0:  # its last verifies accepted nothing (`_note_acceptance`)
             req.spec_skip -= 1
@@ -340,11 +343,6 @@ class LLMEngine:
         if len(sch.running) > self.ecfg.speculative_max_seqs or sch.waiting:
             return []
         return self.proposer(req, min(k, self.ecfg.num_speculative_tokens))
-
-    @staticmethod
-    def _draftable(req: Request) -> bool:
-        p = req.params
-        return p.greedy and not req.score_only and p.logprobs is None and p.prompt_logprobs is None
 
     @staticmethod
     def _repeat_proposer(req: Request, k: int) -> list[int]:

@@ -60,6 +60,8 @@ class PrefillGraphs:
         self._staging = _Staging(self._i64, self._i32[: 8 + max_blocks], device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # size -> the forward's final hidden states [size, H]
+        self.last_hidden: torch.Tensor | None = None  # the last run's, [n, H] (read before the next run)
         self.runs = 0  # steps served (replays, or eager runs of the layout without graphs)
 
     @property
@@ -95,6 +97,7 @@ class PrefillGraphs:
     def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
         meta = self._meta(size, host)
         hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.caches)
+        self.hidden[size] = hidden  # captured: the graph's output buffer (the MTP drafter reads it)
         return self.model.compute_logits(hidden[meta.logits_indices])  # [logits_rows, V] fp32
 
     def _fill(
@@ -145,8 +148,11 @@ class PrefillGraphs:
         self.runs += 1
         if self.use_graphs:
             self.graphs[size].replay()
+            self.last_hidden = self.hidden[size][: len(tokens)]
             return self.outputs[size][:rows]
-        return self._forward(size, (len(tokens), start, slot))[:rows]
+        logits = self._forward(size, (len(tokens), start, slot))[:rows]
+        self.last_hidden = self.hidden.pop(size)[: len(tokens)]
+        return logits
 
 
 class _Staging:

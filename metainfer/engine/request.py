@@ -92,7 +92,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
-    spec_index: object = None  # the drafter's per-request state (spec.ngram.NgramIndex)
+    spec_index: object = None  # the drafter's per-request state (spec.ngram.NgramIndex, spec.mtp.MTPState)
     spec_rejects: int = 0  # verifies in a row that accepted no draft
     spec_skip: int = 0  # drafting chances left to pass up (LLMEngine._note_acceptance)
     num_preemptions: int = 0
@@ -122,6 +122,12 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def draftable(self) -> bool:
+        """Speculative drafts may serve it: greedy, no logprobs, not a scoring request."""
+        p = self.params
+        return p.greedy and not self.score_only and p.logprobs is None and p.prompt_logprobs is None
 
     @property
     def finished(self) -> bool:

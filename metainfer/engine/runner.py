@@ -120,6 +120,12 @@ class ModelRunner:
         self.num_slots = ecfg.num_state_slots or ecfg.max_num_seqs
         self.num_blocks = self._num_kv_blocks()
         self.caches = self._allocate_caches()
+        self.mtp = None  # speculative="mtp": the drafter, fed every step's hidden rows (`_note_hidden`)
+        self._hidden: torch.Tensor | None = None  # the step's final hidden states (the MTP drafter's input)
+        if ecfg.speculative == "mtp":
+            from metainfer.spec.mtp import MTPDrafter
+
+            self.mtp = MTPDrafter(self.model, self.caches, ecfg.block_size, self.device)
         # test/oracle seam: called with (owners, logits [R, V]) every step that computes logits
         self.logits_hook = None
         self._tok_buf = torch.zeros(max(ecfg.max_num_seqs, 1), dtype=torch.int64, device=self.device)
@@ -190,10 +196,15 @@ class ModelRunner:
         """KV blocks one sequence of max_model_len tokens needs (a block table's width)."""
         return -(-self.ecfg.max_model_len // self.ecfg.block_size)
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Full-attention KV caches: one per full-attention layer, plus the MTP layer's when it drafts."""
+        return len(self.cfg.full_layer_ids) + int(self.ecfg.speculative == "mtp")
+
     def _bytes_per_block(self) -> int:
         c = self.cfg
         elt = torch.finfo(self.dtype).bits // 8
-        return len(c.full_layer_ids) * 2 * self.ecfg.block_size * c.num_key_value_heads * c.head_dim * elt
+        return self.num_kv_layers * 2 * self.ecfg.block_size * c.num_key_value_heads * c.head_dim * elt
 
     def _bytes_per_slot(self) -> int:
         c = self.cfg
@@ -233,7 +244,7 @@ class ModelRunner:
         nb, bs = self.num_blocks + 1, self.ecfg.block_size  # +1: block 0 is the null block
         ns = self.num_slots + 1
         kv_shape = (nb, bs, c.num_key_value_heads, c.head_dim)
-        n_full, n_lin = len(c.full_layer_ids), len(c.linear_layer_ids)
+        n_full, n_lin = self.num_kv_layers, len(c.linear_layer_ids)
         conv_shape = (n_lin, ns, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
         self.conv_states = torch.zeros(conv_shape, dtype=dt, device=dev)
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -262,6 +273,8 @@ class ModelRunner:
         else:
             logits, owners, dst = self._eager_logits(items)
         inflight = InFlight(items=items, saved_states=saved)
+        if self.mtp is not None:
+            self._note_hidden(items)
         if logits is not None:
             if self.logits_hook is not None:
                 self.logits_hook(owners, logits)
@@ -270,6 +283,14 @@ class ModelRunner:
             self._verify(logits, owners, inflight)
         self._prev_rows = {r.request_id: j for j, (r, _) in enumerate(inflight.samples)}
         return inflight
+
+    def _note_hidden(self, items: list[tuple[Request, int]]) -> None:
+        """Hands the step's final hidden rows to the MTP drafter, per request (positions start..start+n-1)."""
+        base = 0
+        for r, n in items:
+            self.mtp.note(r, r.num_computed_tokens, self._hidden[base : base + n])
+            base += n
+        self._hidden = None
 
     def wait(self, inflight: InFlight) -> list[int]:
         """The sampled tokens of a launched step, in `inflight.samples` order (blocks until ready)."""
@@ -347,6 +368,7 @@ class ModelRunner:
         real = n - len(drafts)
         toks = r.tokens_slice(start, start + real) + drafts
         logits = self.prefill.run(toks, start, r.block_ids, r.state_slot, rows=len(drafts) + 1)
+        self._hidden = self.prefill.last_hidden
         if drafts:
             return logits, self._verify_owners(r, start, real, n), []
         return logits, [(r, "sample", start + n - 1)], []
@@ -363,6 +385,7 @@ class ModelRunner:
                 tok = 0
             rows.append((tok, p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot))
         logits = self.decode.run(rows, lambda ids: self._patch_pending(ids, dst))
+        self._hidden = self.decode.last_hidden
         return logits, [(r, "sample", r.num_computed_tokens) for r, _ in items], dst
 
     def _eager_logits(self, items):
@@ -406,6 +429,7 @@ class ModelRunner:
         self._patch_pending(input_ids, dst)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, pos, meta, self.caches)
+        self._hidden = hidden
         if not logits_rows:
             return None, owners, dst
         return self.model.compute_logits(hidden[meta.logits_indices]), owners, dst  # [R, V] fp32

@@ -32,10 +32,11 @@ Drafter = Callable[[Request, int], list[int]]  # (request, at most k) -> draft t
 class Scheduler:
     def __init__(
         self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-        drafter: Drafter | None = None,
+        drafter: Drafter | None = None, draft_kv: bool = False,
     ) -> None:
         self.cache = cache
         self.drafter = drafter  # speculative decoding: drafts appended to a chunk that ends the sequence
+        self.draft_kv = draft_kv  # the drafter writes KV at the draft positions (MTP): blocks first
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
@@ -120,7 +121,13 @@ class Scheduler:
         if self.drafter is None or req.num_computed_tokens + n != req.num_tokens or not req.output_token_ids:
             return []
         k = min(budget - n, req.max_tokens - len(req.output_token_ids) - 1)
-        return self.drafter(req, k)[:k] if k > 0 else []
+        if k <= 0:
+            return []
+        if self.draft_kv:  # the blocks of the chunk and its k drafts, before the drafter writes there
+            if not self.cache.can_grow(req, n + k):
+                return []
+            self.cache.grow(req, n + k)
+        return self.drafter(req, k)[:k]
 
     def _done_pending(self, req: Request) -> bool:
         """Its last scheduled step already produces its final token (the result is in flight)."""
