@@ -156,6 +156,7 @@ def run_verify(
     )
     figures["problems"] = problems
     figures["engine_steps"] = run.steps
+    figures["engine_stats"] = dict(llm.engine.stats)  # steps, tokens, speculative verifies and drafts
     ctx = dict(context or {})
     ctx["timing"] = {k: round(v, 3) for k, v in timing.items()}
     return Verdict(
