@@ -330,6 +330,7 @@ if has nquant; then
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_nquant.json 2>&1 | grep -E "verdict|rel_rmse"
 fi
 if has mtp; then  # KB-0060: the checkpoint's MTP layer as the drafter
+  timeout 200 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "mtp or speculative" 2>&1 | tail -3
   timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
     --device cuda --suite full --speculative mtp --speculative-max-seqs 64 --json $OUT/verify_fp8_mtp.json 2>&1 \
     | grep -E "verdict:|decode.rel" | sed "s/^/[fp8 mtp] /"

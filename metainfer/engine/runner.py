@@ -132,6 +132,13 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
         self.prefill = self._prefill_path()
+        if self.mtp is not None and self.prefill is not None:  # a proposal in one replay (spec.mtp)
+            from metainfer.spec.mtp import MTPGraphs
+
+            g = MTPGraphs(self.model, self.caches, ecfg.num_speculative_tokens, self.blocks_per_seq,
+                          ecfg.block_size, self.device, use_graphs=self.prefill.use_graphs)
+            g.capture()
+            self.mtp.graphs = g
         self.warmup_s = self._start_warmup() if self.device.type == "cuda" and ecfg.warmup else 0.0
 
     def _decode_path(self) -> DecodeGraphs | None:

@@ -16,7 +16,12 @@ KV final; row L-2 sees the last token L-1 and predicts token L: draft 1), then d
 L-2+i fed its own previous output row as the hidden state and draft i as the token (vLLM's chained
 MTP). Those rows' KV sits at positions L-1..L+k-3, inside the blocks the scheduler grows before
 drafting (`writes_kv`), and is rewritten from real hidden rows once those positions are accepted.
-Greedy argmax per draft, one host sync each.
+Greedy argmax per draft, one host sync each on the eager path.
+
+`MTPGraphs` (where the lone-prefill graphs run) captures the whole proposal for catch-up chunks of up
+to 2 * (K + 1) rows: the chunk in the lone-prefill layout (`PrefillGraphs`: the chunk, then a padding
+sequence on the null block), then the K - 1 chained rows as single-row decodes, each draft's argmax
+feeding the next row's embedding on the device; one replay and one host sync per proposal.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metainfer.engine.prefill_graph import PrefillGraphs
 from metainfer.engine.request import Request
 from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
@@ -53,6 +59,7 @@ class MTPDrafter:
         if len(caches.k) != n_full + 1:
             raise ValueError(f"the MTP layer needs its own KV cache: {n_full + 1} full-attention caches")
         self.model, self.caches, self.block_size, self.device = model, caches, block_size, device
+        self.graphs: MTPGraphs | None = None  # set by the runner where the lone-prefill graphs run
 
     @staticmethod
     def state(req: Request) -> MTPState:
@@ -90,6 +97,15 @@ class MTPDrafter:
         if st.hidden_pos + st.hidden.shape[0] < t1:  # the last rows are not computed yet
             return []
         hidden = st.hidden[t0 - st.hidden_pos : t1 - st.hidden_pos]
+        g = self.graphs
+        if g is not None and k <= g.k:
+            if t1 - t0 > g.max_tokens:  # a long catch-up (after a prefill): all but its last row eager
+                ids = torch.tensor(req.tokens_slice(t0 + 1, t1), dtype=torch.int64, device=self.device)
+                self._rows(req, ids, hidden[:-1], t0)
+                t0, hidden = t1 - 1, hidden[-1:]
+            drafts = g.run(req.tokens_slice(t0 + 1, t1 + 1), hidden, t0, req.block_ids, req.state_slot)
+            st.done = t1
+            return drafts[:k]
         ids = torch.tensor(req.tokens_slice(t0 + 1, t1 + 1), dtype=torch.int64, device=self.device)
         h = self._rows(req, ids, hidden, t0)
         st.done = t1
@@ -117,3 +133,106 @@ class MTPDrafter:
         pos = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
         m = self.model
         return m.mtp(m.embed_tokens(ids), hidden.to(m.embed_tokens.weight.dtype), pos, meta, self.caches)
+
+
+class MTPGraphs(PrefillGraphs):
+    """A proposal of K drafts in one replay (see the module doc). The chunk's token ids are the next
+    tokens (t + 1 of each MTP row t), its hidden rows go to `hidden_in`; the chained rows' positions,
+    KV slots and lengths come from the host (a position past the request's blocks writes to the null
+    block: only drafts past the k asked for read it, and they are dropped)."""
+
+    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, k: int, max_blocks: int,
+                 block_size: int, device: torch.device, use_graphs: bool = True) -> None:
+        sizes = sorted({1, 2, 4, k + 1, 2 * (k + 1)})
+        super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs)
+        self.k = k
+        S, C, i32, i64 = self.sizes[-1], max(k - 1, 1), torch.int32, torch.int64
+        dt = model.embed_tokens.weight.dtype
+        self.hidden_in = torch.zeros(S, model.cfg.hidden_size, dtype=dt, device=device)
+        self._chain = torch.zeros(4, C, dtype=i64, device=device)  # positions, KV slots, seq / context lens
+        self._chain_host = torch.zeros(4, C, dtype=i64, pin_memory=device.type == "cuda")
+        self._chain_i32 = torch.zeros(2, C, dtype=i32, device=device)
+        self._qsl1 = torch.tensor([0, 1], dtype=i32, device=device)
+        self._row0 = torch.zeros(1, dtype=i64, device=device)
+        self._eager_chain: list[int] = []  # host positions of the chained rows (the eager path's metas)
+
+    def _chain_meta(self, i: int, slot: int) -> ForwardMeta:
+        """Chained row i as a one-row decode (host lengths on the eager path only, as `DecodeGraphs`:
+        captured kernels read the device tensors)."""
+        eager = bool(self._eager_chain)
+        p = self._eager_chain[i] if eager else 0
+        return ForwardMeta(
+            query_start_loc=self._qsl1,
+            seq_lens=self._chain_i32[0, i : i + 1],
+            context_lens=self._chain_i32[1, i : i + 1],
+            block_tables=self.block_tables[:1],
+            slot_mapping=self._chain[1, i : i + 1],
+            state_slots=self.state_slots[:1],
+            logits_indices=self._row0,
+            query_start_loc_cpu=[0, 1],
+            seq_lens_cpu=[p + 1] if eager else [],
+            context_lens_cpu=[p] if eager else [],
+            state_slots_cpu=[slot] if eager else [],
+            num_decodes=1,
+            num_decode_tokens=1,
+        )
+
+    def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
+        m = self.model
+        meta = self._meta(size, host)
+        h = m.mtp(m.embed_tokens(self.input_ids[:size]), self.hidden_in[:size], self.positions[:size], meta,
+                  self.caches)
+        last = h[self.logits_indices[:1]]  # [1, H]: the chunk's last row
+        tok = m.compute_logits(last).argmax(dim=-1)  # [1] draft 1
+        drafts = [tok]
+        slot = host[2] if host else 0
+        for i in range(self.k - 1):  # draft i + 2: the previous row's output and draft i + 1
+            last = m.mtp(m.embed_tokens(tok), last, self._chain[0, i : i + 1], self._chain_meta(i, slot),
+                         self.caches)
+            tok = m.compute_logits(last).argmax(dim=-1)
+            drafts.append(tok)
+        self.hidden[size] = h  # (PrefillGraphs' contract; unused here)
+        return torch.cat(drafts)  # [K] int64
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.use_graphs:
+            return
+        from metainfer.engine.cuda_graph import capture_graphs
+
+        def prepare(size: int) -> None:  # one row on the null slot and block; the chain there too
+            self._fill(size, [0], 0, [0], 0)
+            self._stage_chain(0, [0], 0)
+
+        capture_graphs(self.device, self.sizes, prepare, self._forward, self.graphs, self.outputs)
+
+    def _stage_chain(self, last: int, block_ids: list[int], slot: int) -> None:
+        """The chained rows at positions last + 1 .. last + K - 1 (last: the chunk's last position)."""
+        C, bs = self._chain.shape[1], self.block_size
+        pos = [last + 1 + i for i in range(C)]
+        kv = [block_ids[p // bs] * bs + p % bs if p // bs < len(block_ids) else p % bs for p in pos]
+        h = self._chain_host
+        h[0] = torch.tensor(pos)
+        h[1] = torch.tensor(kv)
+        h[2] = h[0] + 1
+        h[3] = h[0]
+        self._chain.copy_(h, non_blocking=True)
+        self._chain_i32.copy_(self._chain[2:4])
+        self._eager_chain = [] if self.use_graphs else pos
+
+    def run(self, tokens: list[int], hidden: torch.Tensor, start: int, block_ids: list[int], slot: int,
+            rows: int = 1) -> list[int]:
+        """K drafts after MTP rows start..start+n-1 (tokens: their next tokens, hidden: their rows)."""
+        n = len(tokens)
+        size = self.size_for(n)
+        self._fill(size, tokens, start, block_ids, slot, 1)
+        self.hidden_in[:n].copy_(hidden)
+        self._stage_chain(start + n - 1, block_ids, slot)
+        self.runs += 1
+        if self.use_graphs:
+            self.graphs[size].replay()
+            out = self.outputs[size]
+        else:
+            out = self._forward(size, (n, start, slot))
+            self.hidden.pop(size)
+        return out.tolist()  # the host sync

@@ -50,6 +50,33 @@ def test_mtp_spec_equals_plain_greedy_and_accepts(prompts, k, async_scheduling):
     assert st["spec_verifies"] > 10 and st["spec_accepted"] > 0.4 * st["spec_drafted"], st
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_graph_layout_proposes_the_eager_drafts(prompts, k):
+    """`MTPGraphs` (the catch-up chunk in the lone-prefill layout, the chained rows as single-row
+    decodes fed on the device; on the CPU the layout runs eagerly) proposes exactly what the eager
+    drafter does, long catch-ups (the prompt) included; outputs equal plain greedy."""
+    sizes = dict(prefill_graphs=(4, 8, 16, 32))
+    want = _gen(_llm(None, **sizes), prompts, GREEDY)
+    logs = []
+    for graphs in (False, True):
+        llm = _llm("mtp", num_speculative_tokens=k, **(sizes if graphs else {}))
+        g = llm.engine.runner.mtp.graphs
+        assert (g is not None) == graphs and (not g or g.sizes == sorted({1, 2, 4, k + 1, 2 * k + 2}))
+        propose, log = llm.engine.proposer, []
+
+        def spy(req, kk, propose=propose, log=log):
+            drafts = propose(req, kk)
+            log.append((req.request_id, req.num_tokens, drafts))
+            return drafts
+
+        llm.engine.proposer = spy
+        assert _gen(llm, prompts, GREEDY) == want
+        logs.append(log)
+        if graphs:
+            assert g.runs >= len([d for *_, d in log if d]) > 5
+    assert logs[0] == logs[1]
+
+
 def _mtp_reference(model, ids: list[int]) -> torch.Tensor:
     """MTP logits [L-1, V] of one sequence, every row at once with fresh caches: row t sees the main
     model's hidden state at t and token t + 1 (the training script's measurement)."""

@@ -284,3 +284,38 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
                     assert gap <= 2 * dev, (f"{run}: parts from plain at token {i}, plain's top-2 gap "
                                             f"{gap:.4f} > twice the row's largest logit deviation {dev:.4f}")
     assert verified > 0  # verify rows (after accepted drafts) were compared, not only decode rows
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_mtp_graphs_propose_the_eager_drafts(tmp_path, quant):
+    """`--speculative mtp` on the CUDA kernels: each proposal made twice from the same state, by the
+    eager drafter and by the captured `MTPGraphs` (the chunk padded to its graph size, the chained
+    rows as one-row decodes): the first drafts agree in >= 60 % of proposals (dummy weights: near-ties
+    every few tokens, and the padded chunk takes other MoE tiles; a wrong KV slot or hidden row gives
+    ~0 %), and the run ends with no problems (the CPU test holds the two to exact equality in fp32)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(SMALL, mtp_num_hidden_layers=1)))
+    llm = LLM(model=f"dummy:{cfg}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
+              max_model_len=512, speculative="mtp", num_speculative_tokens=3, speculative_max_seqs=8)
+    d = llm.engine.runner.mtp
+    g = d.graphs
+    assert g is not None and g.use_graphs and g.graphs
+    pairs = []
+
+    def both(req, k):
+        st = d.state(req)
+        done = st.done
+        d.graphs = None
+        eager = d.propose(req, k)
+        st.done, d.graphs = done, g
+        got = d.propose(req, k)
+        pairs.append((eager, got))
+        return got
+
+    llm.engine.proposer = both
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in _prompts(4, seed=9)]
+    assert all(len(o.token_ids) == 32 for o in outs)
+    firsts = [e[0] == x[0] for e, x in pairs if e and x]
+    assert len(firsts) > 8 and sum(firsts) >= 0.6 * len(firsts), (sum(firsts), len(firsts))
+    assert g.runs >= len(firsts)
