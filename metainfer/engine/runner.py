@@ -136,7 +136,8 @@ class ModelRunner:
             from metainfer.spec.mtp import MTPGraphs
 
             g = MTPGraphs(self.model, self.caches, ecfg.num_speculative_tokens, self.blocks_per_seq,
-                          ecfg.block_size, self.device, use_graphs=self.prefill.use_graphs)
+                          ecfg.block_size, self.device, use_graphs=self.prefill.use_graphs,
+                          logits=self.mtp.logits)
             g.capture()
             self.mtp.graphs = g
         self.warmup_s = self._start_warmup() if self.device.type == "cuda" and ecfg.warmup else 0.0

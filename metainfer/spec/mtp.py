@@ -26,6 +26,8 @@ feeding the next row's embedding on the device; one replay and one host sync per
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,23 @@ class MTPState:
 # hidden rows held per request while it is not drafting (more sequences running than
 # speculative_max_seqs): past this many (8 MB at H = 2,048 in BF16) they are dropped with its MTP drafts
 MAX_PENDING_ROWS = 2048
+FP8_HEAD_ENV = "METAINFER_MTP_FP8_HEAD"  # "1": drafts' logits from an FP8 copy of lm_head (half its bytes)
+
+
+def draft_head(model: Qwen3_5MoeModel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The drafts' logits: the model's lm_head, or with METAINFER_MTP_FP8_HEAD=1 an e4m3 copy of it
+    (128x128 block scales, `fp8.quantize_fp8_block`; +0.5 GB at the full vocabulary) that a draft
+    step reads at half the bytes. A draft only proposes: the verify's logits stay the model's."""
+    w = model.embed_tokens.weight if model.cfg.tie_word_embeddings else model.lm_head.weight
+    if os.environ.get(FP8_HEAD_ENV, "0") != "1" or w.dtype == torch.float8_e4m3fn:
+        return model.compute_logits
+    from metainfer.model.fp8 import quantize_fp8_block
+    from metainfer.model.layers import Linear
+
+    head = Linear(w.shape[1], {"lm_head": w.shape[0]})
+    q, scale = quantize_fp8_block(w.data)
+    head.weight, head.weight_scale_inv = torch.nn.Parameter(q, requires_grad=False), scale
+    return lambda h: head(h).float()
 
 
 class MTPDrafter:
@@ -60,6 +79,7 @@ class MTPDrafter:
             raise ValueError(f"the MTP layer needs its own KV cache: {n_full + 1} full-attention caches")
         self.model, self.caches, self.block_size, self.device = model, caches, block_size, device
         self.graphs: MTPGraphs | None = None  # set by the runner where the lone-prefill graphs run
+        self.logits = draft_head(model)
 
     @staticmethod
     def state(req: Request) -> MTPState:
@@ -111,7 +131,7 @@ class MTPDrafter:
         st.done = t1
         drafts: list[int] = []
         for i in range(k):
-            tok = int(self.model.compute_logits(h[-1:]).argmax(dim=-1).item())
+            tok = int(self.logits(h[-1:]).argmax(dim=-1).item())
             drafts.append(tok)
             if i + 1 < k:
                 h = self._rows(req, torch.tensor([tok], device=self.device), h[-1:], t1 + i)
@@ -142,10 +162,12 @@ class MTPGraphs(PrefillGraphs):
     block: only drafts past the k asked for read it, and they are dropped)."""
 
     def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, k: int, max_blocks: int,
-                 block_size: int, device: torch.device, use_graphs: bool = True) -> None:
+                 block_size: int, device: torch.device, use_graphs: bool = True,
+                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         sizes = sorted({1, 2, 4, k + 1, 2 * (k + 1)})
         super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs)
         self.k = k
+        self.logits = logits or model.compute_logits
         S, C, i32, i64 = self.sizes[-1], max(k - 1, 1), torch.int32, torch.int64
         dt = model.embed_tokens.weight.dtype
         self.hidden_in = torch.zeros(S, model.cfg.hidden_size, dtype=dt, device=device)
@@ -183,13 +205,13 @@ class MTPGraphs(PrefillGraphs):
         h = m.mtp(m.embed_tokens(self.input_ids[:size]), self.hidden_in[:size], self.positions[:size], meta,
                   self.caches)
         last = h[self.logits_indices[:1]]  # [1, H]: the chunk's last row
-        tok = m.compute_logits(last).argmax(dim=-1)  # [1] draft 1
+        tok = self.logits(last).argmax(dim=-1)  # [1] draft 1
         drafts = [tok]
         slot = host[2] if host else 0
         for i in range(self.k - 1):  # draft i + 2: the previous row's output and draft i + 1
             last = m.mtp(m.embed_tokens(tok), last, self._chain[0, i : i + 1], self._chain_meta(i, slot),
                          self.caches)
-            tok = m.compute_logits(last).argmax(dim=-1)
+            tok = self.logits(last).argmax(dim=-1)
             drafts.append(tok)
         self.hidden[size] = h  # (PrefillGraphs' contract; unused here)
         return torch.cat(drafts)  # [K] int64
