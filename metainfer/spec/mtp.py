@@ -15,8 +15,8 @@ Per request (`MTPState`, on `Request.spec_index`):
 KV final; row L-2 sees the last token L-1 and predicts token L: draft 1), then draft i + 1 from row
 L-2+i fed its own previous output row as the hidden state and draft i as the token (vLLM's chained
 MTP). Those rows' KV sits at positions L-1..L+k-3, inside the blocks the scheduler grows before
-drafting (`writes_kv`), and is rewritten from real hidden rows once those positions are accepted.
-Greedy argmax per draft, one host sync each on the eager path.
+drafting (`Scheduler(draft_kv=True)`), and is rewritten from real hidden rows once those positions
+are accepted. Greedy argmax per draft, one host sync each on the eager path.
 
 `MTPGraphs` (where the lone-prefill graphs run) captures the whole proposal for catch-up chunks of up
 to 2 * (K + 1) rows: the chunk in the lone-prefill layout (`PrefillGraphs`: the chunk, then a padding
@@ -69,8 +69,6 @@ def draft_head(model: Qwen3_5MoeModel) -> Callable[[torch.Tensor], torch.Tensor]
 
 
 class MTPDrafter:
-    writes_kv = True  # drafts k >= 2 write MTP KV past the last token: the scheduler grows first
-
     def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, block_size: int, device: torch.device):
         if model.mtp is None:
             raise ValueError("speculative='mtp' needs a model with an MTP layer (mtp_num_hidden_layers >= 1)")
