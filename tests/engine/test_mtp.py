@@ -206,3 +206,25 @@ def test_mtp_fp8_draft_head_keeps_outputs_and_acceptance(prompts, monkeypatch):
         assert _gen(llm, prompts, GREEDY) == want
         st = llm.engine.stats
         assert st["spec_verifies"] > 10 and st["spec_accepted"] > 0.4 * st["spec_drafted"], st
+
+
+def test_mtp_acceptance_benchmark_runs(tmp_path):
+    """benchmarks/mtp_acceptance.py on the default model: per-K acceptance JSON, every speculative
+    output equal to plain greedy."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "p.txt").write_text("class Parser(object):\\n    def __init__(self\nimport os\\nimport sys\n")
+    cmd = [sys.executable, str(root / "benchmarks" / "mtp_acceptance.py"), "--k", "1,3", "--gen", "16", "--device", "cpu",
+           "--dtype", "float32", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "mtp_acceptance.json").read_text())
+    assert len(res["prompts"]) == 2 and res["prompts"][0].startswith("class Parser(object):\n")
+    for k in ("1", "3"):
+        t = res["k"][k]
+        assert t["equal"] == 2 and t["verifies"] > 0
+        assert 0 < t["accepted"] <= t["drafted"] <= int(k) * t["verifies"]
