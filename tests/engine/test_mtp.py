@@ -218,8 +218,9 @@ def test_mtp_acceptance_benchmark_runs(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "p.txt").write_text("class Parser(object):\\n    def __init__(self\nimport os\\nimport sys\n")
-    cmd = [sys.executable, str(root / "benchmarks" / "mtp_acceptance.py"), "--k", "1,3", "--gen", "16", "--device", "cpu",
-           "--dtype", "float32", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path)]
+    cmd = [sys.executable, str(root / "benchmarks" / "mtp_acceptance.py"), "--k", "1,3", "--gen", "16",
+           "--device", "cpu", "--dtype", "float32", "--prompts", str(tmp_path / "p.txt"),
+           "--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "mtp_acceptance.json").read_text())
