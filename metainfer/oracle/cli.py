@@ -72,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     )
     verdict = run_verify(setup.llm, setup.reference, s, GATES[setup.precision], setup.context(args.model))
     print(format_table(verdict))
+    st = verdict.figures.get("engine_stats", {})
+    if st.get("spec_verifies"):  # what the speculative verify path was judged on
+        print(f"speculative: {st['spec_accepted']} of {st['spec_drafted']} drafts accepted over "
+              f"{st['spec_verifies']} verifies ({setup.llm.engine.ecfg.speculative})")
     for note in setup.notes:
         print(f"note: {note}")
     if args.json:

@@ -75,3 +75,14 @@ def test_cli_usage_errors(tmp_path, capsys):
         assert e.code == 2
     else:
         raise AssertionError("argparse accepted a bad --suite")
+
+
+def test_cli_reports_the_speculative_verifies(capsys):
+    """With speculation the table is followed by what the verify path was judged on (default model,
+    MTP drafts)."""
+    args = ["verify", "--device", "cpu", "--suite", "quick", "--speculative", "mtp"]
+    args += ["--speculative-max-seqs", "16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("speculative: "))
+    assert line.endswith("(mtp)") and " of " in line and " over " in line
