@@ -50,20 +50,29 @@ class MTPState:
 # speculative_max_seqs): past this many (8 MB at H = 2,048 in BF16) they are dropped with its MTP drafts
 MAX_PENDING_ROWS = 2048
 FP8_HEAD_ENV = "METAINFER_MTP_FP8_HEAD"  # "1": drafts' logits from an FP8 copy of lm_head (half its bytes)
+DRAFT_VOCAB_ENV = "METAINFER_MTP_DRAFT_VOCAB"  # N > 0: drafts only among token ids < N (lm_head rows [:N])
 
 
 def draft_head(model: Qwen3_5MoeModel) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The drafts' logits: the model's lm_head, or with METAINFER_MTP_FP8_HEAD=1 an e4m3 copy of it
-    (128x128 block scales, `fp8.quantize_fp8_block`; +0.5 GB at the full vocabulary) that a draft
-    step reads at half the bytes. A draft only proposes: the verify's logits stay the model's."""
+    """The drafts' logits: the model's lm_head, or an FP8 copy of it (METAINFER_MTP_FP8_HEAD=1: 128x128
+    block scales, `fp8.quantize_fp8_block`; +0.5 GB at the full vocabulary) read at half the bytes,
+    and/or only its first N rows (METAINFER_MTP_DRAFT_VOCAB=N: a draft among the ids below N, BPE's
+    earliest and most frequent merges; 1/8 of the bytes at N = 32k of 248k). A draft only proposes:
+    the verify's logits stay the model's, so neither changes an output, only which drafts come."""
     w = model.embed_tokens.weight if model.cfg.tie_word_embeddings else model.lm_head.weight
-    if os.environ.get(FP8_HEAD_ENV, "0") != "1" or w.dtype == torch.float8_e4m3fn:
+    n = int(os.environ.get(DRAFT_VOCAB_ENV, "0") or 0)
+    fp8 = os.environ.get(FP8_HEAD_ENV, "0") == "1"
+    if w.dtype == torch.float8_e4m3fn or not (fp8 or 0 < n < w.shape[0]):
         return model.compute_logits
+    from metainfer.kernels import ops
     from metainfer.model.fp8 import quantize_fp8_block
     from metainfer.model.layers import Linear
 
-    head = Linear(w.shape[1], {"lm_head": w.shape[0]})
-    q, scale = quantize_fp8_block(w.data)
+    rows = w.data[:n] if 0 < n < w.shape[0] else w.data
+    if not fp8:
+        return lambda h: ops.linear(h, rows).float()
+    head = Linear(rows.shape[1], {"lm_head": rows.shape[0]})
+    q, scale = quantize_fp8_block(rows)
     head.weight, head.weight_scale_inv = torch.nn.Parameter(q, requires_grad=False), scale
     return lambda h: head(h).float()
 

@@ -229,3 +229,26 @@ def test_mtp_acceptance_benchmark_runs(tmp_path):
         t = res["k"][k]
         assert t["equal"] == 2 and t["verifies"] > 0
         assert 0 < t["accepted"] <= t["drafted"] <= int(k) * t["verifies"]
+
+
+@pytest.mark.parametrize("fp8", ["0", "1"])
+def test_mtp_draft_vocabulary_limits_the_drafts(prompts, monkeypatch, fp8):
+    """METAINFER_MTP_DRAFT_VOCAB=N: drafts among the ids below N only (lm_head's first N rows, FP8 or
+    not), outputs still plain greedy's, drafts still accepted."""
+    from metainfer.spec.mtp import DRAFT_VOCAB_ENV, FP8_HEAD_ENV
+
+    monkeypatch.setenv(DRAFT_VOCAB_ENV, "300")  # (unlimited, 52 of these prompts' 82 drafts are >= 300)
+    monkeypatch.setenv(FP8_HEAD_ENV, fp8)
+    want = _gen(_llm(None), prompts, GREEDY)
+    llm = _llm("mtp", num_speculative_tokens=3)
+    propose, drafted = llm.engine.proposer, []
+
+    def spy(req, k):
+        drafts = propose(req, k)
+        drafted.extend(drafts)
+        return drafts
+
+    llm.engine.proposer = spy
+    assert _gen(llm, prompts, GREEDY) == want
+    assert drafted and max(drafted) < 300
+    assert llm.engine.stats["spec_accepted"] > 0
