@@ -57,7 +57,7 @@ class LLMEngine:
         self._spec_misses = 0  # proposals in a row that found no drafts
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
                       "slow_launches": 0, "async_steps": 0, "spec_verifies": 0, "spec_drafted": 0,
-                      "spec_accepted": 0}
+                      "spec_accepted": 0, "spec_draft_errors": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -342,7 +342,12 @@ class LLMEngine:
         sch = self.scheduler
         if len(sch.running) > self.ecfg.speculative_max_seqs or sch.waiting:
             return []
-        return self.proposer(req, min(k, self.ecfg.num_speculative_tokens))
+        try:
+            return self.proposer(req, min(k, self.ecfg.num_speculative_tokens))
+        except Exception:  # drafts are optional: the step goes on without them, the request unharmed
+            self.stats["spec_draft_errors"] += 1
+            log.exception("drafting failed for request %s; no drafts this step", req.request_id)
+            return []
 
     @staticmethod
     def _repeat_proposer(req: Request, k: int) -> list[int]:

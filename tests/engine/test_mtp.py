@@ -252,3 +252,23 @@ def test_mtp_draft_vocabulary_limits_the_drafts(prompts, monkeypatch, fp8):
     assert _gen(llm, prompts, GREEDY) == want
     assert drafted and max(drafted) < 300
     assert llm.engine.stats["spec_accepted"] > 0
+
+
+def test_a_failing_drafter_costs_drafts_not_requests(prompts, caplog):
+    """A drafter that raises (here on every other call) is logged and counted; the step runs without
+    drafts and every request still ends with plain greedy's tokens."""
+    want = _gen(_llm(None), prompts, GREEDY)
+    llm = _llm("mtp", num_speculative_tokens=2)
+    propose, calls = llm.engine.proposer, []
+
+    def flaky(req, k):
+        calls.append(k)
+        if len(calls) % 2:
+            raise RuntimeError("drafter broke")
+        return propose(req, k)
+
+    llm.engine.proposer = flaky
+    assert _gen(llm, prompts, GREEDY) == want
+    st = llm.engine.stats
+    assert st["spec_draft_errors"] == (len(calls) + 1) // 2 > 0 and st["spec_verifies"] > 0
+    assert "drafting failed" in caplog.text
