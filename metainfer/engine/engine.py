@@ -418,6 +418,8 @@ class LLMEngine:
         req.finish_time = time.monotonic()
         self.requests.pop(req.request_id, None)
         self.stats["finished"] += 1
+        if self.runner.mtp is not None:
+            self.runner.mtp.forget(req)
 
     def _fail_batch(self, items: list[tuple[Request, int]], message: str) -> list[RequestOutput]:
         outs = []

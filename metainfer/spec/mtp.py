@@ -47,8 +47,10 @@ class MTPState:
 
 
 # hidden rows held per request while it is not drafting (more sequences running than
-# speculative_max_seqs): past this many (8 MB at H = 2,048 in BF16) they are dropped with its MTP drafts
+# speculative_max_seqs): past this many (8 MB at H = 2,048 in BF16) they are dropped with its MTP drafts,
+# and so are the rows of a request that would take all requests' rows past MAX_TOTAL_ROWS (64 MB)
 MAX_PENDING_ROWS = 2048
+MAX_TOTAL_ROWS = 16384
 FP8_HEAD_ENV = "METAINFER_MTP_FP8_HEAD"  # "1": drafts' logits from an FP8 copy of lm_head (half its bytes)
 DRAFT_VOCAB_ENV = "METAINFER_MTP_DRAFT_VOCAB"  # N > 0: drafts only among token ids < N (lm_head rows [:N])
 
@@ -86,6 +88,7 @@ class MTPDrafter:
             raise ValueError(f"the MTP layer needs its own KV cache: {n_full + 1} full-attention caches")
         self.model, self.caches, self.block_size, self.device = model, caches, block_size, device
         self.graphs: MTPGraphs | None = None  # set by the runner where the lone-prefill graphs run
+        self.total_rows = 0  # hidden rows held over all requests (`note`, `forget`)
         self.logits = draft_head(model)
 
     @staticmethod
@@ -102,17 +105,28 @@ class MTPDrafter:
         st = self.state(req)
         if st.lost:
             return
+        held = 0 if st.hidden is None else st.hidden.shape[0]
         st.done = min(st.done, start)  # MTP rows from `start` on read the rows recomputed now
         if st.hidden is not None and st.hidden_pos <= start <= st.hidden_pos + st.hidden.shape[0]:
             st.hidden = torch.cat([st.hidden[: start - st.hidden_pos], rows])
         else:  # the first rows, or a resume after a preemption (start 0: the MTP KV went too)
             st.hidden, st.hidden_pos = rows.clone(), start
-        if st.done < st.hidden_pos or st.hidden.shape[0] > MAX_PENDING_ROWS:
-            st.hidden, st.lost = None, True  # rows it needs are gone: no MTP drafts for it any more
-            return
         keep = st.done - st.hidden_pos  # rows below `done` are never read again
         if keep > 0:
             st.hidden, st.hidden_pos = st.hidden[keep:], st.done
+        rows_now = st.hidden.shape[0]
+        if (keep < 0 or rows_now > MAX_PENDING_ROWS
+                or self.total_rows - held + rows_now > MAX_TOTAL_ROWS):
+            st.hidden, st.lost = None, True  # rows it needs are gone: no MTP drafts for it any more
+            rows_now = 0
+        self.total_rows += rows_now - held
+
+    def forget(self, req: Request) -> None:
+        """A finished request's rows go (the engine calls this as it finishes one)."""
+        st = req.spec_index
+        if isinstance(st, MTPState) and st.hidden is not None:
+            self.total_rows -= st.hidden.shape[0]
+            st.hidden = None
 
     @torch.inference_mode()
     def propose(self, req: Request, k: int) -> list[int]:

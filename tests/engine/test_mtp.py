@@ -272,3 +272,24 @@ def test_a_failing_drafter_costs_drafts_not_requests(prompts, caplog):
     st = llm.engine.stats
     assert st["spec_draft_errors"] == (len(calls) + 1) // 2 > 0 and st["spec_verifies"] > 0
     assert "drafting failed" in caplog.text
+
+
+def test_mtp_rows_over_all_requests_are_bounded_and_freed(prompts, monkeypatch):
+    """Held hidden rows over all requests stay within MAX_TOTAL_ROWS (a request that would pass it
+    drops its rows and MTP drafts), finished requests free theirs, outputs stay plain greedy's."""
+    monkeypatch.setattr(mtp_mod, "MAX_TOTAL_ROWS", 20)
+    want = _gen(_llm(None), prompts, GREEDY)
+    llm = _llm("mtp", num_speculative_tokens=2, max_num_batched_tokens=8)  # chunked prompts: rows pile up
+    d = llm.engine.runner.mtp
+    note, peak, lost = d.note, [], set()
+
+    def watch(req, start, rows):
+        note(req, start, rows)
+        peak.append(d.total_rows)
+        if d.state(req).lost:
+            lost.add(req.request_id)
+
+    d.note = watch
+    assert _gen(llm, prompts, GREEDY) == want
+    assert max(peak) <= 20 and d.total_rows == 0  # bounded, and every finished request freed its rows
+    assert lost and len(lost) < len(prompts) and llm.engine.stats["spec_verifies"] > 0
