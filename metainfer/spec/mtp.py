@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metainfer.engine.prefill_graph import PrefillGraphs
@@ -192,9 +193,11 @@ class MTPGraphs(PrefillGraphs):
         S, C, i32, i64 = self.sizes[-1], max(k - 1, 1), torch.int32, torch.int64
         dt = model.embed_tokens.weight.dtype
         self.hidden_in = torch.zeros(S, model.cfg.hidden_size, dtype=dt, device=device)
-        self._chain = torch.zeros(4, C, dtype=i64, device=device)  # positions, KV slots, seq / context lens
-        self._chain_host = torch.zeros(4, C, dtype=i64, pin_memory=device.type == "cuda")
-        self._chain_i32 = torch.zeros(2, C, dtype=i32, device=device)
+        pin = device.type == "cuda"
+        self._chain = torch.zeros(2, C, dtype=i64, device=device)  # positions, KV slots
+        self._chain_i32 = torch.zeros(2, C, dtype=i32, device=device)  # seq_lens, context_lens
+        self._chain_host = tuple(torch.zeros(2, C, dtype=t, pin_memory=pin) for t in (i64, i32))
+        self._chain_np = tuple(t.numpy() for t in self._chain_host)  # host writes (rewritten after a sync)
         self._qsl1 = torch.tensor([0, 1], dtype=i32, device=device)
         self._row0 = torch.zeros(1, dtype=i64, device=device)
         self._eager_chain: list[int] = []  # host positions of the chained rows (the eager path's metas)
@@ -252,16 +255,16 @@ class MTPGraphs(PrefillGraphs):
     def _stage_chain(self, last: int, block_ids: list[int], slot: int) -> None:
         """The chained rows at positions last + 1 .. last + K - 1 (last: the chunk's last position)."""
         C, bs = self._chain.shape[1], self.block_size
-        pos = [last + 1 + i for i in range(C)]
-        kv = [block_ids[p // bs] * bs + p % bs if p // bs < len(block_ids) else p % bs for p in pos]
-        h = self._chain_host
-        h[0] = torch.tensor(pos)
-        h[1] = torch.tensor(kv)
-        h[2] = h[0] + 1
-        h[3] = h[0]
-        self._chain.copy_(h, non_blocking=True)
-        self._chain_i32.copy_(self._chain[2:4])
-        self._eager_chain = [] if self.use_graphs else pos
+        pos = np.arange(last + 1, last + 1 + C)
+        blk, bids = pos // bs, np.asarray(block_ids, dtype=np.int64)
+        h64, h32 = self._chain_np  # (the last run's copies have run: run() ends with a host sync)
+        h64[0] = pos
+        h64[1] = np.where(blk < len(bids), bids[np.minimum(blk, len(bids) - 1)] * bs, 0) + pos % bs
+        h32[0] = pos + 1
+        h32[1] = pos
+        self._chain.copy_(self._chain_host[0], non_blocking=True)
+        self._chain_i32.copy_(self._chain_host[1], non_blocking=True)
+        self._eager_chain = [] if self.use_graphs else pos.tolist()
 
     def run(self, tokens: list[int], hidden: torch.Tensor, start: int, block_ids: list[int], slot: int,
             rows: int = 1) -> list[int]:
