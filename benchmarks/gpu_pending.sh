@@ -75,8 +75,8 @@
 #   mtp    - MTP speculation (--speculative mtp, KB-0060): FP8 oracle with it (--speculative-max-seqs 64; on dummy
 #            weights its drafts are noise: the verify path judged), spec_bench plain / mtp / mtp-script-2,4
 #            (the MTP drafter's cost at forced acceptance) and a profile of mtp-script-4; GPU tests first, ~8 min
-#   mtpheads - mtp-script-2,4 with the drafts' FP8 lm_head copy (KB-0061), a 32k draft vocabulary (KB-0062)
-#            and both, ~5 min
+#   mtpheads - mtp-script-2,4 with the proposal inside the verify graph (KB-0063), the drafts' FP8 lm_head
+#            copy (KB-0061), a 32k draft vocabulary (KB-0062), all three, ~7 min
 #   downids - the per-pair rows' down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059; the FP8
 #            default since 2026-12-01a): GPU test, batches DI_BATCHES (2,8) A/B (x2) in DI_DTYPES (bfloat16), ~3 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
@@ -339,9 +339,9 @@ if has mtp; then  # KB-0060: the checkpoint's MTP layer as the drafter
   timeout 240 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp,mtp-script --script-k 2,4 --reps 2 \
     --profile mtp-script-4 --profile-gen 64 --out $OUT/mtp 2>&1 | grep -vE "falling back" | tail -40
 fi
-if has mtpheads; then  # KB-0061 / KB-0062: the drafts' lm_head in FP8, a 32k draft vocabulary, both
-  for sw in "METAINFER_MTP_FP8_HEAD=1" "METAINFER_MTP_DRAFT_VOCAB=32768" \
-            "METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=32768"; do  # KB-0061, KB-0062
+if has mtpheads; then  # KB-0061..63: fused proposal, the drafts' lm_head in FP8, a 32k draft vocabulary, all
+  for sw in "METAINFER_MTP_FUSED=1" "METAINFER_MTP_FP8_HEAD=1" "METAINFER_MTP_DRAFT_VOCAB=32768" \
+            "METAINFER_MTP_FUSED=1 METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=32768"; do  # KB-0061..63
     env $sw timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp-script --script-k 2,4 \
       --reps 2 --out $OUT/mtp_${sw//[ =]/_} 2>&1 | grep -E "^\| mtp|script-.*: " | sed "s/^/[$sw] /"
   done

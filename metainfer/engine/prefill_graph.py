@@ -51,12 +51,14 @@ class PrefillGraphs:
         self.input_ids, self.positions, self.slot_mapping = self._tok
         self.state_slots = self._i64[3 * S : 3 * S + 2]
         self.logits_indices = self._i64[3 * S + 2 :]  # the chunk's last rows (the last repeated)
-        # query_start_loc [3] | seq_lens [2] | context_lens [2] | 1 spare | block tables [2, max_blocks]
+        # query_start_loc [3] | seq_lens [2] | context_lens [2] | the request's block count | block
+        # tables [2, max_blocks]
         # (row 1: the padding sequence, all null blocks, never written)
         self._i32 = torch.zeros(8 + 2 * max_blocks, dtype=i32, device=device)
         self._seq = self._i32[:7]
         self.query_start_loc, self.seq_lens, self.context_lens = self._seq[:3], self._seq[3:5], self._seq[5:7]
         self.block_tables = self._i32[8:].view(2, max_blocks)
+        self.num_blocks = self._i32[7:8]  # the request's blocks (past them, row 0's entries are stale)
         self._staging = _Staging(self._i64, self._i32[: 8 + max_blocks], device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -123,7 +125,7 @@ class PrefillGraphs:
         h64[3 * S : 3 * S + 2] = (slot, 0)
         h64[3 * S + 2 : 3 * S + 2 + rows] = np.arange(n - rows, n)
         h64[3 * S + 2 + rows :] = n - 1
-        h32[:7] = (0, n, size, start + n, pad, start, 0)
+        h32[:8] = (0, n, size, start + n, pad, start, 0, len(block_ids))
         h32[8 : 8 + len(block_ids)] = bids
         self._staging.copy(8 + len(block_ids))
 

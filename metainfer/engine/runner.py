@@ -122,6 +122,7 @@ class ModelRunner:
         self.caches = self._allocate_caches()
         self.mtp = None  # speculative="mtp": the drafter, fed every step's hidden rows (`_note_hidden`)
         self._hidden: torch.Tensor | None = None  # the step's final hidden states (the MTP drafter's input)
+        self._fused = None  # (request, start, [j, p, drafts]) of a lone step's in-graph MTP proposal
         if ecfg.speculative == "mtp":
             from metainfer.spec.mtp import MTPDrafter
 
@@ -170,15 +171,15 @@ class ModelRunner:
         sizes = () if auto_off else self.ecfg.prefill_graph_sizes
         if not sizes or self.decode is None or (self.device.type == "cuda" and not self.decode.use_graphs):
             return None
-        pg = PrefillGraphs(
-            self.model,
-            self.caches,
-            sizes,
-            self.blocks_per_seq,
-            self.ecfg.block_size,
-            self.device,
-            logits_rows=1 + (self.ecfg.num_speculative_tokens if self.ecfg.speculative else 0),
-        )
+        args = (self.model, self.caches, sizes, self.blocks_per_seq, self.ecfg.block_size, self.device)
+        rows = 1 + (self.ecfg.num_speculative_tokens if self.ecfg.speculative else 0)
+        if self.mtp is not None and self.mtp.fused:  # the next MTP proposal inside each replay (KB-0063)
+            from metainfer.spec.mtp import MTPVerifyGraphs
+
+            pg = MTPVerifyGraphs(*args, k=self.ecfg.num_speculative_tokens, logits_rows=rows,
+                                 logits=self.mtp.logits)
+        else:
+            pg = PrefillGraphs(*args, logits_rows=rows)
         pg.capture()
         return pg
 
@@ -298,7 +299,9 @@ class ModelRunner:
         for r, n in items:
             self.mtp.note(r, r.num_computed_tokens, self._hidden[base : base + n])
             base += n
-        self._hidden = None
+        if self._fused is not None:
+            self.mtp.note_fused(*self._fused)
+        self._hidden, self._fused = None, None
 
     def wait(self, inflight: InFlight) -> list[int]:
         """The sampled tokens of a launched step, in `inflight.samples` order (blocks until ready)."""
@@ -377,6 +380,8 @@ class ModelRunner:
         toks = r.tokens_slice(start, start + real) + drafts
         logits = self.prefill.run(toks, start, r.block_ids, r.state_slot, rows=len(drafts) + 1)
         self._hidden = self.prefill.last_hidden
+        if self.mtp is not None and self.mtp.fused:
+            self._fused = (r, start, self.prefill.last_drafts.clone())
         if drafts:
             return logits, self._verify_owners(r, start, real, n), []
         return logits, [(r, "sample", start + n - 1)], []

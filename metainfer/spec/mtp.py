@@ -45,6 +45,7 @@ class MTPState:
     hidden_pos: int = 0
     done: int = 0  # MTP KV final for positions < done
     lost: bool = False  # rows it needed were dropped (a gap, or more than MAX_PENDING_ROWS undrafted)
+    fused: torch.Tensor | None = None  # a lone step's in-graph proposal [j, p, drafts] (`note_fused`)
 
 
 # hidden rows held per request while it is not drafting (more sequences running than
@@ -54,6 +55,7 @@ MAX_PENDING_ROWS = 2048
 MAX_TOTAL_ROWS = 16384
 FP8_HEAD_ENV = "METAINFER_MTP_FP8_HEAD"  # "1": drafts' logits from an FP8 copy of lm_head (half its bytes)
 DRAFT_VOCAB_ENV = "METAINFER_MTP_DRAFT_VOCAB"  # N > 0: drafts only among token ids < N (lm_head rows [:N])
+FUSED_ENV = "METAINFER_MTP_FUSED"  # "1": the lone-prefill graphs propose too (`MTPVerifyGraphs`, KB-0063)
 
 
 def draft_head(model: Qwen3_5MoeModel) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -90,6 +92,8 @@ class MTPDrafter:
         self.model, self.caches, self.block_size, self.device = model, caches, block_size, device
         self.graphs: MTPGraphs | None = None  # set by the runner where the lone-prefill graphs run
         self.total_rows = 0  # hidden rows held over all requests (`note`, `forget`)
+        self.fused = os.environ.get(FUSED_ENV, "0") == "1"
+        self.fused_used = 0  # proposals taken from a lone step's graph
         self.logits = draft_head(model)
 
     @staticmethod
@@ -104,6 +108,7 @@ class MTPDrafter:
         if not req.draftable:
             return
         st = self.state(req)
+        st.fused = None  # a step ran since that proposal: `note_fused` gives this step's, if any
         if st.lost:
             return
         held = 0 if st.hidden is None else st.hidden.shape[0]
@@ -122,6 +127,12 @@ class MTPDrafter:
             rows_now = 0
         self.total_rows += rows_now - held
 
+    def note_fused(self, req: Request, start: int, proposal: torch.Tensor) -> None:
+        """A lone step's in-graph proposal [j, p, drafts] (`MTPVerifyGraphs`), noted after `note`:
+        usable when the MTP KV below the chunk was final (MTP rows from `start` on are the graph's)."""
+        st = self.state(req)
+        st.fused = proposal if req.draftable and not st.lost and st.done == start else None
+
     def forget(self, req: Request) -> None:
         """A finished request's rows go (the engine calls this as it finishes one)."""
         st = req.spec_index
@@ -133,6 +144,13 @@ class MTPDrafter:
     def propose(self, req: Request, k: int) -> list[int]:
         st = self.state(req)
         L = req.num_tokens
+        if st.fused is not None:  # the last step proposed in its graph: taken if it ended at row L - 2
+            j, p, *drafts = st.fused.tolist()
+            st.fused = None
+            if p == L - 2 and k >= 1:
+                st.done = L - 1
+                self.fused_used += 1
+                return drafts[:k]
         t0, t1 = st.done, L - 1  # MTP rows t0..t1-1 (inputs: hidden t, token t + 1)
         if st.hidden is None or k < 1 or t1 <= t0 or t0 < st.hidden_pos:  # (lost, or nothing new)
             return []
@@ -177,6 +195,29 @@ class MTPDrafter:
         return m.mtp(m.embed_tokens(ids), hidden.to(m.embed_tokens.weight.dtype), pos, meta, self.caches)
 
 
+def _row_meta(g: PrefillGraphs, seq_lens: torch.Tensor, context_lens: torch.Tensor, kv_slot: torch.Tensor,
+              qsl1: torch.Tensor, row0: torch.Tensor, host: tuple[int, int] | None) -> ForwardMeta:
+    """A chained MTP row as a one-row decode of the lone chunk's request (its block-table row and
+    state slot in `g`'s buffers). host = (position, state slot) on the eager path only: captured
+    kernels read the device tensors, as `DecodeGraphs`' metas."""
+    p, slot = host or (0, 0)
+    return ForwardMeta(
+        query_start_loc=qsl1,
+        seq_lens=seq_lens,
+        context_lens=context_lens,
+        block_tables=g.block_tables[:1],
+        slot_mapping=kv_slot,
+        state_slots=g.state_slots[:1],
+        logits_indices=row0,
+        query_start_loc_cpu=[0, 1],
+        seq_lens_cpu=[p + 1] if host else [],
+        context_lens_cpu=[p] if host else [],
+        state_slots_cpu=[slot] if host else [],
+        num_decodes=1,
+        num_decode_tokens=1,
+    )
+
+
 class MTPGraphs(PrefillGraphs):
     """A proposal of K drafts in one replay (see the module doc). The chunk's token ids are the next
     tokens (t + 1 of each MTP row t), its hidden rows go to `hidden_in`; the chained rows' positions,
@@ -203,25 +244,10 @@ class MTPGraphs(PrefillGraphs):
         self._eager_chain: list[int] = []  # host positions of the chained rows (the eager path's metas)
 
     def _chain_meta(self, i: int, slot: int) -> ForwardMeta:
-        """Chained row i as a one-row decode (host lengths on the eager path only, as `DecodeGraphs`:
-        captured kernels read the device tensors)."""
-        eager = bool(self._eager_chain)
-        p = self._eager_chain[i] if eager else 0
-        return ForwardMeta(
-            query_start_loc=self._qsl1,
-            seq_lens=self._chain_i32[0, i : i + 1],
-            context_lens=self._chain_i32[1, i : i + 1],
-            block_tables=self.block_tables[:1],
-            slot_mapping=self._chain[1, i : i + 1],
-            state_slots=self.state_slots[:1],
-            logits_indices=self._row0,
-            query_start_loc_cpu=[0, 1],
-            seq_lens_cpu=[p + 1] if eager else [],
-            context_lens_cpu=[p] if eager else [],
-            state_slots_cpu=[slot] if eager else [],
-            num_decodes=1,
-            num_decode_tokens=1,
-        )
+        """Chained row i (its position, KV slot and lengths staged by `_stage_chain`)."""
+        host = (self._eager_chain[i], slot) if self._eager_chain else None
+        return _row_meta(self, self._chain_i32[0, i : i + 1], self._chain_i32[1, i : i + 1],
+                         self._chain[1, i : i + 1], self._qsl1, self._row0, host)
 
     def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
         m = self.model
@@ -282,3 +308,68 @@ class MTPGraphs(PrefillGraphs):
             out = self._forward(size, (n, start, slot))
             self.hidden.pop(size)
         return out.tolist()  # the host sync
+
+
+class MTPVerifyGraphs(PrefillGraphs):
+    """The lone-prefill graphs (a prompt, a verify, a recompute alone in its step) with the next MTP
+    proposal inside the same replay (METAINFER_MTP_FUSED=1, KB-0063). After the main forward and its
+    logits rows: g = their argmax; j = the leading drafts equal to g (counted on the device; none for
+    a chunk without drafts); MTP over every chunk row t with hidden row t and token t + 1, where the
+    logits rows take g (equal to the drafts wherever they were accepted), so row p = the last accepted
+    position reads the token the verify emits after it; draft 1 from row p, then K - 1 chained rows at
+    positions p + 1.. (KV slots from the block table on the device; past the request's blocks, the
+    null block). Valid when the MTP KV is final below the chunk (`MTPDrafter.note_fused` checks).
+    Outputs: the logits as `PrefillGraphs`, and `last_drafts` = [j, p, draft 1..K] (int64)."""
+
+    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, sizes, max_blocks: int, block_size: int,
+                 device: torch.device, k: int, logits_rows: int, use_graphs: bool = True,
+                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs,
+                         logits_rows=logits_rows)
+        self.k = k
+        self.draft_logits = logits or model.compute_logits
+        self._qsl1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        self._row0 = torch.zeros(1, dtype=torch.int64, device=device)
+        self.drafts: dict[int, torch.Tensor] = {}
+        self.last_drafts: torch.Tensor | None = None
+
+    def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
+        m, li, bs = self.model, self.logits_indices, self.block_size
+        meta = self._meta(size, host)
+        hidden = m(self.input_ids[:size], self.positions[:size], meta, self.caches)
+        self.hidden[size] = hidden
+        logits = m.compute_logits(hidden[li])  # [R, V] fp32
+        g = logits.argmax(dim=-1)  # [R]
+        R = li.shape[0]
+        real = (li[1:] != li[:-1]).sum() + 1  # the distinct logits rows: 1 + the chunk's drafts
+        drafts_in = self.input_ids[li[1:]]  # [R - 1]: the drafts (rows past them: repeats)
+        match = (g[:-1] == drafts_in) & (torch.arange(R - 1, device=li.device) < real - 1)
+        j = torch.cumprod(match.to(torch.int64), 0).sum().view(1)
+        p_row = li[:1] + j  # [1] chunk row of the last accepted position
+        ids = torch.cat([self.input_ids[1:size], self.input_ids[:1]]).index_put((li,), g)  # token t + 1
+        h = m.mtp(m.embed_tokens(ids), hidden, self.positions[:size], meta, self.caches)
+        last = h.index_select(0, p_row)  # [1, H]
+        tok = self.draft_logits(last).argmax(dim=-1)
+        out = [j, self.positions.index_select(0, p_row), tok]
+        pos = self.positions.index_select(0, p_row)
+        for _ in range(self.k - 1):
+            pos = pos + 1
+            blk = pos // bs
+            nb = self.num_blocks.to(torch.int64)
+            kv = torch.where(blk < nb, self.block_tables[0].index_select(0, torch.minimum(blk, nb - 1)).to(
+                torch.int64) * bs, 0) + pos % bs
+            host_p = (int(pos.item()), host[2]) if host else None  # (eager: the reference ops' lengths)
+            i32 = torch.int32
+            rm = _row_meta(self, (pos + 1).to(i32), pos.to(i32), kv, self._qsl1, self._row0, host_p)
+            last = m.mtp(m.embed_tokens(tok), last, pos, rm, self.caches)
+            tok = self.draft_logits(last).argmax(dim=-1)
+            out.append(tok)
+        self.drafts[size] = torch.cat(out)  # [2 + K]
+        return logits
+
+    def run(self, tokens: list[int], start: int, block_ids: list[int], slot: int,
+            rows: int = 1) -> torch.Tensor:
+        logits = super().run(tokens, start, block_ids, slot, rows)
+        size = self.size_for(len(tokens))
+        self.last_drafts = self.drafts[size] if self.use_graphs else self.drafts.pop(size)
+        return logits

@@ -293,3 +293,37 @@ def test_mtp_rows_over_all_requests_are_bounded_and_freed(prompts, monkeypatch):
     assert _gen(llm, prompts, GREEDY) == want
     assert max(peak) <= 20 and d.total_rows == 0  # bounded, and every finished request freed its rows
     assert lost and len(lost) < len(prompts) and llm.engine.stats["spec_verifies"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_fused_verify_graph_proposes_the_separate_drafts(prompts, monkeypatch, k):
+    """METAINFER_MTP_FUSED=1: the lone-prefill graphs (prompt, verify, recompute; on the CPU their
+    layout runs eagerly) also run the MTP rows and the chain, so the next proposal needs no drafter
+    forward: every proposal after a lone step comes from the graph, and they are exactly the drafts
+    of the separate drafter (fused off); outputs equal plain greedy's."""
+    from metainfer.spec.mtp import FUSED_ENV
+
+    sizes = dict(prefill_graphs=(4, 8, 16, 32))
+    want = [_gen(_llm(None, **sizes), [p], GREEDY)[0] for p in prompts]
+    logs = []
+    for fused in ("0", "1"):
+        monkeypatch.setenv(FUSED_ENV, fused)
+        llm = _llm("mtp", num_speculative_tokens=k, **sizes)
+        d = llm.engine.runner.mtp
+        assert d.fused == (fused == "1")
+        propose, log = llm.engine.proposer, []
+
+        def spy(req, kk, propose=propose, log=log, d=d):
+            from_graph = d.state(req).fused is not None
+            drafts = propose(req, kk)
+            log.append((req.request_id, req.num_tokens, drafts, from_graph))
+            return drafts
+
+        llm.engine.proposer = spy
+        assert [_gen(llm, [p], GREEDY)[0] for p in prompts] == want
+        logs.append(log)
+    plain_log, fused_log = logs
+    assert [x[:3] for x in plain_log] == [x[:3] for x in fused_log] and len(plain_log) > 5
+    assert not any(x[3] for x in plain_log)
+    # each taken from the graph, but a prompt's first (its prefill's: an async decode step ran since)
+    assert sum(1 for x in fused_log if x[2]) - len(prompts) <= d.fused_used > 5

@@ -319,3 +319,40 @@ def test_mtp_graphs_propose_the_eager_drafts(tmp_path, quant):
     firsts = [e[0] == x[0] for e, x in pairs if e and x]
     assert len(firsts) > 8 and sum(firsts) >= 0.6 * len(firsts), (sum(firsts), len(firsts))
     assert g.runs >= len(firsts)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_mtp_fused_verify_graph_on_the_gpu(tmp_path, quant, monkeypatch):
+    """METAINFER_MTP_FUSED=1 on the CUDA graphs: the lone-prefill graphs (prompt, verify, recompute)
+    carry the next MTP proposal; most proposals are taken from them, and their first drafts agree with
+    the separate drafter's (made from the same state after the step) in >= 60 % (dummy weights' near-
+    ties; the CPU test holds them equal in fp32)."""
+    from metainfer.spec.mtp import FUSED_ENV
+
+    monkeypatch.setenv(FUSED_ENV, "1")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(SMALL, mtp_num_hidden_layers=1)))
+    llm = LLM(model=f"dummy:{cfg}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
+              max_model_len=512, speculative="mtp", num_speculative_tokens=3, speculative_max_seqs=8)
+    d = llm.engine.runner.mtp
+    assert d.fused and type(llm.engine.runner.prefill).__name__ == "MTPVerifyGraphs"
+    pairs = []
+
+    def both(req, k):
+        st = d.state(req)
+        used, done = d.fused_used, st.done
+        got = d.propose(req, k)
+        if d.fused_used > used and got:  # taken from the graph: the separate drafter from the same state
+            taken = st.done
+            st.done, st.fused = done, None
+            pairs.append((d.propose(req, k), got))
+            st.done = taken
+        return got
+
+    llm.engine.proposer = both
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in _prompts(4, seed=9)]
+    assert all(len(o.token_ids) == 32 for o in outs)
+    firsts = [a[0] == b[0] for a, b in pairs if a and b]
+    assert d.fused_used > 8 and len(firsts) > 8
+    assert sum(firsts) >= 0.6 * len(firsts), (sum(firsts), len(firsts))
