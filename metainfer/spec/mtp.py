@@ -15,7 +15,7 @@ Per request (`MTPState`, on `Request.spec_index`):
 KV final; row L-2 sees the last token L-1 and predicts token L: draft 1), then draft i + 1 from row
 L-2+i fed its own previous output row as the hidden state and draft i as the token (vLLM's chained
 MTP). Those rows' KV sits at positions L-1..L+k-3, inside the blocks the scheduler grows before
-drafting (`Scheduler(draft_kv=True)`), and is rewritten from real hidden rows once those positions
+drafting (`Scheduler(draft_kv=...)`), and is rewritten from real hidden rows once those positions
 are accepted. Greedy argmax per draft, one host sync each on the eager path.
 
 `MTPGraphs` (where the lone-prefill graphs run) captures the whole proposal for catch-up chunks of up
@@ -126,6 +126,14 @@ class MTPDrafter:
             st.hidden, st.lost = None, True  # rows it needs are gone: no MTP drafts for it any more
             rows_now = 0
         self.total_rows += rows_now - held
+
+    def kv_ahead(self, k: int) -> int:
+        """MTP KV positions written past a verify chunk (its drafts included) before the next step: the
+        in-graph proposal's K - 1 chained rows (`MTPVerifyGraphs`); none for the separate drafter, whose
+        rows stay within the chunk it drafts for. The scheduler grows that far before drafting (a
+        position past the request's blocks would go to the null block, and a later chained row would
+        read another block there: a worse draft, never a wrong output)."""
+        return k - 1 if self.fused else 0
 
     def note_fused(self, req: Request, start: int, proposal: torch.Tensor) -> None:
         """A lone step's in-graph proposal [j, p, drafts] (`MTPVerifyGraphs`), noted after `note`:
