@@ -286,6 +286,24 @@ def test_speculative_verify_equals_plain_greedy(cfg_path, quant):
     assert verified > 0  # verify rows (after accepted drafts) were compared, not only decode rows
 
 
+def _mtp_llm(tmp_path, quant):
+    """An MTP-drafting engine (K = 3) on SMALL with one MTP layer, dummy weights, CUDA graphs."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(SMALL, mtp_num_hidden_layers=1)))
+    return LLM(model=f"dummy:{cfg}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
+               max_model_len=512, speculative="mtp", num_speculative_tokens=3, speculative_max_seqs=8)
+
+
+def _first_drafts_agree(llm, both, pairs) -> list[bool]:
+    """Four prompts alone (32 greedy tokens each) with `both` as the proposer, which records (one
+    way's drafts, the other's) in pairs: whether the first drafts agree, per proposal."""
+    llm.engine.proposer = both
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in _prompts(4, seed=9)]
+    assert all(len(o.token_ids) == 32 for o in outs)
+    return [a[0] == b[0] for a, b in pairs if a and b]
+
+
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_mtp_graphs_propose_the_eager_drafts(tmp_path, quant):
     """`--speculative mtp` on the CUDA kernels: each proposal made twice from the same state, by the
@@ -293,10 +311,7 @@ def test_mtp_graphs_propose_the_eager_drafts(tmp_path, quant):
     rows as one-row decodes): the first drafts agree in >= 60 % of proposals (dummy weights: near-ties
     every few tokens, and the padded chunk takes other MoE tiles; a wrong KV slot or hidden row gives
     ~0 %), and the run ends with no problems (the CPU test holds the two to exact equality in fp32)."""
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(dict(SMALL, mtp_num_hidden_layers=1)))
-    llm = LLM(model=f"dummy:{cfg}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
-              max_model_len=512, speculative="mtp", num_speculative_tokens=3, speculative_max_seqs=8)
+    llm = _mtp_llm(tmp_path, quant)
     d = llm.engine.runner.mtp
     g = d.graphs
     assert g is not None and g.use_graphs and g.graphs
@@ -312,11 +327,7 @@ def test_mtp_graphs_propose_the_eager_drafts(tmp_path, quant):
         pairs.append((eager, got))
         return got
 
-    llm.engine.proposer = both
-    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    outs = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in _prompts(4, seed=9)]
-    assert all(len(o.token_ids) == 32 for o in outs)
-    firsts = [e[0] == x[0] for e, x in pairs if e and x]
+    firsts = _first_drafts_agree(llm, both, pairs)
     assert len(firsts) > 8 and sum(firsts) >= 0.6 * len(firsts), (sum(firsts), len(firsts))
     assert g.runs >= len(firsts)
 
@@ -330,10 +341,7 @@ def test_mtp_fused_verify_graph_on_the_gpu(tmp_path, quant, monkeypatch):
     from metainfer.spec.mtp import FUSED_ENV
 
     monkeypatch.setenv(FUSED_ENV, "1")
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(dict(SMALL, mtp_num_hidden_layers=1)))
-    llm = LLM(model=f"dummy:{cfg}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
-              max_model_len=512, speculative="mtp", num_speculative_tokens=3, speculative_max_seqs=8)
+    llm = _mtp_llm(tmp_path, quant)
     d = llm.engine.runner.mtp
     assert d.fused and type(llm.engine.runner.prefill).__name__ == "MTPVerifyGraphs"
     pairs = []
@@ -349,10 +357,6 @@ def test_mtp_fused_verify_graph_on_the_gpu(tmp_path, quant, monkeypatch):
             st.done = taken
         return got
 
-    llm.engine.proposer = both
-    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    outs = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in _prompts(4, seed=9)]
-    assert all(len(o.token_ids) == 32 for o in outs)
-    firsts = [a[0] == b[0] for a, b in pairs if a and b]
+    firsts = _first_drafts_agree(llm, both, pairs)
     assert d.fused_used > 8 and len(firsts) > 8
     assert sum(firsts) >= 0.6 * len(firsts), (sum(firsts), len(firsts))
