@@ -284,6 +284,7 @@ class ModelRunner:
         inflight = InFlight(items=items, saved_states=saved)
         if self.mtp is not None:
             self._note_hidden(items)
+        self._hidden, self._fused = None, None  # (held only until noted: a prefill's rows are large)
         if logits is not None:
             if self.logits_hook is not None:
                 self.logits_hook(owners, logits)
@@ -301,7 +302,6 @@ class ModelRunner:
             base += n
         if self._fused is not None:
             self.mtp.note_fused(*self._fused)
-        self._hidden, self._fused = None, None
 
     def wait(self, inflight: InFlight) -> list[int]:
         """The sampled tokens of a launched step, in `inflight.samples` order (blocks until ready)."""

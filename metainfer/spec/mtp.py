@@ -30,7 +30,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from metainfer.engine.prefill_graph import PrefillGraphs
@@ -153,7 +152,7 @@ class MTPDrafter:
         st = self.state(req)
         L = req.num_tokens
         if st.fused is not None:  # the last step proposed in its graph: taken if it ended at row L - 2
-            j, p, *drafts = st.fused.tolist()
+            _, p, *drafts = st.fused.tolist()
             st.fused = None
             if p == L - 2 and k >= 1:
                 st.done = L - 1
@@ -226,79 +225,64 @@ def _row_meta(g: PrefillGraphs, seq_lens: torch.Tensor, context_lens: torch.Tens
     )
 
 
-class MTPGraphs(PrefillGraphs):
+class _ProposalGraphs(PrefillGraphs):
+    """PrefillGraphs' lone-chunk layout plus the tail of an MTP proposal (`_propose`): draft 1 from one
+    MTP output row, then K - 1 chained one-row decodes at the next positions, their KV slots read from
+    the request's block-table row on the device (a position past its blocks, staged count
+    `num_blocks`, writes to the null block: only drafts past the k asked for read it back)."""
+
+    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, sizes, max_blocks: int, block_size: int,
+                 device: torch.device, k: int, logits_rows: int = 1, use_graphs: bool = True,
+                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs,
+                         logits_rows=logits_rows)
+        self.k = k
+        self.draft_logits = logits or model.compute_logits
+        self._qsl1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        self._row0 = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def _propose(self, h: torch.Tensor, row: torch.Tensor, slot: int | None) -> list[torch.Tensor]:
+        """Drafts 1..K ([1] int64 each) after MTP output row `row` ([1] index into h, the chunk's rows).
+        slot: the request's state slot on the eager path (the chained rows' host lengths), else None."""
+        m, bs, i32 = self.model, self.block_size, torch.int32
+        last = h.index_select(0, row)  # [1, H]
+        tok = self.draft_logits(last).argmax(dim=-1)
+        drafts = [tok]
+        pos = self.positions.index_select(0, row)
+        nb = self.num_blocks.to(torch.int64)
+        for _ in range(self.k - 1):  # draft i + 2: the previous row's output and draft i + 1
+            pos = pos + 1
+            blk = pos // bs
+            block = self.block_tables[0].index_select(0, torch.minimum(blk, nb - 1)).to(torch.int64)
+            kv = torch.where(blk < nb, block * bs, 0) + pos % bs
+            host = (int(pos.item()), slot) if slot is not None else None
+            meta = _row_meta(self, (pos + 1).to(i32), pos.to(i32), kv, self._qsl1, self._row0, host)
+            last = m.mtp(m.embed_tokens(tok), last, pos, meta, self.caches)
+            tok = self.draft_logits(last).argmax(dim=-1)
+            drafts.append(tok)
+        return drafts
+
+
+class MTPGraphs(_ProposalGraphs):
     """A proposal of K drafts in one replay (see the module doc). The chunk's token ids are the next
-    tokens (t + 1 of each MTP row t), its hidden rows go to `hidden_in`; the chained rows' positions,
-    KV slots and lengths come from the host (a position past the request's blocks writes to the null
-    block: only drafts past the k asked for read it, and they are dropped)."""
+    tokens (t + 1 of each MTP row t), its hidden rows go to `hidden_in`; draft 1 from its last row."""
 
     def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, k: int, max_blocks: int,
                  block_size: int, device: torch.device, use_graphs: bool = True,
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         sizes = sorted({1, 2, 4, k + 1, 2 * (k + 1)})
-        super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs)
-        self.k = k
-        self.logits = logits or model.compute_logits
-        S, C, i32, i64 = self.sizes[-1], max(k - 1, 1), torch.int32, torch.int64
+        super().__init__(model, caches, sizes, max_blocks, block_size, device, k, use_graphs=use_graphs,
+                         logits=logits)
         dt = model.embed_tokens.weight.dtype
-        self.hidden_in = torch.zeros(S, model.cfg.hidden_size, dtype=dt, device=device)
-        pin = device.type == "cuda"
-        self._chain = torch.zeros(2, C, dtype=i64, device=device)  # positions, KV slots
-        self._chain_i32 = torch.zeros(2, C, dtype=i32, device=device)  # seq_lens, context_lens
-        self._chain_host = tuple(torch.zeros(2, C, dtype=t, pin_memory=pin) for t in (i64, i32))
-        self._chain_np = tuple(t.numpy() for t in self._chain_host)  # host writes (rewritten after a sync)
-        self._qsl1 = torch.tensor([0, 1], dtype=i32, device=device)
-        self._row0 = torch.zeros(1, dtype=i64, device=device)
-        self._eager_chain: list[int] = []  # host positions of the chained rows (the eager path's metas)
-
-    def _chain_meta(self, i: int, slot: int) -> ForwardMeta:
-        """Chained row i (its position, KV slot and lengths staged by `_stage_chain`)."""
-        host = (self._eager_chain[i], slot) if self._eager_chain else None
-        return _row_meta(self, self._chain_i32[0, i : i + 1], self._chain_i32[1, i : i + 1],
-                         self._chain[1, i : i + 1], self._qsl1, self._row0, host)
+        self.hidden_in = torch.zeros(self.sizes[-1], model.cfg.hidden_size, dtype=dt, device=device)
 
     def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
         m = self.model
         meta = self._meta(size, host)
         h = m.mtp(m.embed_tokens(self.input_ids[:size]), self.hidden_in[:size], self.positions[:size], meta,
                   self.caches)
-        last = h[self.logits_indices[:1]]  # [1, H]: the chunk's last row
-        tok = self.logits(last).argmax(dim=-1)  # [1] draft 1
-        drafts = [tok]
-        slot = host[2] if host else 0
-        for i in range(self.k - 1):  # draft i + 2: the previous row's output and draft i + 1
-            last = m.mtp(m.embed_tokens(tok), last, self._chain[0, i : i + 1], self._chain_meta(i, slot),
-                         self.caches)
-            tok = self.logits(last).argmax(dim=-1)
-            drafts.append(tok)
         self.hidden[size] = h  # (PrefillGraphs' contract; unused here)
-        return torch.cat(drafts)  # [K] int64
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        if not self.use_graphs:
-            return
-        from metainfer.engine.cuda_graph import capture_graphs
-
-        def prepare(size: int) -> None:  # one row on the null slot and block; the chain there too
-            self._fill(size, [0], 0, [0], 0)
-            self._stage_chain(0, [0], 0)
-
-        capture_graphs(self.device, self.sizes, prepare, self._forward, self.graphs, self.outputs)
-
-    def _stage_chain(self, last: int, block_ids: list[int], slot: int) -> None:
-        """The chained rows at positions last + 1 .. last + K - 1 (last: the chunk's last position)."""
-        C, bs = self._chain.shape[1], self.block_size
-        pos = np.arange(last + 1, last + 1 + C)
-        blk, bids = pos // bs, np.asarray(block_ids, dtype=np.int64)
-        h64, h32 = self._chain_np  # (the last run's copies have run: run() ends with a host sync)
-        h64[0] = pos
-        h64[1] = np.where(blk < len(bids), bids[np.minimum(blk, len(bids) - 1)] * bs, 0) + pos % bs
-        h32[0] = pos + 1
-        h32[1] = pos
-        self._chain.copy_(self._chain_host[0], non_blocking=True)
-        self._chain_i32.copy_(self._chain_host[1], non_blocking=True)
-        self._eager_chain = [] if self.use_graphs else pos.tolist()
+        return torch.cat(self._propose(h, self.logits_indices[:1], host[2] if host else None))  # [K]
 
     def run(self, tokens: list[int], hidden: torch.Tensor, start: int, block_ids: list[int], slot: int,
             rows: int = 1) -> list[int]:
@@ -307,7 +291,6 @@ class MTPGraphs(PrefillGraphs):
         size = self.size_for(n)
         self._fill(size, tokens, start, block_ids, slot, 1)
         self.hidden_in[:n].copy_(hidden)
-        self._stage_chain(start + n - 1, block_ids, slot)
         self.runs += 1
         if self.use_graphs:
             self.graphs[size].replay()
@@ -318,31 +301,26 @@ class MTPGraphs(PrefillGraphs):
         return out.tolist()  # the host sync
 
 
-class MTPVerifyGraphs(PrefillGraphs):
+class MTPVerifyGraphs(_ProposalGraphs):
     """The lone-prefill graphs (a prompt, a verify, a recompute alone in its step) with the next MTP
     proposal inside the same replay (METAINFER_MTP_FUSED=1, KB-0063). After the main forward and its
     logits rows: g = their argmax; j = the leading drafts equal to g (counted on the device; none for
     a chunk without drafts); MTP over every chunk row t with hidden row t and token t + 1, where the
     logits rows take g (equal to the drafts wherever they were accepted), so row p = the last accepted
-    position reads the token the verify emits after it; draft 1 from row p, then K - 1 chained rows at
-    positions p + 1.. (KV slots from the block table on the device; past the request's blocks, the
-    null block). Valid when the MTP KV is final below the chunk (`MTPDrafter.note_fused` checks).
-    Outputs: the logits as `PrefillGraphs`, and `last_drafts` = [j, p, draft 1..K] (int64)."""
+    position reads the token the verify emits after it; then `_propose` from row p. Valid when the
+    MTP KV is final below the chunk (`MTPDrafter.note_fused` checks). Outputs: the logits as
+    `PrefillGraphs`, and `last_drafts` = [j, p, draft 1..K] (int64)."""
 
     def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, sizes, max_blocks: int, block_size: int,
                  device: torch.device, k: int, logits_rows: int, use_graphs: bool = True,
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs,
-                         logits_rows=logits_rows)
-        self.k = k
-        self.draft_logits = logits or model.compute_logits
-        self._qsl1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        self._row0 = torch.zeros(1, dtype=torch.int64, device=device)
+        super().__init__(model, caches, sizes, max_blocks, block_size, device, k, logits_rows=logits_rows,
+                         use_graphs=use_graphs, logits=logits)
         self.drafts: dict[int, torch.Tensor] = {}
         self.last_drafts: torch.Tensor | None = None
 
     def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
-        m, li, bs = self.model, self.logits_indices, self.block_size
+        m, li = self.model, self.logits_indices
         meta = self._meta(size, host)
         hidden = m(self.input_ids[:size], self.positions[:size], meta, self.caches)
         self.hidden[size] = hidden
@@ -356,23 +334,8 @@ class MTPVerifyGraphs(PrefillGraphs):
         p_row = li[:1] + j  # [1] chunk row of the last accepted position
         ids = torch.cat([self.input_ids[1:size], self.input_ids[:1]]).index_put((li,), g)  # token t + 1
         h = m.mtp(m.embed_tokens(ids), hidden, self.positions[:size], meta, self.caches)
-        last = h.index_select(0, p_row)  # [1, H]
-        tok = self.draft_logits(last).argmax(dim=-1)
-        out = [j, self.positions.index_select(0, p_row), tok]
-        pos = self.positions.index_select(0, p_row)
-        for _ in range(self.k - 1):
-            pos = pos + 1
-            blk = pos // bs
-            nb = self.num_blocks.to(torch.int64)
-            kv = torch.where(blk < nb, self.block_tables[0].index_select(0, torch.minimum(blk, nb - 1)).to(
-                torch.int64) * bs, 0) + pos % bs
-            host_p = (int(pos.item()), host[2]) if host else None  # (eager: the reference ops' lengths)
-            i32 = torch.int32
-            rm = _row_meta(self, (pos + 1).to(i32), pos.to(i32), kv, self._qsl1, self._row0, host_p)
-            last = m.mtp(m.embed_tokens(tok), last, pos, rm, self.caches)
-            tok = self.draft_logits(last).argmax(dim=-1)
-            out.append(tok)
-        self.drafts[size] = torch.cat(out)  # [2 + K]
+        drafts = self._propose(h, p_row, host[2] if host else None)
+        self.drafts[size] = torch.cat([j, self.positions.index_select(0, p_row), *drafts])  # [2 + K]
         return logits
 
     def run(self, tokens: list[int], start: int, block_ids: list[int], slot: int,
