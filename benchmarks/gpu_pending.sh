@@ -77,6 +77,8 @@
 #            (the MTP drafter's cost at forced acceptance) and a profile of mtp-script-4; GPU tests first, ~8 min
 #   mtpheads - mtp-script-2,4 with the proposal inside the verify graph (KB-0063), the drafts' FP8 lm_head
 #            copy (KB-0061), a 32k draft vocabulary (KB-0062), all three, ~7 min
+#   mtp2   - the MTP GPU tests (backoff off), the oracle with MTP (FP8 with the FP8 32k draft head; BF16), forced-
+#            acceptance K = 2/3/4/6 with that head, K = 4 at 64k ids, BF16 K = 4 full head / 32k ids, ~9 min
 #   downids - the per-pair rows' down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059; the FP8
 #            default since 2026-12-01a): GPU test, batches DI_BATCHES (2,8) A/B (x2) in DI_DTYPES (bfloat16), ~3 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
@@ -344,6 +346,23 @@ if has mtpheads; then  # KB-0061..63: fused proposal, the drafts' lm_head in FP8
             "METAINFER_MTP_FUSED=1 METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=32768"; do  # KB-0061..63
     env $sw timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp-script --script-k 2,4 \
       --reps 2 --out $OUT/mtp_${sw//[ =]/_} 2>&1 | grep -E "^\| mtp|script-.*: " | sed "s/^/[$sw] /"
+  done
+fi
+if has mtp2; then  # the MTP GPU tests (no backoff), the oracle with MTP (FP8: draft head in FP8 over 32k ids;
+  # BF16), forced-acceptance K = 2/3/4/6 with that head, K = 4 at 64k ids, BF16 K = 4 full head and 32k ids
+  timeout 200 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "mtp" 2>&1 | tail -3
+  H="METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=32768"
+  env $H timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
+    --device cuda --suite full --speculative mtp --speculative-max-seqs 64 --json $OUT/verify_fp8_mtp_head.json 2>&1 \
+    | grep -E "verdict:|decode.rel" | sed "s/^/[fp8 mtp fp8-head 32k] /"
+  timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype bfloat16 \
+    --device cuda --suite full --speculative mtp --speculative-max-seqs 64 --json $OUT/verify_bf16_mtp.json 2>&1 \
+    | grep -E "verdict:|decode.rel" | sed "s/^/[bf16 mtp] /"
+  for run in "fp8|$H|2,3,4,6" "fp8|METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=65536|4" "bfloat16||4" \
+             "bfloat16|METAINFER_MTP_DRAFT_VOCAB=32768|4"; do
+    IFS="|" read -r dt sw ks <<< "$run"
+    env $sw timeout 150 python benchmarks/spec_bench.py --dtype $dt --gen 128 --modes mtp-script --script-k $ks \
+      --reps 2 --out $OUT/mtp2_${dt}_${sw//[ =]/_} 2>&1 | grep -E "^\| (plain|mtp)|script-.*: " | sed "s/^/[$dt $sw] /"
   done
 fi
 if has downids; then  # KB-0059: METAINFER_MOE_DOWN_IDS 0 / 1 (unset: FP8 on, BF16 off)

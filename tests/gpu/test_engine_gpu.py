@@ -298,6 +298,7 @@ def _first_drafts_agree(llm, both, pairs) -> list[bool]:
     """Four prompts alone (32 greedy tokens each) with `both` as the proposer, which records (one
     way's drafts, the other's) in pairs: whether the first drafts agree, per proposal."""
     llm.engine.proposer = both
+    llm.engine.SPEC_PROBE_MAX = 0  # no backoff: dummy drafts verify to nothing, every chance is drafted
     sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     outs = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in _prompts(4, seed=9)]
     assert all(len(o.token_ids) == 32 for o in outs)
