@@ -75,10 +75,8 @@
 #   mtp    - MTP speculation (--speculative mtp, KB-0060): FP8 oracle with it (--speculative-max-seqs 64; on dummy
 #            weights its drafts are noise: the verify path judged), spec_bench plain / mtp / mtp-script-2,4
 #            (the MTP drafter's cost at forced acceptance) and a profile of mtp-script-4; GPU tests first, ~8 min
-#   mtpheads - mtp-script-2,4 with the proposal inside the verify graph (KB-0063), the drafts' FP8 lm_head
-#            copy (KB-0061), a 32k draft vocabulary (KB-0062), all three, ~7 min
-#   mtp2   - the MTP GPU tests (backoff off), the oracle with MTP (FP8 with the FP8 32k draft head; BF16), forced-
-#            acceptance K = 2/3/4/6 with that head, K = 4 at 64k ids, BF16 K = 4 full head / 32k ids, ~9 min
+#   mtp3   - after the removals (KB-0061, KB-0063): MTP/speculative GPU tests, FP8 oracle with MTP over 32k draft
+#            ids (--speculative-draft-vocab), forced-acceptance K = 4 whole / 32k vocabulary, FP8 plain decode, ~7 min
 #   downids - the per-pair rows' down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059; the FP8
 #            default since 2026-12-01a): GPU test, batches DI_BATCHES (2,8) A/B (x2) in DI_DTYPES (bfloat16), ~3 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
@@ -88,7 +86,9 @@
 #            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
 #   host2  - the host A/B again (5 alternating processes) and the verify step's PDL-off kernel profiles:
 #            defaults, routing in gate/up at T = 5 + swept router, KB-0053; ~6 min
-#   Measured (results/2026-12-01a): sonce (KB-0058: slower, removed; KB-0059 kept for FP8), gswap (KB-0057:
+#   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
+#   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
+#   KB-0059 kept for FP8), gswap (KB-0057:
 #   the swapped FP8 configs in the table; the swapped grouped path at batches 8 / 16 slower than per-pair);
 #   (2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
@@ -341,29 +341,19 @@ if has mtp; then  # KB-0060: the checkpoint's MTP layer as the drafter
   timeout 240 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp,mtp-script --script-k 2,4 --reps 2 \
     --profile mtp-script-4 --profile-gen 64 --out $OUT/mtp 2>&1 | grep -vE "falling back" | tail -40
 fi
-if has mtpheads; then  # KB-0061..63: fused proposal, the drafts' lm_head in FP8, a 32k draft vocabulary, all
-  for sw in "METAINFER_MTP_FUSED=1" "METAINFER_MTP_FP8_HEAD=1" "METAINFER_MTP_DRAFT_VOCAB=32768" \
-            "METAINFER_MTP_FUSED=1 METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=32768"; do  # KB-0061..63
-    env $sw timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp-script --script-k 2,4 \
-      --reps 2 --out $OUT/mtp_${sw//[ =]/_} 2>&1 | grep -E "^\| mtp|script-.*: " | sed "s/^/[$sw] /"
+if has mtp3; then  # after KB-0061/63's removal and the draft vocabulary as an engine option: the MTP and speculative
+  # GPU tests, the FP8 oracle with MTP drafts over 32k ids, forced-acceptance K = 4 over the whole / 32k ids, FP8
+  # plain decode batches 1 / 8 / 64
+  timeout 220 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "mtp or speculative" 2>&1 | tail -2
+  timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
+    --device cuda --suite full --speculative mtp --speculative-max-seqs 64 --speculative-draft-vocab 32768 \
+    --json $OUT/verify_fp8_mtp_32k.json 2>&1 | grep -E "verdict:|decode.rel|^speculative" | sed "s/^/[fp8 mtp 32k] /"
+  for dv in 0 32768; do
+    timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp-script --script-k 4 --reps 2 \
+      --draft-vocab $dv --out $OUT/mtp3_$dv 2>&1 | grep -E "^\| (plain/r|mtp)|script-.*: " | sed "s/^/[vocab $dv] /"
   done
-fi
-if has mtp2; then  # the MTP GPU tests (no backoff), the oracle with MTP (FP8: draft head in FP8 over 32k ids;
-  # BF16), forced-acceptance K = 2/3/4/6 with that head, K = 4 at 64k ids, BF16 K = 4 full head and 32k ids
-  timeout 200 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "mtp" 2>&1 | tail -3
-  H="METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=32768"
-  env $H timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
-    --device cuda --suite full --speculative mtp --speculative-max-seqs 64 --json $OUT/verify_fp8_mtp_head.json 2>&1 \
-    | grep -E "verdict:|decode.rel" | sed "s/^/[fp8 mtp fp8-head 32k] /"
-  timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype bfloat16 \
-    --device cuda --suite full --speculative mtp --speculative-max-seqs 64 --json $OUT/verify_bf16_mtp.json 2>&1 \
-    | grep -E "verdict:|decode.rel" | sed "s/^/[bf16 mtp] /"
-  for run in "fp8|$H|2,3,4,6" "fp8|METAINFER_MTP_FP8_HEAD=1 METAINFER_MTP_DRAFT_VOCAB=65536|4" "bfloat16||4" \
-             "bfloat16|METAINFER_MTP_DRAFT_VOCAB=32768|4"; do
-    IFS="|" read -r dt sw ks <<< "$run"
-    env $sw timeout 150 python benchmarks/spec_bench.py --dtype $dt --gen 128 --modes mtp-script --script-k $ks \
-      --reps 2 --out $OUT/mtp2_${dt}_${sw//[ =]/_} 2>&1 | grep -E "^\| (plain|mtp)|script-.*: " | sed "s/^/[$dt $sw] /"
-  done
+  timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,64 --gen 64 --no-profile \
+    --out $OUT/mtp3_decode 2>&1 | grep -E "^\||TTFT" | sed "s/^/[fp8 plain] /"
 fi
 if has downids; then  # KB-0059: METAINFER_MOE_DOWN_IDS 0 / 1 (unset: FP8 on, BF16 off)
   timeout 200 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -p no:cacheprovider -k "down_from_ids" 2>&1 | tail -2

@@ -163,11 +163,12 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     ap.add_argument("--config", default=str(FULL_CONFIG))
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="mtp modes: speculative_draft_vocab")
     args = ap.parse_args()
     kw = dict(model=f"dummy:{args.config}", device=args.device, dtype="bfloat16", max_num_seqs=4,
               max_model_len=2048, quantization="fp8" if args.dtype == "fp8" else None)
     res = {"env": env_info(), "dtype": args.dtype, "gen": args.gen, "k": args.k, "script_k": args.script_k,
-           "runs": {}}
+           "draft_vocab": args.draft_vocab, "runs": {}}
     modes = [("plain", None, args.k)] + [("ngram", "ngram", args.k)] * ("ngram" in args.modes)
     modes += [(f"script-{k}", "ngram", k) for k in args.script_k] if "script" in args.modes else []
     modes += [("mtp", "mtp", args.k)] * ("mtp" in args.modes)
@@ -175,7 +176,8 @@ def main() -> None:
     truth: dict[str, list[int]] = {}
     gaps: list[float] = []
     for mode, spec, k in modes:
-        llm = LLM(**kw, speculative=spec, num_speculative_tokens=k)
+        dv = dict(speculative_draft_vocab=args.draft_vocab) if spec == "mtp" else {}
+        llm = LLM(**kw, speculative=spec, num_speculative_tokens=k, **dv)
         ps = prompts(llm.engine.model_config.vocab_size)
         if "script" in mode:
             ps = {"random": ps["random"]}

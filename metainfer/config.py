@@ -266,6 +266,10 @@ class EngineConfig:
     # drafts only while at most this many sequences run and none waits: a verify alone in its step
     # replays a lone-prefill CUDA graph, a verify beside other sequences runs eager (slow on the GPU)
     speculative_max_seqs: int = 1
+    # MTP drafts among the token ids below this only (0: the whole vocabulary): lm_head's first N rows
+    # per draft instead of all 248,320 (spec.mtp.draft_head); outputs unchanged, acceptance lower where
+    # the next token's id is >= N
+    speculative_draft_vocab: int = 0
     # the DeltaNet recurrent states' storage (math stays fp32): "float32", or "bfloat16" (half the
     # state traffic of a decode step, ~1 GB per step at batch 32; vLLM's default for this model)
     ssm_state_dtype: str = "float32"
@@ -303,6 +307,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be in 1..16; got {self.num_speculative_tokens}")
         if self.speculative_max_seqs < 1:
             raise ValueError(f"speculative_max_seqs must be >= 1; got {self.speculative_max_seqs}")
+        if self.speculative_draft_vocab < 0:
+            raise ValueError(f"speculative_draft_vocab must be >= 0; got {self.speculative_draft_vocab}")
         if self.ssm_state_dtype not in SSM_STATE_DTYPES:
             raise ValueError(
                 f"ssm_state_dtype must be one of {SSM_STATE_DTYPES}; got {self.ssm_state_dtype!r}"

@@ -36,7 +36,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, self.max_model_len,
             drafter=self._draft if ecfg.speculative else None,
-            draft_kv=self.runner.mtp and self.runner.mtp.kv_ahead(ecfg.num_speculative_tokens),
+            draft_kv=self.runner.mtp is not None,
         )
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))

@@ -122,11 +122,11 @@ class ModelRunner:
         self.caches = self._allocate_caches()
         self.mtp = None  # speculative="mtp": the drafter, fed every step's hidden rows (`_note_hidden`)
         self._hidden: torch.Tensor | None = None  # the step's final hidden states (the MTP drafter's input)
-        self._fused = None  # (request, start, [j, p, drafts]) of a lone step's in-graph MTP proposal
         if ecfg.speculative == "mtp":
             from metainfer.spec.mtp import MTPDrafter
 
-            self.mtp = MTPDrafter(self.model, self.caches, ecfg.block_size, self.device)
+            self.mtp = MTPDrafter(self.model, self.caches, ecfg.block_size, self.device,
+                                  draft_vocab=ecfg.speculative_draft_vocab)
         # test/oracle seam: called with (owners, logits [R, V]) every step that computes logits
         self.logits_hook = None
         self._tok_buf = torch.zeros(max(ecfg.max_num_seqs, 1), dtype=torch.int64, device=self.device)
@@ -173,13 +173,7 @@ class ModelRunner:
             return None
         args = (self.model, self.caches, sizes, self.blocks_per_seq, self.ecfg.block_size, self.device)
         rows = 1 + (self.ecfg.num_speculative_tokens if self.ecfg.speculative else 0)
-        if self.mtp is not None and self.mtp.fused:  # the next MTP proposal inside each replay (KB-0063)
-            from metainfer.spec.mtp import MTPVerifyGraphs
-
-            pg = MTPVerifyGraphs(*args, k=self.ecfg.num_speculative_tokens, logits_rows=rows,
-                                 logits=self.mtp.logits)
-        else:
-            pg = PrefillGraphs(*args, logits_rows=rows)
+        pg = PrefillGraphs(*args, logits_rows=rows)
         pg.capture()
         return pg
 
@@ -284,7 +278,7 @@ class ModelRunner:
         inflight = InFlight(items=items, saved_states=saved)
         if self.mtp is not None:
             self._note_hidden(items)
-        self._hidden, self._fused = None, None  # (held only until noted: a prefill's rows are large)
+        self._hidden = None  # (held only until noted: a prefill's rows are large)
         if logits is not None:
             if self.logits_hook is not None:
                 self.logits_hook(owners, logits)
@@ -300,8 +294,6 @@ class ModelRunner:
         for r, n in items:
             self.mtp.note(r, r.num_computed_tokens, self._hidden[base : base + n])
             base += n
-        if self._fused is not None:
-            self.mtp.note_fused(*self._fused)
 
     def wait(self, inflight: InFlight) -> list[int]:
         """The sampled tokens of a launched step, in `inflight.samples` order (blocks until ready)."""
@@ -380,8 +372,6 @@ class ModelRunner:
         toks = r.tokens_slice(start, start + real) + drafts
         logits = self.prefill.run(toks, start, r.block_ids, r.state_slot, rows=len(drafts) + 1)
         self._hidden = self.prefill.last_hidden
-        if self.mtp is not None and self.mtp.fused:
-            self._fused = (r, start, self.prefill.last_drafts.clone())
         if drafts:
             return logits, self._verify_owners(r, start, real, n), []
         return logits, [(r, "sample", start + n - 1)], []

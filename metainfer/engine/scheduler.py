@@ -32,11 +32,11 @@ Drafter = Callable[[Request, int], list[int]]  # (request, at most k) -> draft t
 class Scheduler:
     def __init__(
         self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-        drafter: Drafter | None = None, draft_kv: int | None = None,
+        drafter: Drafter | None = None, draft_kv: bool = False,
     ) -> None:
         self.cache = cache
         self.drafter = drafter  # speculative decoding: drafts appended to a chunk that ends the sequence
-        # the drafter writes KV at the draft positions and this many past them (MTP): blocks first
+        # the drafter writes KV at the draft positions (MTP): their blocks grown before it drafts
         self.draft_kv = draft_kv
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -124,10 +124,10 @@ class Scheduler:
         k = min(budget - n, req.max_tokens - len(req.output_token_ids) - 1)
         if k <= 0:
             return []
-        if self.draft_kv is not None:  # the blocks the drafter writes in, before it does
-            if not self.cache.can_grow(req, n + k + self.draft_kv):
+        if self.draft_kv:  # the blocks the drafter writes in, before it does
+            if not self.cache.can_grow(req, n + k):
                 return []
-            self.cache.grow(req, n + k + self.draft_kv)
+            self.cache.grow(req, n + k)
         return self.drafter(req, k)[:k]
 
     def _done_pending(self, req: Request) -> bool:

@@ -15,7 +15,7 @@ Per request (`MTPState`, on `Request.spec_index`):
 KV final; row L-2 sees the last token L-1 and predicts token L: draft 1), then draft i + 1 from row
 L-2+i fed its own previous output row as the hidden state and draft i as the token (vLLM's chained
 MTP). Those rows' KV sits at positions L-1..L+k-3, inside the blocks the scheduler grows before
-drafting (`Scheduler(draft_kv=...)`), and is rewritten from real hidden rows once those positions
+drafting (`Scheduler(draft_kv=True)`), and is rewritten from real hidden rows once those positions
 are accepted. Greedy argmax per draft, one host sync each on the eager path.
 
 `MTPGraphs` (where the lone-prefill graphs run) captures the whole proposal for catch-up chunks of up
@@ -26,7 +26,6 @@ feeding the next row's embedding on the device; one replay and one host sync per
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +43,6 @@ class MTPState:
     hidden_pos: int = 0
     done: int = 0  # MTP KV final for positions < done
     lost: bool = False  # rows it needed were dropped (a gap, or more than MAX_PENDING_ROWS undrafted)
-    fused: torch.Tensor | None = None  # a lone step's in-graph proposal [j, p, drafts] (`note_fused`)
 
 
 # hidden rows held per request while it is not drafting (more sequences running than
@@ -52,37 +50,23 @@ class MTPState:
 # and so are the rows of a request that would take all requests' rows past MAX_TOTAL_ROWS (64 MB)
 MAX_PENDING_ROWS = 2048
 MAX_TOTAL_ROWS = 16384
-FP8_HEAD_ENV = "METAINFER_MTP_FP8_HEAD"  # "1": drafts' logits from an FP8 copy of lm_head (half its bytes)
-DRAFT_VOCAB_ENV = "METAINFER_MTP_DRAFT_VOCAB"  # N > 0: drafts only among token ids < N (lm_head rows [:N])
-FUSED_ENV = "METAINFER_MTP_FUSED"  # "1": the lone-prefill graphs propose too (`MTPVerifyGraphs`, KB-0063)
-
-
-def draft_head(model: Qwen3_5MoeModel) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The drafts' logits: the model's lm_head, or an FP8 copy of it (METAINFER_MTP_FP8_HEAD=1: 128x128
-    block scales, `fp8.quantize_fp8_block`; +0.5 GB at the full vocabulary) read at half the bytes,
-    and/or only its first N rows (METAINFER_MTP_DRAFT_VOCAB=N: a draft among the ids below N, BPE's
-    earliest and most frequent merges; 1/8 of the bytes at N = 32k of 248k). A draft only proposes:
-    the verify's logits stay the model's, so neither changes an output, only which drafts come."""
+def draft_head(model: Qwen3_5MoeModel, vocab: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The drafts' logits: the model's lm_head, or only its first `vocab` rows (> 0: a draft among the
+    ids below it; BPE ranks run roughly by frequency: ids < 32,768 are ~94-95 % of the tokens of English
+    and Python text in the Qwen3.6 tokenizer, and 1/8 of lm_head's bytes). A draft only proposes: the
+    verify's logits stay the model's, so this changes which drafts come, never an output."""
     w = model.embed_tokens.weight if model.cfg.tie_word_embeddings else model.lm_head.weight
-    n = int(os.environ.get(DRAFT_VOCAB_ENV, "0") or 0)
-    fp8 = os.environ.get(FP8_HEAD_ENV, "0") == "1"
-    if w.dtype == torch.float8_e4m3fn or not (fp8 or 0 < n < w.shape[0]):
+    if w.dtype == torch.float8_e4m3fn or not 0 < vocab < w.shape[0]:  # (FP8 checkpoints keep lm_head BF16)
         return model.compute_logits
     from metainfer.kernels import ops
-    from metainfer.model.fp8 import quantize_fp8_block
-    from metainfer.model.layers import Linear
 
-    rows = w.data[:n] if 0 < n < w.shape[0] else w.data
-    if not fp8:
-        return lambda h: ops.linear(h, rows).float()
-    head = Linear(rows.shape[1], {"lm_head": rows.shape[0]})
-    q, scale = quantize_fp8_block(rows)
-    head.weight, head.weight_scale_inv = torch.nn.Parameter(q, requires_grad=False), scale
-    return lambda h: head(h).float()
+    rows = w.data[:vocab]
+    return lambda h: ops.linear(h, rows).float()
 
 
 class MTPDrafter:
-    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, block_size: int, device: torch.device):
+    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, block_size: int, device: torch.device,
+                 draft_vocab: int = 0):
         if model.mtp is None:
             raise ValueError("speculative='mtp' needs a model with an MTP layer (mtp_num_hidden_layers >= 1)")
         n_full = len(model.cfg.full_layer_ids)
@@ -91,9 +75,7 @@ class MTPDrafter:
         self.model, self.caches, self.block_size, self.device = model, caches, block_size, device
         self.graphs: MTPGraphs | None = None  # set by the runner where the lone-prefill graphs run
         self.total_rows = 0  # hidden rows held over all requests (`note`, `forget`)
-        self.fused = os.environ.get(FUSED_ENV, "0") == "1"
-        self.fused_used = 0  # proposals taken from a lone step's graph
-        self.logits = draft_head(model)
+        self.logits = draft_head(model, draft_vocab)
 
     @staticmethod
     def state(req: Request) -> MTPState:
@@ -107,7 +89,6 @@ class MTPDrafter:
         if not req.draftable:
             return
         st = self.state(req)
-        st.fused = None  # a step ran since that proposal: `note_fused` gives this step's, if any
         if st.lost:
             return
         held = 0 if st.hidden is None else st.hidden.shape[0]
@@ -126,20 +107,6 @@ class MTPDrafter:
             rows_now = 0
         self.total_rows += rows_now - held
 
-    def kv_ahead(self, k: int) -> int:
-        """MTP KV positions written past a verify chunk (its drafts included) before the next step: the
-        in-graph proposal's K - 1 chained rows (`MTPVerifyGraphs`); none for the separate drafter, whose
-        rows stay within the chunk it drafts for. The scheduler grows that far before drafting (a
-        position past the request's blocks would go to the null block, and a later chained row would
-        read another block there: a worse draft, never a wrong output)."""
-        return k - 1 if self.fused else 0
-
-    def note_fused(self, req: Request, start: int, proposal: torch.Tensor) -> None:
-        """A lone step's in-graph proposal [j, p, drafts] (`MTPVerifyGraphs`), noted after `note`:
-        usable when the MTP KV below the chunk was final (MTP rows from `start` on are the graph's)."""
-        st = self.state(req)
-        st.fused = proposal if req.draftable and not st.lost and st.done == start else None
-
     def forget(self, req: Request) -> None:
         """A finished request's rows go (the engine calls this as it finishes one)."""
         st = req.spec_index
@@ -151,13 +118,6 @@ class MTPDrafter:
     def propose(self, req: Request, k: int) -> list[int]:
         st = self.state(req)
         L = req.num_tokens
-        if st.fused is not None:  # the last step proposed in its graph: taken if it ended at row L - 2
-            _, p, *drafts = st.fused.tolist()
-            st.fused = None
-            if p == L - 2 and k >= 1:
-                st.done = L - 1
-                self.fused_used += 1
-                return drafts[:k]
         t0, t1 = st.done, L - 1  # MTP rows t0..t1-1 (inputs: hidden t, token t + 1)
         if st.hidden is None or k < 1 or t1 <= t0 or t0 < st.hidden_pos:  # (lost, or nothing new)
             return []
@@ -225,21 +185,33 @@ def _row_meta(g: PrefillGraphs, seq_lens: torch.Tensor, context_lens: torch.Tens
     )
 
 
-class _ProposalGraphs(PrefillGraphs):
-    """PrefillGraphs' lone-chunk layout plus the tail of an MTP proposal (`_propose`): draft 1 from one
-    MTP output row, then K - 1 chained one-row decodes at the next positions, their KV slots read from
-    the request's block-table row on the device (a position past its blocks, staged count
-    `num_blocks`, writes to the null block: only drafts past the k asked for read it back)."""
+class MTPGraphs(PrefillGraphs):
+    """A proposal of K drafts in one replay (see the module doc), in PrefillGraphs' lone-chunk layout.
+    The chunk's token ids are the next tokens (t + 1 of each MTP row t), its hidden rows go to
+    `hidden_in`; draft 1 from its last row, then K - 1 chained one-row decodes at the next positions
+    (`_propose`), their KV slots read from the request's block-table row on the device (a position
+    past its blocks, staged count `num_blocks`, writes to the null block: only drafts past the k asked
+    for read it back)."""
 
-    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, sizes, max_blocks: int, block_size: int,
-                 device: torch.device, k: int, logits_rows: int = 1, use_graphs: bool = True,
+    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, k: int, max_blocks: int,
+                 block_size: int, device: torch.device, use_graphs: bool = True,
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs,
-                         logits_rows=logits_rows)
+        sizes = sorted({1, 2, 4, k + 1, 2 * (k + 1)})
+        super().__init__(model, caches, sizes, max_blocks, block_size, device, use_graphs=use_graphs)
         self.k = k
         self.draft_logits = logits or model.compute_logits
         self._qsl1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
         self._row0 = torch.zeros(1, dtype=torch.int64, device=device)
+        dt = model.embed_tokens.weight.dtype
+        self.hidden_in = torch.zeros(self.sizes[-1], model.cfg.hidden_size, dtype=dt, device=device)
+
+    def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
+        m = self.model
+        meta = self._meta(size, host)
+        h = m.mtp(m.embed_tokens(self.input_ids[:size]), self.hidden_in[:size], self.positions[:size], meta,
+                  self.caches)
+        self.hidden[size] = h  # (PrefillGraphs' contract; unused here)
+        return torch.cat(self._propose(h, self.logits_indices[:1], host[2] if host else None))  # [K]
 
     def _propose(self, h: torch.Tensor, row: torch.Tensor, slot: int | None) -> list[torch.Tensor]:
         """Drafts 1..K ([1] int64 each) after MTP output row `row` ([1] index into h, the chunk's rows).
@@ -262,28 +234,6 @@ class _ProposalGraphs(PrefillGraphs):
             drafts.append(tok)
         return drafts
 
-
-class MTPGraphs(_ProposalGraphs):
-    """A proposal of K drafts in one replay (see the module doc). The chunk's token ids are the next
-    tokens (t + 1 of each MTP row t), its hidden rows go to `hidden_in`; draft 1 from its last row."""
-
-    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, k: int, max_blocks: int,
-                 block_size: int, device: torch.device, use_graphs: bool = True,
-                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        sizes = sorted({1, 2, 4, k + 1, 2 * (k + 1)})
-        super().__init__(model, caches, sizes, max_blocks, block_size, device, k, use_graphs=use_graphs,
-                         logits=logits)
-        dt = model.embed_tokens.weight.dtype
-        self.hidden_in = torch.zeros(self.sizes[-1], model.cfg.hidden_size, dtype=dt, device=device)
-
-    def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
-        m = self.model
-        meta = self._meta(size, host)
-        h = m.mtp(m.embed_tokens(self.input_ids[:size]), self.hidden_in[:size], self.positions[:size], meta,
-                  self.caches)
-        self.hidden[size] = h  # (PrefillGraphs' contract; unused here)
-        return torch.cat(self._propose(h, self.logits_indices[:1], host[2] if host else None))  # [K]
-
     def run(self, tokens: list[int], hidden: torch.Tensor, start: int, block_ids: list[int], slot: int,
             rows: int = 1) -> list[int]:
         """K drafts after MTP rows start..start+n-1 (tokens: their next tokens, hidden: their rows)."""
@@ -299,48 +249,3 @@ class MTPGraphs(_ProposalGraphs):
             out = self._forward(size, (n, start, slot))
             self.hidden.pop(size)
         return out.tolist()  # the host sync
-
-
-class MTPVerifyGraphs(_ProposalGraphs):
-    """The lone-prefill graphs (a prompt, a verify, a recompute alone in its step) with the next MTP
-    proposal inside the same replay (METAINFER_MTP_FUSED=1, KB-0063). After the main forward and its
-    logits rows: g = their argmax; j = the leading drafts equal to g (counted on the device; none for
-    a chunk without drafts); MTP over every chunk row t with hidden row t and token t + 1, where the
-    logits rows take g (equal to the drafts wherever they were accepted), so row p = the last accepted
-    position reads the token the verify emits after it; then `_propose` from row p. Valid when the
-    MTP KV is final below the chunk (`MTPDrafter.note_fused` checks). Outputs: the logits as
-    `PrefillGraphs`, and `last_drafts` = [j, p, draft 1..K] (int64)."""
-
-    def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, sizes, max_blocks: int, block_size: int,
-                 device: torch.device, k: int, logits_rows: int, use_graphs: bool = True,
-                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        super().__init__(model, caches, sizes, max_blocks, block_size, device, k, logits_rows=logits_rows,
-                         use_graphs=use_graphs, logits=logits)
-        self.drafts: dict[int, torch.Tensor] = {}
-        self.last_drafts: torch.Tensor | None = None
-
-    def _forward(self, size: int, host: tuple[int, int, int] | None = None) -> torch.Tensor:
-        m, li = self.model, self.logits_indices
-        meta = self._meta(size, host)
-        hidden = m(self.input_ids[:size], self.positions[:size], meta, self.caches)
-        self.hidden[size] = hidden
-        logits = m.compute_logits(hidden[li])  # [R, V] fp32
-        g = logits.argmax(dim=-1)  # [R]
-        R = li.shape[0]
-        real = (li[1:] != li[:-1]).sum() + 1  # the distinct logits rows: 1 + the chunk's drafts
-        drafts_in = self.input_ids[li[1:]]  # [R - 1]: the drafts (rows past them: repeats)
-        match = (g[:-1] == drafts_in) & (torch.arange(R - 1, device=li.device) < real - 1)
-        j = torch.cumprod(match.to(torch.int64), 0).sum().view(1)
-        p_row = li[:1] + j  # [1] chunk row of the last accepted position
-        ids = torch.cat([self.input_ids[1:size], self.input_ids[:1]]).index_put((li,), g)  # token t + 1
-        h = m.mtp(m.embed_tokens(ids), hidden, self.positions[:size], meta, self.caches)
-        drafts = self._propose(h, p_row, host[2] if host else None)
-        self.drafts[size] = torch.cat([j, self.positions.index_select(0, p_row), *drafts])  # [2 + K]
-        return logits
-
-    def run(self, tokens: list[int], start: int, block_ids: list[int], slot: int,
-            rows: int = 1) -> torch.Tensor:
-        logits = super().run(tokens, start, block_ids, slot, rows)
-        size = self.size_for(len(tokens))
-        self.last_drafts = self.drafts[size] if self.use_graphs else self.drafts.pop(size)
-        return logits

@@ -194,6 +194,8 @@ def test_spec_config_is_validated():
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="speculative_max_seqs"):
         EngineConfig(speculative="ngram", speculative_max_seqs=0)
+    with pytest.raises(ValueError, match="speculative_draft_vocab"):
+        EngineConfig(speculative="mtp", speculative_draft_vocab=-1)
 
 
 def test_oracle_rows_of_a_speculative_run_are_plain_decodings(cfg):

@@ -331,33 +331,3 @@ def test_mtp_graphs_propose_the_eager_drafts(tmp_path, quant):
     firsts = _first_drafts_agree(llm, both, pairs)
     assert len(firsts) > 8 and sum(firsts) >= 0.6 * len(firsts), (sum(firsts), len(firsts))
     assert g.runs >= len(firsts)
-
-
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_mtp_fused_verify_graph_on_the_gpu(tmp_path, quant, monkeypatch):
-    """METAINFER_MTP_FUSED=1 on the CUDA graphs: the lone-prefill graphs (prompt, verify, recompute)
-    carry the next MTP proposal; most proposals are taken from them, and their first drafts agree with
-    the separate drafter's (made from the same state after the step) in >= 60 % (dummy weights' near-
-    ties; the CPU test holds them equal in fp32)."""
-    from metainfer.spec.mtp import FUSED_ENV
-
-    monkeypatch.setenv(FUSED_ENV, "1")
-    llm = _mtp_llm(tmp_path, quant)
-    d = llm.engine.runner.mtp
-    assert d.fused and type(llm.engine.runner.prefill).__name__ == "MTPVerifyGraphs"
-    pairs = []
-
-    def both(req, k):
-        st = d.state(req)
-        used, done = d.fused_used, st.done
-        got = d.propose(req, k)
-        if d.fused_used > used and got:  # taken from the graph: the separate drafter from the same state
-            taken = st.done
-            st.done, st.fused = done, None
-            pairs.append((d.propose(req, k), got))
-            st.done = taken
-        return got
-
-    firsts = _first_drafts_agree(llm, both, pairs)
-    assert d.fused_used > 8 and len(firsts) > 8
-    assert sum(firsts) >= 0.6 * len(firsts), (sum(firsts), len(firsts))
