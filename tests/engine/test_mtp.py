@@ -276,3 +276,24 @@ def test_mtp_rows_over_all_requests_are_bounded_and_freed(prompts, monkeypatch):
     assert _gen(llm, prompts, GREEDY) == want
     assert max(peak) <= 20 and d.total_rows == 0  # bounded, and every finished request freed its rows
     assert lost and len(lost) < len(prompts) and llm.engine.stats["spec_verifies"] > 0
+
+
+def test_mtp_abort_mid_generation_frees_rows_and_spares_the_rest(prompts):
+    """A request aborted while others draft and verify (async steps in flight): its hidden rows are
+    freed, the engine keeps going, and the other requests end with plain greedy's tokens."""
+    want = _gen(_llm(None), prompts, GREEDY)
+    eng = _llm("mtp", num_speculative_tokens=3).engine
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    got: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = list(out.token_ids)
+        steps += 1
+        if steps == 6:
+            assert eng.abort_request(ids[1]) is not None
+    d = eng.runner.mtp
+    assert d.total_rows == 0 and eng.stats["aborted"] == 1 and eng.stats["spec_verifies"] > 0
+    assert [got[i] for i in ids if i != ids[1]] == [w for i, w in zip(ids, want) if i != ids[1]]
+    assert eng.cache.usage()["kv_blocks_used"] == 0

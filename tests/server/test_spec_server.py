@@ -1,5 +1,6 @@
-"""The server over an engine with n-gram speculation: greedy completions (plain and streamed, where a
-step can deliver several tokens) equal plain decoding's text, and /metrics counts the drafts."""
+"""The server over an engine with n-gram or MTP speculation: greedy completions (plain and streamed,
+where a step can deliver several tokens) equal plain decoding's text, /metrics counts the drafts, and
+concurrent requests beside a bad one all end as plain decoding would."""
 
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ from metainfer.llm import LLM
 from metainfer.server.api import build_app, make_context
 from tests.server.conftest import free_port
 
-PROMPT = "a, b, a, b, a, b, a,"
+PROMPTS = {"ngram": "a, b, a, b, a, b, a,", "mtp": "class Parser(object):\n    def __init__(self"}
+
+
+@pytest.fixture(scope="module", params=["ngram", "mtp"])
+def spec(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
+def base_url(spec) -> Iterator[str]:
     import uvicorn
 
-    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=256, max_num_seqs=8, speculative="ngram"),
+    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=256, max_num_seqs=8, speculative=spec),
                        progress=False)
     ctx = make_context(engine, ["spec"])
     srv = uvicorn.Server(uvicorn.Config(build_app(ctx, shutdown_timeout=5.0), host="127.0.0.1",
@@ -41,10 +47,16 @@ def base_url() -> Iterator[str]:
     thread.join(30)
 
 
-def test_speculative_completions_equal_plain_decoding(base_url):
-    plain = LLM(model="", device="cpu", max_model_len=256, progress=False).generate(
-        [PROMPT], SamplingParams(max_tokens=24, temperature=0))[0].text
-    body = {"model": "spec", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+def _plain(prompts: list[str], max_tokens: int) -> list[str]:
+    outs = LLM(model="", device="cpu", max_model_len=256, progress=False).generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    return [o.text for o in outs]
+
+
+def test_speculative_completions_equal_plain_decoding(base_url, spec):
+    prompt = PROMPTS[spec]
+    plain = _plain([prompt], 24)[0]
+    body = {"model": "spec", "prompt": prompt, "max_tokens": 24, "temperature": 0}
     with httpx.Client(base_url=base_url, timeout=120) as c:
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain
@@ -58,3 +70,24 @@ def test_speculative_completions_equal_plain_decoding(base_url):
     drafted = [ln for ln in metrics.splitlines() if ln.startswith("metainfer:spec_draft_tokens_total")]
     accepted = [ln for ln in metrics.splitlines() if ln.startswith("metainfer:spec_accepted_tokens_total")]
     assert drafted and accepted and float(drafted[0].split()[-1]) >= float(accepted[0].split()[-1]) > 0
+
+
+def test_concurrent_requests_beside_a_bad_one(base_url, spec):
+    """Three greedy completions at once (drafting pauses while several run) and one with a bad
+    parameter: the bad one gets an OpenAI-style 400, the others plain decoding's text."""
+    import concurrent.futures as cf
+
+    prompts = [PROMPTS[spec], "import os\nimport sys\n", "def read_file(path):"]
+    plain = _plain(prompts, 16)
+
+    def post(body):
+        with httpx.Client(base_url=base_url, timeout=120) as c:
+            return c.post("/v1/completions", json=body)
+
+    bodies = [{"model": "spec", "prompt": p, "max_tokens": 16, "temperature": 0} for p in prompts]
+    bodies.append({"model": "spec", "prompt": prompts[0], "max_tokens": -3})
+    with cf.ThreadPoolExecutor(4) as ex:
+        rs = list(ex.map(post, bodies))
+    err = rs[-1].json()["error"]
+    assert rs[-1].status_code == 400 and err["type"] == "BadRequestError" and "max_tokens" in err["message"]
+    assert [r.json()["choices"][0]["text"] for r in rs[:-1]] == plain
