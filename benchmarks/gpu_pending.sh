@@ -77,6 +77,8 @@
 #            (the MTP drafter's cost at forced acceptance) and a profile of mtp-script-4; GPU tests first, ~8 min
 #   mtp3   - after the removals (KB-0061, KB-0063): MTP/speculative GPU tests, FP8 oracle with MTP over 32k draft
 #            ids (--speculative-draft-vocab), forced-acceptance K = 4 whole / 32k vocabulary, FP8 plain decode, ~7 min
+#   mtpserve - the server with MTP drafts over 32k ids (gpu_serve.sh: c = 1, idle TTFT, c = 32), then forced-
+#            acceptance K = 3 / 6 over 32k ids, ~6 min
 #   downids - the per-pair rows' down on the preloading kernel from ids (METAINFER_MOE_DOWN_IDS, KB-0059; the FP8
 #            default since 2026-12-01a): GPU test, batches DI_BATCHES (2,8) A/B (x2) in DI_DTYPES (bfloat16), ~3 min
 #   gswap  - the grouped MoE GEMMs swapped (weights as the MMA's M side, METAINFER_MOE_GROUPED_SWAP): GPU tests,
@@ -354,6 +356,13 @@ if has mtp3; then  # after KB-0061/63's removal and the draft vocabulary as an e
   done
   timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,64 --gen 64 --no-profile \
     --out $OUT/mtp3_decode 2>&1 | grep -E "^\||TTFT" | sed "s/^/[fp8 plain] /"
+fi
+if has mtpserve; then  # `metainfer serve --speculative mtp --speculative-draft-vocab 32768` through bench serve (c = 1,
+  # idle TTFT, c = 32: drafting pauses while more than one runs), then forced-acceptance K = 3 / 6 over 32k ids
+  DTYPE=fp8 TAG=_mtp32k SERVE_ARGS="--speculative mtp --speculative-draft-vocab 32768" bash benchmarks/gpu_serve.sh \
+    2>&1 | grep -E "Failed|Output token throughput|Mean TTFT|Mean TPOT|server-side|warmup|slow|Error|error" | head -30
+  timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp-script --script-k 3,6 --reps 2 \
+    --draft-vocab 32768 --out $OUT/mtp_k36 2>&1 | grep -E "^\| (plain/r|mtp)|script-.*: " | sed "s/^/[vocab 32768] /"
 fi
 if has downids; then  # KB-0059: METAINFER_MOE_DOWN_IDS 0 / 1 (unset: FP8 on, BF16 off)
   timeout 200 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -p no:cacheprovider -k "down_from_ids" 2>&1 | tail -2
