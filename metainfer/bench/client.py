@@ -174,21 +174,55 @@ def ttft_histogram(text: str) -> tuple[float, float] | None:
     return (tot["sum"], tot["count"]) if found else None
 
 
-async def _server_ttft(session: Any, base_url: str) -> tuple[float, float] | None:
-    """The server's TTFT histogram from GET /metrics (None when it has none or does not answer)."""
+# speculative decoding counters: ours, and vLLM v1's (`vllm:spec_decode_num_*_tokens_total`)
+_SPEC_METRIC = re.compile(r"^(?:metainfer:spec_(draft|accepted)_tokens_total"
+                          r"|vllm:spec_decode_num_(draft|accepted)_tokens_total)(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def spec_counters(text: str) -> tuple[float, float] | None:
+    """(draft tokens, accepted tokens) summed over label sets of the server's speculative counters, or
+    None when the text has none (no speculation configured, or a server without them)."""
+    tot = {"draft": 0.0, "accepted": 0.0}
+    found = False
+    for ours, vllm, value in _SPEC_METRIC.findall(text):
+        tot[ours or vllm] += float(value)
+        found = True
+    return (tot["draft"], tot["accepted"]) if found else None
+
+
+async def _server_metrics(session: Any, base_url: str) -> str | None:
+    """The server's GET /metrics text (None when it does not answer)."""
     import aiohttp
 
     try:
         async with session.get(base_url.rstrip("/") + "/metrics") as r:
-            return ttft_histogram(await r.text()) if r.status == 200 else None
+            return await r.text() if r.status == 200 else None
     except (TimeoutError, aiohttp.ClientError, OSError):
         return None
 
 
+def server_extra(before: str | None, after: str | None) -> dict[str, float]:
+    """What the server's own counters say about a run (/metrics before and after it): the mean TTFT from
+    its histogram (`server_mean_ttft_ms`: the client's mean minus it is HTTP, queues and streaming) and,
+    where it speculates, the draft tokens verified and accepted and their ratio."""
+    if before is None or after is None:
+        return {}
+    out: dict[str, float] = {}
+    t0, t1 = ttft_histogram(before), ttft_histogram(after)
+    if t0 is not None and t1 is not None and t1[1] > t0[1]:
+        out["server_mean_ttft_ms"] = (t1[0] - t0[0]) / (t1[1] - t0[1]) * 1000.0
+    s0, s1 = spec_counters(before), spec_counters(after)
+    if s0 is not None and s1 is not None:
+        drafted, accepted = s1[0] - s0[0], s1[1] - s0[1]
+        out["server_spec_draft_tokens"], out["server_spec_accepted_tokens"] = drafted, accepted
+        if drafted > 0:
+            out["server_spec_acceptance"] = accepted / drafted
+    return out
+
+
 async def run_async(cfg: ClientConfig, reqs: Sequence[SampleRequest]) -> ServeRun:
-    """The requests (after `warmup` discarded ones); where the server exports a TTFT histogram, the
-    run's server-side mean TTFT (arrival in the engine to its first token) goes in the metrics'
-    extra as `server_mean_ttft_ms`: the client's mean minus it is HTTP, queues and streaming."""
+    """The requests (after `warmup` discarded ones); what the server's /metrics says about the run (its
+    own mean TTFT, speculative drafts and acceptance: `server_extra`) goes in the metrics' extra."""
     if not reqs:
         raise ValueError("no requests")
     rng = random.Random(cfg.seed)
@@ -196,13 +230,13 @@ async def run_async(cfg: ClientConfig, reqs: Sequence[SampleRequest]) -> ServeRu
         if cfg.warmup:
             warm = [reqs[i % len(reqs)] for i in range(cfg.warmup)]
             await _run_all(session, cfg, warm, math.inf, rng)
-        before = await _server_ttft(session, cfg.base_url)
+        before = await _server_metrics(session, cfg.base_url)
         outcomes, duration = await _run_all(session, cfg, reqs, cfg.request_rate, rng)
-        after = await _server_ttft(session, cfg.base_url) if before is not None else None
+        after = await _server_metrics(session, cfg.base_url) if before is not None else None
     metrics = summarize(outcomes, duration, cfg.max_concurrency, cfg.request_rate, cfg.ignore_eos)
-    if before is not None and after is not None and after[1] > before[1]:
-        server_ms = (after[0] - before[0]) / (after[1] - before[1]) * 1000.0
-        metrics = replace(metrics, extra={**metrics.extra, "server_mean_ttft_ms": server_ms})
+    extra = server_extra(before, after)
+    if extra:
+        metrics = replace(metrics, extra={**metrics.extra, **extra})
     return ServeRun(outcomes=tuple(outcomes), metrics=metrics)
 
 

@@ -249,6 +249,11 @@ def format_table(m: ServeMetrics, roofline_lines: Sequence[tuple[str, Any]] = ()
             out.append(_line("Client - server mean TTFT (ms):", s.mean - server))
     out.append(_rule("Decode"))
     out.append(_line("Decode tok/s per stream (1/TPOT):", m.decode_tok_s_per_stream))
+    if "server_spec_draft_tokens" in m.extra:  # the server's speculative counters over the run
+        out.append(_line("Server draft tokens verified:", m.extra["server_spec_draft_tokens"]))
+        out.append(_line("Server draft tokens accepted:", m.extra["server_spec_accepted_tokens"]))
+        if "server_spec_acceptance" in m.extra:
+            out.append(_line("Server draft acceptance:", m.extra["server_spec_acceptance"]))
     for label, value in roofline_lines:
         out.append(_line(label, value))
     if m.short_outputs or m.length_mismatches or m.usage_missing or m.errors:

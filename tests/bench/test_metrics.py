@@ -123,3 +123,27 @@ metainfer:time_per_output_token_seconds_sum{model_name="a"} 5.0
     assert ttft_histogram('vllm:time_to_first_token_seconds_sum{engine="0"} 2.5\n'
                           'vllm:time_to_first_token_seconds_count{engine="0"} 10\n') == (2.5, 10.0)
     assert ttft_histogram("vllm:e2e_request_latency_seconds_sum 1.0\n") is None
+
+
+def test_spec_counters_and_server_extra_from_prometheus_text() -> None:
+    """bench serve's server-side speculative figures: our `metainfer:spec_*_tokens_total` and vLLM v1's
+    `vllm:spec_decode_num_*_tokens_total` counters (summed over label sets), differenced over the run;
+    none without them; the TTFT mean beside them."""
+    from metainfer.bench.client import server_extra, spec_counters
+
+    ttft = "metainfer:time_to_first_token_seconds_{} {}\n"
+    ours = ("metainfer:spec_draft_tokens_total 40.0\nmetainfer:spec_accepted_tokens_total 30.0\n"
+            + ttft.format("sum", 0.5) + ttft.format("count", 10))
+    later = ("metainfer:spec_draft_tokens_total 100.0\nmetainfer:spec_accepted_tokens_total 75.0\n"
+             + ttft.format("sum", 0.8) + ttft.format("count", 13))
+    assert spec_counters(ours) == (40.0, 30.0)
+    ex = server_extra(ours, later)
+    assert ex["server_spec_draft_tokens"] == 60.0 and ex["server_spec_accepted_tokens"] == 45.0
+    assert ex["server_spec_acceptance"] == 0.75 and abs(ex["server_mean_ttft_ms"] - 100.0) < 1e-9
+    vllm = ('vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 5.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 4.0\n'
+            'vllm:spec_decode_num_draft_tokens_created{engine="0"} 1.7e9\n')
+    assert spec_counters(vllm) == (12.0, 5.0)
+    assert spec_counters("vllm:generation_tokens_total 5.0\n") is None
+    assert server_extra(None, later) == {} and "server_spec_acceptance" not in server_extra(ours, ours)

@@ -91,3 +91,18 @@ def test_concurrent_requests_beside_a_bad_one(base_url, spec):
     err = rs[-1].json()["error"]
     assert rs[-1].status_code == 400 and err["type"] == "BadRequestError" and "max_tokens" in err["message"]
     assert [r.json()["choices"][0]["text"] for r in rs[:-1]] == plain
+
+
+def test_bench_serve_reads_the_servers_speculative_counters(base_url, spec):
+    """`bench serve` against this server: the run's drafted and accepted tokens from /metrics, in the
+    metrics' extra and the printed summary."""
+    from metainfer.bench.client import ClientConfig, run
+    from metainfer.bench.datasets import SampleRequest
+    from metainfer.bench.metrics import format_table
+
+    reqs = [SampleRequest(prompt_len=0, output_len=24, prompt=PROMPTS[spec]) for _ in range(2)]
+    res = run(ClientConfig(base_url=base_url, model="spec", max_concurrency=1, ignore_eos=False), reqs)
+    ex = res.metrics.extra
+    assert ex["server_spec_draft_tokens"] >= ex["server_spec_accepted_tokens"] > 0
+    assert 0 < ex["server_spec_acceptance"] <= 1 and "server_mean_ttft_ms" in ex
+    assert "Server draft acceptance:" in format_table(res.metrics)
