@@ -56,7 +56,7 @@ def draft_head(model: Qwen3_5MoeModel, vocab: int = 0) -> Callable[[torch.Tensor
     and Python text in the Qwen3.6 tokenizer, and 1/8 of lm_head's bytes). A draft only proposes: the
     verify's logits stay the model's, so this changes which drafts come, never an output."""
     w = model.embed_tokens.weight if model.cfg.tie_word_embeddings else model.lm_head.weight
-    if w.dtype == torch.float8_e4m3fn or not 0 < vocab < w.shape[0]:  # (FP8 checkpoints keep lm_head BF16)
+    if w.dtype == torch.float8_e4m3fn or not 0 < vocab < w.shape[0]:  # (METAINFER_FP8_LM_HEAD: whole head)
         return model.compute_logits
     from metainfer.kernels import ops
 
