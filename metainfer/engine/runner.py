@@ -171,9 +171,9 @@ class ModelRunner:
         sizes = () if auto_off else self.ecfg.prefill_graph_sizes
         if not sizes or self.decode is None or (self.device.type == "cuda" and not self.decode.use_graphs):
             return None
-        args = (self.model, self.caches, sizes, self.blocks_per_seq, self.ecfg.block_size, self.device)
         rows = 1 + (self.ecfg.num_speculative_tokens if self.ecfg.speculative else 0)
-        pg = PrefillGraphs(*args, logits_rows=rows)
+        pg = PrefillGraphs(self.model, self.caches, sizes, self.blocks_per_seq, self.ecfg.block_size,
+                           self.device, logits_rows=rows)
         pg.capture()
         return pg
 

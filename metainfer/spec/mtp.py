@@ -211,12 +211,13 @@ class MTPGraphs(PrefillGraphs):
         h = m.mtp(m.embed_tokens(self.input_ids[:size]), self.hidden_in[:size], self.positions[:size], meta,
                   self.caches)
         self.hidden[size] = h  # (PrefillGraphs' contract; unused here)
-        return torch.cat(self._propose(h, self.logits_indices[:1], host[2] if host else None))  # [K]
+        return torch.cat(self._propose(h, host[2] if host else None))  # [K]
 
-    def _propose(self, h: torch.Tensor, row: torch.Tensor, slot: int | None) -> list[torch.Tensor]:
-        """Drafts 1..K ([1] int64 each) after MTP output row `row` ([1] index into h, the chunk's rows).
+    def _propose(self, h: torch.Tensor, slot: int | None) -> list[torch.Tensor]:
+        """Drafts 1..K ([1] int64 each) after the chunk's last MTP output row (h: the chunk's rows).
         slot: the request's state slot on the eager path (the chained rows' host lengths), else None."""
         m, bs, i32 = self.model, self.block_size, torch.int32
+        row = self.logits_indices[:1]
         last = h.index_select(0, row)  # [1, H]
         tok = self.draft_logits(last).argmax(dim=-1)
         drafts = [tok]
