@@ -88,6 +88,11 @@
 #            the tree before them), interleaved spec_bench script-4 rows; engine GPU tests first, ~7 min
 #   host2  - the host A/B again (5 alternating processes) and the verify step's PDL-off kernel profiles:
 #            defaults, routing in gate/up at T = 5 + swept router, KB-0053; ~6 min
+#   nrouter - the post-attention add+RMSNorm and the MoE router in one launch (METAINFER_NORM_ROUTER_MAX_T, default 8):
+#            GPU tests (kernel, engine on/off, PDL, sm_90 build), FP8 batches 1/2/4/8 A/B 0 vs 8 (x2), BF16 1/8
+#            (x1), a PDL-off FP8 batch-1 profile with it, ~7 min
+#   nrverify - the oracle (FP8, BF16) with the defaults, spec_bench forced-acceptance n-gram K = 4 / 8 / 15
+#            (the verify of 16 tokens: how far long drafts go), ~6 min
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -441,4 +446,23 @@ if has vstep; then
     env "${sw[@]}" timeout 90 $SB --reps 2 --out $OUT/vstep_$mode 2>&1 | grep -E "^\| script|script-4/random: " \
       | sed "s/^/[$mode] /"
   done
+fi
+if has nrouter; then
+  timeout 240 python -m pytest -q tests/gpu -p no:cacheprovider -k "norm_router or compiles or pdl_equals" 2>&1 \
+    | tee $OUT/gpu_tests_nrouter.log | tail -3
+  VAR=METAINFER_NORM_ROUTER_MAX_T MODES="0 8 0 8" DTYPES=fp8 BATCHES=1,2,4,8 EXTRA=--no-profile \
+    bash benchmarks/gpu_ab.sh | grep -v TTFT
+  VAR=METAINFER_NORM_ROUTER_MAX_T MODES="0 8" DTYPES=bfloat16 BATCHES=1,8 EXTRA=--no-profile \
+    bash benchmarks/gpu_ab.sh | grep -v TTFT
+  METAINFER_PDL=0 timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+    --out $OUT/nrouter_prof_pdl0 2>&1 | grep -v "falling back" | grep -E "^\|" | head -24
+fi
+if has nrverify; then
+  for dt in fp8 bfloat16; do
+    timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
+      --device cuda --suite full --json $OUT/verify_$dt.json 2>&1 | grep -E "verdict|PASS|FAIL" | tail -3 \
+      | sed "s/^/[$dt oracle] /"
+  done
+  timeout 300 python benchmarks/spec_bench.py --dtype fp8 --gen 256 --reps 2 --modes script --script-k 4,8,15 \
+    --out $OUT/nrverify_spec 2>&1 | grep -v "falling back" | tail -12
 fi

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
+from metainfer.kernels.common import env_int
 from metainfer.kernels.fp8_linear import BLOCK as QBLOCK
 from metainfer.kernels.fp8_linear import quant_groups
 
@@ -21,6 +22,12 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 # elements per program (rows * padded row length) and warps; tuned on H200 by benchmarks/kernels_a.py
 ROW_ELEMS = 4096
 NUM_WARPS = 4
+# add_rms_norm_router: router rows per program (the MoE router's 257: 129 programs, one wave); the most rows
+# (tokens) it takes: METAINFER_NORM_ROUTER_MAX_T (0: off, at most ROUTER_MAX_T), default ROUTER_DEFAULT_T
+ROUTER_BLOCK_E = 2
+ROUTER_MAX_T = 16
+ROUTER_DEFAULT_T = 8
+ROUTER_T_ENV = "METAINFER_NORM_ROUTER_MAX_T"
 
 
 @triton.jit
@@ -67,8 +74,9 @@ def _quant_stored(out_ptr, q_ptr, s_ptr, row_off, s_off, n_s, rmask, N, BLOCK_N:
 @triton.jit
 def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
                              q_ptr, s_ptr, n_s, QUANT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Stores the new residual r (already in its dtype) and x / rms(x) * (1 + w) of it; QUANT: also
-    the output's e4m3 copy q [rows, N] and its per-128-column scales s [N/128, n_s] (N % 128 == 0),
+    """Stores the new residual r (already in its dtype) and y = x / rms(x) * (1 + w) of it (rows where
+    rmask), and returns y (every row); QUANT: also the output's e4m3 copy q [rows, N] and its
+    per-128-column scales s [N/128, n_s] (N % 128 == 0),
     as `fp8_linear.act_quant` of the stored output gives them."""
     mask = rmask[:, None] & cmask[None, :]
     tl.store(new_res_ptr + off, r, mask=mask)
@@ -79,6 +87,7 @@ def _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, r
     tl.store(out_ptr + off, y, mask=mask)
     if QUANT:
         _quant_stored(out_ptr, q_ptr, s_ptr, rows.to(tl.int64) * N, rows, n_s, rmask, N, BLOCK_N)
+    return y
 
 
 @triton.jit
@@ -102,6 +111,44 @@ def _add_rms_norm_kernel(
     r = (x + res).to(new_res_ptr.dtype.element_ty)  # the residual stream is rounded before the norm
     _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
                              q_ptr, s_ptr, n_s, QUANT, BLOCK_N)
+
+
+@triton.jit
+def _add_rms_norm_router_kernel(
+    x_ptr, res_ptr, w_ptr, rw_ptr, out_ptr, new_res_ptr, logits_ptr,
+    n_rows, sx0, sr0, N, E, eps,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0,
+):
+    """`_add_rms_norm_kernel` of all n_rows <= BLOCK_R rows, then the MoE router of its output:
+    logits [n_rows, E] = out @ rw^T (rw [E, N] in out's dtype; fp32 sums rounded to logits' dtype, as
+    the router's linear gives them). Program p owns router rows [p * BLOCK_E, (p + 1) * BLOCK_E) and
+    loads them before the PDL wait (weights); every program normalises the few rows itself (L2 hits)
+    and program 0 stores out and new_res. One launch and one wave in place of two launches."""
+    pid = tl.program_id(0)
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    cols = tl.arange(0, BLOCK_N)
+    wr = tl.load(rw_ptr + offs_e.to(tl.int64)[:, None] * N + cols[None, :],
+                 mask=(offs_e < E)[:, None] & (cols < N)[None, :], other=0.0)
+    pdl.wait(USE_PDL)
+    emask = offs_e < E
+    cmask = cols < N
+    rows = tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * sx0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = (x + res).to(new_res_ptr.dtype.element_ty)
+    off = rows64 * N + cols[None, :]
+    smask = rows < tl.where(pid == 0, n_rows, 0)  # program 0 stores the rows
+    y = _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, smask, N, eps, None,
+                                 None, 0, 0, BLOCK_N).to(tl.float32)
+    wf = wr.to(tl.float32)
+    for t in tl.static_range(BLOCK_R):  # row t of y (a masked sum picks it) against this program's rows
+        if t < n_rows:
+            yt = tl.sum(tl.where(rows[:, None] == t, y, 0.0), axis=0)
+            lg = tl.sum(wf * yt[None, :], axis=1)
+            tl.store(logits_ptr + t * E + offs_e, lg.to(logits_ptr.dtype.element_ty), mask=emask)
 
 
 @triton.jit
@@ -243,6 +290,34 @@ def add_rms_norm(
         **pdl.kw(),
     )
     return out, new_res
+
+
+def add_rms_norm_router(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """x, residual [T, N], router_weight [E, N] (x's dtype) -> (rms_norm(x + residual), x + residual,
+    logits [T, E] in x's dtype = the first @ router_weight^T), in one launch of
+    cdiv(E, ROUTER_BLOCK_E) programs; None (the caller runs `add_rms_norm` and the router) for more
+    rows than METAINFER_NORM_ROUTER_MAX_T (default ROUTER_DEFAULT_T; a decode step's few tokens)."""
+    if not 0 < x.shape[0] <= env_int(ROUTER_T_ENV, ROUTER_DEFAULT_T, 0, ROUTER_MAX_T):
+        return None
+    assert x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1, "x, residual: [T, N], N contiguous"
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+    T, N = x.shape
+    E = router_weight.shape[0]
+    assert weight.shape == (N,) and weight.is_contiguous() and x.dtype in _TL_DTYPE
+    assert router_weight.shape == (E, N) and router_weight.is_contiguous() and router_weight.dtype == x.dtype
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
+    block_r = triton.next_power_of_2(T)
+    _add_rms_norm_router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
+        x, residual, weight, router_weight, out, new_res, logits, T, x.stride(0), residual.stride(0), N, E,
+        eps,
+        BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(N), BLOCK_E=ROUTER_BLOCK_E,
+        num_warps=4 if block_r <= 2 else 8, **pdl.kw(),
+    )
+    return out, new_res, logits
 
 
 def moe_add_rms_norm(

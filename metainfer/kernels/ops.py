@@ -155,6 +155,14 @@ def moe_pair_rows(x, w_gate_up, w_down, ids, gate_up_scale=None, down_scale=None
     return ref.moe_expert_rows(x, w_gate_up, w_down, ids)
 
 
+def add_rms_norm_router(x, residual, weight, eps, router_weight):
+    """`add_rms_norm(x, residual)` and the MoE router's logits of its output (`linear(normed,
+    router_weight)`) in one launch: -> (normed, new residual, logits), or None where no kernel does
+    it (CPU, more tokens than its bound): then the caller runs the two ops."""
+    k = _kernel("add_rms_norm_router", x)
+    return k(x, residual, weight, eps, router_weight) if k and residual is not None else None
+
+
 def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=None):
     """`add_rms_norm(moe_combine(rows, weights), residual)`: the MoE's weighted sum, the residual
     add and the next RMSNorm in one pass. -> (normed, new residual). xq_out: as `add_rms_norm`."""

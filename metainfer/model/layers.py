@@ -143,19 +143,32 @@ class SparseMoE(nn.Module):
         fp8 = self.w_gate_up_scale is not None
         return fp8 and self.fused_shared and moe.grouped_rows_ok(T, fp8) and moe_grouped.a8_enabled(fp8)
 
+    def norm_and_route(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`norm.add_forward(x, residual)` and this block's router logits of its output in one launch
+        (`ops.add_rms_norm_router`: a decode step's few tokens, unquantised router): -> (normed,
+        new residual, logits [T, E+1]), or None (then the norm, and `forward` runs the router)."""
+        if self.router.weight_scale_inv is not None:
+            return None
+        return ops.add_rms_norm_router(x, residual, norm.weight, norm.eps, self.router.weight)
+
     def forward(
-        self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
         """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm). xq: x's
-        e4m3 copy from its norm, taken by the grouped FP8 experts."""
+        e4m3 copy from its norm, taken by the grouped FP8 experts; logits: the router's output for x
+        where `norm_and_route` computed it."""
         scales = (self.w_gate_up_scale, self.w_down_scale)
-        if self.fused_shared and self.router.weight_scale_inv is None:  # routing in the router's launch
-            routed = ops.router_topk(x, self.router.weight, self.top_k, True)
+        if logits is None and self.fused_shared and self.router.weight_scale_inv is None:  # routing in the
+            routed = ops.router_topk(x, self.router.weight, self.top_k, True)  # router's launch
             if routed is not None:
                 _, weights, ids = routed
                 rows = ops.moe_pair_rows(x, self.w_gate_up, self.w_down, ids, *scales)
                 return ExpertRows(rows, weights, x.dtype)
-        logits = self.router(x)  # [T, E+1]
+        if logits is None:
+            logits = self.router(x)  # [T, E+1]
         if self.fused_shared:
             part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
             if part is None:  # the route launch, then the experts; the sum still in the next norm

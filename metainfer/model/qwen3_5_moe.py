@@ -50,7 +50,12 @@ class DecoderLayer(nn.Module):
         else:
             h = self.linear_attn(h, meta, caches.conv[i], caches.ssm[i], xq=xq)
         xq = fp8_copy_buffers(self.mlp.takes_fp8_input(T), T, H, dev)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual, xq_out=xq)
+        post = self.post_attention_layernorm
+        routed = None if xq is not None else self.mlp.norm_and_route(post, h, residual)
+        if routed is not None:  # the norm and the router in one launch (a decode step's few tokens)
+            h, residual, logits = routed
+            return self.mlp(h, logits=logits), residual
+        h, residual = post.add_forward(h, residual, xq_out=xq)
         return self.mlp(h, xq), residual
 
 

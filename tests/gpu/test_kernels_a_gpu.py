@@ -66,6 +66,26 @@ def test_norms_full_shapes(T):
 
 
 @cuda
+@pytest.mark.parametrize("T", [1, 2, 5, 8, 16])
+def test_add_rms_norm_router_full_shapes(T, monkeypatch):
+    """The post-attention norm with the MoE router [257, 2048] in one launch: the norm's outputs equal
+    `add_rms_norm`'s bits (same math; residual exactly), logits within a bf16 rounding of F.linear's."""
+    from metainfer.kernels import norm
+
+    monkeypatch.setenv(norm.ROUTER_T_ENV, str(norm.ROUTER_MAX_T))
+    g = gen(100 + T)
+    x = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    r = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    w = (0.1 * torch.randn(H, device=DEV, generator=g)).bfloat16()
+    rw = (torch.randn(257, H, device=DEV, generator=g) / H**0.5).bfloat16()
+    out, new_r, logits = norm.add_rms_norm_router(x, r, w, 1e-6, rw)
+    want_out, want_r = norm.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(new_r, want_r)
+    close(out, want_out, 1e-3, 2e-2)  # the same math; the row sum's order may differ by an ulp
+    close(logits, torch.nn.functional.linear(want_out, rw), *BF16)
+
+
+@cuda
 @pytest.mark.parametrize("T", [17, 1024, 4099])
 def test_norm_quant_copies_full_shapes(T):
     """KB-0052 at full shapes on the GPU: each norm's e4m3 copy (xq_out) has the bits `act_quant` gives
@@ -339,6 +359,10 @@ _COMPILE = textwrap.dedent(
         build(norm._moe_add_rms_norm_kernel,
               dict(y_ptr=yt, tw_ptr=f32, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32", **qa),
               dict(SLOTS=9, HAS_RES=has_res, BLOCK_R=2, BLOCK_N=2048, QUANT=quant), norm.NUM_WARPS)
+    for block_r, warps in ((1, 4), (8, 8)):  # the post-attention norm with the MoE router (decode)
+        build(norm._add_rms_norm_router_kernel, dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, rw_ptr=bf, out_ptr=bf,
+              new_res_ptr=bf, logits_ptr=bf, eps="fp32"), dict(BLOCK_R=block_r, BLOCK_N=2048,
+              BLOCK_E=norm.ROUTER_BLOCK_E), warps)
     for quant in (0, 1):
         build(norm._gated_rms_norm_kernel, dict(x_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32", **qa),
               dict(MID=tl.bfloat16, BLOCK_R=32, BLOCK_N=128, QUANT=quant), norm.NUM_WARPS)

@@ -66,6 +66,26 @@ def test_add_rms_norm(T, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N,E", [(1, 48, 9), (3, 100, 7), (8, 64, 33)])
+def test_add_rms_norm_router(T, N, E, dtype, monkeypatch):
+    """The norm and the MoE router's logits of its output in one launch: odd widths, a router not a
+    multiple of the programs' rows, strided x rows; None past the token bound."""
+    monkeypatch.setenv(norm.ROUTER_T_ENV, "8")
+    g = torch.Generator().manual_seed(20 + T)
+    x = torch.randn(T, N + 16, generator=g).to(dtype)[:, 8 : N + 8]
+    r = torch.randn(T, N, generator=g).to(dtype)
+    w = (torch.randn(N, generator=g) * 0.1).to(dtype)
+    rw = (torch.randn(E, N, generator=g) / N**0.5).to(dtype)
+    out, new_r, logits = norm.add_rms_norm_router(x, r, w, 1e-6, rw)
+    want_out, want_r = ref.add_rms_norm(x, r, w, 1e-6)
+    _close(new_r, want_r, dtype)
+    _close(out, want_out, dtype)
+    _close(logits, torch.nn.functional.linear(want_out, rw), dtype)
+    monkeypatch.setenv(norm.ROUTER_T_ENV, str(T - 1))
+    assert norm.add_rms_norm_router(x, r, w, 1e-6, rw) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,Hv,Dv", [(1, 4, 16), (3, 3, 24), (7, 2, 16)])
 def test_gated_rms_norm(T, Hv, Dv, dtype):
     g = torch.Generator().manual_seed(T * 100 + Dv)
