@@ -93,6 +93,9 @@
 #            (x1), a PDL-off FP8 batch-1 profile with it, ~7 min
 #   nrverify - the oracle (FP8, BF16) with the defaults, spec_bench forced-acceptance n-gram K = 4 / 8 / 15
 #            (the verify of 16 tokens: how far long drafts go), ~6 min
+#   gnorm  - the DeltaNet gated RMSNorm as out_proj's weight-preloading prologue (METAINFER_GNORM_MAX_T, default 4;
+#            METAINFER_GNORM_CFG "BLOCK_N,HEADS,warps"): its GPU tests, FP8 batches 1/2/4 off / default config /
+#            three others, BF16 off / on, fresh processes, ~8 min
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -465,4 +468,15 @@ if has nrverify; then
   done
   timeout 300 python benchmarks/spec_bench.py --dtype fp8 --gen 256 --reps 2 --modes script --script-k 4,8,15 \
     --out $OUT/nrverify_spec 2>&1 | grep -v "falling back" | tail -12
+fi
+if has gnorm; then
+  timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear" 2>&1 \
+    | tee $OUT/gpu_tests_gnorm.log | tail -3
+  for run in "fp8 0 -" "fp8 4 -" "fp8 4 16,16,8" "fp8 4 8,32,4" "fp8 4 32,32,8" "bfloat16 0 -" "bfloat16 4 -"; do
+    set -- $run
+    cfg=$3; [[ $cfg == - ]] && cfg=""
+    METAINFER_GNORM_MAX_T=$2 METAINFER_GNORM_CFG=$cfg timeout 90 python benchmarks/decode_bench.py --dtype $1 \
+      --batches $([[ $1 == fp8 ]] && echo 1,2,4 || echo 1) --gen 32 --no-profile --out $OUT/gnorm_${1}_${2}_${cfg:-default} \
+      2>&1 | grep -E "^\|" | grep -v "batch" | sed "s/^/[$1 gnorm $2 cfg ${cfg:-default}] /"
+  done
 fi

@@ -292,6 +292,11 @@ def add_rms_norm(
     return out, new_res
 
 
+def router_max_t() -> int:
+    """The most tokens `add_rms_norm_router` takes (0: never)."""
+    return env_int(ROUTER_T_ENV, ROUTER_DEFAULT_T, 0, ROUTER_MAX_T)
+
+
 def add_rms_norm_router(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -299,7 +304,7 @@ def add_rms_norm_router(
     logits [T, E] in x's dtype = the first @ router_weight^T), in one launch of
     cdiv(E, ROUTER_BLOCK_E) programs; None (the caller runs `add_rms_norm` and the router) for more
     rows than METAINFER_NORM_ROUTER_MAX_T (default ROUTER_DEFAULT_T; a decode step's few tokens)."""
-    if not 0 < x.shape[0] <= env_int(ROUTER_T_ENV, ROUTER_DEFAULT_T, 0, ROUTER_MAX_T):
+    if not 0 < x.shape[0] <= router_max_t():
         return None
     assert x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1, "x, residual: [T, N], N contiguous"
     assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)

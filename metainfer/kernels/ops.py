@@ -182,6 +182,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
+def gated_norm_linear(core, z, norm_weight, eps, weight, scale_inv):
+    """`gated_rms_norm(core, z)` viewed [T, Hv * D], then the projection by weight (e4m3 with its
+    scale_inv, or unquantised), in one launch -> [T, N]; None where no kernel does it (CPU, more tokens
+    than its bound): then the caller runs the two ops."""
+    k = _kernel("gated_norm_linear", core)
+    return k(core, z, norm_weight, eps, weight, scale_inv) if k else None
+
+
 def linear_conv_update(x, weight, scale_inv, conv_weight, conv_state, slots, has_state):
     """The DeltaNet in_proj y = x W^T with the decode conv applied to the first C = conv channels
     of the first len(slots) rows: y[:B, :C] = causal_conv1d_update(y[:B, :C], ...). -> [T, N]."""

@@ -36,6 +36,7 @@ READ_BEFORE_WAIT = {
     "_gemv_kernel": frozenset({"weight_ptr", "wscale_ptr"}),
     "_gdn_decode_kernel": frozenset({"state_ptr", "slots_ptr", "has_ptr"}),
     "_add_rms_norm_router_kernel": frozenset({"rw_ptr"}),  # the MoE router's weight
+    "_gnorm_gemv_kernel": frozenset({"weight_ptr", "wscale_ptr"}),
     # the router's logits, or (FP8 `moe_pair_rows`) the route launch's ids: written two kernels
     # back (the router or the route kernel; the gate/up kernel is between)
     "_routed_down_kernel": frozenset({"w_ptr", "s_ptr", "logits_ptr"}),

@@ -32,6 +32,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.weight_stream", "dense_linear"),
     "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
+    "gated_norm_linear": ("metainfer.kernels.weight_stream", "gated_norm_linear"),
 }
 
 

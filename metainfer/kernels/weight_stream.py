@@ -282,6 +282,59 @@ def _gemv_kernel(
                 rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
 
 
+@triton.jit
+def _gnorm_gemv_kernel(
+    core_ptr, z_ptr, gw_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr,
+    T, N, K, stride_ct, stride_ch, stride_zt, stride_zh, stride_yt, stride_sn, eps,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HEADS: tl.constexpr,  # heads (D columns each) per program: K split SPLIT_K ways
+    D: tl.constexpr,
+    MID: tl.constexpr,  # the norm weight's product dtype (`reference.gated_rms_norm`'s promotion)
+    HAS_SCALE: tl.constexpr = 1,  # FP8 weights with [N/128, K/128] block scales (D == 128: a head per block)
+    USE_PDL: tl.constexpr = 0,
+):
+    """The DeltaNet output: y = gated_rms_norm(core, z) @ W^T for a few tokens, the norm as the
+    projection's prologue. Each program loads its whole [BLOCK_N, HEADS, D] weight tile before the PDL
+    wait (weights are never written during a step: the bytes stream while the DeltaNet kernel runs),
+    then normalises and gates its HEADS heads of each token (`norm._gated_rms_norm_kernel`'s math and
+    roundings) and reduces on the CUDA cores. A grid of one wave keeps PDL's overlap (KB-0020).
+    Output as `_skinny_kernel` (`_store_tile`: the split-K fix-up)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = pid_k * HEADS + tl.arange(0, HEADS)
+    offs_d = tl.arange(0, D)
+    cols = offs_h[:, None] * D + offs_d[None, :]  # [HEADS, D]: W's columns of head h, dim d
+    w = tl.load(weight_ptr + offs_n.to(tl.int64)[:, None, None] * K + cols[None, :, :],
+                mask=(offs_n < N)[:, None, None], other=0.0)  # [BLOCK_N, HEADS, D]
+    if HAS_SCALE:
+        sc = tl.load(wscale_ptr + (pid_n * BLOCK_N // 128) * stride_sn + offs_h)  # [HEADS]
+    pdl.wait(USE_PDL)
+    gw = tl.load(gw_ptr + offs_d).to(tl.float32)
+    offs_t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        hm = (offs_h < tl.where(t < T, K // D, 0))[:, None]  # the heads of a real token
+        hd = offs_h[:, None] * stride_ch + offs_d[None, :]
+        c = tl.load(core_ptr + t * stride_ct + hd, mask=hm, other=0.0)
+        z = tl.load(z_ptr + t * stride_zt + offs_h[:, None] * stride_zh + offs_d[None, :], mask=hm, other=0.0)
+        cf = c.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(cf * cf, axis=1) / D + eps)
+        h = (cf * rstd[:, None]).to(c.dtype).to(tl.float32)
+        h = (h * gw[None, :]).to(MID).to(tl.float32)
+        zf = z.to(tl.float32)
+        x = (h * (zf * tl.sigmoid(zf))).to(c.dtype).to(tl.float32)  # the gated norm's output as stored
+        head = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, HEADS]
+        if HAS_SCALE:
+            head = head * sc[None, :]
+        acc = tl.where(offs_t[None, :] == t, tl.sum(head, axis=1)[:, None], acc)
+    _store_tile(acc, pid_n, pid_k, tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
+                stride_yt, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 0, 0, y_ptr, y_ptr, y_ptr, SPLIT_K, BLOCK_N,
+                BLOCK_T, 0, tl.float32, 0, 0, 1, 1)
+
+
 # ---- launchers -----------------------------------------------------------------------------------
 def _lock_key(device: torch.device) -> tuple[torch.device, int]:
     return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
@@ -549,3 +602,60 @@ def router_topk(
     ids = torch.empty(T, W, dtype=torch.int64, device=x.device)
     stream_linear(x, weight, None, y, cfg, route=(top_k, shared, tw, ids))
     return y, tw, ids
+
+
+GNORM_ENV = "METAINFER_GNORM_MAX_T"  # the most tokens gated_norm_linear takes (0: off)
+GNORM_DEFAULT_T = 4
+GNORM_MAX_T = 16
+GNORM_CFG_ENV = "METAINFER_GNORM_CFG"  # "BLOCK_N,HEADS,warps": the launch config (else gnorm_config's)
+
+
+def gnorm_config(N: int, Hv: int, fp8: bool) -> dict:
+    """(BLOCK_N, HEADS, num_warps) of `_gnorm_gemv_kernel`: one wave of preloading programs, 64 KB of
+    weights each (FP8 [16, 32 x 128]: 128 programs for out_proj [2048, 4096]; BF16 [8, 32 x 128]);
+    METAINFER_GNORM_CFG="BLOCK_N,HEADS,warps" sets it."""
+    v = os.environ.get(GNORM_CFG_ENV, "")
+    if v:
+        bn, heads, warps = (int(p) for p in v.split(","))
+    else:
+        bn, heads, warps = (16 if fp8 else 8), Hv, 8
+    return dict(BLOCK_N=bn, HEADS=min(heads, Hv), num_warps=warps)
+
+
+def gated_norm_linear(
+    core: torch.Tensor,  # [T, Hv, D], D contiguous
+    z: torch.Tensor,  # [T, Hv, D], D contiguous (a view of in_proj's output)
+    norm_weight: torch.Tensor,  # [D]
+    eps: float,
+    weight: torch.Tensor,  # [N, Hv * D]: e4m3 with scale_inv [N/128, Hv * D/128], or core's dtype
+    scale_inv: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """`gated_rms_norm(core, z) @ weight^T` (the DeltaNet out_proj) in one launch of weight-preloading
+    programs (`_gnorm_gemv_kernel`) -> y [T, N] in core's dtype; None (the caller runs the norm,
+    then the projection) past METAINFER_GNORM_MAX_T tokens (default GNORM_DEFAULT_T) or for shapes
+    it does not take."""
+    T, Hv, D = core.shape
+    N, K = weight.shape
+    fp8 = scale_inv is not None
+    if not 0 < T <= env_int(GNORM_ENV, GNORM_DEFAULT_T, 0, GNORM_MAX_T):
+        return None
+    if K != Hv * D or z.shape != core.shape or core.stride(2) != 1 or z.stride(2) != 1 or D & (D - 1):
+        return None
+    if (fp8 and D != 128) or (not fp8 and weight.dtype != core.dtype) or not weight.is_contiguous():
+        return None
+    cfg = gnorm_config(N, Hv, fp8)
+    if Hv % cfg["HEADS"] or cfg["HEADS"] & (cfg["HEADS"] - 1) or 128 % cfg["BLOCK_N"]:
+        return None
+    s = scale_inv if fp8 else weight
+    mid = TL_DTYPE[torch.promote_types(norm_weight.dtype, core.dtype)]
+    y = torch.empty(T, N, dtype=core.dtype, device=core.device)
+    tiles, split = triton.cdiv(N, cfg["BLOCK_N"]), Hv // cfg["HEADS"]
+    bt = triton.next_power_of_2(T)
+    part = torch.empty(split * tiles * cfg["BLOCK_N"] * bt if split > 1 else 1, dtype=torch.float32,
+                       device=core.device)
+    _gnorm_gemv_kernel[(tiles, split)](
+        core, z, norm_weight, weight, s, y, part, _locks(core.device, tiles), T, N, K, core.stride(0),
+        core.stride(1), z.stride(0), z.stride(1), y.stride(0), s.stride(0), eps, SPLIT_K=split, BLOCK_T=bt,
+        D=D, MID=mid, HAS_SCALE=int(fp8), **cfg, **pdl.kw(),
+    )
+    return y

@@ -110,5 +110,11 @@ class GatedDeltaNet(nn.Module):
         # KB-0052: the gated norm's e4m3 copy for out_proj (a head's row must be whole 128-column groups)
         hq = fp8_copy_buffers(self.out_proj if self.dv % 128 == 0 else False, T, self.value_dim, x.device,
                               "gated_rms_norm")
-        h = ops.gated_rms_norm(core, z.view(T, self.hv, self.dv), self.norm_weight, self.eps, xq_out=hq)
+        z = z.view(T, self.hv, self.dv)
+        if hq is None:  # a decode step's few tokens: the norm as out_proj's prologue, one launch
+            y = ops.gated_norm_linear(core, z, self.norm_weight, self.eps, self.out_proj.weight,
+                                      self.out_proj.weight_scale_inv)
+            if y is not None:
+                return y
+        h = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, xq_out=hq)
         return self.out_proj(h.view(T, self.value_dim), hq)

@@ -197,6 +197,23 @@ def test_norm_router_equals_two_launches(cfg_path, quant, monkeypatch):
     assert compared >= 6 * 8, compared  # not vacuous: most decode rows were compared
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_gated_norm_linear_equals_two_launches(cfg_path, quant, monkeypatch):
+    """METAINFER_GNORM_MAX_T 4 (default) vs 0: the DeltaNet gated norm as out_proj's prologue (decode
+    batches of <= 4 of the 6 prompts' steps) gives the two launches' logits to a rounding, every row
+    conditioned on the same tokens within 1e-2 relative RMSE (as test_norm_router_equals_two_launches)."""
+    from metainfer.kernels import weight_stream as ws
+
+    compared = 0
+    for a, x, b, y in _on_and_off(cfg_path, quant, monkeypatch, ws.GNORM_ENV, _prompts(6, seed=6),
+                                  values=("4", "0")):
+        same = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), len(a.token_ids))
+        n = min(same + 1, len(x))
+        assert rel_rmse(x[:n], y[:n]) < 1e-2, (same, rel_rmse(x[:n], y[:n]))
+        compared += n
+    assert compared >= 6 * 8, compared
+
+
 def test_kernels_match_reference_path(cfg_path):
     prompts = _prompts(4, seed=1)
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=512)

@@ -450,6 +450,33 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
 
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("cfg", ["", "16,16,8", "32,32,8"])
+def test_gated_norm_linear_full_shape(T, fp8, cfg, monkeypatch):
+    """The DeltaNet gated RMSNorm (32 heads x 128) as out_proj's (4096 -> 2048) prologue, one launch,
+    default and two other configs (split-K over heads, wider rows), against gated_rms_norm then
+    the projection (fp8_linear's weight stream / the BF16 linear): rel RMSE < 1e-2 (both are fp32
+    sums of the same rounded operands in other orders); deterministic."""
+    from metainfer.kernels import norm, ops
+    from metainfer.kernels import weight_stream as ws
+
+    monkeypatch.setenv(ws.GNORM_ENV, "16")
+    monkeypatch.setenv(ws.GNORM_CFG_ENV, cfg)
+    g = torch.Generator(device="cuda").manual_seed(80 + T)
+    core = torch.randn(T, 32, 128, device="cuda", generator=g).bfloat16()
+    z = torch.randn(T, 12352, device="cuda", generator=g).bfloat16()[:, 8192 : 8192 + 4096].view(T, 32, 128)
+    gw = 1 + 0.1 * torch.randn(128, device="cuda", generator=g)
+    w, q, s = _fp8_weight(2048, 4096, seed=T)
+    args = (q, s) if fp8 else (w.bfloat16(), None)
+    got = ws.gated_norm_linear(core, z, gw, 1e-6, *args)
+    h = norm.gated_rms_norm(core, z, gw, 1e-6).view(T, 4096)
+    want = ops.fp8_linear(h, q, s) if fp8 else F.linear(h, args[0])
+    assert got is not None and got.shape == (T, 2048)
+    assert _rel(got, want) < 1e-2, _rel(got, want)
+    assert torch.equal(got, ws.gated_norm_linear(core, z, gw, 1e-6, *args))
+
+
 @pytest.mark.parametrize("T", [1])
 def test_router_topk_full_shape(T, monkeypatch):
     """The router (257 x 2048 BF16, the table's config) with the routing in its epilogue

@@ -434,6 +434,40 @@ def test_gemv_kernel(T, block_n, ks, preload, fp8, dtype):
     assert torch.equal(y, y2)  # deterministic fix-up order
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("T,Hv,D,N,cfg", [(1, 4, 128, 64, "16,4,4"), (3, 4, 128, 40, "8,2,4"),
+                                          (5, 4, 128, 24, "8,1,4"), (2, 6, 32, 24, "8,2,4")])
+def test_gated_norm_linear(T, Hv, D, N, cfg, fp8, dtype, monkeypatch):
+    """`_gnorm_gemv_kernel`: the DeltaNet gated RMSNorm as out_proj's prologue. Whole-K programs and
+    2-4 way split-K over heads (the fix-up), N not a multiple of BLOCK_N's tiles x 128, FP8 block
+    scales (D = 128) or unquantised weights, strided z rows, against gated_rms_norm then F.linear;
+    None past the token bound or for heads per program not a power of two."""
+    if fp8 and D != 128:
+        pytest.skip("FP8: a head is one 128-column scale block")
+    from metainfer.kernels import reference as ref
+
+    monkeypatch.setenv(ws.GNORM_CFG_ENV, cfg)
+    monkeypatch.setenv(ws.GNORM_ENV, "8")
+    g = torch.Generator().manual_seed(T * 10 + Hv)
+    core = torch.randn(T, Hv, D, generator=g).to(dtype)
+    z = torch.randn(T, 2 * Hv * D, generator=g).to(dtype)[:, Hv * D :].view(T, Hv, D)
+    gw = 1 + 0.1 * torch.randn(D, generator=g)  # fp32, as the checkpoint's norm weight
+    w = _weight(N, Hv * D, seed=T)
+    q, s = quantize_fp8_block(w) if fp8 else (w.to(dtype), None)
+    wd = ref_dequant_fp8(q, s, dtype) if fp8 else q
+    want = F.linear(ref.gated_rms_norm(core, z, gw, 1e-6).view(T, Hv * D), wd)
+    got = ws.gated_norm_linear(core, z, gw, 1e-6, q, s)
+    rmse, max_abs = (1e-6, 1e-5) if dtype == torch.float32 else (2e-2, 8e-2)  # the interpreter truncates bf16
+    assert got.dtype == dtype and rel_rmse(got, want) < rmse and _max_rel(got, want) < max_abs
+    assert not ws._LOCKS[ws._lock_key(core.device)][:64].any()  # split-K counters left at zero
+    monkeypatch.setenv(ws.GNORM_ENV, str(T - 1))
+    assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
+    monkeypatch.setenv(ws.GNORM_ENV, "8")
+    monkeypatch.setenv(ws.GNORM_CFG_ENV, "8,3,4")
+    assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
+
+
 @pytest.mark.parametrize("T,ks", [(1, 512), (3, 128)])
 def test_gemv_kernel_with_conv_and_route_epilogues(T, ks):
     """The shared `_store_tile` epilogues on the GEMV kernel: the DeltaNet conv on the first C
