@@ -93,9 +93,11 @@
 #            (x1), a PDL-off FP8 batch-1 profile with it, ~7 min
 #   nrverify - the oracle (FP8, BF16) with the defaults, spec_bench forced-acceptance n-gram K = 4 / 8 / 15
 #            (the verify of 16 tokens: how far long drafts go), ~6 min
-#   gnorm  - the DeltaNet gated RMSNorm as out_proj's weight-preloading prologue (METAINFER_GNORM_MAX_T, default 4;
+#   gnorm  - the DeltaNet gated RMSNorm as out_proj's weight-preloading prologue (METAINFER_GNORM_MAX_T, then 4;
 #            METAINFER_GNORM_CFG "BLOCK_N,HEADS,warps"): its GPU tests, FP8 batches 1/2/4 off / default config /
 #            three others, BF16 off / on, fresh processes, ~8 min
+#   final1 - the defaults after nrouter / gnorm: the PDL and graph-replay engine tests, the oracle (FP8, BF16),
+#            FP8 decode batches 1/8/32/64/128 and BF16 1, ~8 min
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -476,7 +478,22 @@ if has gnorm; then
     set -- $run
     cfg=$3; [[ $cfg == - ]] && cfg=""
     METAINFER_GNORM_MAX_T=$2 METAINFER_GNORM_CFG=$cfg timeout 90 python benchmarks/decode_bench.py --dtype $1 \
-      --batches $([[ $1 == fp8 ]] && echo 1,2,4 || echo 1) --gen 32 --no-profile --out $OUT/gnorm_${1}_${2}_${cfg:-default} \
+      --batches $([[ $1 == fp8 ]] && echo 1,2,4 || echo 1) --gen 32 --no-profile \
+      --out $OUT/gnorm_${1}_${2}_$(echo ${cfg:-default} | tr , _) \
       2>&1 | grep -E "^\|" | grep -v "batch" | sed "s/^/[$1 gnorm $2 cfg ${cfg:-default}] /"
   done
+fi
+
+if has final1; then
+  timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider -k "pdl_equals or graph_replay_equals_eager" 2>&1 \
+    | tee $OUT/gpu_tests_final1.log | tail -2
+  for dt in fp8 bfloat16; do
+    timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
+      --device cuda --suite full --json $OUT/verify_$dt.json 2>&1 | grep -v "falling back" > $OUT/verify_$dt.log
+    tail -3 $OUT/verify_$dt.log | sed "s/^/[$dt oracle] /"
+  done
+  timeout 150 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,32,64,128 --gen 32 --out $OUT/final1 2>&1 \
+    | grep -v "falling back" | grep -E "^\|" | head -40
+  timeout 90 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 32 --no-profile --out $OUT/final1 \
+    2>&1 | grep -E "^\|" | grep -v batch
 fi

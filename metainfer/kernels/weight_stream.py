@@ -605,7 +605,9 @@ def router_topk(
 
 
 GNORM_ENV = "METAINFER_GNORM_MAX_T"  # the most tokens gated_norm_linear takes (0: off)
-GNORM_DEFAULT_T = 4
+# H200 (2026-12-01c): FP8 batch 1 479 -> 509 tok/s, but batch 2 778 -> 754 and 4 1,203 -> 1,030 (the
+# per-token reductions of a [16, 32, 128] tile); BF16 batch 1 400 -> 405
+GNORM_DEFAULT_T = 1
 GNORM_MAX_T = 16
 GNORM_CFG_ENV = "METAINFER_GNORM_CFG"  # "BLOCK_N,HEADS,warps": the launch config (else gnorm_config's)
 

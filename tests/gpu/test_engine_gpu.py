@@ -199,8 +199,8 @@ def test_norm_router_equals_two_launches(cfg_path, quant, monkeypatch):
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_gated_norm_linear_equals_two_launches(cfg_path, quant, monkeypatch):
-    """METAINFER_GNORM_MAX_T 4 (default) vs 0: the DeltaNet gated norm as out_proj's prologue (decode
-    batches of <= 4 of the 6 prompts' steps) gives the two launches' logits to a rounding, every row
+    """METAINFER_GNORM_MAX_T 4 (the default is 1) vs 0: the DeltaNet gated norm as out_proj's prologue
+    (the 6 prompts' decode batches of <= 4) gives the two launches' logits to a rounding, every row
     conditioned on the same tokens within 1e-2 relative RMSE (as test_norm_router_equals_two_launches)."""
     from metainfer.kernels import weight_stream as ws
 
