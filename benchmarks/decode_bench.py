@@ -30,6 +30,7 @@ from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling  # n
 from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
 from metainfer.kernels import norm  # noqa: E402
+from metainfer.kernels import weight_stream as ws  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 
 
@@ -164,11 +165,13 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
     state *= state_bytes
     kv = batch * context * hkv * d * 2 * 2  # K and V, bf16
     fused = batch <= norm.router_max_t()  # the router in the post-attention norm's launch (else a projection)
+    gnorm = batch <= ws.gnorm_max_t()  # the DeltaNet out_proj with its gated norm (else a projection)
     return {
         "_skinny_kernel": ("dense projections" + ("" if fused else " + router"),
-                           w * (n_lin * (in_proj + out_proj) + n_full * (qkv + o_proj))
+                           w * (n_lin * (in_proj + (not gnorm) * out_proj) + n_full * (qkv + o_proj))
                            + (not fused) * L * router),
         "_add_rms_norm_router_kernel": ("add + RMSNorm + MoE router", L * router),
+        "_gnorm_gemv_kernel": ("DeltaNet gated RMSNorm + out_proj", w * n_lin * out_proj),
         "_pair_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
         "_grouped_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
         "_pair_down": ("experts down", L * w * slots * H * I),

@@ -612,6 +612,11 @@ GNORM_MAX_T = 16
 GNORM_CFG_ENV = "METAINFER_GNORM_CFG"  # "BLOCK_N,HEADS,warps": the launch config (else gnorm_config's)
 
 
+def gnorm_max_t() -> int:
+    """The most tokens `gated_norm_linear` takes (0: never)."""
+    return env_int(GNORM_ENV, GNORM_DEFAULT_T, 0, GNORM_MAX_T)
+
+
 def gnorm_config(N: int, Hv: int, fp8: bool) -> dict:
     """(BLOCK_N, HEADS, num_warps) of `_gnorm_gemv_kernel`: one wave of preloading programs, 64 KB of
     weights each (FP8 [16, 32 x 128]: 128 programs for out_proj [2048, 4096]; BF16 [8, 32 x 128]);
@@ -639,7 +644,7 @@ def gated_norm_linear(
     T, Hv, D = core.shape
     N, K = weight.shape
     fp8 = scale_inv is not None
-    if not 0 < T <= env_int(GNORM_ENV, GNORM_DEFAULT_T, 0, GNORM_MAX_T):
+    if not 0 < T <= gnorm_max_t():
         return None
     if K != Hv * D or z.shape != core.shape or core.stride(2) != 1 or z.stride(2) != 1 or D & (D - 1):
         return None
