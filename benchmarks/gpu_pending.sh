@@ -98,8 +98,9 @@
 #            three others, BF16 off / on, fresh processes, ~8 min
 #   final1 - the defaults after nrouter / gnorm: the PDL and graph-replay engine tests, the oracle (FP8, BF16),
 #            FP8 decode batches 1/8/32/64/128 and BF16 1, ~8 min
-#   prof1  - PDL-off batch-1 kernel profiles (FP8, BF16) of the defaults, then FP8 batch 1 with moe_add_rms_norm
-#            on 4 / 8 / 16 warps (METAINFER_MOE_NORM_WARPS), ~3 min
+#   prof1  - PDL-off batch-1 kernel profiles (FP8, BF16) of the defaults, ~1.5 min (at cc0eabf it also ran
+#            moe_add_rms_norm on 4 / 8 / 16 warps: FP8 batch 1 512 / 512 / 509, batch 8 1,793 / 1,788 / 1,783; the
+#            switch was removed)
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -504,9 +505,5 @@ if has prof1; then
   for dt in fp8 bfloat16; do
     METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype $dt --batches 1 --gen 32 --out $OUT/prof1_pdl0 \
       2>&1 | grep -E "^\|" | head -24 | sed "s/^/[$dt PDL off] /"
-  done
-  for w in 4 8 16; do
-    METAINFER_MOE_NORM_WARPS=$w timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8 --gen 32 \
-      --no-profile --out $OUT/moe_norm_warps_$w 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[moe norm warps $w] /"
   done
 fi

@@ -25,7 +25,6 @@ NUM_WARPS = 4
 # add_rms_norm_router: router rows per program (the MoE router's 257: 129 programs, one wave); the most rows
 # (tokens) it takes: METAINFER_NORM_ROUTER_MAX_T (0: off, at most ROUTER_MAX_T), default ROUTER_DEFAULT_T
 ROUTER_BLOCK_E = 2
-MOE_NORM_WARPS_ENV = "METAINFER_MOE_NORM_WARPS"  # moe_add_rms_norm's warps (default NUM_WARPS; an A/B switch)
 ROUTER_MAX_T = 16
 ROUTER_DEFAULT_T = 8
 ROUTER_T_ENV = "METAINFER_NORM_ROUTER_MAX_T"
@@ -350,7 +349,7 @@ def moe_add_rms_norm(
     _moe_add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
         rows, weights, res, weight, out, new_res, T, res.stride(0), N, eps,
         **_quant_args(xq_out, T, N, rows.device), SLOTS=W, HAS_RES=residual is not None, BLOCK_R=block_r,
-        BLOCK_N=block_n, num_warps=env_int(MOE_NORM_WARPS_ENV, NUM_WARPS, 1, 32), **pdl.kw(),
+        BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out, new_res
 
