@@ -1,5 +1,6 @@
-"""RMSNorm kernels: Qwen's x / rms(x) * (1 + w), the fused residual add + norm, and the DeltaNet
-gated norm (plain w, times silu(z)). fp32 math; outputs in x's dtype.
+"""RMSNorm kernels: Qwen's x / rms(x) * (1 + w), the fused residual add + norm (with the MoE experts'
+weighted sum, or followed by the MoE router's projection in the same launch: `add_rms_norm_router`,
+KB-0064), and the DeltaNet gated norm (plain w, times silu(z)). fp32 math; outputs in x's dtype.
 
 Rows are normalised over the last dim. Inputs may be strided views with up to two leading dims
 (q/k head views of a projection output) as long as the last dim is contiguous; outputs are

@@ -13,7 +13,9 @@ N = 2048; the last CTA of each N tile to finish adds the fp32 partials in split 
 (deterministic, one launch, counters reset by that CTA). `_gemv_kernel` loads each program's whole
 tile in one go (optionally before the PDL wait; KB-0020). Epilogues shared by both
 (`_store_tile`): the DeltaNet decode conv (`linear_conv_update`) and the MoE routing
-(`router_topk`). Configs come from the H200 table (`stream_config`).
+(`router_topk`). Configs come from the H200 table (`stream_config`). `_gnorm_gemv_kernel` is the
+DeltaNet out_proj of one decode token with the gated RMSNorm as its prologue, its weights loaded
+before the PDL wait (`gated_norm_linear`, KB-0065).
 """
 
 from __future__ import annotations
