@@ -96,6 +96,9 @@
 #   gnorm  - the DeltaNet gated RMSNorm as out_proj's weight-preloading prologue (METAINFER_GNORM_MAX_T, then 4;
 #            METAINFER_GNORM_CFG "BLOCK_N,HEADS,warps"): its GPU tests, FP8 batches 1/2/4 off / default config /
 #            three others, BF16 off / on, fresh processes, ~8 min
+#   gnorm2 - NOT YET RUN: _gnorm_gemv_kernel's batched-dot (MMA) form for 2-16 tokens (METAINFER_GNORM_MAX_T 1 -> 16):
+#            its GPU tests, FP8 batches 1/2/4/8/16 (x2, alternating), MMA configs 16,8,8 / 32,16,8 at 2/4/8, BF16
+#            1/2/8, spec_bench forced K = 4 (the 5-token verify) 1 vs 16, ~9 min; if faster, the oracle with it
 #   final1 - the defaults after nrouter / gnorm: the PDL and graph-replay engine tests, the oracle (FP8, BF16),
 #            FP8 decode batches 1/8/32/64/128 and BF16 1, ~8 min
 #   prof1  - PDL-off batch-1 kernel profiles (FP8, BF16) of the defaults, ~1.5 min (at cc0eabf it also ran
@@ -505,5 +508,22 @@ if has prof1; then
   for dt in fp8 bfloat16; do
     METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype $dt --batches 1 --gen 32 --out $OUT/prof1_pdl0 \
       2>&1 | grep -E "^\|" | head -24 | sed "s/^/[$dt PDL off] /"
+  done
+fi
+
+if has gnorm2; then
+  timeout 240 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear or compiles" 2>&1 \
+    | tee $OUT/gpu_tests_gnorm2.log | tail -3
+  for run in "fp8 1 - 1,2,4,8,16" "fp8 16 - 1,2,4,8,16" "fp8 1 - 1,2,4,8,16" "fp8 16 - 1,2,4,8,16" \
+             "fp8 16 16,8,8 2,4,8" "fp8 16 32,16,8 2,4,8" "bfloat16 1 - 1,2,8" "bfloat16 16 - 1,2,8"; do
+    set -- $run
+    cfg=$3; [[ $cfg == - ]] && cfg=""
+    METAINFER_GNORM_MAX_T=$2 METAINFER_GNORM_CFG=$cfg timeout 90 python benchmarks/decode_bench.py --dtype $1 \
+      --batches $4 --gen 32 --no-profile --out $OUT/gnorm2_${1}_${2}_$(echo ${cfg:-default} | tr , _) \
+      2>&1 | grep -E "^\|" | grep -v "batch" | sed "s/^/[$1 gnorm $2 cfg ${cfg:-default}] /"
+  done
+  for m in 1 16; do
+    METAINFER_GNORM_MAX_T=$m timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --reps 2 --modes script \
+      --script-k 4 --out $OUT/gnorm2_spec_$m 2>&1 | grep -E "^\| script|lone-prefill" | sed "s/^/[gnorm $m] /"
   done
 fi

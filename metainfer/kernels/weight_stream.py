@@ -285,6 +285,18 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _gated_norm(c, z, gw, eps, D: tl.constexpr, AX: tl.constexpr, MID: tl.constexpr):
+    """`norm._gated_rms_norm_kernel`'s math and roundings on heads of D values along axis AX of c, z
+    (gw [D] broadcast on the last axis) -> the gated norm's output in c's dtype, as it would be stored."""
+    cf = c.to(tl.float32)
+    rstd = tl.expand_dims(tl.rsqrt(tl.sum(cf * cf, axis=AX) / D + eps), AX)
+    h = (cf * rstd).to(c.dtype).to(tl.float32)
+    h = (h * gw).to(MID).to(tl.float32)
+    zf = z.to(tl.float32)
+    return (h * (zf * tl.sigmoid(zf))).to(c.dtype)
+
+
+@triton.jit
 def _gnorm_gemv_kernel(
     core_ptr, z_ptr, gw_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr,
     T, N, K, stride_ct, stride_ch, stride_zt, stride_zh, stride_yt, stride_sn, eps,
@@ -295,43 +307,61 @@ def _gnorm_gemv_kernel(
     D: tl.constexpr,
     MID: tl.constexpr,  # the norm weight's product dtype (`reference.gated_rms_norm`'s promotion)
     HAS_SCALE: tl.constexpr = 1,  # FP8 weights with [N/128, K/128] block scales (D == 128: a head per block)
+    MMA: tl.constexpr = 0,  # tensor cores: every token at once (BLOCK_T >= 16, padded), a dot per head
+    UPCAST: tl.constexpr = 0,
+    DOT_F16: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     """The DeltaNet output: y = gated_rms_norm(core, z) @ W^T for a few tokens, the norm as the
-    projection's prologue. Each program loads its whole [BLOCK_N, HEADS, D] weight tile before the PDL
-    wait (weights are never written during a step: the bytes stream while the DeltaNet kernel runs),
-    then normalises and gates its HEADS heads of each token (`norm._gated_rms_norm_kernel`'s math and
-    roundings) and reduces on the CUDA cores. A grid of one wave keeps PDL's overlap (KB-0020).
-    Output as `_skinny_kernel` (`_store_tile`: the split-K fix-up)."""
+    projection's prologue. Each program loads its whole weight tile (BLOCK_N rows x HEADS heads of D)
+    before the PDL wait (weights are never written during a step: the bytes stream while the DeltaNet
+    kernel runs), then normalises and gates its heads of each token (`_gated_norm`). MMA = 0 reduces
+    one token at a time on the CUDA cores (a [BLOCK_N, HEADS, D] tile); MMA = 1 takes every token in
+    one batched dot over the heads ([HEADS, BLOCK_N, D] x [HEADS, D, BLOCK_T], exact operands as
+    `common.wdot`), each head's product times its block scale. A grid of one wave keeps PDL's overlap
+    (KB-0020). Output as `_skinny_kernel` (`_store_tile`: the split-K fix-up)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = pid_k * HEADS + tl.arange(0, HEADS)
     offs_d = tl.arange(0, D)
     cols = offs_h[:, None] * D + offs_d[None, :]  # [HEADS, D]: W's columns of head h, dim d
-    w = tl.load(weight_ptr + offs_n.to(tl.int64)[:, None, None] * K + cols[None, :, :],
-                mask=(offs_n < N)[:, None, None], other=0.0)  # [BLOCK_N, HEADS, D]
+    if MMA:
+        w = tl.load(weight_ptr + offs_n.to(tl.int64)[None, :, None] * K + cols[:, None, :],
+                    mask=(offs_n < N)[None, :, None], other=0.0)  # [HEADS, BLOCK_N, D]
+    else:
+        w = tl.load(weight_ptr + offs_n.to(tl.int64)[:, None, None] * K + cols[None, :, :],
+                    mask=(offs_n < N)[:, None, None], other=0.0)  # [BLOCK_N, HEADS, D]
     if HAS_SCALE:
         sc = tl.load(wscale_ptr + (pid_n * BLOCK_N // 128) * stride_sn + offs_h)  # [HEADS]
     pdl.wait(USE_PDL)
     gw = tl.load(gw_ptr + offs_d).to(tl.float32)
     offs_t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-    for t in tl.static_range(BLOCK_T):
-        hm = (offs_h < tl.where(t < T, K // D, 0))[:, None]  # the heads of a real token
-        hd = offs_h[:, None] * stride_ch + offs_d[None, :]
-        c = tl.load(core_ptr + t * stride_ct + hd, mask=hm, other=0.0)
-        z = tl.load(z_ptr + t * stride_zt + offs_h[:, None] * stride_zh + offs_d[None, :], mask=hm, other=0.0)
-        cf = c.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(cf * cf, axis=1) / D + eps)
-        h = (cf * rstd[:, None]).to(c.dtype).to(tl.float32)
-        h = (h * gw[None, :]).to(MID).to(tl.float32)
-        zf = z.to(tl.float32)
-        x = (h * (zf * tl.sigmoid(zf))).to(c.dtype).to(tl.float32)  # the gated norm's output as stored
-        head = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, HEADS]
+    if MMA:
+        tm = (offs_t < T)[:, None, None]
+        t3 = offs_t[:, None, None]
+        hd = offs_h[None, :, None]
+        dd = offs_d[None, None, :]
+        c = tl.load(core_ptr + t3 * stride_ct + hd * stride_ch + dd, mask=tm, other=0.0)  # [T, HEADS, D]
+        z = tl.load(z_ptr + t3 * stride_zt + hd * stride_zh + dd, mask=tm, other=0.0)
+        x = tl.permute(_gated_norm(c, z, gw, eps, D, 2, MID), (1, 2, 0))  # [HEADS, D, BLOCK_T]
+        head = wdot(w, x, UPCAST, DOT_F16)  # [HEADS, BLOCK_N, BLOCK_T]
         if HAS_SCALE:
-            head = head * sc[None, :]
-        acc = tl.where(offs_t[None, :] == t, tl.sum(head, axis=1)[:, None], acc)
+            head = head * sc[:, None, None]
+        acc = tl.sum(head, axis=0)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+        for t in tl.static_range(BLOCK_T):
+            hm = (offs_h < tl.where(t < T, K // D, 0))[:, None]  # the heads of a real token
+            c = tl.load(core_ptr + t * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :], mask=hm,
+                        other=0.0)
+            z = tl.load(z_ptr + t * stride_zt + offs_h[:, None] * stride_zh + offs_d[None, :], mask=hm,
+                        other=0.0)
+            x = _gated_norm(c, z, gw, eps, D, 1, MID).to(tl.float32)  # [HEADS, D]
+            head = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, HEADS]
+            if HAS_SCALE:
+                head = head * sc[None, :]
+            acc = tl.where(offs_t[None, :] == t, tl.sum(head, axis=1)[:, None], acc)
     _store_tile(acc, pid_n, pid_k, tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
                 stride_yt, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 0, 0, y_ptr, y_ptr, y_ptr, SPLIT_K, BLOCK_N,
                 BLOCK_T, 0, tl.float32, 0, 0, 1, 1)
@@ -608,7 +638,8 @@ def router_topk(
 
 GNORM_ENV = "METAINFER_GNORM_MAX_T"  # the most tokens gated_norm_linear takes (0: off)
 # H200 (2026-12-01c): FP8 batch 1 479 -> 509 tok/s, but batch 2 778 -> 754 and 4 1,203 -> 1,030 (the
-# per-token reductions of a [16, 32, 128] tile); BF16 batch 1 400 -> 405
+# per-token reductions of a [16, 32, 128] tile; since then 2-16 tokens take the batched-dot form, not
+# measured yet: PHASES=gnorm2 in benchmarks/gpu_pending.sh); BF16 batch 1 400 -> 405
 GNORM_DEFAULT_T = 1
 GNORM_MAX_T = 16
 GNORM_CFG_ENV = "METAINFER_GNORM_CFG"  # "BLOCK_N,HEADS,warps": the launch config (else gnorm_config's)
@@ -619,13 +650,17 @@ def gnorm_max_t() -> int:
     return env_int(GNORM_ENV, GNORM_DEFAULT_T, 0, GNORM_MAX_T)
 
 
-def gnorm_config(N: int, Hv: int, fp8: bool) -> dict:
-    """(BLOCK_N, HEADS, num_warps) of `_gnorm_gemv_kernel`: one wave of preloading programs, 64 KB of
-    weights each (FP8 [16, 32 x 128]: 128 programs for out_proj [2048, 4096]; BF16 [8, 32 x 128]);
-    METAINFER_GNORM_CFG="BLOCK_N,HEADS,warps" sets it."""
+def gnorm_config(N: int, Hv: int, fp8: bool, mma: bool = False) -> dict:
+    """(BLOCK_N, HEADS, num_warps) of `_gnorm_gemv_kernel`: one wave of preloading programs. One token
+    (CUDA cores): 64 KB of weights each (FP8 [16, 32 x 128]: 128 programs for out_proj [2048, 4096];
+    BF16 [8, 32 x 128]), measured (KB-0065). More tokens (MMA, not measured yet): [32, 8 x 128] (FP8
+    32 KB, 256 programs, split-K 4), BF16 [16, 8 x 128]. METAINFER_GNORM_CFG="BLOCK_N,HEADS,warps"
+    sets it."""
     v = os.environ.get(GNORM_CFG_ENV, "")
     if v:
         bn, heads, warps = (int(p) for p in v.split(","))
+    elif mma:
+        bn, heads, warps = (32 if fp8 else 16), 8, 8
     else:
         bn, heads, warps = (16 if fp8 else 8), Hv, 8
     return dict(BLOCK_N=bn, HEADS=min(heads, Hv), num_warps=warps)
@@ -652,19 +687,23 @@ def gated_norm_linear(
         return None
     if (fp8 and D != 128) or (not fp8 and weight.dtype != core.dtype) or not weight.is_contiguous():
         return None
-    cfg = gnorm_config(N, Hv, fp8)
+    mma = T > 1
+    cfg = gnorm_config(N, Hv, fp8, mma)
     if Hv % cfg["HEADS"] or cfg["HEADS"] & (cfg["HEADS"] - 1) or 128 % cfg["BLOCK_N"]:
         return None
+    if mma and (cfg["BLOCK_N"] < 16 or D < 16):
+        return None  # the MMA's smallest M and K
     s = scale_inv if fp8 else weight
     mid = TL_DTYPE[torch.promote_types(norm_weight.dtype, core.dtype)]
     y = torch.empty(T, N, dtype=core.dtype, device=core.device)
     tiles, split = triton.cdiv(N, cfg["BLOCK_N"]), Hv // cfg["HEADS"]
-    bt = triton.next_power_of_2(T)
+    bt = max(16, triton.next_power_of_2(T)) if mma else 1
     part = torch.empty(split * tiles * cfg["BLOCK_N"] * bt if split > 1 else 1, dtype=torch.float32,
                        device=core.device)
     _gnorm_gemv_kernel[(tiles, split)](
         core, z, norm_weight, weight, s, y, part, _locks(core.device, tiles), T, N, K, core.stride(0),
         core.stride(1), z.stride(0), z.stride(1), y.stride(0), s.stride(0), eps, SPLIT_K=split, BLOCK_T=bt,
-        D=D, MID=mid, HAS_SCALE=int(fp8), **cfg, **pdl.kw(),
+        D=D, MID=mid, HAS_SCALE=int(fp8), MMA=int(mma), UPCAST=int(upcast_dots(core)), DOT_F16=int(fp8),
+        **cfg, **pdl.kw(),
     )
     return y

@@ -406,11 +406,12 @@ _COMPILE = textwrap.dedent(
               cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
               ids_ptr="*i64"), dict(SPLIT_K=split, BLOCK_N=16, BLOCK_T=1, BLOCK_K=256, STAGES=3, UPCAST=0,
               HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 4)
-    for fp8, bn, heads, w in ((1, 16, 32, 8), (1, 16, 16, 8), (0, 8, 32, 8)):  # gated norm + out_proj
+    for fp8, bn, heads, bt, w in ((1, 16, 32, 1, 8), (1, 16, 16, 1, 8), (0, 8, 32, 1, 8), (1, 32, 8, 16, 8),
+                                  (0, 16, 8, 16, 8)):  # gated norm + out_proj; BLOCK_T 16: the MMA form
         build(ws._gnorm_gemv_kernel, dict(core_ptr=bf, z_ptr=bf, gw_ptr=f32, weight_ptr=f8 if fp8 else bf,
               wscale_ptr=f32 if fp8 else bf, y_ptr=bf, part_ptr=f32, lock_ptr="*i32", eps="fp32"),
-              dict(SPLIT_K=32 // heads, BLOCK_N=bn, BLOCK_T=1, HEADS=heads, D=128, MID=tl.float32,
-                   HAS_SCALE=fp8), w)
+              dict(SPLIT_K=32 // heads, BLOCK_N=bn, BLOCK_T=bt, HEADS=heads, D=128, MID=tl.float32,
+                   HAS_SCALE=fp8, MMA=int(bt > 1), DOT_F16=fp8), w)
     gv = dict(x_ptr=bf, weight_ptr=f8, wscale_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32", cstate_ptr=bf,
               cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32, ids_ptr="*i64")
     for bn, bt, ks, split, ck, w, pre in ((8, 1, 2048, 1, 4, 8, 1), (8, 1, 4096, 1, 0, 4, 0),

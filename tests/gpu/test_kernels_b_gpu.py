@@ -451,13 +451,14 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 8, 16])
 @pytest.mark.parametrize("cfg", ["", "16,16,8", "32,32,8"])
 def test_gated_norm_linear_full_shape(T, fp8, cfg, monkeypatch):
-    """The DeltaNet gated RMSNorm (32 heads x 128) as out_proj's (4096 -> 2048) prologue, one launch,
-    default and two other configs (split-K over heads, wider rows), against gated_rms_norm then
-    the projection (fp8_linear's weight stream / the BF16 linear): rel RMSE < 1e-2 (both are fp32
-    sums of the same rounded operands in other orders); deterministic."""
+    """The DeltaNet gated RMSNorm (32 heads x 128) as out_proj's (4096 -> 2048) prologue, one launch
+    (one token on the CUDA cores, 2-16 on the batched-dot form), default and two other configs
+    (split-K over heads, wider rows), against gated_rms_norm then the projection (fp8_linear's weight
+    stream / the BF16 linear): rel RMSE < 1e-2 (both are fp32 sums of the same rounded operands in
+    other orders); deterministic."""
     from metainfer.kernels import norm, ops
     from metainfer.kernels import weight_stream as ws
 

@@ -436,13 +436,15 @@ def test_gemv_kernel(T, block_n, ks, preload, fp8, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("T,Hv,D,N,cfg", [(1, 4, 128, 64, "16,4,4"), (3, 4, 128, 40, "8,2,4"),
-                                          (5, 4, 128, 24, "8,1,4"), (2, 6, 32, 24, "8,2,4")])
+@pytest.mark.parametrize("T,Hv,D,N,cfg", [(1, 4, 128, 64, "16,4,4"), (1, 4, 128, 40, "8,2,4"),
+                                          (3, 4, 128, 40, "16,2,4"), (5, 4, 128, 24, "16,1,4"),
+                                          (2, 6, 32, 24, "16,2,4")])
 def test_gated_norm_linear(T, Hv, D, N, cfg, fp8, dtype, monkeypatch):
-    """`_gnorm_gemv_kernel`: the DeltaNet gated RMSNorm as out_proj's prologue. Whole-K programs and
-    2-4 way split-K over heads (the fix-up), N not a multiple of BLOCK_N's tiles x 128, FP8 block
-    scales (D = 128) or unquantised weights, strided z rows, against gated_rms_norm then F.linear;
-    None past the token bound or for heads per program not a power of two."""
+    """`_gnorm_gemv_kernel`: the DeltaNet gated RMSNorm as out_proj's prologue. One token on the CUDA
+    cores, 2-5 on the batched-dot (MMA) form; whole-K programs and 2-4 way split-K over heads (the
+    fix-up), N not a multiple of the row tiles, FP8 block scales (D = 128) or unquantised weights,
+    strided z rows, against gated_rms_norm then F.linear; None past the token bound, for heads per
+    program not a power of two, or (MMA) for fewer than 16 rows per program."""
     if fp8 and D != 128:
         pytest.skip("FP8: a head is one 128-column scale block")
     from metainfer.kernels import reference as ref
@@ -464,8 +466,11 @@ def test_gated_norm_linear(T, Hv, D, N, cfg, fp8, dtype, monkeypatch):
     monkeypatch.setenv(ws.GNORM_ENV, str(T - 1))
     assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
     monkeypatch.setenv(ws.GNORM_ENV, "8")
-    monkeypatch.setenv(ws.GNORM_CFG_ENV, "8,3,4")
+    monkeypatch.setenv(ws.GNORM_CFG_ENV, "16,3,4")
     assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
+    if T > 1:
+        monkeypatch.setenv(ws.GNORM_CFG_ENV, "8,2,4")
+        assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
 
 
 @pytest.mark.parametrize("T,ks", [(1, 512), (3, 128)])
