@@ -304,15 +304,18 @@ def add_rms_norm_router(
     """x, residual [T, N], router_weight [E, N] (x's dtype) -> (rms_norm(x + residual), x + residual,
     logits [T, E] in x's dtype = the first @ router_weight^T), in one launch of
     cdiv(E, ROUTER_BLOCK_E) programs; None (the caller runs `add_rms_norm` and the router) for more
-    rows than METAINFER_NORM_ROUTER_MAX_T (default ROUTER_DEFAULT_T; a decode step's few tokens)."""
-    if not 0 < x.shape[0] <= router_max_t():
+    rows than METAINFER_NORM_ROUTER_MAX_T (default ROUTER_DEFAULT_T; a decode step's few tokens) or
+    operands it does not take (a router in another dtype, strided rows)."""
+    if not 0 < x.shape[0] <= router_max_t() or x.dim() != 2 or x.dtype not in _TL_DTYPE:
         return None
-    assert x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1, "x, residual: [T, N], N contiguous"
+    if x.stride(1) != 1 or residual.stride(-1) != 1 or router_weight.dtype != x.dtype:
+        return None
+    if not router_weight.is_contiguous() or router_weight.shape[1] != x.shape[1]:
+        return None
     assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
     T, N = x.shape
     E = router_weight.shape[0]
-    assert weight.shape == (N,) and weight.is_contiguous() and x.dtype in _TL_DTYPE
-    assert router_weight.shape == (E, N) and router_weight.is_contiguous() and router_weight.dtype == x.dtype
+    assert weight.shape == (N,) and weight.is_contiguous(), weight.shape
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     new_res = torch.empty(T, N, dtype=x.dtype, device=x.device)
     logits = torch.empty(T, E, dtype=x.dtype, device=x.device)

@@ -81,6 +81,7 @@ def test_add_rms_norm_router(T, N, E, dtype, monkeypatch):
     _close(new_r, want_r, dtype)
     _close(out, want_out, dtype)
     _close(logits, torch.nn.functional.linear(want_out, rw), dtype)
+    assert norm.add_rms_norm_router(x, r, w, 1e-6, rw.double()) is None  # a router in another dtype
     monkeypatch.setenv(norm.ROUTER_T_ENV, str(T - 1))
     assert norm.add_rms_norm_router(x, r, w, 1e-6, rw) is None
 
