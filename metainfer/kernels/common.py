@@ -62,6 +62,19 @@ def load_tuned(committed: str, env: str) -> dict[str, dict]:
     return _TUNED[committed]
 
 
+@triton.jit
+def gated_norm(c, z, gw, eps, D, AX: tl.constexpr, MID: tl.constexpr):
+    """The DeltaNet gated RMSNorm (`reference.gated_rms_norm`'s math and roundings) of heads of D values
+    along axis AX of c, z (gw [D] broadcast on the last axis) -> its output in c's dtype, as stored:
+    `norm._gated_rms_norm_kernel` and the out_proj prologue of `weight_stream._gnorm_gemv_kernel`."""
+    cf = c.to(tl.float32)
+    rstd = tl.expand_dims(tl.rsqrt(tl.sum(cf * cf, axis=AX) / D + eps), AX)
+    h = (cf * rstd).to(c.dtype).to(tl.float32)
+    h = (h * gw).to(MID).to(tl.float32)
+    zf = z.to(tl.float32)
+    return (h * (zf * tl.sigmoid(zf))).to(c.dtype)
+
+
 # ---- dot helpers (inlined into kernels) ---------------------------------------------------------
 @triton.jit
 def mma(a, b, UPCAST: tl.constexpr):

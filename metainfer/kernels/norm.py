@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
-from metainfer.kernels.common import env_int
+from metainfer.kernels.common import env_int, gated_norm
 from metainfer.kernels.fp8_linear import BLOCK as QBLOCK
 from metainfer.kernels.fp8_linear import quant_groups
 
@@ -203,14 +203,8 @@ def _gated_rms_norm_kernel(
     r2 = (rows % R2).to(tl.int64)
     x = tl.load(x_ptr + (r1 * sx0 + r2 * sx1)[:, None] + cols[None, :], mask=mask, other=0.0)
     z = tl.load(z_ptr + (r1 * sz0 + r2 * sz1)[:, None] + cols[None, :], mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
-    # casting order of reference.gated_rms_norm: normed -> x dtype; w * normed -> promoted dtype
-    h = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    h = (h * w[None, :]).to(MID).to(tl.float32)
-    zf = z.to(tl.float32)
-    y = (h * (zf * tl.sigmoid(zf))).to(out_ptr.dtype.element_ty)
+    y = gated_norm(x, z, w, eps, N, 1, MID)  # out is in x's dtype
     ooff = rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out_ptr + ooff, y, mask=mask)
     if QUANT:  # scale of (row r1, column group r2 * N / 128 + g) at [r2 * N / 128 + g, r1]

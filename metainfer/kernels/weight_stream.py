@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl, routing
-from metainfer.kernels.common import TL_DTYPE, env_int, load_tuned, num_sms, upcast_dots, wdot
+from metainfer.kernels.common import TL_DTYPE, env_int, gated_norm, load_tuned, num_sms, upcast_dots, wdot
 
 SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_linear's GEMM)
 FP8_STREAM_MAX_T_ENV = "METAINFER_FP8_STREAM_MAX_T"  # FP8 projections of more tokens: the W8A8 GEMM
@@ -285,18 +285,6 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _gated_norm(c, z, gw, eps, D: tl.constexpr, AX: tl.constexpr, MID: tl.constexpr):
-    """`norm._gated_rms_norm_kernel`'s math and roundings on heads of D values along axis AX of c, z
-    (gw [D] broadcast on the last axis) -> the gated norm's output in c's dtype, as it would be stored."""
-    cf = c.to(tl.float32)
-    rstd = tl.expand_dims(tl.rsqrt(tl.sum(cf * cf, axis=AX) / D + eps), AX)
-    h = (cf * rstd).to(c.dtype).to(tl.float32)
-    h = (h * gw).to(MID).to(tl.float32)
-    zf = z.to(tl.float32)
-    return (h * (zf * tl.sigmoid(zf))).to(c.dtype)
-
-
-@triton.jit
 def _gnorm_gemv_kernel(
     core_ptr, z_ptr, gw_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr,
     T, N, K, stride_ct, stride_ch, stride_zt, stride_zh, stride_yt, stride_sn, eps,
@@ -315,7 +303,7 @@ def _gnorm_gemv_kernel(
     """The DeltaNet output: y = gated_rms_norm(core, z) @ W^T for a few tokens, the norm as the
     projection's prologue. Each program loads its whole weight tile (BLOCK_N rows x HEADS heads of D)
     before the PDL wait (weights are never written during a step: the bytes stream while the DeltaNet
-    kernel runs), then normalises and gates its heads of each token (`_gated_norm`). MMA = 0 reduces
+    kernel runs), then normalises and gates its heads of each token (`common.gated_norm`). MMA = 0 reduces
     one token at a time on the CUDA cores (a [BLOCK_N, HEADS, D] tile); MMA = 1 takes every token in
     one batched dot over the heads ([HEADS, BLOCK_N, D] x [HEADS, D, BLOCK_T], exact operands as
     `common.wdot`), each head's product times its block scale. A grid of one wave keeps PDL's overlap
@@ -344,7 +332,7 @@ def _gnorm_gemv_kernel(
         dd = offs_d[None, None, :]
         c = tl.load(core_ptr + t3 * stride_ct + hd * stride_ch + dd, mask=tm, other=0.0)  # [T, HEADS, D]
         z = tl.load(z_ptr + t3 * stride_zt + hd * stride_zh + dd, mask=tm, other=0.0)
-        x = tl.permute(_gated_norm(c, z, gw, eps, D, 2, MID), (1, 2, 0))  # [HEADS, D, BLOCK_T]
+        x = tl.permute(gated_norm(c, z, gw, eps, D, 2, MID), (1, 2, 0))  # [HEADS, D, BLOCK_T]
         head = wdot(w, x, UPCAST, DOT_F16)  # [HEADS, BLOCK_N, BLOCK_T]
         if HAS_SCALE:
             head = head * sc[:, None, None]
@@ -357,7 +345,7 @@ def _gnorm_gemv_kernel(
                         other=0.0)
             z = tl.load(z_ptr + t * stride_zt + offs_h[:, None] * stride_zh + offs_d[None, :], mask=hm,
                         other=0.0)
-            x = _gated_norm(c, z, gw, eps, D, 1, MID).to(tl.float32)  # [HEADS, D]
+            x = gated_norm(c, z, gw, eps, D, 1, MID).to(tl.float32)  # [HEADS, D]
             head = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, HEADS]
             if HAS_SCALE:
                 head = head * sc[None, :]
