@@ -104,6 +104,9 @@
 #   prof1  - PDL-off batch-1 kernel profiles (FP8, BF16) of the defaults, ~1.5 min (at cc0eabf it also ran
 #            moe_add_rms_norm on 4 / 8 / 16 warps: FP8 batch 1 512 / 512 / 509, batch 8 1,793 / 1,788 / 1,783; the
 #            switch was removed)
+#   head   - KB-0026's judgement: the FP8 lm_head's tiles swept at T = 1, 8 (skinny, then the preloading GEMV against
+#            the skinny winner), FP8 decode batches 1 / 8 / 32 with the BF16 head, the FP8 head on the swept table and
+#            on heuristic tiles (bf16, swept, heur, bf16, swept), then the oracle (FP8) with the swept FP8 head, ~9 min
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -511,6 +514,30 @@ if has prof1; then
   done
 fi
 
+if has head; then
+  HD=$OUT/sweep_head
+  timeout 200 python benchmarks/sweep_decode_kernels.py --space base --linears lm_head --moe= --tokens 1,8 \
+    --out $HD/base 2>&1 | grep -v "falling back\|skip" | tail -3 | sed "s/^/[lm_head base] /"
+  METAINFER_FP8_TUNED=$HD/base/fp8_skinny_tuned.json timeout 200 python benchmarks/sweep_decode_kernels.py \
+    --space gemv --linears lm_head --moe= --tokens 1,8 --out $HD/gemv 2>&1 | grep -v "falling back\|skip" | tail -3 \
+    | sed "s/^/[lm_head gemv] /"
+  python - $HD <<'PY'
+import json, sys
+d = sys.argv[1]
+base, gemv = (json.load(open(f"{d}/{s}/fp8_skinny_tuned.json")) for s in ("base", "gemv"))
+json.dump(dict(base, configs={**base["configs"], **gemv["configs"]}), open(f"{d}/head_tuned.json", "w"), indent=1)
+print("[lm_head table]", sorted({**base["configs"], **gemv["configs"]}))
+PY
+  for mode in bf16 swept heur bf16 swept; do
+      sw=(); [[ $mode != bf16 ]] && sw=(METAINFER_FP8_LM_HEAD=1)
+      [[ $mode == swept ]] && sw+=(METAINFER_FP8_TUNED=$HD/head_tuned.json)
+      env "${sw[@]}" timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,32 --gen 32 --no-profile \
+        --out $OUT/head_${mode}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[head $mode] /"
+  done
+  METAINFER_FP8_LM_HEAD=1 METAINFER_FP8_TUNED=$HD/head_tuned.json timeout 200 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+    --json $OUT/verify_fp8_head.json 2>&1 | grep -E "verdict|decode" | tail -3 | sed "s/^/[fp8 head swept] /"
+fi
 if has gnorm2; then
   timeout 240 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear or compiles" 2>&1 \
     | tee $OUT/gpu_tests_gnorm2.log | tail -3
