@@ -111,9 +111,6 @@
 #            the next layer's input RMSNorm is its in_proj / qkv prologue; one launch fewer per layer): GPU tests (the
 #            fold on/off, the speculative/MTP engine tests not rerun since KB-0064/65, routed-rows kernels), FP8
 #            batches 1/2/4/8 with the bound 0 / 1 / 8 (x2, alternating), the oracle (FP8) with 8, ~9 min
-#   fold2  - the fold after its first measurement (results/2026-12-01d: batch 1 509 -> 382; the prologue's norm-weight load
-#            was not pipelined, +7.4 us per projection): the engine fold test, FP8 batches 1/2/4 with the bound 0 / 1 (x2,
-#            alternating), a PDL-off batch-1 profile with 1, the oracle (FP8) with 1, ~6 min
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -556,18 +553,6 @@ if has fold; then
   METAINFER_RES_FOLD_MAX_T=8 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_fold8.json 2>&1 | grep -E "verdict|decode" | tail -3 \
     | sed "s/^/[fp8 fold 8] /"
-fi
-if has fold2; then
-  timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "residual_fold" 2>&1 | tail -1
-  for run in 0 1 0 1; do
-    METAINFER_RES_FOLD_MAX_T=$run timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,2,4 \
-      --gen 32 --no-profile --out $OUT/fold2_${run}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[fold $run] /"
-  done
-  METAINFER_RES_FOLD_MAX_T=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
-    --out $OUT/fold2_prof 2>&1 | grep -E "^\|" | grep -v batch | head -3 | sed "s/^/[fold 1 PDL off] /"
-  METAINFER_RES_FOLD_MAX_T=1 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
-    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_fold1.json 2>&1 | grep -E "verdict" | head -1 \
-    | sed "s/^/[fp8 fold 1] /"
 fi
 if has gnorm2; then
   timeout 240 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear or compiles" 2>&1 \

@@ -152,9 +152,8 @@ def _norm_rows(x_ptr, stride_xt, K, eps, ROWS: tl.constexpr, BLOCK_T: tl.constex
 def _normed(xt, rstd, nw_ptr, offs_k, k_mask):
     """A [BK, BLOCK_T] activation tile (column t: token t's columns offs_k) normalised as
     `norm._store_residual_and_norm` writes it: x * rstd[t] * (1 + w), rounded to x's dtype."""
-    cols = offs_k[:, None] + tl.zeros_like(xt).to(tl.int32)  # w broadcast over the tile's tokens
-    w = tl.load(nw_ptr + cols, mask=k_mask[:, None], other=0.0).to(tl.float32)
-    return (xt.to(tl.float32) * rstd[None, :] * (1.0 + w)).to(xt.dtype)
+    w = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    return (xt.to(tl.float32) * rstd[None, :] * (1.0 + w)[:, None]).to(xt.dtype)
 
 
 @triton.jit
