@@ -107,10 +107,6 @@
 #   head   - KB-0026's judgement: the FP8 lm_head's tiles swept at T = 1, 8 (skinny, then the preloading GEMV against
 #            the skinny winner), FP8 decode batches 1 / 8 / 32 with the BF16 head, the FP8 head on the swept table and
 #            on heuristic tiles (bf16, swept, heur, bf16, swept), then the oracle (FP8) with the swept FP8 head, ~9 min
-#   fold   - the residual fold (METAINFER_RES_FOLD_MAX_T: the MoE down kernel adds the experts' sum to the residual,
-#            the next layer's input RMSNorm is its in_proj / qkv prologue; one launch fewer per layer): GPU tests (the
-#            fold on/off, the speculative/MTP engine tests not rerun since KB-0064/65, routed-rows kernels), FP8
-#            batches 1/2/4/8 with the bound 0 / 1 / 8 (x2, alternating), the oracle (FP8) with 8, ~9 min
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -541,18 +537,6 @@ PY
   METAINFER_FP8_LM_HEAD=1 METAINFER_FP8_TUNED=$HD/head_tuned.json timeout 200 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_head.json 2>&1 | grep -E "verdict|decode" | tail -3 | sed "s/^/[fp8 head swept] /"
-fi
-if has fold; then
-  timeout 260 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider \
-    -k "residual_fold or mtp or speculative" 2>&1 | tee $OUT/gpu_tests_fold.log | tail -3
-  timeout 100 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -p no:cacheprovider -k "routed" 2>&1 | tail -2
-  for run in 0 1 8 0 1 8; do
-    METAINFER_RES_FOLD_MAX_T=$run timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,2,4,8 \
-      --gen 32 --no-profile --out $OUT/fold_${run}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[fold $run] /"
-  done
-  METAINFER_RES_FOLD_MAX_T=8 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
-    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_fold8.json 2>&1 | grep -E "verdict|decode" | tail -3 \
-    | sed "s/^/[fp8 fold 8] /"
 fi
 if has gnorm2; then
   timeout 240 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear or compiles" 2>&1 \

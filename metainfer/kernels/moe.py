@@ -31,7 +31,6 @@ import triton.language as tl
 
 from metainfer.kernels import moe_grouped, pdl, routing
 from metainfer.kernels.common import env_int, load_tuned, upcast_dots, wdot
-from metainfer.kernels.weight_stream import counters
 
 PAIR_MAX_T = 8
 DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
@@ -200,9 +199,8 @@ def _pair_down_rows_kernel(
 @triton.jit
 def _routed_down_kernel(
     act_ptr, w_ptr, s_ptr, logits_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn, stride_lt,
-    tw_ptr, res_ptr, new_res_ptr, cnt_ptr, stride_rt,
     SLOTS: tl.constexpr, ROUTE_K: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
-    I_P2: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, SUM: tl.constexpr = 0,
+    I_P2: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     """`_pair_down_rows_kernel` for the routed rows path (after `_pair_gate_up_kernel` with
@@ -213,13 +211,7 @@ def _routed_down_kernel(
     reads the pair's activation and reduces on the CUDA cores. y[pair, h-block] fp32.
 
     ROUTE_K = 0: logits_ptr holds the pairs' expert ids [T * SLOTS] int64 instead, written by the
-    route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`).
-
-    SUM: the last of a token's SLOTS programs to finish an H-block (int counter, acq_rel, as
-    `weight_stream._store_tile`'s split-K fix-up) also writes that block of the new residual:
-    new_res = round(sum_j tw[t, j] * y[t, j]) + res[t], in fp32 and slot order, each step rounded as
-    `norm._moe_add_rms_norm_kernel` rounds it (its RMSNorm is left to the next projection's prologue,
-    `weight_stream._skinny_kernel` NORM); then it resets the counter."""
+    route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`)."""
     pair = tl.program_id(0)
     t = pair // SLOTS
     if ROUTE_K:
@@ -240,19 +232,6 @@ def _routed_down_kernel(
     if FP8:
         a = a * sc
     tl.store(y_ptr + pair * H + offs_h, tl.sum(w.to(tl.float32) * a[None, :], axis=1), mask=h_mask)
-    if SUM:
-        tl.debug_barrier()  # every thread's share of the row is stored before the release below
-        cnt = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SLOTS - 1:
-            x = tl.zeros((BLOCK_H,), tl.float32)
-            for j in tl.static_range(SLOTS):
-                yj = tl.load(y_ptr + (t * SLOTS + j) * H + offs_h, mask=h_mask, other=0.0,
-                             cache_modifier=".cg")  # (L2: the other programs' rows)
-                x += tl.load(tw_ptr + t * SLOTS + j) * yj
-            res = tl.load(res_ptr + t * stride_rt + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-            r = (x.to(new_res_ptr.dtype.element_ty).to(tl.float32) + res).to(new_res_ptr.dtype.element_ty)
-            tl.store(new_res_ptr + t * H + offs_h, r, mask=h_mask)
-            tl.atomic_xchg(cnt, 0)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -324,47 +303,23 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor)
     return y
 
 
-def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, num_warps: int,
-                 tw: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, num_warps: int) -> torch.Tensor:
     """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits (or,
     top_k = 0, read from the ids [T, slots] passed as logits), weights loaded before the PDL wait
-    -> (y [T*W, H] fp32, None). num_warps: the gate/up kernel's, so the routing's reductions run in
-    the same order and pick the same experts even at a near-tie. residual [T, H] (with tw [T, W]
-    fp32): the kernel's SUM epilogue also gives the new residual -> (y, residual + the rounded
-    weighted sum of y's rows, in residual's dtype)."""
+    -> y [T*W, H] fp32. num_warps: the gate/up kernel's, so the routing's reductions run in the
+    same order and pick the same experts even at a near-tie."""
     H, I = w_down.shape[1], w_down.shape[2]
     P = act.shape[0]
     E = logits.shape[1] - (slots - top_k) if top_k else 1
     y = torch.empty(P, H, dtype=torch.float32, device=act.device)
     block_h = DOWN_PRELOAD_BLOCK_H
-    n_hb = triton.cdiv(H, block_h)
-    new_res, sargs = None, (y, y, y, y, 0)  # unused pointers without the sum
-    if residual is not None:
-        T = P // slots
-        assert tw is not None and tw.shape == (T, slots) and tw.is_contiguous() and tw.dtype == torch.float32
-        assert residual.shape == (T, H) and residual.stride(1) == 1, (residual.shape, residual.stride())
-        new_res = torch.empty(T, H, dtype=residual.dtype, device=act.device)
-        sargs = (tw, residual, new_res, counters(act.device, T * n_hb), residual.stride(0))
-    _routed_down_kernel[(P, n_hb)](
-        act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0), *sargs,
+    _routed_down_kernel[(P, triton.cdiv(H, block_h))](
+        act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
-        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)),
-        SUM=int(residual is not None), num_warps=num_warps, **pdl.kw(),
+        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)), num_warps=num_warps,
+        **pdl.kw(),
     )
-    return y, new_res
-
-
-FOLD_ENV = "METAINFER_RES_FOLD_MAX_T"  # the most tokens whose down kernel writes the summed residual (0: off)
-FOLD_DEFAULT_T = 1
-FOLD_MAX_T = PAIR_MAX_T
-
-
-def fold_max_t() -> int:
-    """The most tokens of a decode step whose MoE down kernel (`_routed_down_kernel` SUM) adds the
-    experts' weighted sum to the residual itself, leaving the next layer's input RMSNorm to its
-    projection's prologue (`weight_stream.norm_linear`): one launch fewer per layer (0: never)."""
-    return env_int(FOLD_ENV, FOLD_DEFAULT_T, 0, FOLD_MAX_T)
+    return y
 
 
 def _pair_path(x, w_gate_up, w_down, tw, ids, gu, dn, fp8: bool, out, cfg: dict) -> None:
@@ -460,28 +415,6 @@ def moe_routed_rows(
     -> (rows [T, W, H] fp32, weights [T, W] fp32), W = top_k + shared, slot order as
     `reference.route_with_shared` (or `reference.route`): sum_j weights[:, j] * rows[:, j] is the
     `moe_experts` output before its rounding to x's dtype."""
-    rows, tw, _ = _routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale,
-                               config)
-    return rows, tw
-
-
-def moe_routed_sum(
-    x: torch.Tensor, router_logits: torch.Tensor, top_k: int, shared: bool, w_gate_up: torch.Tensor,
-    w_down: torch.Tensor, gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None,
-    residual: torch.Tensor,  # [T, H] the residual stream before this block's output
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`moe_routed_rows` whose down kernel also adds the weighted sum to the residual (the SUM
-    epilogue of `_routed_down_kernel`) -> (rows, weights, new residual [T, H] in residual's dtype:
-    `norm.moe_add_rms_norm`'s second output, bit for bit); None past `fold_max_t()` tokens or where
-    the down projection is not `_routed_down_kernel` (then `moe_routed_rows`)."""
-    if not 0 < x.shape[0] <= fold_max_t() or os.environ.get(DOWN_PRELOAD_ENV, "1") == "0":
-        return None
-    return _routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale,
-                        None, residual)
-
-
-def _routed_rows(x, router_logits, top_k: int, shared: bool, w_gate_up, w_down, gate_up_scale, down_scale,
-                 config: dict | None, residual: torch.Tensor | None = None):
     T, H = x.shape
     E_w = w_gate_up.shape[0]
     fp8 = w_gate_up.dtype == torch.float8_e4m3fn
@@ -497,13 +430,11 @@ def _routed_rows(x, router_logits, top_k: int, shared: bool, w_gate_up, w_down, 
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg,
                         route=(router_logits, top_k, tw))
     dn = _scale_args(down_scale, w_down)
-    new_res = None
     if os.environ.get(DOWN_PRELOAD_ENV, "1") != "0":
-        y, new_res = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8, cfg["num_warps"], tw,
-                                  residual)
+        y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8, cfg["num_warps"])
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
-    return y.view(T, W, H), tw, new_res
+    return y.view(T, W, H), tw
 
 
 def moe_pair_rows(
@@ -528,7 +459,7 @@ def moe_pair_rows(
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg)
     dn = _scale_args(down_scale, w_down)
     if down_from_ids(fp8):  # KB-0059: the weights loaded before the PDL wait
-        y, _ = _routed_down(act, w_down, dn, ids, 0, W, fp8, cfg["num_warps"])
+        y = _routed_down(act, w_down, dn, ids, 0, W, fp8, cfg["num_warps"])
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H)

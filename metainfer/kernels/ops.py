@@ -163,20 +163,6 @@ def add_rms_norm_router(x, residual, weight, eps, router_weight):
     return k(x, residual, weight, eps, router_weight) if k and residual is not None else None
 
 
-def moe_routed_sum(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale, residual):
-    """`moe_routed_rows` whose down kernel also adds the experts' weighted sum to the residual:
-    -> (rows, weights, new residual [T, H]: `moe_add_rms_norm(rows, weights, residual, ...)[1]`), or
-    None where no kernel does it (CPU, more tokens than `moe.fold_max_t()`, FP8 experts only)."""
-    k = _kernel("moe_routed_sum", x)
-    if not k:
-        return None
-    from metainfer.kernels.moe import routed_rows_ok
-
-    if not routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn):
-        return None
-    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale, residual)
-
-
 def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=None):
     """`add_rms_norm(moe_combine(rows, weights), residual)`: the MoE's weighted sum, the residual
     add and the next RMSNorm in one pass. -> (normed, new residual). xq_out: as `add_rms_norm`."""
@@ -204,23 +190,12 @@ def gated_norm_linear(core, z, norm_weight, eps, weight, scale_inv):
     return k(core, z, norm_weight, eps, weight, scale_inv) if k else None
 
 
-def norm_linear(x, norm_weight, eps, weight, scale_inv):
-    """`rms_norm(x, norm_weight, eps) @ weight^T` (weight e4m3 with its scale_inv, or unquantised) in
-    one launch, the norm as the projection's prologue -> [T, N]; None where no kernel does it (CPU,
-    shapes or token counts the weight-streaming kernel does not serve): then the two ops."""
-    k = _kernel("norm_linear", x)
-    return k(x, norm_weight, eps, weight, scale_inv) if k else None
-
-
-def linear_conv_update(x, weight, scale_inv, conv_weight, conv_state, slots, has_state, norm=None):
+def linear_conv_update(x, weight, scale_inv, conv_weight, conv_state, slots, has_state):
     """The DeltaNet in_proj y = x W^T with the decode conv applied to the first C = conv channels
-    of the first len(slots) rows: y[:B, :C] = causal_conv1d_update(y[:B, :C], ...). -> [T, N].
-    norm = (weight, eps): x is first `rms_norm(x, weight, eps)` (the kernel's prologue where it can)."""
+    of the first len(slots) rows: y[:B, :C] = causal_conv1d_update(y[:B, :C], ...). -> [T, N]."""
     k = _kernel("linear_conv_update", x)
     if k:
-        return k(x, weight, scale_inv, conv_weight, conv_state, slots, has_state, norm=norm)
-    if norm is not None:
-        x = rms_norm(x, *norm)
+        return k(x, weight, scale_inv, conv_weight, conv_state, slots, has_state)
     y = linear(x, weight) if scale_inv is None else fp8_linear(x, weight, scale_inv)
     B, C = slots.shape[0], conv_weight.shape[0]
     if B:

@@ -24,7 +24,6 @@ KERNELS: dict[str, tuple[str, str]] = {
     "route": ("metainfer.kernels.routing", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
-    "moe_routed_sum": ("metainfer.kernels.moe", "moe_routed_sum"),
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
     "add_rms_norm_router": ("metainfer.kernels.norm", "add_rms_norm_router"),
     "moe_pair_rows": ("metainfer.kernels.moe", "moe_pair_rows"),
@@ -33,7 +32,6 @@ KERNELS: dict[str, tuple[str, str]] = {
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.weight_stream", "dense_linear"),
     "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
-    "norm_linear": ("metainfer.kernels.weight_stream", "norm_linear"),
     "gated_norm_linear": ("metainfer.kernels.weight_stream", "gated_norm_linear"),
 }
 

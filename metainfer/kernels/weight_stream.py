@@ -137,26 +137,6 @@ def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, loc
 
 
 @triton.jit
-def _norm_rows(x_ptr, stride_xt, K, eps, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, K_P2: tl.constexpr):
-    """rstd [BLOCK_T] fp32 of x's first ROWS rows (K columns each): 1 / sqrt(mean(x^2) + eps)."""
-    offs_t = tl.arange(0, BLOCK_T)
-    kk = tl.arange(0, K_P2)
-    rstd = tl.zeros((BLOCK_T,), tl.float32)
-    for t in tl.static_range(ROWS):
-        xr = tl.load(x_ptr + t * stride_xt + kk, mask=kk < K, other=0.0).to(tl.float32)
-        rstd = tl.where(offs_t == t, tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps), rstd)
-    return rstd
-
-
-@triton.jit
-def _normed(xt, rstd, nw_ptr, offs_k, k_mask):
-    """A [BK, BLOCK_T] activation tile (column t: token t's columns offs_k) normalised as
-    `norm._store_residual_and_norm` writes it: x * rstd[t] * (1 + w), rounded to x's dtype."""
-    w = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    return (xt.to(tl.float32) * rstd[None, :] * (1.0 + w)[:, None]).to(xt.dtype)
-
-
-@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -182,8 +162,6 @@ def _skinny_kernel(
     rlock_ptr,
     tw_ptr,
     ids_ptr,
-    nw_ptr,
-    eps,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -191,8 +169,6 @@ def _skinny_kernel(
     STAGES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_F16: tl.constexpr = 0,
-    NORM: tl.constexpr = 0,  # > 0: x holds NORM residual rows; each program RMS-normalises them (nw, eps)
-    NK_P2: tl.constexpr = 1,  # NORM: K's next power of two
     HAS_SCALE: tl.constexpr = 1,  # 0: unquantised (BF16) weights, s_ptr unused
     CONV_K: tl.constexpr = 0,  # > 0: the DeltaNet decode conv (this kernel size) as the epilogue
     Y_DT: tl.constexpr = tl.float32,  # CONV_K: the conv weight's dtype (the conv output's rounding)
@@ -203,10 +179,7 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr = 0,
 ):
     """CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split).
-    TOPK: `_route_epilogue` after the tile is stored (the router projection routes its tokens).
-    NORM: the RMSNorm of x (x / rms(x) * (1 + nw), rounded to x's dtype, as `norm.rms_norm`) as the
-    prologue: each program reduces the T = NORM rows for their rstd, then scales each K step's
-    activations (`_norm_rows`, `_normed`); the norm launch before the projection is saved."""
+    TOPK: `_route_epilogue` after the tile is stored (the router projection routes its tokens)."""
     pdl.wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -214,8 +187,6 @@ def _skinny_kernel(
     offs_t = tl.arange(0, BLOCK_T)
     n_mask = offs_n < N
     t_mask = offs_t < T
-    if NORM:
-        rstd = _norm_rows(x_ptr, stride_xt, K, eps, NORM, BLOCK_T, NK_P2)
     s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # BLOCK_N divides 128
     k_lo = pid_k * iters_per_split
     k_hi = tl.minimum(k_lo + iters_per_split, tl.cdiv(K, BLOCK_K))
@@ -229,10 +200,7 @@ def _skinny_kernel(
             k_mask = offs_k < K
             w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)  # [BN, BK]
-            xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-            if NORM:  # (a [BK, 1] tile: the sum over its one column is exact)
-                xv = tl.sum(_normed(xv[:, None], rstd, nw_ptr, offs_k, k_mask).to(tl.float32), axis=1)
-            xv = xv.to(tl.float32)
+            xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if HAS_SCALE:
                 xv = xv * tl.load(s_row + offs_k // 128, mask=k_mask, other=0.0)  # [BLOCK_K]
             acc2 += w.to(tl.float32) * xv[None, :]
@@ -244,8 +212,6 @@ def _skinny_kernel(
                 w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)  # [BN,128]
                 x_mask = t_mask[None, :] & k_mask[:, None]
                 xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None], mask=x_mask, other=0.0)
-                if NORM:
-                    xt = _normed(xt, rstd, nw_ptr, offs_k, k_mask)
                 if HAS_SCALE:
                     kb = ki * (BLOCK_K // 128) + sub  # past K (a ragged last step): w, x are zeros
                     acc += wdot(w, xt, UPCAST, DOT_F16) * tl.load(s_row + kb, mask=kb * 128 < K, other=0.0)
@@ -394,11 +360,10 @@ def _lock_key(device: torch.device) -> tuple[torch.device, int]:
     return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters (split-K fix-ups, the MoE down kernel's sum), one set per stream (kernels
-    on one stream run in order, and each leaves its counters at zero). Allocated on a stream's first
-    call, normally the eager warm-up before CUDA-graph capture; one first made during capture lives
-    in the graph's pool."""
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split-K counters, one set per stream (kernels on one stream run in order, and
+    each leaves its counters at zero). Allocated on a stream's first call, normally the eager
+    warm-up before CUDA-graph capture; one first made during capture lives in the graph's pool."""
     key = _lock_key(device)
     buf = _LOCKS.get(key)
     if buf is None or buf.numel() < n:
@@ -408,8 +373,8 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _route_lock(device: torch.device) -> torch.Tensor:
-    """The routing epilogue's zeroed int32 tile counter (one per stream, as `counters`)."""
-    return counters(device, 1 << 16)[-1:]
+    """The routing epilogue's zeroed int32 tile counter (one per stream, as `_locks`)."""
+    return _locks(device, 1 << 16)[-1:]
 
 
 def tuned_table() -> dict[str, dict]:
@@ -502,24 +467,16 @@ def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
 
 
 def stream_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor,
-                  cfg: dict | None = None, conv: tuple | None = None, route: tuple | None = None,
-                  norm: tuple[torch.Tensor, float] | None = None) -> None:
+            cfg: dict | None = None, conv: tuple | None = None, route: tuple | None = None) -> None:
     """y = x @ dequant(w)^T by weight streaming; s None: unquantised weights in x's dtype.
     conv = (conv_weight [C, k], conv_state [S, k-1, C], slots [B], has_state [B]): the first C
     columns of the first B rows become the DeltaNet decode conv + SiLU of themselves.
     route = (top_k, shared, tw [T, W] fp32, ids [T, W] int64): y is the router's logits; they are
-    routed in the kernel's epilogue into tw / ids (`_route_epilogue`).
-    norm = (weight [K], eps): y = rms_norm(x, weight, eps) @ dequant(w)^T, the norm as the
-    `_skinny_kernel` prologue (NORM; not the GEMV's: `takes_norm` says which configs take it)."""
+    routed in the kernel's epilogue into tw / ids (`_route_epilogue`)."""
     T, K = x.shape
     N = w.shape[0]
     assert cfg is not None or s is not None, "unquantised weights: the caller picks the config"
     cfg = dict(cfg or stream_config(T, N, K, True, x.device))
-    nargs = (x, 0.0)  # unused without the norm
-    if norm is not None:
-        assert takes_norm(cfg) and norm[0].shape == (K,) and norm[0].is_contiguous(), (cfg, norm[0].shape)
-        nargs = norm
-        cfg.update(NORM=T, NK_P2=triton.next_power_of_2(K))
     cw, cstate, slots, has = conv if conv is not None else (x, x, x, x)  # unused pointers without it
     cargs = (cstate, cw, slots, has, 0, 0, 0, 0)
     if conv is not None:
@@ -556,43 +513,12 @@ def stream_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: t
         dtype=torch.float32,
         device=x.device,
     )
-    locks = counters(x.device, tiles)
+    locks = _locks(x.device, tiles)
     if gemv:
         _gemv_kernel[(tiles, split)](*args, part, locks, *tail, *cargs, *rargs, **cfg, **pdl.kw())
     else:
         _skinny_kernel[(tiles, split)](*args, part, locks, *tail, cfg.pop("iters_per_split"), *cargs, *rargs,
-                                       *nargs, UPCAST=upcast_dots(x), **cfg, **pdl.kw())
-
-
-def takes_norm(cfg: dict | None) -> bool:
-    """Whether a weight-streaming config runs `_skinny_kernel`, which takes the RMSNorm prologue."""
-    return cfg is not None and "KS" not in cfg
-
-
-def norm_linear(
-    x: torch.Tensor,  # [T, K] the rows to normalise (a residual stream)
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [N, K] e4m3 (with scale_inv) or x's dtype
-    scale_inv: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """`rms_norm(x, norm_weight, eps) @ weight^T` in one launch: the norm as the weight-streaming
-    kernel's prologue (each program normalises the few rows itself) -> y [T, N] in x's dtype; None
-    where that kernel does not serve the shape (FP8 past fp8_stream_max_t() tokens, BF16 without a
-    measured config, a GEMV config): then the caller runs the norm, then the projection."""
-    T, K = x.shape
-    N = weight.shape[0]
-    fp8 = scale_inv is not None
-    if not (0 < T <= (fp8_stream_max_t() if fp8 else SKINNY_MAX_T)) or x.stride(1) != 1:
-        return None
-    if (not fp8 and weight.dtype != x.dtype) or not weight.is_contiguous():
-        return None
-    cfg = stream_config(T, N, K, fp8, x.device)
-    if not takes_norm(cfg):
-        return None
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    stream_linear(x, weight, scale_inv, y, cfg, norm=(norm_weight, eps))
-    return y
+                                       UPCAST=upcast_dots(x), **cfg, **pdl.kw())
 
 
 ALIGN_ROWS = 8  # output rows of 16 bytes (bf16): cuBLAS's sm_90 kernels need aligned leading dimensions
@@ -646,14 +572,11 @@ def linear_conv_update(
     conv_state: torch.Tensor,  # [S, k-1, C], updated in place at slots
     slots: torch.Tensor,  # [B] int64
     has_state: torch.Tensor,  # [B] bool
-    norm: tuple[torch.Tensor, float] | None = None,  # (weight, eps): x is to be RMS-normalised first
 ) -> torch.Tensor:
     """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
     y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
     weight-streaming kernel's epilogue where it serves (FP8 up to fp8_stream_max_t() tokens; BF16 where the
-    H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N].
-    norm: x is `rms_norm(x, *norm)`, in the kernel's prologue where `_skinny_kernel` serves, else a
-    norm launch first."""
+    H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N]."""
     from metainfer.kernels import conv1d
 
     T, K = x.shape
@@ -663,10 +586,6 @@ def linear_conv_update(
     max_t = fp8_stream_max_t() if fp8 else SKINNY_MAX_T
     if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= max_t and x.stride(1) == 1:
         cfg = stream_config(T, N, K, fp8, x.device)
-    if norm is not None and not takes_norm(cfg):
-        from metainfer.kernels.norm import rms_norm
-
-        x, norm = rms_norm(x, *norm), None
     if cfg is None:
         from metainfer.kernels.fp8_linear import fp8_linear  # (the module imports this one)
 
@@ -676,7 +595,7 @@ def linear_conv_update(
             conv1d.causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state, out=y[:B, :C])
         return y
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    stream_linear(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state), norm=norm)
+    stream_linear(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state))
     return y
 
 
@@ -770,7 +689,7 @@ def gated_norm_linear(
     part = torch.empty(split * tiles * cfg["BLOCK_N"] * bt if split > 1 else 1, dtype=torch.float32,
                        device=core.device)
     _gnorm_gemv_kernel[(tiles, split)](
-        core, z, norm_weight, weight, s, y, part, counters(core.device, tiles), T, N, K, core.stride(0),
+        core, z, norm_weight, weight, s, y, part, _locks(core.device, tiles), T, N, K, core.stride(0),
         core.stride(1), z.stride(0), z.stride(1), y.stride(0), s.stride(0), eps, SPLIT_K=split, BLOCK_T=bt,
         D=D, MID=mid, HAS_SCALE=int(fp8), MMA=int(mma), UPCAST=int(upcast_dots(core)), DOT_F16=int(fp8),
         **cfg, **pdl.kw(),

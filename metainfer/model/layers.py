@@ -22,32 +22,6 @@ class ExpertRows:
     rows: torch.Tensor
     weights: torch.Tensor
     dtype: torch.dtype
-    summed: torch.Tensor | None = None  # the new residual (sum + old residual), where the kernel added it
-
-
-@dataclass(frozen=True)
-class Normed:
-    """An RMSNorm not yet applied: rms_norm(x, weight, eps), left to its consumer's prologue
-    (`Linear.forward`, `Linear.conv_forward`; `materialize` where none takes it)."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    def materialize(self) -> torch.Tensor:
-        return ops.rms_norm(self.x, self.weight, self.eps)
 
 
 def fp8_copy_buffers(consumer: Linear | bool, T: int, K: int, device, norm_op: str = "add_rms_norm"
@@ -78,8 +52,6 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; xq_out: buffers that also get the output's
         e4m3 copy (`fp8_linear.act_buffers`; the norm kernels only)."""
-        if isinstance(x, ExpertRows) and x.summed is not None:  # the residual add is done
-            return ops.rms_norm(x.summed, self.weight, self.eps), x.summed
         if isinstance(x, ExpertRows):
             return ops.moe_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps, x.dtype,
                                         xq_out=xq_out)
@@ -109,29 +81,21 @@ class Linear(nn.Module):
             off += n
         raise KeyError(part)
 
-    def forward(self, x: torch.Tensor | Normed, xq: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
-        """xq: x's e4m3 copy from its norm (FP8 weights; an optional shortcut, the same operands).
-        x `Normed`: the norm in the projection's prologue where a kernel takes it."""
-        if isinstance(x, Normed):
-            y = ops.norm_linear(x.x, x.weight, x.eps, self.weight, self.weight_scale_inv)
-            if y is not None:
-                return y
-            x = x.materialize()
+    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """xq: x's e4m3 copy from its norm (FP8 weights; an optional shortcut, the same operands)."""
         if self.weight_scale_inv is not None:
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv, xq=xq)
         return ops.linear(x, self.weight)
 
     def conv_forward(
-        self, x: torch.Tensor | Normed, conv_weight: torch.Tensor, conv_state: torch.Tensor,
-        slots: torch.Tensor, has_state: torch.Tensor,
+        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+        has_state: torch.Tensor,
     ) -> torch.Tensor:
         """forward(x) with the DeltaNet decode conv + SiLU applied to the first C = conv channels of
         the first len(slots) rows (their conv states updated in place); on the GPU kernels it is the
-        projection kernel's epilogue (and a `Normed` x's norm its prologue)."""
-        norm = (x.weight, x.eps) if isinstance(x, Normed) else None
-        return ops.linear_conv_update(x.x if norm else x, self.weight, self.weight_scale_inv, conv_weight,
-                                      conv_state, slots, has_state, norm=norm)
+        projection kernel's epilogue."""
+        return ops.linear_conv_update(x, self.weight, self.weight_scale_inv, conv_weight, conv_state, slots,
+                                      has_state)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, list(self.parts.values()), dim=-1)
@@ -191,18 +155,12 @@ class SparseMoE(nn.Module):
 
     def forward(
         self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-        logits: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
         """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm). xq: x's
         e4m3 copy from its norm, taken by the grouped FP8 experts; logits: the router's output for x
-        where `norm_and_route` computed it; residual: the residual stream before this block, which the
-        down kernel adds the sum to where it can (`ExpertRows.summed`, `ops.moe_routed_sum`)."""
+        where `norm_and_route` computed it."""
         scales = (self.w_gate_up_scale, self.w_down_scale)
-        if logits is not None and residual is not None and self.fused_shared:
-            part = ops.moe_routed_sum(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales,
-                                      residual)
-            if part is not None:
-                return ExpertRows(*part[:2], x.dtype, summed=part[2])
         if logits is None and self.fused_shared and self.router.weight_scale_inv is None:
             routed = ops.router_topk(x, self.router.weight, self.top_k, True)  # routing in its launch
             if routed is not None:

@@ -14,7 +14,7 @@ from metainfer.config import FULL, ModelConfig
 from metainfer.kernels import pdl
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
-from metainfer.model.layers import ExpertRows, Linear, Normed, RMSNorm, SparseMoE, fp8_copy_buffers
+from metainfer.model.layers import ExpertRows, Linear, RMSNorm, SparseMoE, fp8_copy_buffers
 from metainfer.model.meta import CacheTensors, ForwardMeta
 
 
@@ -41,13 +41,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         T, H, dev = positions.shape[0], self.input_layernorm.weight.shape[0], positions.device
         mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
-        if isinstance(x, ExpertRows) and x.summed is not None:  # the add is done: the norm to the projection
-            norm = self.input_layernorm
-            h, residual, xq = Normed(x.summed, norm.weight, norm.eps), x.summed, None
-        else:
-            consumer = mixer.input_proj(meta) if residual is not None else False  # layer 0: no add, no copy
-            xq = fp8_copy_buffers(consumer, T, H, dev)
-            h, residual = self.input_layernorm.add_forward(x, residual, xq_out=xq)
+        consumer = mixer.input_proj(meta) if residual is not None else False  # layer 0: no add, no copy
+        xq = fp8_copy_buffers(consumer, T, H, dev)
+        h, residual = self.input_layernorm.add_forward(x, residual, xq_out=xq)
         i = self.cache_index
         if self.layer_type == FULL:
             h = self.self_attn(h, positions, meta, caches.k[i], caches.v[i], xq=xq)
@@ -58,7 +54,7 @@ class DecoderLayer(nn.Module):
         routed = None if xq is not None else self.mlp.norm_and_route(post, h, residual)
         if routed is not None:  # the norm and the router in one launch (a decode step's few tokens)
             h, residual, logits = routed
-            return self.mlp(h, logits=logits, residual=residual), residual
+            return self.mlp(h, logits=logits), residual
         h, residual = post.add_forward(h, residual, xq_out=xq)
         return self.mlp(h, xq), residual
 

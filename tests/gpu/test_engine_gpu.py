@@ -215,19 +215,6 @@ def test_gated_norm_linear_equals_two_launches(cfg_path, quant, monkeypatch):
     _rows_agree_until_they_part(runs)
 
 
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_residual_fold_equals_the_norm_launch(cfg_path, quant, monkeypatch):
-    """METAINFER_RES_FOLD_MAX_T 8 (the default is 1) vs 0: the MoE down kernel adding the experts' sum
-    to the residual and the next layer's input RMSNorm as its projection's prologue (FP8 decode batches
-    6 down to 1; BF16 experts do not fold, the same path twice) give the norm launch's logits to a
-    rounding (the prologue's mean square summed in another order), rows compared as
-    test_norm_router_equals_two_launches."""
-    from metainfer.kernels import moe
-
-    runs = _on_and_off(cfg_path, quant, monkeypatch, moe.FOLD_ENV, _prompts(6, seed=7), ("8", "0"))
-    _rows_agree_until_they_part(runs)
-
-
 def test_kernels_match_reference_path(cfg_path):
     prompts = _prompts(4, seed=1)
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=512)

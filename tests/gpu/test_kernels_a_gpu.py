@@ -395,13 +395,12 @@ _COMPILE = textwrap.dedent(
                        BLOCK_N=pc.block_n, SPLIT=split, PREC="tf32", UPCAST=False, GATE=gate),
                   pc.num_warps, pc.num_stages)
     f8 = "*fp8e4nv"
-    # NORM: the RMSNorm prologue of the next layer's in_proj (with the conv) / qkv (the residual fold)
-    for bt, f16, bk, ck, nm in ((1, 0, 128, 0, 0), (16, 1, 128, 0, 0), (16, 1, 256, 0, 0), (16, 1, 128, 4, 0),
-                                (1, 0, 256, 4, 0), (16, 1, 128, 4, 1), (16, 1, 128, 0, 1), (1, 0, 256, 4, 1)):
+    for bt, f16, bk, ck in ((1, 0, 128, 0), (16, 1, 128, 0), (16, 1, 256, 0),
+                            (16, 1, 128, 4), (1, 0, 256, 4)):
         build(ws._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
               cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
-              ids_ptr="*i64", nw_ptr=bf, eps="fp32"), dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk,
-              STAGES=5, UPCAST=0, DOT_F16=f16, CONV_K=ck, Y_DT=tl.bfloat16, NORM=nm, NK_P2=2048), 4)
+              ids_ptr="*i64"), dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0,
+              DOT_F16=f16, CONV_K=ck, Y_DT=tl.bfloat16), 4)
     for split in (1, 8):  # the BF16 router with the routing epilogue
         build(ws._skinny_kernel, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
               cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
@@ -446,10 +445,8 @@ _COMPILE = textwrap.dedent(
     build(fl._act_quant_kernel, dict(x_ptr=bf, q_ptr=f8, s_ptr=f32), dict(BLOCK_T=16), 4)
     build(mg._bucket_one_kernel, dict(ids_ptr="*i64", counts_ptr="*i32", ends_ptr="*i32", sorted_ptr="*i32"),
           dict(BLOCK_M=16, E_P2=512, BLOCK=1024), 8)
-    for sm in (0, 1):  # SUM: the new residual by the last of a token's programs per H-block
-        build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32,
-              tw_ptr=f32, res_ptr=bf, new_res_ptr=bf, cnt_ptr="*i32"),
-              dict(SLOTS=9, ROUTE_K=8, FP8=1, BLOCK_H=32, I_P2=512, E_P2=256, K_P2=8, SUM=sm), 4)
+    build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32),
+          dict(SLOTS=9, ROUTE_K=8, FP8=1, BLOCK_H=32, I_P2=512, E_P2=256, K_P2=8), 4)
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr="*i64", y_ptr=f32),
           dict(SLOTS=9, ROUTE_K=0, FP8=1, BLOCK_H=32, I_P2=512, E_P2=1, K_P2=1), 4)  # METAINFER_MOE_DOWN_IDS
     build(routing._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)

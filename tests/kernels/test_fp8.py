@@ -434,55 +434,6 @@ def test_gemv_kernel(T, block_n, ks, preload, fp8, dtype):
     assert torch.equal(y, y2)  # deterministic fix-up order
 
 
-NORM_CASES = [(1, 1, 1, True, False), (1, 1, 3, True, True), (1, 16, 2, True, True), (3, 16, 1, True, False),
-              (1, 16, 1, False, False), (2, 16, 2, False, True)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,block_t,split,fp8,conv", NORM_CASES)
-def test_skinny_with_norm_prologue(T, block_t, split, fp8, conv, dtype, monkeypatch):
-    """NORM: the RMSNorm of x as the weight-streaming kernel's prologue (`norm_linear`; with the
-    conv epilogue, `linear_conv_update(norm=...)`) against `norm.rms_norm` then the same kernel on
-    the same config: CUDA-core (BLOCK_T 1) and tensor-core (16) loops, split-K, K = 300 (a ragged
-    128-column block), FP8 or unquantised weights, strided x rows. fp32: rel RMSE < 1e-6. bf16:
-    the normalised activations are rounded to bf16 on both sides, but the mean square is summed in
-    another order, which may move an element by one bf16 ulp: rel RMSE < 1e-3. norm_linear is None
-    for a GEMV config and past the token bound; counters are left at zero."""
-    from metainfer.kernels import norm
-
-    N, K, C, S, ck = 200, 300, 136, 5, 4
-    g = torch.Generator().manual_seed(17 + T)
-    w = _weight(N, K, seed=7)
-    x = (torch.randn(T, K + 20, generator=g) * 3).to(dtype)[:, :K]
-    nw = (0.2 * torch.randn(K, generator=g)).to(dtype)
-    args = quantize_fp8_block(w) if fp8 else (w.to(dtype), None)
-    k_iters = math.ceil(K / 64) if block_t == 1 else math.ceil(K / 128)
-    per = math.ceil(k_iters / split)
-    cfg = dict(BLOCK_N=32, BLOCK_T=block_t, BLOCK_K=64 if block_t == 1 else 128,
-               SPLIT_K=math.ceil(k_iters / per), iters_per_split=per, STAGES=2, num_warps=4)
-    monkeypatch.setattr(ws, "stream_config", lambda *a: dict(cfg))
-    xn = norm.rms_norm(x.contiguous(), nw, 1e-6)
-    want = torch.empty(T, N, dtype=dtype)
-    if conv:  # (the launcher: linear_conv_update takes the kernel on CUDA tensors only)
-        cw = (torch.randn(C, ck, generator=g) * 0.5).to(dtype)
-        state = torch.randn(S, ck - 1, C, generator=g).to(dtype)
-        slots, has = torch.tensor([3, 0], dtype=torch.int64)[:T], torch.tensor([True, False])[:T]
-        want_state = state.clone()
-        ws.stream_linear(xn, *args, want, dict(cfg), conv=(cw, want_state, slots, has))
-        got = torch.empty(T, N, dtype=dtype)
-        ws.stream_linear(x, *args, got, dict(cfg), conv=(cw, state, slots, has), norm=(nw, 1e-6))
-        assert rel_rmse(state, want_state) < (1e-6 if dtype == torch.float32 else 1e-3)
-    else:
-        ws.stream_linear(xn, *args, want, dict(cfg))
-        got = ws.norm_linear(x, nw, 1e-6, *args)
-    assert got.dtype == dtype and rel_rmse(got, want) < (1e-6 if dtype == torch.float32 else 1e-3)
-    assert not ws._LOCKS[ws._lock_key(x.device)][:64].any()
-    monkeypatch.setattr(ws, "stream_config", lambda *a: ws.gemv_config(K, T, 16, 512, 4))
-    assert ws.norm_linear(x, nw, 1e-6, *args) is None
-    monkeypatch.setattr(ws, "stream_config", lambda *a: dict(cfg))
-    assert ws.norm_linear(torch.zeros(65, K, dtype=dtype), nw, 1e-6, *args) is None
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("T,Hv,D,N,cfg", [(1, 4, 128, 64, "16,4,4"), (1, 4, 128, 40, "8,2,4"),

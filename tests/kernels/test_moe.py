@@ -281,41 +281,6 @@ def test_moe_routed_rows(T, dtype, shared, fp8, preload, monkeypatch):
     assert rel_rmse(summed, full) < rmse
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("T,dtype", [(1, F32), (3, BF16), (5, BF16)])
-def test_moe_routed_sum(T, dtype, fp8, monkeypatch):
-    """The down kernel's SUM epilogue: the new residual equals `norm.moe_add_rms_norm`'s (the rows'
-    weighted sum in slot order, rounded, plus the residual) bit for bit, with the same rows and
-    weights as moe_routed_rows; H = 160 is five 32-row H-blocks (the counters' index), the residual has
-    a row stride past H, and every counter is left at zero. None past fold_max_t() tokens or with the
-    down kernel that does not preload (METAINFER_MOE_DOWN_PRELOAD=0)."""
-    from metainfer.kernels import norm
-    from metainfer.kernels import weight_stream as ws
-
-    monkeypatch.setenv(moe.FOLD_ENV, "8")
-    g = torch.Generator().manual_seed(40 + T)
-    x, w_gu, w_dn, _, _ = _problem(T, seed=9, dtype=dtype)
-    w_gu = torch.cat([w_gu, (torch.randn(1, 2 * I, H, generator=g) / H**0.5).to(dtype)])
-    w_dn = torch.cat([w_dn, (torch.randn(1, H, I, generator=g) / I**0.5).to(dtype)])
-    logits = (torch.randn(T, E + 1, generator=g) * 3).to(dtype)
-    residual = torch.randn(T, H + 24, generator=g).to(dtype)[:, :H]
-    args = (w_gu, w_dn, None, None)
-    if fp8:
-        (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
-        args = (q_gu, q_dn, s_gu, s_dn)
-    rows, tw, new_res = moe.moe_routed_sum(x, logits, K, True, *args, residual)
-    rows2, tw2 = moe.moe_routed_rows(x, logits, K, True, *args)
-    assert torch.equal(rows, rows2) and torch.equal(tw, tw2)
-    _, want = norm.moe_add_rms_norm(rows, tw, residual, torch.zeros(H, dtype=dtype), 1e-6)
-    assert new_res.dtype == dtype and torch.equal(new_res, want)
-    assert not ws._LOCKS[ws._lock_key(x.device)][: T * 5].any()
-    monkeypatch.setenv(moe.FOLD_ENV, str(T - 1))
-    assert moe.moe_routed_sum(x, logits, K, True, *args, residual) is None
-    monkeypatch.setenv(moe.FOLD_ENV, "8")
-    monkeypatch.setenv(moe.DOWN_PRELOAD_ENV, "0")
-    assert moe.moe_routed_sum(x, logits, K, True, *args, residual) is None
-
-
 def test_moe_routed_rows_asserts():
     x, w_gu, w_dn, _, _ = _problem(2)
     logits = torch.randn(2, E)
