@@ -107,6 +107,10 @@
 #   head   - KB-0026's judgement: the FP8 lm_head's tiles swept at T = 1, 8 (skinny, then the preloading GEMV against
 #            the skinny winner), FP8 decode batches 1 / 8 / 32 with the BF16 head, the FP8 head on the swept table and
 #            on heuristic tiles (bf16, swept, heur, bf16, swept), then the oracle (FP8) with the swept FP8 head, ~9 min
+#   gnorm2b - gnorm2 cut to one call's remaining budget: the gated-norm GPU tests, FP8 batches 1/2/4/8 with the bound
+#            1 / 16 (x2, alternating), spec_bench forced K = 4 (the 5-token verify) 1 vs 16, the oracle (FP8) with 16, ~6 min
+#   Measured (results/2026-12-01d): head (KB-0026's sweep and judgement); the residual fold (KB-0067: built at d45b425 /
+#   69c12ba, slower, reverted; its phases fold / fold2 went with it)
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
 #   KB-0059 kept for FP8), gswap (KB-0057:
@@ -537,6 +541,20 @@ PY
   METAINFER_FP8_LM_HEAD=1 METAINFER_FP8_TUNED=$HD/head_tuned.json timeout 200 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_head.json 2>&1 | grep -E "verdict|decode" | tail -3 | sed "s/^/[fp8 head swept] /"
+fi
+if has gnorm2b; then
+  timeout 100 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear" 2>&1 | tail -1
+  for m in 1 16 1 16; do
+    METAINFER_GNORM_MAX_T=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,2,4,8 --gen 32 \
+      --no-profile --out $OUT/gnorm2b_${m}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[gnorm $m] /"
+  done
+  for m in 1 16; do
+    METAINFER_GNORM_MAX_T=$m timeout 100 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --reps 2 --modes script \
+      --script-k 4 --out $OUT/gnorm2b_spec_$m 2>&1 | grep -E "^\| script" | sed "s/^/[gnorm $m] /"
+  done
+  METAINFER_GNORM_MAX_T=16 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_gnorm16.json 2>&1 | grep -E "verdict" | head -1 \
+    | sed "s/^/[fp8 gnorm 16] /"
 fi
 if has gnorm2; then
   timeout 240 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear or compiles" 2>&1 \
