@@ -32,6 +32,7 @@ from metainfer.engine.request import SamplingParams  # noqa: E402
 from metainfer.kernels import norm  # noqa: E402
 from metainfer.kernels import weight_stream as ws  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
+from metainfer.model.fp8 import LM_HEAD_ENV  # noqa: E402
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 248000) -> list[list[int]]:
@@ -241,6 +242,8 @@ def main() -> None:
     )
     cfg = ModelConfig.from_hf(args.config)
     roof_dtype = "fp8" if quant else "bfloat16"
+    # the ceiling's lm_head bytes: BF16 unless METAINFER_FP8_LM_HEAD=1 quantised it (KB-0026)
+    head_dtype = "fp8" if quant and os.environ.get(LM_HEAD_ENV, "0") == "1" else None
     res = {
         "env": env_info(),
         "config": args.config,
@@ -257,7 +260,8 @@ def main() -> None:
     for b in batches:
         r = decode_run(llm, b, args.prompt_len, args.gen, seed=b)
         ceil = decode_ceiling(cfg, roof_dtype, concurrency=b, context=args.prompt_len + args.gen // 2,
-                              state_bytes=2 if args.ssm_state_dtype == "bfloat16" else 4)
+                              state_bytes=2 if args.ssm_state_dtype == "bfloat16" else 4,
+                              lm_head_dtype=head_dtype)
         r["ceiling_tok_s"] = ceil.tok_s
         r["pct_of_ceiling"] = 100 * r["decode_tok_s"] / ceil.tok_s
         res["decode"].append(r)
