@@ -114,7 +114,7 @@ class ModelRunner:
         if ecfg.quantization == "fp8":
             from metainfer.model.fp8 import quantize_model_fp8
 
-            quantize_model_fp8(self.model)
+            quantize_model_fp8(self.model, lm_head=True if ecfg.fp8_lm_head else None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.num_slots = ecfg.num_state_slots or ecfg.max_num_seqs

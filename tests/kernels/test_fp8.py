@@ -406,8 +406,35 @@ def test_engine_fp8_on_cpu(aligned_cfg):
     base = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32").score(prompts)
     llm = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32", quantization="fp8")
     assert llm.engine.runner.model.layers[0].mlp.w_gate_up.dtype == torch.float8_e4m3fn
+    assert llm.engine.runner.model.lm_head.weight.dtype == torch.float32  # the published layout
     for a, b in zip(llm.score(prompts), base):
         assert rel_rmse(a, b) < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
+
+
+def test_engine_fp8_lm_head_option(aligned_cfg):
+    """fp8_lm_head (--fp8-lm-head): the lm_head in e4m3 too, the logits within the quantisation's error
+    of the unquantised engine's; refused without quantization fp8."""
+    from metainfer.config import EngineConfig
+    from metainfer.generate_cli import add_engine_args, engine_kwargs
+    from metainfer.llm import LLM
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 11)]
+    base = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32").score(prompts)
+    llm = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32", quantization="fp8",
+              fp8_lm_head=True)
+    head = llm.engine.runner.model.lm_head
+    assert head.weight.dtype == torch.float8_e4m3fn and head.weight_scale_inv is not None
+    for a, b in zip(llm.score(prompts), base):
+        assert rel_rmse(a, b) < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
+    with pytest.raises(ValueError, match="fp8_lm_head"):
+        EngineConfig(fp8_lm_head=True)
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--dtype", "fp8", "--fp8-lm-head"]))
+    assert kw["quantization"] == "fp8" and kw["fp8_lm_head"] is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
