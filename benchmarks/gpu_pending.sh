@@ -96,7 +96,8 @@
 #   gnorm  - the DeltaNet gated RMSNorm as out_proj's weight-preloading prologue (METAINFER_GNORM_MAX_T, then 4;
 #            METAINFER_GNORM_CFG "BLOCK_N,HEADS,warps"): its GPU tests, FP8 batches 1/2/4 off / default config /
 #            three others, BF16 off / on, fresh processes, ~8 min
-#   gnorm2 - (its cut form gnorm2b measured, results/2026-12-01d, KB-0069) _gnorm_gemv_kernel's batched-dot (MMA) form for 2-16 tokens (METAINFER_GNORM_MAX_T 1 -> 16):
+#   gnorm2 - (its cut form gnorm2b measured: results/2026-12-01d, KB-0069) _gnorm_gemv_kernel's batched-dot (MMA)
+#            form for 2-16 tokens (METAINFER_GNORM_MAX_T 1 -> 16):
 #            its GPU tests, FP8 batches 1/2/4/8/16 (x2, alternating), MMA configs 16,8,8 / 32,16,8 at 2/4/8, BF16
 #            1/2/8, spec_bench forced K = 4 (the 5-token verify) 1 vs 16, ~9 min; if faster, the oracle with it
 #   final1 - the defaults after nrouter / gnorm: the PDL and graph-replay engine tests, the oracle (FP8, BF16),
@@ -109,7 +110,7 @@
 #            on heuristic tiles (bf16, swept, heur, bf16, swept), then the oracle (FP8) with the swept FP8 head, ~9 min
 #   gnorm2b - gnorm2 cut to one call's remaining budget: the gated-norm GPU tests, FP8 batches 1/2/4/8 with the bound
 #            1 / 16 (x2, alternating), spec_bench forced K = 4 (the 5-token verify) 1 vs 16, the oracle (FP8) with 16, ~6 min
-#   Measured (results/2026-12-01d): head (KB-0067), gnorm2b (KB-0069); the residual fold (KB-0067: built at d45b425 /
+#   Measured (results/2026-12-01d): head (KB-0067), gnorm2b (KB-0069); the residual fold (KB-0068: built at d45b425 /
 #   69c12ba, slower, reverted; its phases fold / fold2 went with it)
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
 #   since; KB-0062's draft vocabulary now --speculative-draft-vocab); (2026-12-01a): sonce (KB-0058: slower, removed;
