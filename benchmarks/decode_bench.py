@@ -242,7 +242,7 @@ def main() -> None:
     )
     cfg = ModelConfig.from_hf(args.config)
     roof_dtype = "fp8" if quant else "bfloat16"
-    # the ceiling's lm_head bytes: BF16 unless METAINFER_FP8_LM_HEAD=1 quantised it (KB-0026)
+    # the ceiling's lm_head bytes: BF16 unless METAINFER_FP8_LM_HEAD=1 quantised it (KB-0067)
     head_dtype = "fp8" if quant and os.environ.get(LM_HEAD_ENV, "0") == "1" else None
     res = {
         "env": env_info(),

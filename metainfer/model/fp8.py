@@ -100,7 +100,7 @@ def _set_experts(moe: SparseMoE, gu: tuple[torch.Tensor, ...], dn: tuple[torch.T
     moe.w_gate_up_scale, moe.w_down_scale = gu[1], dn[1]
 
 
-LM_HEAD_ENV = "METAINFER_FP8_LM_HEAD"  # "1": lm_head in FP8 too (DESIGN's "all-FP8"; off until judged)
+LM_HEAD_ENV = "METAINFER_FP8_LM_HEAD"  # "1": lm_head in FP8 too (DESIGN's all-FP8; KB-0067; or --fp8-lm-head)
 
 
 @torch.no_grad()
