@@ -110,6 +110,9 @@
 #            on heuristic tiles (bf16, swept, heur, bf16, swept), then the oracle (FP8) with the swept FP8 head, ~9 min
 #   gnorm2b - gnorm2 cut to one call's remaining budget: the gated-norm GPU tests, FP8 batches 1/2/4/8 with the bound
 #            1 / 16 (x2, alternating), spec_bench forced K = 4 (the 5-token verify) 1 vs 16, the oracle (FP8) with 16, ~6 min
+#   gprof  - NOT YET RUN: KB-0069's open question, PDL-off kernel profiles with METAINFER_GNORM_MAX_T 1 / 16: FP8 decode
+#            batch 4 (--profile-batch 4) and spec_bench's forced K = 4 verify (--profile script-4), the out_proj
+#            pair (gated norm + _skinny_kernel) against _gnorm_gemv_kernel on each path, ~4 min
 #   Measured (results/2026-12-01d): head (KB-0067), gnorm2b (KB-0069); the residual fold (KB-0068: built at d45b425 /
 #   69c12ba, slower, reverted; its phases fold / fold2 went with it)
 #   Measured (results/2026-12-01b): mtp, mtpheads and mtp2 (at b5d5eca: KB-0061's and KB-0063's switches, removed
@@ -542,6 +545,15 @@ PY
   METAINFER_FP8_LM_HEAD=1 METAINFER_FP8_TUNED=$HD/head_tuned.json timeout 200 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_head.json 2>&1 | grep -E "verdict|decode" | tail -3 | sed "s/^/[fp8 head swept] /"
+fi
+if has gprof; then
+  for m in 1 16; do
+    METAINFER_PDL=0 METAINFER_GNORM_MAX_T=$m timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 4 \
+      --profile-batch 4 --gen 32 --out $OUT/gprof_decode4_$m 2>&1 | grep -E "^\|" | head -14 | sed "s/^/[bs4 gnorm $m] /"
+    METAINFER_PDL=0 METAINFER_GNORM_MAX_T=$m timeout 100 python benchmarks/spec_bench.py --dtype fp8 --gen 128 \
+      --modes script --script-k 4 --reps 1 --profile script-4 --profile-gen 128 --out $OUT/gprof_verify_$m 2>&1 \
+      | grep -A14 "^\[script-4\] kernels" | sed "s/^/[verify gnorm $m] /"
+  done
 fi
 if has gnorm2b; then
   timeout 100 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated_norm_linear" 2>&1 | tail -1
