@@ -54,13 +54,21 @@ def draft_head(model: Qwen3_5MoeModel, vocab: int = 0) -> Callable[[torch.Tensor
     """The drafts' logits: the model's lm_head, or only its first `vocab` rows (> 0: a draft among the
     ids below it; BPE ranks run roughly by frequency: ids < 32,768 are ~94-95 % of the tokens of English
     and Python text in the Qwen3.6 tokenizer, and 1/8 of lm_head's bytes). A draft only proposes: the
-    verify's logits stay the model's, so this changes which drafts come, never an output."""
+    verify's logits stay the model's, so this changes which drafts come, never an output. An FP8 head
+    (--fp8-lm-head) gives its first `vocab` rows with their 128-row scale blocks (vocab a multiple of
+    128; else the whole head)."""
     w = model.embed_tokens.weight if model.cfg.tie_word_embeddings else model.lm_head.weight
-    if w.dtype == torch.float8_e4m3fn or not 0 < vocab < w.shape[0]:  # (METAINFER_FP8_LM_HEAD: whole head)
+    if not 0 < vocab < w.shape[0]:
         return model.compute_logits
     from metainfer.kernels import ops
 
     rows = w.data[:vocab]
+    if w.dtype == torch.float8_e4m3fn:
+        scale = model.lm_head.weight_scale_inv
+        if vocab % 128:
+            return model.compute_logits
+        srows = scale[: vocab // 128]
+        return lambda h: ops.fp8_linear(h, rows, srows).float()
     return lambda h: ops.linear(h, rows).float()
 
 

@@ -359,6 +359,23 @@ def test_quantize_model_fp8_lm_head(aligned_cfg, monkeypatch):
     assert quantize_model_fp8(m) == 0
 
 
+def test_mtp_draft_head_slices_an_fp8_lm_head(aligned_cfg):
+    """The MTP drafts' head over the first N ids (--speculative-draft-vocab) with the lm_head in FP8
+    (--fp8-lm-head): the e4m3 rows and their scale blocks sliced, the same logits as the whole FP8
+    head's first N columns; N not a multiple of the 128-row scale blocks takes the whole head."""
+    from metainfer.model.fp8 import quantize_model_fp8
+    from metainfer.spec.mtp import draft_head
+
+    m = _model(aligned_cfg, seed=4)
+    quantize_model_fp8(m, lm_head=True)
+    assert m.lm_head.weight.dtype == torch.float8_e4m3fn
+    h = torch.randn(3, m.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    full = m.compute_logits(h)
+    got = draft_head(m, 256)(h)
+    assert got.shape == (3, 256) and torch.allclose(got, full[:, :256], rtol=1e-5, atol=1e-5)
+    assert draft_head(m, 200) == m.compute_logits and draft_head(m, 0) == m.compute_logits
+
+
 def test_fp8_checkpoint_loader(aligned_cfg):
     from metainfer.model.fp8 import Fp8CheckpointLoader, prepare_fp8_storage, quantize_model_fp8
     from metainfer.model.weights import hf_state_dict, param_targets
