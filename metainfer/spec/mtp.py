@@ -64,10 +64,9 @@ def draft_head(model: Qwen3_5MoeModel, vocab: int = 0) -> Callable[[torch.Tensor
 
     rows = w.data[:vocab]
     if w.dtype == torch.float8_e4m3fn:
-        scale = model.lm_head.weight_scale_inv
         if vocab % 128:
             return model.compute_logits
-        srows = scale[: vocab // 128]
+        srows = model.lm_head.weight_scale_inv[: vocab // 128]
         return lambda h: ops.fp8_linear(h, rows, srows).float()
     return lambda h: ops.linear(h, rows).float()
 
