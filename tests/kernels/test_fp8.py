@@ -431,6 +431,8 @@ def test_engine_fp8_on_cpu(aligned_cfg):
 def test_engine_fp8_lm_head_option(aligned_cfg):
     """fp8_lm_head (--fp8-lm-head): the lm_head in e4m3 too, the logits within the quantisation's error
     of the unquantised engine's; refused without quantization fp8."""
+    import argparse
+
     from metainfer.config import EngineConfig
     from metainfer.generate_cli import add_engine_args, engine_kwargs
     from metainfer.llm import LLM
@@ -446,8 +448,6 @@ def test_engine_fp8_lm_head_option(aligned_cfg):
         assert rel_rmse(a, b) < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
     with pytest.raises(ValueError, match="fp8_lm_head"):
         EngineConfig(fp8_lm_head=True)
-    import argparse
-
     p = argparse.ArgumentParser()
     add_engine_args(p)
     kw = engine_kwargs(p.parse_args(["--dtype", "fp8", "--fp8-lm-head"]))
