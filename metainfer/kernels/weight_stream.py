@@ -626,8 +626,9 @@ def router_topk(
 
 GNORM_ENV = "METAINFER_GNORM_MAX_T"  # the most tokens gated_norm_linear takes (0: off)
 # H200 (2026-12-01c): FP8 batch 1 479 -> 509 tok/s, but batch 2 778 -> 754 and 4 1,203 -> 1,030 (the
-# per-token reductions of a [16, 32, 128] tile; since then 2-16 tokens take the batched-dot form, not
-# measured yet: PHASES=gnorm2 in benchmarks/gpu_pending.sh); BF16 batch 1 400 -> 405
+# per-token reductions of a [16, 32, 128] tile); BF16 batch 1 400 -> 405. The batched-dot form for 2-16
+# tokens (2026-12-01d, KB-0069): decode batches 2 / 4 / 8 slower (778 -> 700, 1,198 -> 1,106, 1,764 ->
+# 1,676), the 5-token verify faster (4.32 -> 4.14 ms); so the bound stays 1 (PHASES=gprof profiles both)
 GNORM_DEFAULT_T = 1
 GNORM_MAX_T = 16
 GNORM_CFG_ENV = "METAINFER_GNORM_CFG"  # "BLOCK_N,HEADS,warps": the launch config (else gnorm_config's)
@@ -641,9 +642,9 @@ def gnorm_max_t() -> int:
 def gnorm_config(N: int, Hv: int, fp8: bool, mma: bool = False) -> dict:
     """(BLOCK_N, HEADS, num_warps) of `_gnorm_gemv_kernel`: one wave of preloading programs. One token
     (CUDA cores): 64 KB of weights each (FP8 [16, 32 x 128]: 128 programs for out_proj [2048, 4096];
-    BF16 [8, 32 x 128]), measured (KB-0065). More tokens (MMA, not measured yet): [32, 8 x 128] (FP8
-    32 KB, 256 programs, split-K 4), BF16 [16, 8 x 128]. METAINFER_GNORM_CFG="BLOCK_N,HEADS,warps"
-    sets it."""
+    BF16 [8, 32 x 128]), measured (KB-0065). More tokens (MMA): [32, 8 x 128] (FP8 32 KB, 256
+    programs, split-K 4), BF16 [16, 8 x 128]; slower than the norm + skinny pair at decode batches 2-8
+    (KB-0069). METAINFER_GNORM_CFG="BLOCK_N,HEADS,warps" sets it."""
     v = os.environ.get(GNORM_CFG_ENV, "")
     if v:
         bn, heads, warps = (int(p) for p in v.split(","))
