@@ -122,6 +122,7 @@
 #   (2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
+#   (2026-12-01e): probe (moe_bs1_probe.py), mtp4 (MTP tests at the defaults, FP8-head draft slice).
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -583,5 +584,17 @@ if has gnorm2; then
   for m in 1 16; do
     METAINFER_GNORM_MAX_T=$m timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --reps 2 --modes script \
       --script-k 4 --out $OUT/gnorm2_spec_$m 2>&1 | grep -E "^\| script|lone-prefill" | sed "s/^/[gnorm $m] /"
+  done
+fi
+if has probe; then  # batch-1 routed experts against a plain read of the same bytes (benchmarks/moe_bs1_probe.py), ~4 min
+  timeout 420 python benchmarks/moe_bs1_probe.py --out $OUT/probe 2>&1 | grep -vE "^gate_up route|^down BLOCK" | tail -30
+fi
+if has mtp4; then  # the MTP / speculative GPU tests at today's defaults, then MTP forced acceptance K = 4 over 32k ids
+  # with the FP8 lm_head (its draft slice: e4m3 rows + scale blocks, KB-0067) against the BF16 head, ~4 min
+  timeout 220 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "mtp or speculative" 2>&1 | tail -2
+  for head in 0 1; do
+    METAINFER_FP8_LM_HEAD=$head timeout 150 python benchmarks/spec_bench.py --dtype fp8 --gen 128 --modes mtp-script \
+      --script-k 4 --reps 2 --draft-vocab 32768 --out $OUT/mtp4_head$head 2>&1 \
+      | grep -E "^\| (plain/r|mtp)|script-.*: " | sed "s/^/[fp8 head $head] /"
   done
 fi

@@ -1,0 +1,232 @@
+"""Batch-1 routed experts on the H200: how far the two FP8 MoE kernels are from a plain read of the
+same bytes, and what the in-kernel routing and the tiles cost.
+
+The batch-1 profile (results/2026-12-01d) has `_pair_gate_up_kernel` at 11.2 µs per layer (39 % of
+its bandwidth floor: 9 experts x 2 MiB of e4m3) and `_routed_down_kernel` at 6.1 µs (36 %). This
+probe times, each as CUDA-graph replays of back-to-back calls over rotating weights (so the bytes
+come from HBM), with an RMSNorm launch between calls as in the step (the PDL overlap):
+
+  stream   a plain read of N bytes of e4m3 rows (no routing, no scales, no activation): the floor a
+           Triton kernel of this shape reaches at 2-25 MB, per rows-per-program / warps / stages;
+  gate_up  the engine's routed gate/up kernel (ROUTE_K = 8) against the same kernel reading
+           precomputed ids (ROUTE_K = 0): what the routing before the first weight load costs;
+           then CUDA-core and tensor-core tiles (BLOCK_I, STAGES, warps);
+  down     `_routed_down_kernel` (weights loaded before the PDL wait) per BLOCK_H and warps.
+
+Every MoE candidate's output is checked against a dequantised torch reference (relative RMSE < 1e-2)
+before it is timed. Writes $OUT/moe_bs1_probe.json and prints a table.
+
+    python benchmarks/moe_bs1_probe.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_b import gap_kernel, rel_rmse, time_graph  # noqa: E402
+
+from metainfer.kernels import moe, routing  # noqa: E402
+from metainfer.kernels.ops import ref_dequant_fp8  # noqa: E402
+from metainfer.model.fp8 import quantize_fp8_block  # noqa: E402
+
+H, I, E, TOP_K = 2048, 512, 256, 8
+W = TOP_K + 1  # 8 routed slots + the shared expert (id E)
+BW = 4.3e12
+CALLS = 40  # one step's layers
+
+
+@triton.jit
+def _stream_kernel(w_ptr, out_ptr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """Program p sums rows [p * BLOCK_R, (p + 1) * BLOCK_R) of an e4m3 [rows, K] matrix."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        acc += tl.load(w_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :]).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def stream_probe(pool: torch.Tensor, nbytes: int, block_r: int, warps: int, stages: int) -> float:
+    rows = nbytes // H
+    chunks = pool.numel() // (rows * H)
+    out = torch.empty(rows // block_r, device="cuda")
+    x = torch.randn(1, H, device="cuda").bfloat16()
+
+    def call(i):
+        gap_kernel(x)
+        w = pool[(i % chunks) * rows * H:][: rows * H]
+        _stream_kernel[(rows // block_r,)](w, out, K=H, BLOCK_R=block_r, BLOCK_K=128, STAGES=stages,
+                                           num_warps=warps)
+
+    return time_graph(call, CALLS)
+
+
+class Experts:
+    """COPIES layers of FP8 experts (257 each: 256 routed + the shared one), CALLS routings."""
+
+    COPIES = 4
+
+    def __init__(self) -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.gu, self.dn = [], []
+        for _ in range(self.COPIES):
+            self.gu.append(quantize_fp8_block((torch.randn(E + 1, 2 * I, H, device="cuda", generator=g)
+                                               / H**0.5).bfloat16()))
+            self.dn.append(quantize_fp8_block((torch.randn(E + 1, H, I, device="cuda", generator=g)
+                                               / I**0.5).bfloat16()))
+        self.x = [torch.randn(1, H, device="cuda", generator=g).bfloat16() for _ in range(CALLS)]
+        self.logits = [(torch.randn(1, E + 1, device="cuda", generator=g) * 2).bfloat16()
+                       for _ in range(CALLS)]
+        self.tw, self.ids = [], []
+        for lg in self.logits:
+            tw, ids = routing.route_topk(lg, TOP_K, shared=True)
+            self.tw.append(tw)
+            self.ids.append(ids)
+
+    def reference(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act [W, I], rows [W, H]) of call i, from the dequantised experts."""
+        (wq, ws), (dq, ds) = self.gu[i % self.COPIES], self.dn[i % self.COPIES]
+        ids = self.ids[i][0]
+        pick = lambda q: q.view(torch.uint8)[ids].view(torch.float8_e4m3fn)  # noqa: E731
+        wgu = ref_dequant_fp8(pick(wq), ws[ids], torch.float32)
+        wdn = ref_dequant_fp8(pick(dq), ds[ids], torch.float32)
+        gu = torch.einsum("wnk,k->wn", wgu, self.x[i][0].float())
+        act = (F.silu(gu[:, :I]) * gu[:, I:]).bfloat16()
+        return act, torch.einsum("whk,wk->wh", wdn, act.float())
+
+    def gate_up(self, i: int, cfg: dict, route: bool) -> torch.Tensor:
+        (wq, ws) = self.gu[i % self.COPIES]
+        sc = moe._scale_args(ws, wq)
+        if route:
+            ids = torch.empty(1, W, dtype=torch.int64, device="cuda")
+            tw = torch.empty(1, W, dtype=torch.float32, device="cuda")
+            return moe._pair_gate_up(self.x[i], wq, sc, ids, True, cfg, route=(self.logits[i], TOP_K, tw))
+        return moe._pair_gate_up(self.x[i], wq, sc, self.ids[i], True, cfg)
+
+    def down(self, i: int, act: torch.Tensor, cfg: dict) -> torch.Tensor:
+        (dq, ds) = self.dn[i % self.COPIES]
+        return moe._routed_down(act, dq, moe._scale_args(ds, dq), self.logits[i], TOP_K, W, True,
+                                cfg["num_warps"], cfg.get("PRELOAD_BLOCK_H", moe.DOWN_PRELOAD_BLOCK_H))
+
+
+def time_gate_up(ex: Experts, cfg: dict, route: bool) -> dict:
+    act_ref, _ = ex.reference(0)
+    err = rel_rmse(ex.gate_up(0, cfg, route), act_ref)
+
+    def call(i):
+        gap_kernel(ex.x[i])
+        ex.gate_up(i, cfg, route)
+
+    return dict(config=cfg, route=route, us=time_graph(call, CALLS), rel_err=err)
+
+
+def time_down(ex: Experts, cfg: dict) -> dict:
+    act_ref, rows_ref = ex.reference(0)
+    err = rel_rmse(ex.down(0, act_ref, cfg), rows_ref)
+    acts = [ex.reference(i)[0] for i in range(CALLS)]
+
+    def call(i):
+        gap_kernel(ex.x[i])
+        ex.down(i, acts[i], cfg)
+
+    return dict(config=cfg, us=time_graph(call, CALLS), rel_err=err)
+
+
+def gate_up_candidates() -> list[dict]:
+    base = moe.pair_config(1, True)
+    out = [dict(base)]
+    for bi, st, w in itertools.product((4, 8, 16, 32), (2, 3, 4, 6), (1, 2, 4)):
+        if bi * 128 // (32 * w) >= 4:  # at least 4 bytes of each row tile per thread
+            out.append(dict(base, BLOCK_I=bi, STAGES=st, num_warps=w, MMA=0))
+    for bi, st, w in itertools.product((16, 32, 64), (3, 4), (2, 4)):
+        out.append(dict(base, BLOCK_I=bi, STAGES=st, num_warps=w, MMA=1, DOT_F16=1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--quick", action="store_true", help="the base configs only")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.now(UTC).isoformat(timespec="seconds"),
+                pdl=os.environ.get("METAINFER_PDL", "1"))
+    res: dict = dict(meta, stream=[], gate_up=[], down=[])
+
+    pool = torch.randint(0, 100, (1 << 30,), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    sizes = {"1 expert gate_up (2.1 MB)": 2 * I * H, "9 downs (9.4 MB)": 9 * H * I,
+             "9 gate_ups (18.9 MB)": 9 * 2 * I * H, "in_proj (25.3 MB)": 12352 * H}
+    stream_cfgs = [(16, 2, 4)] if args.quick else [
+        (br, w, st) for br, w, st in itertools.product((8, 16, 32, 64), (2, 4, 8), (2, 4, 6))]
+    for name, nb in sizes.items():
+        for br, w, st in stream_cfgs:
+            if (nb // H) % br:
+                continue
+            try:
+                us = stream_probe(pool, nb, br, w, st)
+            except Exception as e:  # noqa: BLE001 (a config the compiler rejects)
+                print(f"  skip stream {br},{w},{st}: {type(e).__name__}", flush=True)
+                continue
+            res["stream"].append(dict(size=name, bytes=nb, BLOCK_R=br, num_warps=w, STAGES=st, us=us,
+                                      pct_bw=100 * nb / (us * 1e-6) / BW))
+        best = min((r for r in res["stream"] if r["size"] == name), key=lambda r: r["us"])
+        print(f"stream {name:28s} best {best['us']:6.2f} µs ({best['pct_bw']:.0f} % of 4.3 TB/s) "
+              f"rows {best['BLOCK_R']} warps {best['num_warps']} stages {best['STAGES']}", flush=True)
+    del pool
+    torch.cuda.empty_cache()
+
+    ex = Experts()
+    cands = gate_up_candidates()[: 1 if args.quick else None]
+    for cfg in cands:
+        for route in ((True, False) if cfg is cands[0] else (True,)):
+            try:
+                r = time_gate_up(ex, cfg, route)
+            except Exception as e:  # noqa: BLE001
+                print(f"  skip gate_up {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            res["gate_up"].append(r)
+            print(f"gate_up route={int(route)} {r['us']:7.2f} µs err {r['rel_err']:.1e} {cfg}", flush=True)
+    for bh, w in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
+        if args.quick and (bh, w) != (32, 2):
+            continue
+        cfg = dict(moe.pair_config(1, True), PRELOAD_BLOCK_H=bh, num_warps=w)
+        try:
+            r = time_down(ex, cfg)
+        except Exception as e:  # noqa: BLE001
+            print(f"  skip down {bh},{w}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        res["down"].append(r)
+        print(f"down BLOCK_H={bh} warps={w} {r['us']:7.2f} µs err {r['rel_err']:.1e}", flush=True)
+
+    (out / "moe_bs1_probe.json").write_text(json.dumps(res, indent=1))
+    ok = lambda rows: [r for r in rows if r["rel_err"] < 1e-2]  # noqa: E731
+    g0 = [r for r in res["gate_up"] if r["config"] == cands[0]]
+    gbest = min(ok([r for r in res["gate_up"] if r["route"]]), key=lambda r: r["us"])
+    dbase = [r for r in res["down"] if r["config"].get("PRELOAD_BLOCK_H") == 32
+             and r["config"]["num_warps"] == cands[0]["num_warps"]]
+    dbest = min(ok(res["down"]), key=lambda r: r["us"])
+    print("\n| kernel | µs | % of 4.3 TB/s | config |\n|---|---|---|---|")
+    gb, db = 9 * 2 * I * H, 9 * H * I
+    rows = [("gate_up routed (engine)", g0[0], gb), ("gate_up, ids precomputed", g0[-1], gb),
+            ("gate_up best (routed)", gbest, gb), ("down (engine)", (dbase or res["down"])[0], db),
+            ("down best", dbest, db)]
+    for label, r, nb in rows:
+        print(f"| {label} | {r['us']:.2f} | {100 * nb / (r['us'] * 1e-6) / BW:.0f} | {r['config']} |")
+
+
+if __name__ == "__main__":
+    main()
