@@ -598,3 +598,18 @@ if has mtp4; then  # the MTP / speculative GPU tests at today's defaults, then M
       | grep -E "^\| (plain/r|mtp)|script-.*: " | sed "s/^/[fp8 head $head] /"
   done
 fi
+if has topk; then  # METAINFER_ROUTE_TOPK 0 / 1: the routing's picks by argmax rounds or one bitonic top-k of packed keys:
+  # the probe's gate/up + down (base tiles; the gate/up tile sweep with top-k), FP8 decode batches 1-8 alternating, the
+  # FP8 oracle with top-k, ~6 min
+  METAINFER_ROUTE_TOPK=0 timeout 100 python benchmarks/moe_bs1_probe.py --parts gate_up,down --quick \
+    --out $OUT/topk_probe_0 2>&1 | tail -7 | sed "s/^/[topk 0] /"
+  METAINFER_ROUTE_TOPK=1 timeout 200 python benchmarks/moe_bs1_probe.py --parts gate_up,down \
+    --out $OUT/topk_probe_1 2>&1 | tail -7 | sed "s/^/[topk 1] /"
+  for m in 0 1 0 1; do
+    METAINFER_ROUTE_TOPK=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,2,4,8 --gen 32 \
+      --no-profile --out $OUT/topk_${m}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[topk $m] /"
+  done
+  METAINFER_ROUTE_TOPK=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_topk.json 2>&1 | grep -E "verdict" | head -1 \
+    | sed "s/^/[fp8 topk] /"
+fi

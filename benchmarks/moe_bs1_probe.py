@@ -159,20 +159,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="the base configs only")
+    ap.add_argument("--parts", default="stream,gate_up,down", help="comma list of stream, gate_up, down")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.now(UTC).isoformat(timespec="seconds"),
                 pdl=os.environ.get("METAINFER_PDL", "1"))
+    parts = args.parts.split(",")
+    meta["route_topk"] = os.environ.get(routing.TOPK_ENV, "0")
     res: dict = dict(meta, stream=[], gate_up=[], down=[])
 
-    pool = torch.randint(0, 100, (1 << 30,), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    pool = None
+    if "stream" in parts:
+        pool = torch.randint(0, 100, (1 << 30,), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     sizes = {"1 expert gate_up (2.1 MB)": 2 * I * H, "9 downs (9.4 MB)": 9 * H * I,
              "9 gate_ups (18.9 MB)": 9 * 2 * I * H, "in_proj (25.3 MB)": 12352 * H}
     stream_cfgs = [(16, 2, 4)] if args.quick else [
         (br, w, st) for br, w, st in itertools.product((8, 16, 32, 64), (2, 4, 8), (2, 4, 6))]
-    for name, nb in sizes.items():
+    for name, nb in sizes.items() if "stream" in parts else ():
         for br, w, st in stream_cfgs:
             if (nb // H) % br:
                 continue
@@ -191,7 +196,7 @@ def main() -> None:
 
     ex = Experts()
     cands = gate_up_candidates()[: 1 if args.quick else None]
-    for cfg in cands:
+    for cfg in cands if "gate_up" in parts else ():
         for route in ((True, False) if cfg is cands[0] else (True,)):
             try:
                 r = time_gate_up(ex, cfg, route)
@@ -201,7 +206,7 @@ def main() -> None:
             res["gate_up"].append(r)
             print(f"gate_up route={int(route)} {r['us']:7.2f} µs err {r['rel_err']:.1e} {cfg}", flush=True)
     for bh, w in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
-        if args.quick and (bh, w) != (32, 2):
+        if "down" not in parts or (args.quick and (bh, w) != (32, 2)):
             continue
         cfg = dict(moe.pair_config(1, True), PRELOAD_BLOCK_H=bh, num_warps=w)
         try:
@@ -213,6 +218,8 @@ def main() -> None:
         print(f"down BLOCK_H={bh} warps={w} {r['us']:7.2f} µs err {r['rel_err']:.1e}", flush=True)
 
     (out / "moe_bs1_probe.json").write_text(json.dumps(res, indent=1))
+    if "gate_up" not in parts or "down" not in parts:
+        return
     ok = lambda rows: [r for r in rows if r["rel_err"] < 1e-2]  # noqa: E731
     g0 = [r for r in res["gate_up"] if r["config"] == cands[0]]
     gbest = min(ok([r for r in res["gate_up"] if r["route"]]), key=lambda r: r["us"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 
 from metainfer.kernels import moe, moe_grouped, routing
 from metainfer.kernels import reference as ref
@@ -207,6 +208,31 @@ def test_route_topk(T, E_, k):
     w_ref, ids_ref = ref.route(logits, k)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32
     assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("topk", [0, 1])
+def test_route_ties_pick_the_lowest_index(topk, monkeypatch):
+    """Integer logits (many exact ties at the 8th pick): the argmax rounds and the bitonic top-k of
+    packed keys (METAINFER_ROUTE_TOPK) both pick the lowest index among equal probabilities, as a
+    stable sort does, with the same weights; and the routing gate/up kernel's slots agree."""
+    if topk and not hasattr(tl, "topk"):
+        pytest.skip("this Triton has no tl.topk")
+    monkeypatch.setattr(routing, "ROUTE_TOPK", tl.constexpr(topk))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(-2, 3, (3, 257), generator=g).float()
+    logits[2, :] = 1.0  # all equal: experts 0..7
+    w, ids = routing.route_topk(logits, 8, shared=True)
+    p = logits[:, :256].softmax(-1)
+    want = torch.argsort(-p, dim=-1, stable=True)[:, :8]
+    assert torch.equal(ids[:, :8], want) and torch.equal(ids[2, :8], torch.arange(8))
+    top = p.gather(1, want)
+    assert torch.allclose(w[:, :8], top / top.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    x = torch.randn(3, H, generator=g)
+    w_gu = torch.randn(257, 2 * I, H, generator=g) / H**0.5
+    w_dn = torch.randn(257, H, I, generator=g) / I**0.5
+    rows, tw = moe.moe_routed_rows(x, logits, 8, True, w_gu, w_dn)
+    assert torch.equal(tw, w)
+    assert rel_rmse(rows, ref.moe_expert_rows(x, w_gu, w_dn, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("T", [1, 3])
