@@ -613,3 +613,20 @@ if has topk; then  # METAINFER_ROUTE_TOPK 0 / 1: the routing's picks by argmax r
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_topk.json 2>&1 | grep -E "verdict" | head -1 \
     | sed "s/^/[fp8 topk] /"
 fi
+if has epick; then  # the routing's picks on the softmax numerators (any warp count picks the same experts): the probe's
+  # gate/up + down tile sweep at batch 1 (its best as the "fp8,1" pair config, the down kernel's warps its own), FP8
+  # decode batches 1 / 4 with the defaults and with that config alternating, the FP8 oracle with both, ~6 min
+  timeout 200 python benchmarks/moe_bs1_probe.py --parts gate_up,down --out $OUT/epick_probe 2>&1 | tail -7
+  T1=$OUT/epick_probe/moe_pair_tuned.json
+  for m in def tuned def tuned; do
+    sw=(); [[ $m == tuned ]] && sw=(METAINFER_MOE_TUNED=$T1)
+    env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,4 --gen 32 --no-profile \
+      --out $OUT/epick_${m}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[$m] /"
+  done
+  for m in def tuned; do
+    sw=(); [[ $m == tuned ]] && sw=(METAINFER_MOE_TUNED=$T1)
+    env "${sw[@]}" timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+      --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_epick_$m.json 2>&1 | grep -E "verdict" | head -1 \
+      | sed "s/^/[fp8 $m] /"
+  done
+fi

@@ -14,7 +14,8 @@ come from HBM), with an RMSNorm launch between calls as in the step (the PDL ove
   down     `_routed_down_kernel` (weights loaded before the PDL wait) per BLOCK_H and warps.
 
 Every MoE candidate's output is checked against a dequantised torch reference (relative RMSE < 1e-2)
-before it is timed. Writes $OUT/moe_bs1_probe.json and prints a table.
+before it is timed. Writes $OUT/moe_bs1_probe.json, the best gate/up and down tiles as the "fp8,1" pair
+config in $OUT/moe_pair_tuned.json (for METAINFER_MOE_TUNED), and prints a table.
 
     python benchmarks/moe_bs1_probe.py --out $OUT
 """
@@ -117,8 +118,7 @@ class Experts:
 
     def down(self, i: int, act: torch.Tensor, cfg: dict) -> torch.Tensor:
         (dq, ds) = self.dn[i % self.COPIES]
-        return moe._routed_down(act, dq, moe._scale_args(ds, dq), self.logits[i], TOP_K, W, True,
-                                cfg["num_warps"], cfg.get("PRELOAD_BLOCK_H", moe.DOWN_PRELOAD_BLOCK_H))
+        return moe._routed_down(act, dq, moe._scale_args(ds, dq), self.logits[i], TOP_K, W, True, cfg)
 
 
 def time_gate_up(ex: Experts, cfg: dict, route: bool) -> dict:
@@ -226,6 +226,9 @@ def main() -> None:
     dbase = [r for r in res["down"] if r["config"].get("PRELOAD_BLOCK_H") == 32
              and r["config"]["num_warps"] == cands[0]["num_warps"]]
     dbest = min(ok(res["down"]), key=lambda r: r["us"])
+    tuned = dict(gbest["config"], DOWN_WARPS=dbest["config"]["num_warps"],
+                 PRELOAD_BLOCK_H=dbest["config"]["PRELOAD_BLOCK_H"])
+    (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs={"fp8,1": tuned}), indent=1))
     print("\n| kernel | µs | % of 4.3 TB/s | config |\n|---|---|---|---|")
     gb, db = 9 * 2 * I * H, 9 * H * I
     rows = [("gate_up routed (engine)", g0[0], gb), ("gate_up, ids precomputed", g0[-1], gb),

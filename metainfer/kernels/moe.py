@@ -303,20 +303,22 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor)
     return y
 
 
-def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, num_warps: int,
-                 block_h: int = DOWN_PRELOAD_BLOCK_H) -> torch.Tensor:
+def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg: dict) -> torch.Tensor:
     """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits (or,
     top_k = 0, read from the ids [T, slots] passed as logits), weights loaded before the PDL wait
-    -> y [T*W, H] fp32. num_warps: the gate/up kernel's, so the routing's reductions run in the
-    same order and pick the same experts even at a near-tie."""
+    -> y [T*W, H] fp32. cfg: the pair config; its PRELOAD_BLOCK_H rows per program (default 32) and
+    DOWN_WARPS warps (default: the gate/up kernel's; any count picks the same experts, as the
+    routing's picks do not depend on the reduction order: `routing.softmax_topk`)."""
     H, I = w_down.shape[1], w_down.shape[2]
     P = act.shape[0]
     E = logits.shape[1] - (slots - top_k) if top_k else 1
     y = torch.empty(P, H, dtype=torch.float32, device=act.device)
+    block_h = cfg.get("PRELOAD_BLOCK_H", DOWN_PRELOAD_BLOCK_H)
     _routed_down_kernel[(P, triton.cdiv(H, block_h))](
         act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
-        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)), num_warps=num_warps,
+        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)),
+        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
         **pdl.kw(),
     )
     return y
@@ -431,8 +433,7 @@ def moe_routed_rows(
                         route=(router_logits, top_k, tw))
     dn = _scale_args(down_scale, w_down)
     if os.environ.get(DOWN_PRELOAD_ENV, "1") != "0":
-        y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8, cfg["num_warps"],
-                         cfg.get("PRELOAD_BLOCK_H", DOWN_PRELOAD_BLOCK_H))
+        y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8, cfg)
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H), tw
@@ -460,8 +461,7 @@ def moe_pair_rows(
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg)
     dn = _scale_args(down_scale, w_down)
     if down_from_ids(fp8):  # KB-0059: the weights loaded before the PDL wait
-        y = _routed_down(act, w_down, dn, ids, 0, W, fp8, cfg["num_warps"],
-                         cfg.get("PRELOAD_BLOCK_H", DOWN_PRELOAD_BLOCK_H))
+        y = _routed_down(act, w_down, dn, ids, 0, W, fp8, cfg)
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H)

@@ -10,16 +10,11 @@ E gates it as slot k (id E, weight sigmoid(logit E)).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
-
-TOPK_ENV = "METAINFER_ROUTE_TOPK"  # "1": the picks from one bitonic top-k of packed keys (not argmax rounds)
-ROUTE_TOPK = tl.constexpr(int(os.environ.get(TOPK_ENV, "0") == "1" and hasattr(tl, "topk")))
 
 
 @triton.jit
@@ -28,34 +23,28 @@ def softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr, 
     ties). -> (probabilities of the picks [K_P2], their experts [K_P2] int32), in pick order.
     CG: load past L1 (logits written by other programs of the same launch).
 
-    ROUTE_TOPK (METAINFER_ROUTE_TOPK=1): the same picks from one `tl.topk` (a bitonic network) over
-    int64 keys = (the probability's bits << 16) | (E_P2 - 1 - index): probabilities are >= 0, so
-    their bits order as they do, and of equal ones the lower index has the larger key; the masked
-    tail (-1.0) has negative keys. K_P2 keys come back, the first n_pick kept (the rest zeros, as the
-    rounds leave them)."""
+    The rounds run on the numerators exp(logit - max), not the probabilities: they need no sum, so
+    the picks do not depend on the reduction order (a kernel's warp count) and do not wait for the
+    sum, which only scales the picks' values at the end. The picks are the probabilities' except
+    where dividing by the sum rounds two different numerators to one probability (the larger
+    numerator is picked first here, the lower index there)."""
     offs = tl.arange(0, E_P2)
     if CG:
         logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf"), cache_modifier=".cg")
     else:
         logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf"))
     logit = logit.to(tl.float32)
-    p = tl.exp(logit - tl.max(logit, axis=0))
-    p = tl.where(offs < E, p / tl.sum(p, axis=0), -1.0)
+    num = tl.exp(logit - tl.max(logit, axis=0))
+    e = tl.where(offs < E, num, -1.0)
     slot = tl.arange(0, K_P2)
-    if ROUTE_TOPK:
-        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (E_P2 - 1 - offs).to(tl.int64)
-        best_keys = tl.topk(key, K_P2)
-        vals = tl.where(slot < n_pick, (best_keys >> 16).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        idx = tl.where(slot < n_pick, (E_P2 - 1 - (best_keys & 0xFFFF)).to(tl.int32), 0)
-    else:
-        vals = tl.zeros((K_P2,), tl.float32)
-        idx = tl.zeros((K_P2,), tl.int32)
-        for j in range(0, n_pick):  # one reduction per pick: the max and its (lowest) index together
-            top, best = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            vals = tl.where(slot == j, top, vals)
-            idx = tl.where(slot == j, best, idx)
-            p = tl.where(offs == best, -1.0, p)
-    return vals, idx
+    vals = tl.zeros((K_P2,), tl.float32)
+    idx = tl.zeros((K_P2,), tl.int32)
+    for j in range(0, n_pick):  # one reduction per pick: the max and its (lowest) index together
+        top, best = tl.max(e, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        vals = tl.where(slot == j, top, vals)
+        idx = tl.where(slot == j, best, idx)
+        e = tl.where(offs == best, -1.0, e)
+    return vals / tl.sum(num, axis=0), idx
 
 
 @triton.jit
