@@ -623,7 +623,7 @@ if has epick; then  # the routing's picks on the softmax numerators (any warp co
     env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,4 --gen 32 --no-profile \
       --out $OUT/epick_${m}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[$m] /"
   done
-  for m in def tuned; do
+  for m in ${VERIFY:-def tuned}; do
     sw=(); [[ $m == tuned ]] && sw=(METAINFER_MOE_TUNED=$T1)
     env "${sw[@]}" timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
       --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_epick_$m.json 2>&1 | grep -E "verdict" | head -1 \

@@ -167,7 +167,6 @@ def main() -> None:
                 date=datetime.now(UTC).isoformat(timespec="seconds"),
                 pdl=os.environ.get("METAINFER_PDL", "1"))
     parts = args.parts.split(",")
-    meta["route_topk"] = os.environ.get(routing.TOPK_ENV, "0")
     res: dict = dict(meta, stream=[], gate_up=[], down=[])
 
     pool = None
