@@ -597,6 +597,10 @@ if has mtp4; then  # the MTP / speculative GPU tests at today's defaults, then M
       --script-k 4 --reps 2 --draft-vocab 32768 --out $OUT/mtp4_head$head 2>&1 \
       | grep -E "^\| (plain/r|mtp)|script-.*: " | sed "s/^/[fp8 head $head] /"
   done
+  for head in 0 1; do  # plain decode at the committed tables, BF16 and FP8 lm_head
+    METAINFER_FP8_LM_HEAD=$head timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,2,4,8 --gen 32 \
+      --no-profile --out $OUT/mtp4_decode_head$head 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[head $head] /"
+  done
 fi
 if has topk; then  # METAINFER_ROUTE_TOPK 0 / 1: the routing's picks by argmax rounds or one bitonic top-k of packed keys:
   # the probe's gate/up + down (base tiles; the gate/up tile sweep with top-k), FP8 decode batches 1-8 alternating, the
