@@ -122,7 +122,8 @@
 #   (2026-11-30j): small (KB-0042), bisect, t1out, asplit (KB-0041), nsw (KB-0043..45), srepeat,
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
-#   (2026-12-01e): probe (moe_bs1_probe.py), mtp4 (MTP tests at the defaults, FP8-head draft slice).
+#   (2026-12-01e): probe (moe_bs1_probe.py), topk (KB-0070), epick (KB-0071), mtp4 (MTP tests at the defaults,
+#   FP8-head draft slice). Built, not run: rtiles (KB-0071's sweep at 2-4 tokens).
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -633,4 +634,18 @@ if has epick; then  # the routing's picks on the softmax numerators (any warp co
       --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_epick_$m.json 2>&1 | grep -E "verdict" | head -1 \
       | sed "s/^/[fp8 $m] /"
   done
+fi
+if has rtiles; then  # KB-0071's sweep at 2-4 tokens (FP8 decode batches 2-4 and the MTP drafter's chains run the routed
+  # rows there on the heuristic tiles): the probe's gate/up + down sweep at T = 2, 3, 4 (its best as "fp8,T"), FP8 decode
+  # batches 1-4 with the defaults and with that table alternating, the FP8 oracle with it, ~7 min
+  timeout 300 python benchmarks/moe_bs1_probe.py --parts gate_up,down --tokens 2,3,4 --out $OUT/rtiles_probe 2>&1 \
+    | grep -A7 "^| T = "
+  T1=$OUT/rtiles_probe/moe_pair_tuned.json
+  for m in def tuned def tuned; do
+    sw=(); [[ $m == tuned ]] && sw=(METAINFER_MOE_TUNED=$T1)
+    env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,2,3,4 --gen 32 --no-profile \
+      --out $OUT/rtiles_${m}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[$m] /"
+  done
+  METAINFER_MOE_TUNED=$T1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_rtiles.json 2>&1 | grep -E "verdict" | head -1
 fi

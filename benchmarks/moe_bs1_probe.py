@@ -75,20 +75,25 @@ def stream_probe(pool: torch.Tensor, nbytes: int, block_r: int, warps: int, stag
 
 
 class Experts:
-    """COPIES layers of FP8 experts (257 each: 256 routed + the shared one), CALLS routings."""
+    """COPIES layers of FP8 experts (257 each: 256 routed + the shared one), CALLS routings of T tokens."""
 
     COPIES = 4
 
     def __init__(self) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
-        self.gu, self.dn = [], []
+        self.gu, self.dn, self.T = [], [], 0
         for _ in range(self.COPIES):
             self.gu.append(quantize_fp8_block((torch.randn(E + 1, 2 * I, H, device="cuda", generator=g)
                                                / H**0.5).bfloat16()))
             self.dn.append(quantize_fp8_block((torch.randn(E + 1, H, I, device="cuda", generator=g)
                                                / I**0.5).bfloat16()))
-        self.x = [torch.randn(1, H, device="cuda", generator=g).bfloat16() for _ in range(CALLS)]
-        self.logits = [(torch.randn(1, E + 1, device="cuda", generator=g) * 2).bfloat16()
+
+    def tokens(self, T: int) -> None:
+        """New inputs and routings: CALLS of T tokens each."""
+        g = torch.Generator(device="cuda").manual_seed(T)
+        self.T = T
+        self.x = [torch.randn(T, H, device="cuda", generator=g).bfloat16() for _ in range(CALLS)]
+        self.logits = [(torch.randn(T, E + 1, device="cuda", generator=g) * 2).bfloat16()
                        for _ in range(CALLS)]
         self.tw, self.ids = [], []
         for lg in self.logits:
@@ -97,22 +102,23 @@ class Experts:
             self.ids.append(ids)
 
     def reference(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(act [W, I], rows [W, H]) of call i, from the dequantised experts."""
+        """(act [T*W, I], rows [T*W, H]) of call i, from the dequantised experts."""
         (wq, ws), (dq, ds) = self.gu[i % self.COPIES], self.dn[i % self.COPIES]
-        ids = self.ids[i][0]
+        ids = self.ids[i].flatten()
         pick = lambda q: q.view(torch.uint8)[ids].view(torch.float8_e4m3fn)  # noqa: E731
         wgu = ref_dequant_fp8(pick(wq), ws[ids], torch.float32)
         wdn = ref_dequant_fp8(pick(dq), ds[ids], torch.float32)
-        gu = torch.einsum("wnk,k->wn", wgu, self.x[i][0].float())
+        xs = self.x[i].float().repeat_interleave(W, dim=0)  # pair p = (token p // W, slot p % W)
+        gu = torch.einsum("pnk,pk->pn", wgu, xs)
         act = (F.silu(gu[:, :I]) * gu[:, I:]).bfloat16()
-        return act, torch.einsum("whk,wk->wh", wdn, act.float())
+        return act, torch.einsum("phk,pk->ph", wdn, act.float())
 
     def gate_up(self, i: int, cfg: dict, route: bool) -> torch.Tensor:
         (wq, ws) = self.gu[i % self.COPIES]
         sc = moe._scale_args(ws, wq)
         if route:
-            ids = torch.empty(1, W, dtype=torch.int64, device="cuda")
-            tw = torch.empty(1, W, dtype=torch.float32, device="cuda")
+            ids = torch.empty(self.T, W, dtype=torch.int64, device="cuda")
+            tw = torch.empty(self.T, W, dtype=torch.float32, device="cuda")
             return moe._pair_gate_up(self.x[i], wq, sc, ids, True, cfg, route=(self.logits[i], TOP_K, tw))
         return moe._pair_gate_up(self.x[i], wq, sc, self.ids[i], True, cfg)
 
@@ -144,8 +150,8 @@ def time_down(ex: Experts, cfg: dict) -> dict:
     return dict(config=cfg, us=time_graph(call, CALLS), rel_err=err)
 
 
-def gate_up_candidates() -> list[dict]:
-    base = moe.pair_config(1, True)
+def gate_up_candidates(T: int) -> list[dict]:
+    base = moe.pair_config(T, True)
     out = [dict(base)]
     for bi, st, w in itertools.product((4, 8, 16, 32), (2, 3, 4, 6), (1, 2, 4)):
         if bi * 128 // (32 * w) >= 4:  # at least 4 bytes of each row tile per thread
@@ -160,6 +166,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="the base configs only")
     ap.add_argument("--parts", default="stream,gate_up,down", help="comma list of stream, gate_up, down")
+    ap.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1],
+                    help="decode batch sizes of the routed-rows path (FP8: up to 4)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,48 +202,58 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     ex = Experts()
-    cands = gate_up_candidates()[: 1 if args.quick else None]
+    configs = {}
+    for T in args.tokens:
+        configs[f"fp8,{T}"] = sweep_tokens(ex, T, parts, args.quick, res)
+    (out / "moe_bs1_probe.json").write_text(json.dumps(res, indent=1))
+    if all(configs.values()):
+        (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=configs), indent=1))
+
+
+def sweep_tokens(ex: Experts, T: int, parts: list[str], quick: bool, res: dict) -> dict | None:
+    """The routed gate/up (and, once, the precomputed-ids variant) and the down kernel at T tokens:
+    every candidate into res; -> the best pair of tiles as one pair config (None without both parts)."""
+    ex.tokens(T)
+    cands = gate_up_candidates(T)[: 1 if quick else None]
+    gate_up, down = [], []
     for cfg in cands if "gate_up" in parts else ():
         for route in ((True, False) if cfg is cands[0] else (True,)):
             try:
-                r = time_gate_up(ex, cfg, route)
+                r = dict(time_gate_up(ex, cfg, route), T=T)
             except Exception as e:  # noqa: BLE001
                 print(f"  skip gate_up {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
-            res["gate_up"].append(r)
-            print(f"gate_up route={int(route)} {r['us']:7.2f} µs err {r['rel_err']:.1e} {cfg}", flush=True)
+            gate_up.append(r)
+            print(f"gate_up T={T} route={int(route)} {r['us']:7.2f} µs err {r['rel_err']:.1e} {cfg}",
+                  flush=True)
+    base = moe.pair_config(T, True)
+    base_down = (base.get("PRELOAD_BLOCK_H", moe.DOWN_PRELOAD_BLOCK_H),
+                 base.get("DOWN_WARPS", base["num_warps"]))
     for bh, w in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
-        if "down" not in parts or (args.quick and (bh, w) != (32, 2)):
+        if "down" not in parts or (quick and (bh, w) != base_down):
             continue
-        cfg = dict(moe.pair_config(1, True), PRELOAD_BLOCK_H=bh, num_warps=w)
+        cfg = dict(base, PRELOAD_BLOCK_H=bh, DOWN_WARPS=w)
         try:
-            r = time_down(ex, cfg)
+            r = dict(time_down(ex, cfg), T=T, base=(bh, w) == base_down)
         except Exception as e:  # noqa: BLE001
             print(f"  skip down {bh},{w}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
-        res["down"].append(r)
-        print(f"down BLOCK_H={bh} warps={w} {r['us']:7.2f} µs err {r['rel_err']:.1e}", flush=True)
-
-    (out / "moe_bs1_probe.json").write_text(json.dumps(res, indent=1))
-    if "gate_up" not in parts or "down" not in parts:
-        return
+        down.append(r)
+        print(f"down T={T} BLOCK_H={bh} warps={w} {r['us']:7.2f} µs err {r['rel_err']:.1e}", flush=True)
+    res["gate_up"] += gate_up
+    res["down"] += down
+    if not gate_up or not down:
+        return None
     ok = lambda rows: [r for r in rows if r["rel_err"] < 1e-2]  # noqa: E731
-    g0 = [r for r in res["gate_up"] if r["config"] == cands[0]]
-    gbest = min(ok([r for r in res["gate_up"] if r["route"]]), key=lambda r: r["us"])
-    dbase = [r for r in res["down"] if r["config"].get("PRELOAD_BLOCK_H") == 32
-             and r["config"]["num_warps"] == cands[0]["num_warps"]]
-    dbest = min(ok(res["down"]), key=lambda r: r["us"])
-    tuned = dict(gbest["config"], DOWN_WARPS=dbest["config"]["num_warps"],
-                 PRELOAD_BLOCK_H=dbest["config"]["PRELOAD_BLOCK_H"])
-    (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs={"fp8,1": tuned}), indent=1))
-    print("\n| kernel | µs | % of 4.3 TB/s | config |\n|---|---|---|---|")
-    gb, db = 9 * 2 * I * H, 9 * H * I
-    rows = [("gate_up routed (engine)", g0[0], gb), ("gate_up, ids precomputed", g0[-1], gb),
-            ("gate_up best (routed)", gbest, gb), ("down (engine)", (dbase or res["down"])[0], db),
-            ("down best", dbest, db)]
-    for label, r, nb in rows:
-        print(f"| {label} | {r['us']:.2f} | {100 * nb / (r['us'] * 1e-6) / BW:.0f} | {r['config']} |")
-
+    gbest = min(ok([r for r in gate_up if r["route"]]), key=lambda r: r["us"])
+    dbest = min(ok(down), key=lambda r: r["us"])
+    print(f"\n| T = {T} | µs | config |\n|---|---|---|")
+    for label, r in [("gate_up routed (engine)", gate_up[0]), ("gate_up, ids precomputed", gate_up[1]),
+                     ("gate_up best (routed)", gbest),
+                     ("down (engine)", next((r for r in down if r["base"]), down[0])), ("down best", dbest)]:
+        print(f"| {label} | {r['us']:.2f} | {r['config']} |")
+    return dict(gbest["config"], DOWN_WARPS=dbest["config"]["DOWN_WARPS"],
+                PRELOAD_BLOCK_H=dbest["config"]["PRELOAD_BLOCK_H"])
 
 if __name__ == "__main__":
     main()
