@@ -123,7 +123,8 @@
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
 #   (2026-12-01e): probe (moe_bs1_probe.py), topk (KB-0070), epick (KB-0071), mtp4 (MTP tests at the defaults,
-#   FP8-head draft slice). Built, not run: rtiles (KB-0071's sweep at 2-4 tokens).
+#   FP8-head draft slice). Built, not run: rtiles (KB-0071's sweep at 2-4 tokens), aprologue (qk_norm_rope in the
+#   attention split kernel).
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -648,4 +649,18 @@ if has rtiles; then  # KB-0071's sweep at 2-4 tokens (FP8 decode batches 2-4 and
   done
   METAINFER_MOE_TUNED=$T1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_rtiles.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has aprologue; then  # METAINFER_ATTN_PROLOGUE 0 / 1: decode-only steps fold the qk_norm_rope launch (q/k norm, partial
+  # RoPE, the cache write) into the attention split kernel (10 launches fewer per step): its GPU tests, the engine GPU tests
+  # with it, FP8 decode batches 1 / 8 / 64 alternating, the FP8 oracle with it, ~7 min
+  timeout 200 python -m pytest -q tests/gpu/test_kernels_a_gpu.py -p no:cacheprovider -k "prologue or compile or graph" \
+    2>&1 | tail -2
+  METAINFER_ATTN_PROLOGUE=1 timeout 220 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+    -k "graph or mtp or speculative or prologue" 2>&1 | tail -2
+  for m in 0 1 0 1; do
+    METAINFER_ATTN_PROLOGUE=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,64 --gen 32 \
+      --no-profile --out $OUT/aprologue_${m}_$SECONDS 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[prologue $m] /"
+  done
+  METAINFER_ATTN_PROLOGUE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_aprologue.json 2>&1 | grep -E "verdict" | head -1
 fi

@@ -89,6 +89,25 @@ def _store_result(acc, m, lsum, rid, heads, d, mask, lmask, split, num_splits, o
         tl.store(out_ptr + rows * so_t + heads[:, None] * so_h + d[None, :], o, mask=mask)
 
 
+@triton.jit
+def _norm_rope(src, d, mask, w_ptr, pos, inv_freq_ptr, eps, D: tl.constexpr, RD: tl.constexpr,
+               AXIS: tl.constexpr):
+    """`qk_norm_rope`'s math on the rows at src + d (d: the dims, along AXIS, the last axis): RMSNorm
+    x / rms * (1 + w), then NeoX RoPE on the first RD dims at position pos. -> fp32."""
+    half: tl.constexpr = RD // 2
+    partner = tl.where(d < half, d + half, tl.where(d < RD, d - half, d))
+    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / D + eps)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
+    xn = x * rstd * (1.0 + w)
+    xpn = xp * rstd * (1.0 + wp)
+    freq = pos * tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=d < RD, other=0.0)
+    rot = tl.where(d < half, -xpn, xpn)
+    return tl.where(d < RD, xn * tl.cos(freq) + rot * tl.sin(freq), xn)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, gate_ptr,
@@ -96,8 +115,15 @@ def _decode_split_kernel(
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0,
+    wq_ptr=None, wk_ptr=None, pos_ptr=None, inv_freq_ptr=None, slot_ptr=None, kn_ptr=None, vn_ptr=None,
+    skn_t=0, skn_h=0, svn_t=0, svn_h=0, eps=0.0, PROLOGUE: tl.constexpr = 0, RD: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
+    """PROLOGUE (`decode_attention_prologue`): q_ptr holds the raw query rows (q_proj's output);
+    the program normalises and rotates its G heads' rows itself, and the program whose split holds
+    the last position writes this step's key (normed, rotated) and value rows of its KV head into the
+    cache (kn_ptr / vn_ptr, the raw rows; slot_ptr's slot) before its loop reads them: the
+    `qk_norm_rope` launch folded in, the same values."""
     pdl.wait(USE_PDL)
     # q: [B, HQ, D] rows of the decodes; caches: [N, BLOCK_SIZE, Hkv, D]; bt: [B, max_blocks]
     # SPLIT: part_o [B, HQ, num_splits, D] fp32, part_lse [B, HQ, num_splits] fp32 (log2 units);
@@ -115,8 +141,22 @@ def _decode_split_kernel(
     gmask = g < G
     dmask = d < D
     heads = hkv * G + g
-    q = tl.load(q_ptr + b * sq_t + heads[:, None] * sq_h + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
+    qrows = q_ptr + b * sq_t + heads[:, None] * sq_h
+    if PROLOGUE:
+        pos = tl.load(pos_ptr + b).to(tl.float32)
+        q = _norm_rope(qrows, d[None, :], gmask[:, None] & dmask[None, :], wq_ptr, pos, inv_freq_ptr, eps,
+                       D, RD, 1).to(q_ptr.dtype.element_ty)
+        if (start <= seq_len - 1) & (seq_len - 1 < end):  # this step's key and value: into the cache
+            kn = _norm_rope(kn_ptr + b * skn_t + hkv * skn_h, d, dmask, wk_ptr, pos, inv_freq_ptr, eps, D,
+                            RD, 0)
+            slot = tl.load(slot_ptr + b)
+            dst = (slot // BLOCK_SIZE) * sk_blk + (slot % BLOCK_SIZE) * sk_tok + hkv * sk_h + d
+            tl.store(k_ptr + dst, kn.to(k_ptr.dtype.element_ty), mask=dmask)
+            vn = tl.load(vn_ptr + b * svn_t + hkv * svn_h + d, mask=dmask, other=0.0)
+            tl.store(v_ptr + dst, vn.to(v_ptr.dtype.element_ty), mask=dmask)
+        tl.debug_barrier()  # the rows stored are visible to every thread of the program below
+    else:
+        q = tl.load(qrows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
@@ -280,7 +320,8 @@ def _gate_args(gate: torch.Tensor | None, out: torch.Tensor) -> tuple:
 
 
 def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: DecodeConfig,
-            num_splits: int | None = None, gate: torch.Tensor | None = None) -> None:
+            num_splits: int | None = None, gate: torch.Tensor | None = None,
+            prologue: dict | None = None) -> None:
     nd = meta.num_decodes
     _, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -301,13 +342,63 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         HQ=Hq, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
         BLOCK_SIZE=bs, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}), **pdl.kw(),
     )
     if ns > 1:
         _decode_reduce_kernel[(nd, Hq)](
             part_o, part_lse, out, g_ptr, out.stride(0), out.stride(1), sg_t, sg_h, ns,
             HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, GATE=has_gate, num_warps=4, **pdl.kw(),
         )
+
+
+PROLOGUE_ENV = "METAINFER_ATTN_PROLOGUE"  # "1": decode steps fold qk_norm_rope into the split kernel
+
+
+def prologue_enabled(meta: ForwardMeta) -> bool:
+    """Whether a step takes `decode_attention_prologue`: METAINFER_ATTN_PROLOGUE=1 and decodes only."""
+    return os.environ.get(PROLOGUE_ENV, "0") == "1" and meta.num_seqs == meta.num_decodes > 0
+
+
+def decode_attention_prologue(
+    q: torch.Tensor,  # [T, Hq, D] raw query rows (q_proj's output; may be a strided view)
+    k: torch.Tensor,  # [T, Hkv, D] raw key rows
+    v: torch.Tensor,  # [T, Hkv, D]
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    eps: float,
+    positions: torch.Tensor,  # [T] int64
+    inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
+    k_cache: torch.Tensor,  # [N, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    meta: ForwardMeta,  # decodes only: one token per sequence
+    scale: float,
+    gate: torch.Tensor | None = None,
+    *,
+    cfg: DecodeConfig = DECODE,
+    num_splits: int | None = None,  # tests: forced split counts
+) -> torch.Tensor:
+    """`qk_norm_rope.qk_norm_rope_write` then `paged_attention` of a decode-only step, without the
+    first launch: the split kernel normalises and rotates q itself, and one program per (sequence,
+    KV head) writes the step's key and value rows into the cache before reading it. -> [T, Hq, D]."""
+    _check(q, k_cache, v_cache, meta)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    assert meta.num_seqs == meta.num_decodes == T, "decodes only"
+    for x in (k, v):
+        assert x.shape == (T, Hkv, D) and x.stride(2) == 1, (x.shape, x.stride())
+    assert positions.shape == (T,) and slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64
+    assert inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
+    if gate is not None:
+        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(2) == 1, gate.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    prologue = dict(wq_ptr=q_weight, wk_ptr=k_weight, pos_ptr=positions, inv_freq_ptr=inv_freq,
+                    slot_ptr=slot_mapping, kn_ptr=k, vn_ptr=v, skn_t=k.stride(0), skn_h=k.stride(1),
+                    svn_t=v.stride(0), svn_h=v.stride(1), eps=eps, PROLOGUE=1, RD=2 * inv_freq.numel())
+    _decode(q, k_cache, v_cache, meta, scale, out, cfg, num_splits, gate=gate, prologue=prologue)
+    return out
 
 
 PREFILL_SPLIT_ENV = "METAINFER_ATTN_PREFILL_SPLIT"  # "0": no split-KV for short prefill chunks (KB-0041)

@@ -314,6 +314,22 @@ def qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_
     return q
 
 
+def decode_attention_prologue(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache,
+                              slot_mapping, meta, scale, gate=None):
+    """`qk_norm_rope_write` then `paged_attention` of a decode-only step in the attention kernels'
+    launches (the prologue folded into the split kernel; METAINFER_ATTN_PROLOGUE=1). -> [T, Hq, D],
+    or None where that path does not serve the step (CPU, a step with prefill rows, the switch off)."""
+    kern = _kernel("decode_attention_prologue", q)
+    if not kern:
+        return None
+    from metainfer.kernels.attention import prologue_enabled
+
+    if not prologue_enabled(meta):
+        return None
+    return kern(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, meta,
+                scale, gate)
+
+
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """Stores this step's keys/values [T, Hkv, D] at flat cache slots [T]."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))

@@ -21,6 +21,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "gdn_prefill_varlen": ("metainfer.kernels.gdn_prefill", "gdn_prefill_varlen"),
     "paged_attention": ("metainfer.kernels.attention", "paged_attention"),
     "qk_norm_rope_write": ("metainfer.kernels.qk_norm_rope", "qk_norm_rope_write"),
+    "decode_attention_prologue": ("metainfer.kernels.attention", "decode_attention_prologue"),
     "route": ("metainfer.kernels.routing", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),

@@ -215,6 +215,17 @@ def test_gated_norm_linear_equals_two_launches(cfg_path, quant, monkeypatch):
     _rows_agree_until_they_part(runs)
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_attn_prologue_equals_two_launches(cfg_path, quant, monkeypatch):
+    """METAINFER_ATTN_PROLOGUE 1 vs 0: decode-only steps with q/k norm, RoPE and the cache write inside
+    the attention split kernel give the two launches' logits to a rounding (the q rows' norm sums in
+    another order), every row conditioned on the same tokens within 1e-2 relative RMSE."""
+    from metainfer.kernels import attention
+
+    runs = _on_and_off(cfg_path, quant, monkeypatch, attention.PROLOGUE_ENV, _prompts(6, seed=7), ("1", "0"))
+    _rows_agree_until_they_part(runs)
+
+
 def test_kernels_match_reference_path(cfg_path):
     prompts = _prompts(4, seed=1)
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=512)

@@ -269,6 +269,34 @@ def test_paged_attention_prefill_split_full_shapes(query_lens, context_lens, mon
     close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
 
 
+@cuda
+@pytest.mark.parametrize("context_lens", [[8191], [0, 99, 1000, 4096, 7999, 63]])
+def test_decode_prologue_full_shapes(context_lens):
+    """`decode_attention_prologue` (METAINFER_ATTN_PROLOGUE: q/k norm + partial RoPE + the cache write
+    inside the split kernel) against `qk_norm_rope_write` then `paged_attention` at the model's
+    shapes (16 query heads, 2 KV heads, head dim 256, rotary dim 64): the same caches, outputs within
+    the attention bound (the q rows' norm sums in another order)."""
+    from metainfer.kernels import attention
+    from metainfer.kernels.qk_norm_rope import qk_norm_rope_write
+
+    B = len(context_lens)
+    _, kc, vc, meta = _attn_setup([1] * B, context_lens, 16, seed=B)
+    gd = gen(B + 1)
+    qg = torch.randn(B, HQ, 2 * D, device=DEV, generator=gd).bfloat16()
+    q, gate = qg[..., :D], qg[..., D:]
+    k, v = (torch.randn(B, HKV, D, device=DEV, generator=gd).bfloat16() for _ in range(2))
+    wq, wk = ((torch.rand(D, device=DEV, generator=gd) * 0.2 - 0.1).bfloat16() for _ in range(2))
+    pos = torch.tensor(context_lens, device=DEV)
+    inv = ref.rope_inv_freq(64, 1e7).to(DEV)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qn = qk_norm_rope_write(q, k, v, wq, wk, 1e-6, pos, inv, kc2, vc2, meta.slot_mapping)
+    want = attention.paged_attention(qn, kc2, vc2, meta, D**-0.5, gate=gate)
+    got = attention.decode_attention_prologue(q, k, v, wq, wk, 1e-6, pos, inv, kc, vc, meta.slot_mapping,
+                                              meta, D**-0.5, gate)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    close(got, want, *ATTN)
+
+
 # ---- CUDA graphs ---------------------------------------------------------------------------------
 @cuda
 def test_decode_kernels_graph_replay_matches_eager():
@@ -384,6 +412,12 @@ _COMPILE = textwrap.dedent(
               out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, gate_ptr=bf, scale_log2="fp32"),
               dict(HQ=16, G=8, G_PAD=16, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=dc.block_n, SPLIT=split,
                    PREC="tf32", UPCAST=False, GATE=gate), dc.num_warps, dc.num_stages)
+    # the qk_norm_rope launch folded in (METAINFER_ATTN_PROLOGUE: decode-only steps)
+    build(A._decode_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, bt_ptr="*i32", seq_lens_ptr="*i32",
+          out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, gate_ptr=bf, scale_log2="fp32", wq_ptr=bf, wk_ptr=bf,
+          pos_ptr="*i64", inv_freq_ptr=f32, slot_ptr="*i64", kn_ptr=bf, vn_ptr=bf, eps="fp32"),
+          dict(HQ=16, G=8, G_PAD=16, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=dc.block_n, SPLIT=True,
+               PREC="tf32", UPCAST=False, GATE=1, PROLOGUE=1, RD=64), dc.num_warps, dc.num_stages)
     for gate in (0, 1):
         build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf, gate_ptr=bf),
               dict(HQ=16, D=256, BLOCK_D=256, CHUNK=dc.reduce_chunk, GATE=gate), 4)

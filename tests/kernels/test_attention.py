@@ -8,6 +8,7 @@ import torch
 
 from metainfer.kernels import attention as attn
 from metainfer.kernels import reference as ref
+from metainfer.kernels.qk_norm_rope import qk_norm_rope_write
 from metainfer.model.meta import ForwardMeta
 from tests.helpers import rel_rmse
 
@@ -61,6 +62,32 @@ def test_decode_splits(bs, num_splits):
     cfg = attn.DecodeConfig(block_n=8)
     attn._decode(q, kc, vc, meta, scale, out, cfg, num_splits=num_splits)
     _close(out, _want(q, kc, vc, meta, scale), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits,bs,dtype", [(1, 4, torch.float32), (3, 16, torch.float32),
+                                                 (8, 4, torch.bfloat16)])
+def test_decode_prologue_equals_norm_rope_then_attention(num_splits, bs, dtype):
+    """`decode_attention_prologue` (the qk_norm_rope launch folded into the split kernel) against
+    `qk_norm_rope_write` then the split kernels: the same output, and the same caches (this step's
+    key and value rows written once, by the program whose split holds the last position)."""
+    ctx = [0, 4, 16, 33]  # seq_lens 1, 5, 17, 34
+    _, kc, vc, meta = _setup([1] * 4, ctx, Hq=4, Hkv=2, D=32, bs=bs, dtype=dtype, seed=11)
+    g = torch.Generator().manual_seed(5)
+    qg = torch.randn(4, 4, 64, generator=g).to(dtype)  # q and the gate: strided views, as in the model
+    q, gate = qg[..., :32], qg[..., 32:]
+    k, v = (torch.randn(4, 2, 32, generator=g).to(dtype) for _ in range(2))
+    wq, wk = ((torch.rand(32, generator=g) * 0.2 - 0.1).to(dtype) for _ in range(2))
+    pos, inv = torch.tensor(ctx), ref.rope_inv_freq(8, 1e7)
+    scale, cfg = 32**-0.5, attn.DecodeConfig(block_n=8)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qn = qk_norm_rope_write(q, k, v, wq, wk, 1e-6, pos, inv, kc2, vc2, meta.slot_mapping)
+    want = torch.empty_like(qn)
+    attn._decode(qn, kc2, vc2, meta, scale, want, cfg, num_splits=num_splits, gate=gate)
+    got = attn.decode_attention_prologue(q, k, v, wq, wk, 1e-6, pos, inv, kc, vc, meta.slot_mapping, meta,
+                                         scale, gate, cfg=cfg, num_splits=num_splits)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    _close(got, want, dtype)
+    assert rel_rmse(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -161,3 +188,34 @@ def test_prefill_num_splits_only_when_on_and_short(monkeypatch):
     assert attn.prefill_num_splits(5, 2, 8192) == attn.decode_num_splits(1, 2, 8192, attn.DECODE) > 1
     assert attn.prefill_num_splits(attn.PREFILL_SPLIT_MAX_Q + 1, 2, 8192) == 1
     assert attn.prefill_num_splits(5, 2, 16) == 1  # a context too short to split
+
+
+def test_gated_attention_takes_the_prologue_path(monkeypatch, tmp_path):
+    """GatedAttention.forward on a decode-only step with METAINFER_ATTN_PROLOGUE=1 (the kernels'
+    dispatch, on the interpreter) equals its forward with the switch off (qk_norm_rope_write, then
+    paged_attention): the same output and caches; a step with a prefill row keeps the two launches."""
+    from metainfer.config import ModelConfig
+    from metainfer.kernels import ops, registry
+    from metainfer.model.attention import GatedAttention
+    from tests.helpers import write_config
+
+    kernels = registry.load()
+    monkeypatch.setattr(ops, "_kernel", lambda name, x: kernels.get(name))  # the GPU dispatch, on the CPU
+    cfg = ModelConfig.from_hf(write_config(tmp_path))
+    torch.manual_seed(0)
+    att = GatedAttention(cfg)
+    for p in att.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ctx = [0, 7, 40]
+    _, kc, vc, meta = _setup([1] * 3, ctx, Hq=4, Hkv=2, D=32, bs=4, dtype=torch.float32, seed=3)
+    x, pos = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(1)), torch.tensor(ctx)
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(attn.PROLOGUE_ENV, on)
+        k2, v2 = kc.clone(), vc.clone()
+        outs[on] = (att(x, pos, meta, k2, v2), k2, v2)
+    assert attn.prologue_enabled(meta)
+    assert torch.equal(outs["0"][1], outs["1"][1]) and torch.equal(outs["0"][2], outs["1"][2])
+    assert rel_rmse(outs["1"][0], outs["0"][0]) < 1e-5
+    _, _, _, mixed = _setup([1, 3], [5, 0], Hq=4, Hkv=2, D=32, bs=4, dtype=torch.float32, seed=4)
+    assert not attn.prologue_enabled(mixed)  # a prefill row: the two-launch path
