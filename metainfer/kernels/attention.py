@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
+from metainfer.kernels.qk_norm_rope import check_inputs, norm_rope
 from metainfer.model.meta import ForwardMeta
 
 _LOG2E = 1.4426950408889634
@@ -89,25 +90,6 @@ def _store_result(acc, m, lsum, rid, heads, d, mask, lmask, split, num_splits, o
         tl.store(out_ptr + rows * so_t + heads[:, None] * so_h + d[None, :], o, mask=mask)
 
 
-@triton.jit
-def _norm_rope(src, d, mask, w_ptr, pos, inv_freq_ptr, eps, D: tl.constexpr, RD: tl.constexpr,
-               AXIS: tl.constexpr):
-    """`qk_norm_rope`'s math on the rows at src + d (d: the dims, along AXIS, the last axis): RMSNorm
-    x / rms * (1 + w), then NeoX RoPE on the first RD dims at position pos. -> fp32."""
-    half: tl.constexpr = RD // 2
-    partner = tl.where(d < half, d + half, tl.where(d < RD, d - half, d))
-    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / D + eps)
-    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
-    xn = x * rstd * (1.0 + w)
-    xpn = xp * rstd * (1.0 + wp)
-    freq = pos * tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=d < RD, other=0.0)
-    rot = tl.where(d < half, -xpn, xpn)
-    return tl.where(d < RD, xn * tl.cos(freq) + rot * tl.sin(freq), xn)
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, gate_ptr,
@@ -144,10 +126,10 @@ def _decode_split_kernel(
     qrows = q_ptr + b * sq_t + heads[:, None] * sq_h
     if PROLOGUE:
         pos = tl.load(pos_ptr + b).to(tl.float32)
-        q = _norm_rope(qrows, d[None, :], gmask[:, None] & dmask[None, :], wq_ptr, pos, inv_freq_ptr, eps,
+        q = norm_rope(qrows, d[None, :], gmask[:, None] & dmask[None, :], wq_ptr, pos, inv_freq_ptr, eps,
                        D, RD, 1).to(q_ptr.dtype.element_ty)
         if (start <= seq_len - 1) & (seq_len - 1 < end):  # this step's key and value: into the cache
-            kn = _norm_rope(kn_ptr + b * skn_t + hkv * skn_h, d, dmask, wk_ptr, pos, inv_freq_ptr, eps, D,
+            kn = norm_rope(kn_ptr + b * skn_t + hkv * skn_h, d, dmask, wk_ptr, pos, inv_freq_ptr, eps, D,
                             RD, 0)
             slot = tl.load(slot_ptr + b)
             dst = (slot // BLOCK_SIZE) * sk_blk + (slot % BLOCK_SIZE) * sk_tok + hkv * sk_h + d
@@ -359,36 +341,18 @@ def prologue_enabled(meta: ForwardMeta) -> bool:
     return os.environ.get(PROLOGUE_ENV, "0") == "1" and meta.num_seqs == meta.num_decodes > 0
 
 
-def decode_attention_prologue(
-    q: torch.Tensor,  # [T, Hq, D] raw query rows (q_proj's output; may be a strided view)
-    k: torch.Tensor,  # [T, Hkv, D] raw key rows
-    v: torch.Tensor,  # [T, Hkv, D]
-    q_weight: torch.Tensor,  # [D]
-    k_weight: torch.Tensor,  # [D]
-    eps: float,
-    positions: torch.Tensor,  # [T] int64
-    inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
-    k_cache: torch.Tensor,  # [N, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64
-    meta: ForwardMeta,  # decodes only: one token per sequence
-    scale: float,
-    gate: torch.Tensor | None = None,
-    *,
-    cfg: DecodeConfig = DECODE,
-    num_splits: int | None = None,  # tests: forced split counts
-) -> torch.Tensor:
-    """`qk_norm_rope.qk_norm_rope_write` then `paged_attention` of a decode-only step, without the
-    first launch: the split kernel normalises and rotates q itself, and one program per (sequence,
-    KV head) writes the step's key and value rows into the cache before reading it. -> [T, Hq, D]."""
+def decode_attention_prologue(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache,
+                              slot_mapping, meta: ForwardMeta, scale: float, gate: torch.Tensor | None = None,
+                              *, cfg: DecodeConfig = DECODE, num_splits: int | None = None) -> torch.Tensor:
+    """`qk_norm_rope.qk_norm_rope_write` then `paged_attention` of a decode-only step (meta: one token
+    per sequence), without the first launch: the split kernel normalises and rotates q itself, and
+    one program per (sequence, KV head) writes the step's key and value rows into the cache before
+    reading it. The arguments as those two take them (q: the raw query rows, a strided view of
+    q_proj's output; k, v the raw rows); num_splits: forced split counts (tests). -> [T, Hq, D]."""
     _check(q, k_cache, v_cache, meta)
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    assert meta.num_seqs == meta.num_decodes == T, "decodes only"
-    for x in (k, v):
-        assert x.shape == (T, Hkv, D) and x.stride(2) == 1, (x.shape, x.stride())
-    assert positions.shape == (T,) and slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64
-    assert inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
+    check_inputs(q, k, v, positions, inv_freq, slot_mapping)
+    T = q.shape[0]
+    assert meta.num_seqs == meta.num_decodes == T and k.shape[1] == k_cache.shape[2], "decodes only"
     if gate is not None:
         assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(2) == 1, gate.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -18,6 +18,37 @@ from metainfer.kernels import pdl
 
 
 @triton.jit
+def norm_rope(src, d, mask, w_ptr, pos, inv_freq_ptr, eps, D: tl.constexpr, RD: tl.constexpr,
+              AXIS: tl.constexpr):
+    """The math of this launch on the rows at src + d (d: the dims, along AXIS, the last axis):
+    RMSNorm x / rms * (1 + w), then NeoX RoPE on the first RD dims at position pos. -> fp32. Also
+    the attention decode kernel's prologue (`attention.decode_attention_prologue`)."""
+    half: tl.constexpr = RD // 2
+    partner = tl.where(d < half, d + half, tl.where(d < RD, d - half, d))
+    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / D + eps)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
+    xn = x * rstd * (1.0 + w)
+    xpn = xp * rstd * (1.0 + wp)
+    freq = pos * tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=d < RD, other=0.0)
+    rot = tl.where(d < half, -xpn, xpn)
+    return tl.where(d < RD, xn * tl.cos(freq) + rot * tl.sin(freq), xn)
+
+
+def check_inputs(q, k, v, positions, inv_freq, slot_mapping) -> None:
+    """q [T, Hq, D], k, v [T, Hkv, D] (D contiguous), positions / slot_mapping [T] (slots int64),
+    inv_freq fp32 contiguous: the shapes both launchers take."""
+    T, _, D = q.shape
+    for x in (q, k, v):
+        assert x.stride(2) == 1 and x.shape[0] == T and x.shape[2] == D, (x.shape, x.stride())
+    assert k.shape == v.shape, (k.shape, v.shape)
+    assert positions.shape == (T,) and slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64
+    assert inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
@@ -48,8 +79,6 @@ def _qk_norm_rope_kernel(
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    half: tl.constexpr = RD // 2
-    partner = tl.where(d < half, d + half, tl.where(d < RD, d - half, d))
     is_q = h < HQ
     if is_q:
         src = q_ptr + t * sq_t + h * sq_h
@@ -57,18 +86,7 @@ def _qk_norm_rope_kernel(
     else:
         src = k_ptr + t * sk_t + (h - HQ) * sk_h
         w_ptr = wk_ptr
-    x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
-    xp = tl.load(src + partner, mask=dmask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-    xn = x * rstd * (1.0 + w)
-    xpn = xp * rstd * (1.0 + wp)
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    fidx = tl.where(d < half, d, d - half)
-    freq = pos * tl.load(inv_freq_ptr + fidx, mask=d < RD, other=0.0)
-    rot = tl.where(d < half, -xpn, xpn)
-    y = tl.where(d < RD, xn * tl.cos(freq) + rot * tl.sin(freq), xn)
+    y = norm_rope(src, d, dmask, w_ptr, tl.load(pos_ptr + t).to(tl.float32), inv_freq_ptr, eps, D, RD, 0)
     if is_q:
         tl.store(q_out_ptr + (t * HQ + h) * D + d, y.to(q_out_ptr.dtype.element_ty), mask=dmask)
     else:
@@ -97,12 +115,9 @@ def qk_norm_rope_write(
     """-> q normed and rotated [T, Hq, D] (contiguous); k (normed, rotated) and v land in the cache."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    for x in (q, k, v):
-        assert x.stride(2) == 1 and x.shape[0] == T and x.shape[2] == D, (x.shape, x.stride())
-    assert k.shape == v.shape and k_cache.shape[2:] == (Hkv, D) and k_cache.is_contiguous()
+    check_inputs(q, k, v, positions, inv_freq, slot_mapping)
+    assert k_cache.shape[2:] == (Hkv, D) and k_cache.is_contiguous()
     assert v_cache.shape == k_cache.shape and v_cache.is_contiguous()
-    assert positions.shape == (T,) and slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64
-    assert inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     if T:
         _qk_norm_rope_kernel[(T, Hq + Hkv)](
