@@ -14,10 +14,12 @@ come from HBM), with an RMSNorm launch between calls as in the step (the PDL ove
   down     `_routed_down_kernel` (weights loaded before the PDL wait) per BLOCK_H and warps.
 
 Every MoE candidate's output is checked against a dequantised torch reference (relative RMSE < 1e-2)
-before it is timed. Writes $OUT/moe_bs1_probe.json, the best gate/up and down tiles as the "fp8,1" pair
-config in $OUT/moe_pair_tuned.json (for METAINFER_MOE_TUNED), and prints a table.
+before it is timed. --tokens T1,T2,..: the MoE parts at each decode batch size of the routed-rows path
+(FP8: 1-4 tokens). Writes $OUT/moe_bs1_probe.json, each T's best gate/up and down tiles as the "fp8,T"
+pair configs in $OUT/moe_pair_tuned.json (for METAINFER_MOE_TUNED), and prints a table per T.
 
     python benchmarks/moe_bs1_probe.py --out $OUT
+    python benchmarks/moe_bs1_probe.py --parts gate_up,down --tokens 2,3,4 --out $OUT
 """
 
 from __future__ import annotations
