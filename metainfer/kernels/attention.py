@@ -281,7 +281,7 @@ def decode_num_splits(num_decodes: int, num_kv_heads: int, capacity: int, cfg: D
     return max(1, min(want, triton.cdiv(capacity, cfg.min_split_tokens), cfg.max_splits))
 
 
-def _check(q, k_cache, v_cache, meta: ForwardMeta) -> None:
+def _check(q, k_cache, v_cache, meta: ForwardMeta, gate: torch.Tensor | None = None) -> None:
     assert q.dim() == 3 and q.stride(2) == 1, "q: [T, Hq, D] with contiguous D"
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "k/v caches: same strides"
@@ -292,6 +292,8 @@ def _check(q, k_cache, v_cache, meta: ForwardMeta) -> None:
     assert bt.dtype == torch.int32 and bt.dim() == 2 and bt.stride(1) == 1, (bt.dtype, bt.shape)
     assert meta.seq_lens.dtype == torch.int32 and meta.query_start_loc.dtype == torch.int32
     assert meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()
+    if gate is not None:
+        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(2) == 1, gate.shape
 
 
 def _gate_args(gate: torch.Tensor | None, out: torch.Tensor) -> tuple:
@@ -349,12 +351,10 @@ def decode_attention_prologue(q, k, v, q_weight, k_weight, eps: float, positions
     one program per (sequence, KV head) writes the step's key and value rows into the cache before
     reading it. The arguments as those two take them (q: the raw query rows, a strided view of
     q_proj's output; k, v the raw rows); num_splits: forced split counts (tests). -> [T, Hq, D]."""
-    _check(q, k_cache, v_cache, meta)
+    _check(q, k_cache, v_cache, meta, gate)
     check_inputs(q, k, v, positions, inv_freq, slot_mapping)
     T = q.shape[0]
     assert meta.num_seqs == meta.num_decodes == T and k.shape[1] == k_cache.shape[2], "decodes only"
-    if gate is not None:
-        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(2) == 1, gate.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
@@ -428,9 +428,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached sequence, times
     sigmoid(gate) when given (applied as the result is stored). -> [T, Hq, D]."""
-    _check(q, k_cache, v_cache, meta)
-    if gate is not None:
-        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(2) == 1, gate.shape
+    _check(q, k_cache, v_cache, meta, gate)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
