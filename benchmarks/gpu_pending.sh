@@ -125,13 +125,6 @@
 #   (2026-12-01e): probe (moe_bs1_probe.py), topk (KB-0070), epick (KB-0071), mtp4 (MTP tests at the defaults,
 #   FP8-head draft slice). Built, not run: rtiles (KB-0071's sweep at 2-4 tokens), aprologue (qk_norm_rope in the
 #   attention split kernel).
-#   (2026-12-01f): aprologue (METAINFER_ATTN_PROLOGUE: no faster, its engine graph test failed; not adopted).
-#   fused  - the MoE block in one launch (moe_fused, METAINFER_MOE_FUSED=1: routing, gate/up, down and the weighted
-#            sum in int64 fixed point): the kernel GPU tests, benchmarks/moe_bs1_probe.py --parts fused at T = 1, 2, 4
-#            (FP8) and 1 (BF16) against the engine's launches, FP8 decode batches 1 / 2 / 4 and BF16 batch 1 off / on
-#            (on: the probe's tiles, METAINFER_MOE_TUNED), ~8 min
-#   fverify - with METAINFER_MOE_FUSED=1 (the committed tiles): the engine GPU tests (on vs off, graph == eager), the
-#            oracle (FP8, BF16), FP8 decode batches 1 / 8 / 32 / 64 / 128, ~8 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -670,31 +663,4 @@ if has aprologue; then  # METAINFER_ATTN_PROLOGUE 0 / 1: decode-only steps fold 
   done
   METAINFER_ATTN_PROLOGUE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_aprologue.json 2>&1 | grep -E "verdict" | head -1
-fi
-if has fused; then
-  timeout 150 python -m pytest -q tests/gpu/test_kernels_b_gpu.py -p no:cacheprovider -k fused 2>&1 | tail -2
-  timeout 220 python benchmarks/moe_bs1_probe.py --parts fused --tokens 1,2,4 --bf16-tokens 1 --out $OUT/fused_probe \
-    2>&1 | grep -v "falling back" | tee $OUT/fused_probe.log | grep -A4 "^| T = "
-  TF=$OUT/fused_probe/moe_pair_tuned.json
-  for m in 0 1; do
-    sw=(METAINFER_MOE_FUSED=$m); [[ $m == 1 ]] && sw+=(METAINFER_MOE_TUNED=$TF)
-    env "${sw[@]}" timeout 85 python benchmarks/decode_bench.py --dtype fp8 --batches 1,2,4 --gen 32 --no-profile \
-      --out $OUT/fused_fp8_$m 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[fp8 fused=$m] /"
-  done
-  for m in 0 1; do
-    sw=(METAINFER_MOE_FUSED=$m); [[ $m == 1 ]] && sw+=(METAINFER_MOE_TUNED=$TF)
-    env "${sw[@]}" timeout 85 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 32 --no-profile \
-      --out $OUT/fused_bf16_$m 2>&1 | grep -E "^\|" | grep -v batch | sed "s/^/[bf16 fused=$m] /"
-  done
-fi
-if has fverify; then
-  export METAINFER_MOE_FUSED=1
-  timeout 200 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "moe_fused" 2>&1 | tail -2
-  for dt in fp8 bfloat16; do
-    timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype $dt \
-      --device cuda --suite full --json $OUT/verify_${dt}_fused.json 2>&1 | grep -E "verdict" | head -1 | sed "s/^/[$dt fused] /"
-  done
-  timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,32,64,128 --gen 32 --no-profile \
-    --out $OUT/fused_final 2>&1 | grep -E "^\|" | sed "s/^/[fp8 fused final] /"
-  unset METAINFER_MOE_FUSED
 fi

@@ -11,21 +11,15 @@ come from HBM), with an RMSNorm launch between calls as in the step (the PDL ove
   gate_up  the engine's routed gate/up kernel (ROUTE_K = 8) against the same kernel reading
            precomputed ids (ROUTE_K = 0): what the routing before the first weight load costs;
            then CUDA-core and tensor-core tiles (BLOCK_I, STAGES, warps);
-  down     `_routed_down_kernel` (weights loaded before the PDL wait) per BLOCK_H and warps;
-  fused    the whole block in one launch (`moe_fused`: routing, gate/up, down, the weighted sum in int64
-           fixed point) plus its consumer norm, against the engine's launches for the same block plus
-           theirs (FP8: the routed gate/up, the preloading down, the summing norm; BF16: the route
-           launch, the per-pair rows, the summing norm), per tile (BLOCK_I, H_SPLIT, MMA, warps).
+  down     `_routed_down_kernel` (weights loaded before the PDL wait) per BLOCK_H and warps.
 
 Every MoE candidate's output is checked against a dequantised torch reference (relative RMSE < 1e-2)
 before it is timed. --tokens T1,T2,..: the MoE parts at each decode batch size of the routed-rows path
 (FP8: 1-4 tokens). Writes $OUT/moe_bs1_probe.json, each T's best gate/up and down tiles as the "fp8,T"
-pair configs in $OUT/moe_pair_tuned.json (for METAINFER_MOE_TUNED), and prints a table per T; with
---parts fused, each T's best fused tiles as "fused:fp8,T" ("fused:bf16,T" for --bf16-tokens) there too.
+pair configs in $OUT/moe_pair_tuned.json (for METAINFER_MOE_TUNED), and prints a table per T.
 
     python benchmarks/moe_bs1_probe.py --out $OUT
     python benchmarks/moe_bs1_probe.py --parts gate_up,down --tokens 2,3,4 --out $OUT
-    python benchmarks/moe_bs1_probe.py --parts fused --tokens 1,2,4 --bf16-tokens 1 --out $OUT
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_b import gap_kernel, rel_rmse, time_graph  # noqa: E402
 
-from metainfer.kernels import moe, moe_fused, norm, routing  # noqa: E402
+from metainfer.kernels import moe, routing  # noqa: E402
 from metainfer.kernels.ops import ref_dequant_fp8  # noqa: E402
 from metainfer.model.fp8 import quantize_fp8_block  # noqa: E402
 
@@ -87,13 +81,14 @@ class Experts:
 
     COPIES = 4
 
-    def __init__(self, fp8: bool = True) -> None:
+    def __init__(self) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
-        self.gu, self.dn, self.T, self.fp8 = [], [], 0, fp8
-        q = quantize_fp8_block if fp8 else (lambda w: (w, None))  # BF16: (weights, no scales)
+        self.gu, self.dn, self.T = [], [], 0
         for _ in range(self.COPIES):
-            self.gu.append(q((torch.randn(E + 1, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()))
-            self.dn.append(q((torch.randn(E + 1, H, I, device="cuda", generator=g) / I**0.5).bfloat16()))
+            self.gu.append(quantize_fp8_block((torch.randn(E + 1, 2 * I, H, device="cuda", generator=g)
+                                               / H**0.5).bfloat16()))
+            self.dn.append(quantize_fp8_block((torch.randn(E + 1, H, I, device="cuda", generator=g)
+                                               / I**0.5).bfloat16()))
 
     def tokens(self, T: int) -> None:
         """New inputs and routings: CALLS of T tokens each."""
@@ -168,83 +163,6 @@ def gate_up_candidates(T: int) -> list[dict]:
     return out
 
 
-def _weights(ex: Experts, i: int) -> tuple:
-    (wq, ws), (dq, ds) = ex.gu[i % ex.COPIES], ex.dn[i % ex.COPIES]
-    return (wq, dq, ws, ds) if ex.fp8 else (wq, dq)
-
-
-def block_engine(ex: Experts, i: int, res: torch.Tensor, nw: torch.Tensor):
-    """The engine's launches for call i's MoE block and its summing norm (FP8: `moe_routed_rows`; BF16:
-    the route launch and `moe_pair_rows`) -> (normed, new residual)."""
-    w = _weights(ex, i)
-    if ex.fp8:
-        rows, tw = moe.moe_routed_rows(ex.x[i], ex.logits[i], TOP_K, True, *w)
-        return norm.moe_add_rms_norm(rows, tw, res, nw, 1e-6)
-    tw, ids = routing.route_topk(ex.logits[i], TOP_K, shared=True)
-    return norm.moe_add_rms_norm(moe.moe_pair_rows(ex.x[i], *w[:2], ids), tw, res, nw, 1e-6)
-
-
-def block_fused(ex: Experts, i: int, res: torch.Tensor, nw: torch.Tensor, cfg: dict | None):
-    """The fused block (`moe_fused.moe_fused_sum`) and its consumer norm for call i."""
-    acc = moe_fused.moe_fused_sum(ex.x[i], ex.logits[i], TOP_K, True, *_weights(ex, i), config=cfg)
-    return norm.moe_acc_add_rms_norm(acc, res, nw, 1e-6)
-
-
-def time_block(ex: Experts, cfg: dict | None, fused: bool) -> dict:
-    """µs per block (+ its norm, + the gap norm before it) over CALLS calls; rel_err of the normed output
-    against the engine's launches (the same picks; sums in other orders)."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    res = torch.randn(ex.T, H, device="cuda", generator=g).bfloat16()
-    nw = (torch.randn(H, device="cuda", generator=g) * 0.1).bfloat16()
-    want = block_engine(ex, 0, res, nw)[0]
-    got = (block_fused(ex, 0, res, nw, cfg) if fused else block_engine(ex, 0, res, nw))[0]
-    err = rel_rmse(got, want)
-
-    def call(i):
-        gap_kernel(ex.x[i])
-        if fused:
-            block_fused(ex, i, res, nw, cfg)
-        else:
-            block_engine(ex, i, res, nw)
-
-    return dict(config=cfg, fused=fused, us=time_graph(call, CALLS), rel_err=err)
-
-
-def fused_candidates() -> list[dict]:
-    out = []
-    for bi, hs, w in itertools.product((32, 64, 128), (1, 2, 4), (4, 8)):
-        out.append(dict(BLOCK_I=bi, BLOCK_K=128, BLOCK_H=128, H_SPLIT=hs, STAGES=3, num_warps=w, MMA=1,
-                        DOT_F16=1))
-    for bi, hs, w in itertools.product((16, 32, 64), (1, 2), (2, 4)):
-        out.append(dict(BLOCK_I=bi, BLOCK_K=64, BLOCK_H=64, H_SPLIT=hs, STAGES=3, num_warps=w, MMA=0))
-    return out
-
-
-def sweep_fused(ex: Experts, T: int, cands: list[dict], res: dict) -> list[dict]:
-    """The engine's launches and each fused candidate at T tokens -> the passing candidates, fastest
-    first (each a result row, also appended to res["fused"])."""
-    ex.tokens(T)
-    tag = "fp8" if ex.fp8 else "bf16"
-    base = dict(time_block(ex, None, False), T=T, dtype=tag)
-    res["fused"].append(base)
-    print(f"block T={T} {tag} engine launches {base['us']:7.2f} µs", flush=True)
-    rows = []
-    for cfg in cands:
-        try:
-            r = dict(time_block(ex, cfg, True), T=T, dtype=tag)
-        except Exception as e:  # noqa: BLE001 (a config the compiler rejects)
-            print(f"  skip fused {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-            continue
-        res["fused"].append(r)
-        rows.append(r)
-        print(f"fused T={T} {tag} {r['us']:7.2f} µs err {r['rel_err']:.1e} {cfg}", flush=True)
-    ok = sorted((r for r in rows if r["rel_err"] < 1e-3), key=lambda r: r["us"])
-    if ok:
-        print(f"\n| T = {T} {tag} | µs |\n|---|---|\n| engine launches | {base['us']:.2f} |\n"
-              f"| fused, best | {ok[0]['us']:.2f} ({ok[0]['config']}) |", flush=True)
-    return ok
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -252,10 +170,6 @@ def main() -> None:
     ap.add_argument("--parts", default="stream,gate_up,down", help="comma list of stream, gate_up, down")
     ap.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1],
                     help="decode batch sizes of the routed-rows path (FP8: up to 4)")
-    ap.add_argument("--bf16-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[],
-                    help="--parts fused: also BF16 experts at these batch sizes")
-    ap.add_argument("--fused-top", type=int, default=6,
-                    help="--parts fused: after the first T, only the first T's fastest N candidates")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -263,7 +177,7 @@ def main() -> None:
                 date=datetime.now(UTC).isoformat(timespec="seconds"),
                 pdl=os.environ.get("METAINFER_PDL", "1"))
     parts = args.parts.split(",")
-    res: dict = dict(meta, stream=[], gate_up=[], down=[], fused=[])
+    res: dict = dict(meta, stream=[], gate_up=[], down=[])
 
     pool = None
     if "stream" in parts:
@@ -291,25 +205,10 @@ def main() -> None:
 
     ex = Experts()
     configs = {}
-    if "gate_up" in parts or "down" in parts:
-        for T in args.tokens:
-            configs[f"fp8,{T}"] = sweep_tokens(ex, T, parts, args.quick, res)
-    if "fused" in parts:
-        cands = fused_candidates()[: 1 if args.quick else None]
-        for T in args.tokens:
-            ok = sweep_fused(ex, T, cands, res)
-            configs[f"fused:fp8,{T}"] = ok[0]["config"] if ok else None
-            if ok and T == args.tokens[0]:
-                cands = [r["config"] for r in ok[: args.fused_top]]
-        if args.bf16_tokens:
-            del ex
-            torch.cuda.empty_cache()
-            ex = Experts(fp8=False)
-            for T in args.bf16_tokens:
-                ok = sweep_fused(ex, T, cands, res)
-                configs[f"fused:bf16,{T}"] = ok[0]["config"] if ok else None
+    for T in args.tokens:
+        configs[f"fp8,{T}"] = sweep_tokens(ex, T, parts, args.quick, res)
     (out / "moe_bs1_probe.json").write_text(json.dumps(res, indent=1))
-    if configs and all(configs.values()):
+    if all(configs.values()):
         (out / "moe_pair_tuned.json").write_text(json.dumps(dict(meta, configs=configs), indent=1))
 
 

@@ -17,7 +17,6 @@ from metainfer.kernels import pdl
 from metainfer.kernels.common import env_int, gated_norm
 from metainfer.kernels.fp8_linear import BLOCK as QBLOCK
 from metainfer.kernels.fp8_linear import quant_groups
-from metainfer.kernels.moe_fused import FIXED_POINT_SCALE
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -186,35 +185,6 @@ def _moe_add_rms_norm_kernel(
 
 
 @triton.jit
-def _moe_acc_add_rms_norm_kernel(
-    acc_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    n_rows, sr0, N, eps, inv_scale, q_ptr, s_ptr, n_s,
-    HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANT: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
-):
-    """`_add_rms_norm_kernel` whose x is the fused MoE block's fixed-point sum (`moe_fused`): x =
-    acc * inv_scale in fp32, rounded to the residual's dtype; the accumulator is left at zero for the
-    next block (each element is read and cleared by the one program that owns its row)."""
-    pdl.wait(USE_PDL)
-    # acc: [n_rows, N] int64; res: [n_rows, N] row stride sr0
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    rmask = rows < n_rows
-    mask = rmask[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    off = rows64 * N + cols[None, :]
-    acc = tl.load(acc_ptr + off, mask=mask, other=0, cache_modifier=".cg")  # summed by atomics in L2
-    tl.store(acc_ptr + off, tl.zeros((BLOCK_R, BLOCK_N), tl.int64), mask=mask)
-    r = (acc.to(tl.float32) * inv_scale).to(new_res_ptr.dtype.element_ty)
-    if HAS_RES:
-        res = tl.load(res_ptr + rows64 * sr0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        r = (r.to(tl.float32) + res).to(new_res_ptr.dtype.element_ty)
-    _store_residual_and_norm(r, new_res_ptr, out_ptr, w_ptr, off, cols, cmask, rows, rmask, N, eps,
-                             q_ptr, s_ptr, n_s, QUANT, BLOCK_N)
-
-
-@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
     n_rows, R2, sx0, sx1, sz0, sz1, N, eps, q_ptr, s_ptr, n_s,
@@ -377,34 +347,6 @@ def moe_add_rms_norm(
     _moe_add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
         rows, weights, res, weight, out, new_res, T, res.stride(0), N, eps,
         **_quant_args(xq_out, T, N, rows.device), SLOTS=W, HAS_RES=residual is not None, BLOCK_R=block_r,
-        BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
-    )
-    return out, new_res
-
-
-def moe_acc_add_rms_norm(
-    acc: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    dtype: torch.dtype | None = None, xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """acc [T, N] int64, the fused MoE block's fixed-point output (`moe_fused.moe_fused_sum`): x = acc /
-    FIXED_POINT_SCALE in fp32, rounded to the residual's dtype (or `dtype`), then `add_rms_norm(x, residual)`,
-    in one launch that also zeroes acc (xq_out: as there)."""
-    assert acc.dim() == 2 and acc.is_contiguous() and acc.dtype == torch.int64, (acc.shape, acc.dtype)
-    T, N = acc.shape
-    dt = residual.dtype if residual is not None else dtype
-    assert dt in (torch.bfloat16, torch.float16, torch.float32), "need the residual or a dtype"
-    if residual is not None:
-        assert residual.shape == (T, N) and residual.stride(1) == 1, (residual.shape, residual.stride())
-    assert weight.shape == (N,) and weight.is_contiguous()
-    out = torch.empty(T, N, dtype=dt, device=acc.device)
-    new_res = torch.empty(T, N, dtype=dt, device=acc.device)
-    if T == 0:
-        return out, new_res
-    block_r, block_n = _tile(N)
-    res = residual if residual is not None else new_res  # unused pointer without a residual
-    _moe_acc_add_rms_norm_kernel[(triton.cdiv(T, block_r),)](
-        acc, res, weight, out, new_res, T, res.stride(0), N, eps, 1.0 / FIXED_POINT_SCALE,
-        **_quant_args(xq_out, T, N, acc.device), HAS_RES=residual is not None, BLOCK_R=block_r,
         BLOCK_N=block_n, num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out, new_res

@@ -110,20 +110,6 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
     return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
 
 
-def moe_fused_sum(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
-    """Routing, experts and their weighted sum in one launch (`moe_fused`, METAINFER_MOE_FUSED=1): ->
-    the block's output as fixed-point int64 [T, H] for `moe_acc_add_rms_norm`, or None where no kernel
-    serves x (the CPU, switched off, more tokens than its bound)."""
-    k = _kernel("moe_fused_sum", x)
-    if not k:
-        return None
-    from metainfer.kernels.moe_fused import fused_ok
-
-    if not fused_ok(x.shape[0]):
-        return None
-    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
-
-
 MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (a combine launch), not `moe_rows` (KB-0035)
 
 
@@ -185,21 +171,6 @@ def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=No
         return k(rows, weights, residual, weight, eps, dtype, xq_out=xq_out)
     assert xq_out is None, "xq_out needs the norm kernel"
     x = ref.moe_combine(rows, weights, residual.dtype if residual is not None else dtype)
-    return add_rms_norm(x, residual, weight, eps)
-
-
-def moe_acc_add_rms_norm(acc, residual, weight, eps, dtype=None, xq_out=None):
-    """`add_rms_norm(x, residual)` of the fused MoE block's fixed-point output acc [T, H] int64 (x =
-    acc / 2^32 in fp32, rounded to the residual's dtype or `dtype`), which it leaves zeroed for the
-    next block. -> (normed, new residual). xq_out: as `add_rms_norm`."""
-    from metainfer.kernels.moe_fused import FIXED_POINT_SCALE
-
-    k = _kernel("moe_acc_add_rms_norm", acc)
-    if k:
-        return k(acc, residual, weight, eps, dtype, xq_out=xq_out)
-    assert xq_out is None, "xq_out needs the norm kernel"
-    x = (acc.double() / FIXED_POINT_SCALE).float().to(residual.dtype if residual is not None else dtype)
-    acc.zero_()
     return add_rms_norm(x, residual, weight, eps)
 
 

@@ -26,8 +26,6 @@ KERNELS: dict[str, tuple[str, str]] = {
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
-    "moe_fused_sum": ("metainfer.kernels.moe_fused", "moe_fused_sum"),
-    "moe_acc_add_rms_norm": ("metainfer.kernels.norm", "moe_acc_add_rms_norm"),
     "add_rms_norm_router": ("metainfer.kernels.norm", "add_rms_norm_router"),
     "moe_pair_rows": ("metainfer.kernels.moe", "moe_pair_rows"),
     "moe_grouped_rows": ("metainfer.kernels.moe", "moe_grouped_rows"),

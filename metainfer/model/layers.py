@@ -24,16 +24,6 @@ class ExpertRows:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True)
-class ExpertSum:
-    """A MoE block's output from the fused decode kernel (`moe_fused`): its fixed-point int64 sums
-    acc [T, H], rounded to `dtype` by the next `RMSNorm.add_forward`, which consumes the buffer (leaves
-    it zeroed for the next block): read it once."""
-
-    acc: torch.Tensor
-    dtype: torch.dtype
-
-
 def fp8_copy_buffers(consumer: Linear | bool, T: int, K: int, device, norm_op: str = "add_rms_norm"
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Buffers for a norm's e4m3 copy of its [T, K] output (KB-0052; off: METAINFER_NORM_QUANT=0), where the
@@ -57,13 +47,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(
-        self, x: torch.Tensor | ExpertRows | ExpertSum, residual: torch.Tensor | None,
+        self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None,
         xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; xq_out: buffers that also get the output's
         e4m3 copy (`fp8_linear.act_buffers`; the norm kernels only)."""
-        if isinstance(x, ExpertSum):
-            return ops.moe_acc_add_rms_norm(x.acc, residual, self.weight, self.eps, x.dtype, xq_out=xq_out)
         if isinstance(x, ExpertRows):
             return ops.moe_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps, x.dtype,
                                         xq_out=xq_out)
@@ -168,9 +156,8 @@ class SparseMoE(nn.Module):
     def forward(
         self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
         logits: torch.Tensor | None = None,
-    ) -> torch.Tensor | ExpertRows | ExpertSum:  # [T, H] -> [T, H]
-        """Decode batches on the GPU kernels return `ExpertRows` or `ExpertSum` (summed or rounded by the
-        next norm). xq: x's
+    ) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
+        """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm). xq: x's
         e4m3 copy from its norm, taken by the grouped FP8 experts; logits: the router's output for x
         where `norm_and_route` computed it."""
         scales = (self.w_gate_up_scale, self.w_down_scale)
@@ -183,9 +170,6 @@ class SparseMoE(nn.Module):
         if logits is None:
             logits = self.router(x)  # [T, E+1]
         if self.fused_shared:
-            acc = ops.moe_fused_sum(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
-            if acc is not None:  # the whole block in one launch (METAINFER_MOE_FUSED=1)
-                return ExpertSum(acc, x.dtype)
             part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
             if part is None:  # the route launch, then the experts; the sum still in the next norm
                 part = ops.moe_rows(x, logits, self.top_k, self.w_gate_up, self.w_down, *scales, xq=xq)

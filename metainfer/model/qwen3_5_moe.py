@@ -14,7 +14,7 @@ from metainfer.config import FULL, ModelConfig
 from metainfer.kernels import pdl
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
-from metainfer.model.layers import ExpertRows, ExpertSum, Linear, RMSNorm, SparseMoE, fp8_copy_buffers
+from metainfer.model.layers import ExpertRows, Linear, RMSNorm, SparseMoE, fp8_copy_buffers
 from metainfer.model.meta import CacheTensors, ForwardMeta
 
 
@@ -33,12 +33,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | ExpertRows | ExpertSum,  # [T, H] this layer's input (the previous MLP's output)
+        x: torch.Tensor | ExpertRows,  # [T, H] this layer's input (previous layer's MLP output)
         residual: torch.Tensor | None,  # [T, H] residual stream before adding x
         positions: torch.Tensor,
         meta: ForwardMeta,
         caches: CacheTensors,
-    ) -> tuple[torch.Tensor | ExpertRows | ExpertSum, torch.Tensor]:
+    ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         T, H, dev = positions.shape[0], self.input_layernorm.weight.shape[0], positions.device
         mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
         consumer = mixer.input_proj(meta) if residual is not None else False  # layer 0: no add, no copy

@@ -205,27 +205,6 @@ def test_norm_router_equals_two_launches(cfg_path, quant, monkeypatch):
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
-def test_moe_fused_equals_routed_rows(cfg_path, quant, monkeypatch):
-    """METAINFER_MOE_FUSED 1 vs 0: decode batches of <= 4 run the MoE block in one launch (its weighted
-    sum in int64 fixed point, `moe_fused`) and give the two-launch path's logits to a rounding (the
-    sums in another order): every row conditioned on the same tokens within 1e-2 relative RMSE."""
-    from metainfer.kernels import moe_fused
-
-    runs = _on_and_off(cfg_path, quant, monkeypatch, moe_fused.ENV, _prompts(6, seed=8), ("1", "0"))
-    _rows_agree_until_they_part(runs)
-
-
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_graph_replay_equals_eager_moe_fused(cfg_path, quant, monkeypatch):
-    """The graph-replay == eager check with the fused MoE block on: its integer sums are the same bits
-    in any arrival order, and the accumulator each step leaves zeroed."""
-    from metainfer.kernels import moe_fused
-
-    monkeypatch.setenv(moe_fused.ENV, "1")
-    test_graph_replay_equals_eager(cfg_path, quant)
-
-
-@pytest.mark.parametrize("quant", [None, "fp8"])
 def test_gated_norm_linear_equals_two_launches(cfg_path, quant, monkeypatch):
     """METAINFER_GNORM_MAX_T 4 (the default is 1) vs 0: the DeltaNet gated norm as out_proj's prologue
     (the 6 prompts' decode batches of <= 4) gives the two launches' logits to a rounding, every row

@@ -355,7 +355,7 @@ _COMPILE = textwrap.dedent(
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from metainfer.kernels import attention as A, conv1d, gdn_decode, moe, moe_fused, norm, routing
+    from metainfer.kernels import attention as A, conv1d, gdn_decode, moe, norm, routing
     from metainfer.kernels import fp8_linear as fl, moe_grouped as mg, weight_stream as ws
 
     def build(kernel, types, consts, num_warps, num_stages=2):
@@ -484,15 +484,6 @@ _COMPILE = textwrap.dedent(
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr="*i64", y_ptr=f32),
           dict(SLOTS=9, ROUTE_K=0, FP8=1, BLOCK_H=32, I_P2=512, E_P2=1, K_P2=1), 4)  # METAINFER_MOE_DOWN_IDS
     build(routing._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
-    for fp8, mma, bi, hs, w in ((1, 1, 64, 2, 4), (1, 0, 32, 1, 4), (0, 1, 64, 2, 4), (1, 1, 128, 4, 8)):
-        wt, bk = (f8 if fp8 else bf), (128 if mma else 64)  # the fused MoE block (moe_fused)
-        build(moe_fused._fused_moe_kernel, dict(x_ptr=bf, wgu_ptr=wt, sgu_ptr=f32, wd_ptr=wt, sd_ptr=f32,
-              logits_ptr=bf, acc_ptr="*i64"), dict(SLOTS=9, ROUTE_K=8, FP8=fp8, BLOCK_I=bi, BLOCK_K=bk,
-              BLOCK_H=bk, H_SPLIT=hs, STAGES=3, MMA=mma, UPCAST=0, DOT_F16=mma * fp8, E_P2=256, K_P2=8), w, 3)
-    for quant in (0, 1):
-        build(norm._moe_acc_add_rms_norm_kernel, dict(acc_ptr="*i64", res_ptr=bf, w_ptr=bf, out_ptr=bf,
-              new_res_ptr=bf, eps="fp32", inv_scale="fp32", **qa), dict(HAS_RES=1, BLOCK_R=2, BLOCK_N=2048,
-              QUANT=quant), norm.NUM_WARPS)
     build(routing._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
           dict(TOP_K=8, E_P2=256, K_P2=8, SHARED=1), 4)
     print("ok")
