@@ -125,6 +125,12 @@
 #   (2026-12-01e): probe (moe_bs1_probe.py), topk (KB-0070), epick (KB-0071), mtp4 (MTP tests at the defaults,
 #   FP8-head draft slice). Built, not run: rtiles (KB-0071's sweep at 2-4 tokens), aprologue (qk_norm_rope in the
 #   attention split kernel).
+#   (2026-12-01f): aprologue (KB-0072: no faster, an engine graph test failed with it on; off), fused (KB-0073: the MoE
+#   block in one launch, slower, removed: its phase went with it).
+#   chain  - benchmarks/stream_chain.cu (KB-0074): the batch-1 step's byte and dependency skeleton (241 chained e4m3
+#            GEMV stages) in one persistent CUDA kernel whose producer warp prefetches later stages' weights while a
+#            stage waits, against no dependencies and against no cross-stage prefetch; then the engine's graph-replay
+#            test at the defaults and the FP8 oracle with the FP8 lm_head (KB-0067's build re-checked), ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -663,4 +669,13 @@ if has aprologue; then  # METAINFER_ATTN_PROLOGUE 0 / 1: decode-only steps fold 
   done
   METAINFER_ATTN_PROLOGUE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_aprologue.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has chain; then
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_chain benchmarks/stream_chain.cu \
+    && timeout 150 /tmp/stream_chain $OUT/stream_chain.json 2>&1 | tee $OUT/stream_chain.log
+  timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "graph_replay_equals_eager" \
+    2>&1 | tail -3
+  METAINFER_FP8_LM_HEAD=1 timeout 170 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_fp8head.json 2>&1 | grep -E "verdict" | head -1 \
+    | sed "s/^/[fp8, FP8 lm_head] /"
 fi

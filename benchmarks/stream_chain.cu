@@ -1,0 +1,344 @@
+// The batch-1 decode step's skeleton as one persistent kernel: how close a prefetching megakernel
+// gets to the memory-bandwidth floor when every stage depends on the whole previous stage.
+//
+// Stages s = 0..S-1 are chained GEMVs over e4m3 weights, K = 2048 columns each:
+//   y_s[N_s] = W_s[N_s, 2048] . x_s,   x_s[k] = tanh(1e-3 * y_{s-1}[k mod N_{s-1}])   (x_0 = 1/2)
+// so stage s cannot start its arithmetic before every CTA has finished stage s-1 (a grid-wide counter
+// per stage). The byte sizes follow the FP8 model per layer (40 layers): DeltaNet in_proj 25.3 MB,
+// a 2 MB stage for the recurrent state, out_proj 8.4 MB, router 1 MB, the 9 experts' gate/up 18.9 MB
+// and down 9.4 MB (as rows of 2048 bytes), then the lm_head (FP8, 509 MB).
+//
+// Each CTA (one per SM) has one producer warp that streams its row chunks of every stage into a
+// shared-memory ring with 1-D bulk copies (cp.async.bulk, completing on mbarriers) and never waits
+// for a dependency, except where a stage's weights are data-dependent (the experts: their loads
+// wait for the router stage), and consumer warps that wait for the dependency, read x, reduce each
+// chunk and release its slot. So the weights of later stages stream while a stage waits.
+//
+// Modes: 0 = as above; 1 = no dependencies at all (the raw streaming rate of this kernel; results
+// not checked); 2 = every stage's loads wait for the previous stage (no cross-stage prefetch: what a
+// launch per stage can do at best with perfect in-stage streaming).
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o stream_chain benchmarks/stream_chain.cu
+//   ./stream_chain [json_out]      (prints a table; writes JSON when a path is given)
+
+#include <cuda.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+              cudaGetErrorString(e_));                                                         \
+      exit(1);                                                                                 \
+    }                                                                                          \
+  } while (0)
+
+constexpr int K = 2048;         // columns of every stage (bytes per row)
+constexpr int MAX_STAGES = 512;
+
+struct Stage {
+  const uint8_t* w;  // [rows, K] e4m3
+  float* y;          // [rows]
+  int rows;
+  int dep;           // the producer waits for this stage's counter before loading (-1: never)
+};
+
+__constant__ Stage c_stages[MAX_STAGES];
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t ok = 0;
+  while (!ok) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  }
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void wait_count(const uint32_t* p, uint32_t n) {
+  while (ld_acquire(p) < n) {
+  }
+}
+__device__ __forceinline__ void consumers_sync(int n_threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(n_threads) : "memory");
+}
+
+// chunk c of a stage (CH_ROWS rows) belongs to CTA c % gridDim.x
+template <int CH_ROWS, int NSLOTS, int NCW>
+__global__ void __launch_bounds__(32 * (NCW + 1), 1)
+    chain_kernel(int n_stages, uint32_t* done, int mode) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  constexpr int CHUNK = CH_ROWS * K;
+  uint8_t* ring = smem;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + NSLOTS * CHUNK);
+  uint64_t* empty = full + NSLOTS;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t n_cta = gridDim.x;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSLOTS; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], NCW);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 0) {  // producer
+    if (lane == 0) {
+      uint32_t it = 0;
+      for (int s = 0; s < n_stages; ++s) {
+        const Stage st = c_stages[s];
+        int dep = mode == 1 ? -1 : (mode == 2 ? s - 1 : st.dep);
+        if (dep >= 0) wait_count(&done[dep], n_cta);
+        const int n_chunks = (st.rows + CH_ROWS - 1) / CH_ROWS;
+        for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
+          const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+          mbar_wait(&empty[slot], (rnd & 1) ^ 1);
+          const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
+          mbar_expect_tx(&full[slot], rows * K);
+          bulk_load(ring + slot * CHUNK, st.w + (size_t)c * CHUNK, rows * K, &full[slot]);
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: warp w (1..NCW) reduces rows w-1, w-1+NCW, ... of each chunk; lane l holds x at the
+  // columns (j * 32 + l) * 16 + i (i < 16, j < 4): conflict-free 16-byte shared loads
+  const int cw = warp - 1;
+  float x[64];
+  uint32_t it = 0;
+  for (int s = 0; s < n_stages; ++s) {
+    const Stage st = c_stages[s];
+    if (s == 0) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) x[i] = 0.5f;
+    } else {
+      if (mode != 1 && threadIdx.x == 32) wait_count(&done[s - 1], n_cta);
+      consumers_sync(NCW * 32);
+      const Stage pv = c_stages[s - 1];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int col = (j * 32 + lane) * 16 + i;
+          x[j * 16 + i] = tanhf(1e-3f * __ldcg(pv.y + col % pv.rows));
+        }
+    }
+    const int n_chunks = (st.rows + CH_ROWS - 1) / CH_ROWS;
+    for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
+      const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+      mbar_wait(&full[slot], rnd & 1);
+      const uint8_t* chunk = ring + slot * CHUNK;
+      const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
+      for (int r = cw; r < rows; r += NCW) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint4 v = *reinterpret_cast<const uint4*>(chunk + r * K + (j * 32 + lane) * 16);
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[q] >> (16 * h));
+              const __half2 hv = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+              const float2 f = __half22float2(hv);
+              acc = fmaf(f.x, x[j * 16 + q * 4 + h * 2], acc);
+              acc = fmaf(f.y, x[j * 16 + q * 4 + h * 2 + 1], acc);
+            }
+          }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) st.y[c * CH_ROWS + r] = acc;
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+    consumers_sync(NCW * 32);
+    if (threadIdx.x == 32) {
+      __threadfence();
+      atomicAdd(&done[s], 1u);
+    }
+  }
+}
+
+// ---- host -------------------------------------------------------------------------------------------
+__global__ void fill_kernel(uint8_t* w, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    // e4m3 with exponent field <= 7 (|v| < 2): no NaN, sums stay finite
+    w[i] = (uint8_t)((h & 0x80u) | (h & 0x07u) | (((h >> 8) & 0x7u) << 3));
+  }
+}
+
+static float e4m3_to_float(uint8_t b) {
+  const int s = b >> 7, e = (b >> 3) & 0xF, m = b & 7;
+  float v = e == 0 ? std::ldexp((float)m / 8.f, -6) : std::ldexp(1.f + m / 8.f, e - 7);
+  return s ? -v : v;
+}
+
+struct Result {
+  std::string name;
+  int mode, ch_rows, nslots, ncw;
+  double ms, gbs, err;
+};
+
+template <int CH_ROWS, int NSLOTS, int NCW>
+Result run(const char* name, int mode, int n_stages, uint32_t* done, double total_bytes, int n_sm,
+           const std::vector<Stage>& stages) {
+  auto kern = chain_kernel<CH_ROWS, NSLOTS, NCW>;
+  const size_t smem = (size_t)NSLOTS * CH_ROWS * K + 2 * NSLOTS * sizeof(uint64_t);
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * (NCW + 1), smem));
+  if (per_sm < 1) {
+    fprintf(stderr, "%s: does not fit on an SM\n", name);
+    exit(1);
+  }
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 12; ++rep) {
+    CK(cudaMemset(done, 0, MAX_STAGES * sizeof(uint32_t)));
+    void* args[] = {&n_stages, &done, &mode};
+    CK(cudaEventRecord(a));
+    CK(cudaLaunchCooperativeKernel((void*)kern, dim3(n_sm), dim3(32 * (NCW + 1)), args, smem, 0));
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (rep >= 2) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  double err = -1;
+  if (mode != 1) {  // the last layer's down stage (before the head) from its gate/up stage's output
+    const int s = n_stages - 2;
+    const Stage st = stages[s], pv = stages[s - 1];
+    std::vector<float> y(st.rows), yp(pv.rows);
+    std::vector<uint8_t> w((size_t)st.rows * K);
+    CK(cudaMemcpy(y.data(), st.y, st.rows * sizeof(float), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(yp.data(), pv.y, pv.rows * sizeof(float), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(w.data(), st.w, w.size(), cudaMemcpyDeviceToHost));
+    std::vector<double> xs(K);
+    for (int k = 0; k < K; ++k) xs[k] = std::tanh(1e-3 * yp[k % pv.rows]);
+    double num = 0, den = 0;
+    for (int r = 0; r < st.rows; ++r) {
+      double acc = 0;
+      for (int k = 0; k < K; ++k) acc += (double)e4m3_to_float(w[(size_t)r * K + k]) * xs[k];
+      num += (acc - y[r]) * (acc - y[r]);
+      den += acc * acc;
+    }
+    err = std::sqrt(num / den);
+  }
+  return Result{name, mode, CH_ROWS, NSLOTS, NCW, med, total_bytes / (med * 1e-3) / 1e9, err};
+}
+
+int main(int argc, char** argv) {
+  int dev = 0, n_sm = 0;
+  CK(cudaSetDevice(dev));
+  CK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  // per layer: in_proj, the state, out_proj, router, experts gate/up (after the router), experts down
+  const int layer_rows[6] = {12352, 1024, 4096, 514, 9216, 4608};
+  const int layer_dep[6] = {-1, -1, -1, -1, 3, 3};  // relative: the router stage of the same layer
+  const int layers = 40, lm_rows = 248320;
+  std::vector<Stage> stages;
+  size_t total = 0;
+  for (int l = 0; l < layers; ++l)
+    for (int j = 0; j < 6; ++j) {
+      stages.push_back(Stage{nullptr, nullptr, layer_rows[j], layer_dep[j] < 0 ? -1 : l * 6 + layer_dep[j]});
+      total += (size_t)layer_rows[j] * K;
+    }
+  stages.push_back(Stage{nullptr, nullptr, lm_rows, -1});  // the FP8 lm_head
+  total += (size_t)lm_rows * K;
+  const int n_stages = (int)stages.size();
+  uint8_t* wbuf;
+  CK(cudaMalloc(&wbuf, total));
+  fill_kernel<<<4 * n_sm, 256>>>(wbuf, total, 12345u);
+  CK(cudaGetLastError());
+  size_t off = 0, ysz = 0;
+  for (auto& st : stages) ysz += st.rows;
+  float* ybuf;
+  CK(cudaMalloc(&ybuf, ysz * sizeof(float)));
+  size_t yoff = 0;
+  for (auto& st : stages) {
+    st.w = wbuf + off;
+    st.y = ybuf + yoff;
+    off += (size_t)st.rows * K;
+    yoff += st.rows;
+  }
+  CK(cudaMemcpyToSymbol(c_stages, stages.data(), n_stages * sizeof(Stage)));
+  uint32_t* done;
+  CK(cudaMalloc(&done, MAX_STAGES * sizeof(uint32_t)));
+  CK(cudaDeviceSynchronize());
+  const double total_b = (double)total;
+  printf("%s, %d SMs, %d stages, %.1f MB of weights (floor at 4.3 TB/s: %.3f ms)\n", prop.name, n_sm, n_stages,
+         total_b / 1e6, total_b / 4.3e12 * 1e3);
+  std::vector<Result> res;
+  for (int mode : {0, 1, 2}) {
+    res.push_back(run<8, 12, 4>("16KBx12 4cw", mode, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<8, 12, 8>("16KBx12 8cw", mode, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<4, 24, 4>("8KBx24 4cw", mode, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 8>("32KBx6 8cw", mode, n_stages, done, total_b, n_sm, stages));
+  }
+  printf("| config | mode | ms | GB/s | %% of 4.3 TB/s | check rel err |\n|---|---|---|---|---|---|\n");
+  for (auto& r : res)
+    printf("| %s | %d | %.3f | %.0f | %.1f | %.1e |\n", r.name.c_str(), r.mode, r.ms, r.gbs, r.gbs / 43.0, r.err);
+  if (argc > 1) {
+    FILE* f = fopen(argv[1], "w");
+    fprintf(f, "{\"gpu\": \"%s\", \"sms\": %d, \"stages\": %d, \"bytes\": %.0f, \"runs\": [", prop.name, n_sm,
+            n_stages, total_b);
+    for (size_t i = 0; i < res.size(); ++i)
+      fprintf(f, "%s{\"config\": \"%s\", \"mode\": %d, \"ch_rows\": %d, \"nslots\": %d, \"ncw\": %d, \"ms\": %.4f, "
+              "\"gbs\": %.1f, \"rel_err\": %.3e}", i ? ", " : "", res[i].name.c_str(), res[i].mode, res[i].ch_rows,
+              res[i].nslots, res[i].ncw, res[i].ms, res[i].gbs, res[i].err);
+    fprintf(f, "]}\n");
+    fclose(f);
+  }
+  return 0;
+}
