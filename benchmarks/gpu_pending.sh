@@ -131,6 +131,9 @@
 #            GEMV stages) in one persistent CUDA kernel whose producer warp prefetches later stages' weights while a
 #            stage waits, against no dependencies and against no cross-stage prefetch; then the engine's graph-replay
 #            test at the defaults and the FP8 oracle with the FP8 lm_head (KB-0067's build re-checked), ~6 min
+#   chain2 - stream_chain.cu after the first run's lessons (its x reload per stage cost more than the stream: a modulo
+#            and tanhf per value, scaling with the consumer warps): the modes again, a no-compute variant, then ncu
+#            (--clock-control none) on one mode-0 run, ~3 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -678,4 +681,11 @@ if has chain; then
   METAINFER_FP8_LM_HEAD=1 timeout 170 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_fp8head.json 2>&1 | grep -E "verdict" | head -1 \
     | sed "s/^/[fp8, FP8 lm_head] /"
+fi
+if has chain2; then
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_chain benchmarks/stream_chain.cu || exit 1
+  timeout 120 ncu --clock-control none -k regex:chain_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section LaunchStats /tmp/stream_chain /tmp/one.json one > $OUT/ncu_chain.txt 2>&1
+  grep -E "DRAM Throughput|Memory Throughput|Duration|Stall|Warp Cycles|Issued" $OUT/ncu_chain.txt | head -24
+  timeout 150 /tmp/stream_chain $OUT/stream_chain2.json 2>&1 | tee $OUT/stream_chain2.log
 fi
