@@ -106,7 +106,7 @@ __device__ __forceinline__ void consumers_sync(int n_threads) {
 }
 
 // chunk c of a stage (CH_ROWS rows) belongs to CTA c % gridDim.x
-template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE>
+template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE, int XS>
 __global__ void __launch_bounds__(32 * (NCW + 1), 1)
     chain_kernel(int n_stages, uint32_t* done, int mode) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -114,6 +114,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
   uint8_t* ring = smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + NSLOTS * CHUNK);
   uint64_t* empty = full + NSLOTS;
+  float* xs = reinterpret_cast<float*>(empty + NSLOTS);  // XS: the stage's x, read from L2 once per CTA
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t n_cta = gridDim.x;
   if (threadIdx.x == 0) {
@@ -159,15 +160,24 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
       if (mode != 1 && threadIdx.x == 32) wait_count(&done[(s - 1) * PAD], n_cta);
       consumers_sync(NCW * 32);
       const float4* py = reinterpret_cast<const float4*>(c_stages[s - 1].y);
+      if (XS) {  // one coalesced read of x per CTA (every warp reading all of it: 528 warps on 8 KB of L2)
+        float4* x4 = reinterpret_cast<float4*>(xs);
+        for (int i = threadIdx.x - 32; i < K / 4; i += NCW * 32) {
+          const float4 v = __ldcg(py + i);
+          x4[i] = make_float4(squash(v.x), squash(v.y), squash(v.z), squash(v.w));
+        }
+        consumers_sync(NCW * 32);
+        py = reinterpret_cast<const float4*>(xs);
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float4 v = __ldcg(py + (j * 32 + lane) * 4 + i);
-          x[j * 16 + 4 * i] = squash(v.x);
-          x[j * 16 + 4 * i + 1] = squash(v.y);
-          x[j * 16 + 4 * i + 2] = squash(v.z);
-          x[j * 16 + 4 * i + 3] = squash(v.w);
+          const float4 v = XS ? py[(j * 32 + lane) * 4 + i] : __ldcg(py + (j * 32 + lane) * 4 + i);
+          x[j * 16 + 4 * i] = XS ? v.x : squash(v.x);
+          x[j * 16 + 4 * i + 1] = XS ? v.y : squash(v.y);
+          x[j * 16 + 4 * i + 2] = XS ? v.z : squash(v.z);
+          x[j * 16 + 4 * i + 3] = XS ? v.w : squash(v.w);
         }
     }
     const int n_chunks = (st.rows + CH_ROWS - 1) / CH_ROWS;
@@ -236,11 +246,11 @@ struct Result {
 
 static int g_reps = 12;
 
-template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1>
+template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1, int XS = 1>
 Result run(const char* name, int mode, int n_stages, uint32_t* done, double total_bytes, int n_sm,
            const std::vector<Stage>& stages) {
-  auto kern = chain_kernel<CH_ROWS, NSLOTS, NCW, COMPUTE>;
-  const size_t smem = (size_t)NSLOTS * CH_ROWS * K + 2 * NSLOTS * sizeof(uint64_t);
+  auto kern = chain_kernel<CH_ROWS, NSLOTS, NCW, COMPUTE, XS>;
+  const size_t smem = (size_t)NSLOTS * CH_ROWS * K + 2 * NSLOTS * sizeof(uint64_t) + K * sizeof(float);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * (NCW + 1), smem));
@@ -338,9 +348,11 @@ int main(int argc, char** argv) {
     res.push_back(run<8, 12, 4>("16KBx12 4cw", 0, n_stages, done, total_b, n_sm, stages));
   } else {
     for (int mode : {1, 0, 2}) {
+      res.push_back(run<8, 12, 4, 1, 0>("16KBx12 4cw x-L2", mode, n_stages, done, total_b, n_sm, stages));
       res.push_back(run<8, 12, 4>("16KBx12 4cw", mode, n_stages, done, total_b, n_sm, stages));
-      res.push_back(run<4, 24, 4>("8KBx24 4cw", mode, n_stages, done, total_b, n_sm, stages));
       res.push_back(run<8, 12, 8>("16KBx12 8cw", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 8>("32KBx6 8cw", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 16>("32KBx6 16cw", mode, n_stages, done, total_b, n_sm, stages));
       if (mode < 2) res.push_back(run<8, 12, 4, 0>("16KBx12 4cw no-compute", mode, n_stages, done, total_b, n_sm,
                                                   stages));
     }
