@@ -18,7 +18,9 @@
 // Modes: 0 = as above; 1 = no dependencies at all (the raw streaming rate of this kernel; results
 // not checked); 2 = every stage's loads wait for the previous stage (no cross-stage prefetch: what a
 // launch per stage can do at best with perfect in-stage streaming). COMPUTE 0: the consumers only
-// wait for each chunk and release it (the bulk copies' own rate).
+// wait for each chunk and release it (the bulk copies' own rate); 1: each row's dot on the CUDA cores
+// (e4m3 -> f16 -> f32, fp32 FMAs); 2: tensor cores, mma.sync m16n8k16 on e4m3 -> f16 weights (16-row
+// chunks, each warp a K range) against x in f16 (column 0 of B), rows summed with fp32 atomics.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o stream_chain benchmarks/stream_chain.cu
 //   ./stream_chain [json_out]      (prints a table; writes JSON when a path is given)
@@ -105,6 +107,51 @@ __device__ __forceinline__ void consumers_sync(int n_threads) {
   asm volatile("bar.sync 1, %0;" ::"r"(n_threads) : "memory");
 }
 
+// COMPUTE 2: a [16, K] e4m3 chunk times x (f16) on the tensor cores; warp cw takes K range cw * K / NCW.
+// The dot's K order is free, so each thread's 16-byte row piece (k0 + tig * 16: four m16n8k16 steps of
+// 4 bytes) stands for A's columns (tig * 2 + {0,1}, 8 + tig * 2 + {0,1}), and B (x, column 0 only)
+// is taken in the same order.
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+template <int NCW>
+__device__ __forceinline__ void mma_chunk(const uint8_t* chunk, const __half* xh, float* y, int rows, int cw,
+                                          int lane) {
+  constexpr int KW = K / NCW;
+  const int g = lane >> 2, tig = lane & 3;
+  float d[4][4] = {};
+  const uint8_t* ra = chunk + g * K + tig * 16;
+  const uint8_t* rb = chunk + (g + 8) * K + tig * 16;
+  const __half* xp = xh + tig * 16;
+#pragma unroll 2
+  for (int k0 = cw * KW; k0 < (cw + 1) * KW; k0 += 64) {
+    const uint4 wa = *reinterpret_cast<const uint4*>(ra + k0);
+    const uint4 wb = *reinterpret_cast<const uint4*>(rb + k0);
+    const uint4 x0 = *reinterpret_cast<const uint4*>(xp + k0);
+    const uint4 x1 = *reinterpret_cast<const uint4*>(xp + k0 + 8);
+    const uint32_t A0[4] = {wa.x, wa.y, wa.z, wa.w}, A1[4] = {wb.x, wb.y, wb.z, wb.w};
+    const uint32_t X[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t a0 = fp8x2_to_f16x2(A0[t]), a2 = fp8x2_to_f16x2(A0[t] >> 16);
+      const uint32_t a1 = fp8x2_to_f16x2(A1[t]), a3 = fp8x2_to_f16x2(A1[t] >> 16);
+      const uint32_t b0 = g == 0 ? X[2 * t] : 0u, b1 = g == 0 ? X[2 * t + 1] : 0u;
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};\n"
+          : "+f"(d[t][0]), "+f"(d[t][1]), "+f"(d[t][2]), "+f"(d[t][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+  }
+  if (tig == 0) {  // column 0 of D: c0 row g, c2 row g + 8
+    const float r0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]);
+    const float r1 = (d[0][2] + d[1][2]) + (d[2][2] + d[3][2]);
+    if (g < rows) atomicAdd(y + g, r0);
+    if (g + 8 < rows) atomicAdd(y + g + 8, r1);
+  }
+}
+
 // chunk c of a stage (CH_ROWS rows) belongs to CTA c % gridDim.x
 template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE, int XS>
 __global__ void __launch_bounds__(32 * (NCW + 1), 1)
@@ -115,6 +162,8 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + NSLOTS * CHUNK);
   uint64_t* empty = full + NSLOTS;
   float* xs = reinterpret_cast<float*>(empty + NSLOTS);  // XS: the stage's x, read from L2 once per CTA
+  __half* xh = reinterpret_cast<__half*>(xs + K);        // COMPUTE 2: the same in f16
+  static_assert(COMPUTE != 2 || (CH_ROWS == 16 && XS && (K / NCW) % 64 == 0), "mma: 16-row chunks");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t n_cta = gridDim.x;
   if (threadIdx.x == 0) {
@@ -165,12 +214,16 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
         for (int i = threadIdx.x - 32; i < K / 4; i += NCW * 32) {
           const float4 v = __ldcg(py + i);
           x4[i] = make_float4(squash(v.x), squash(v.y), squash(v.z), squash(v.w));
+          if (COMPUTE == 2) {
+            reinterpret_cast<__half2*>(xh)[2 * i] = __floats2half2_rn(x4[i].x, x4[i].y);
+            reinterpret_cast<__half2*>(xh)[2 * i + 1] = __floats2half2_rn(x4[i].z, x4[i].w);
+          }
         }
         consumers_sync(NCW * 32);
         py = reinterpret_cast<const float4*>(xs);
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4 * (COMPUTE == 1); ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float4 v = XS ? py[(j * 32 + lane) * 4 + i] : __ldcg(py + (j * 32 + lane) * 4 + i);
@@ -186,7 +239,8 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
       mbar_wait(&full[slot], rnd & 1);
       const uint8_t* chunk = ring + slot * CHUNK;
       const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
-      for (int r = cw; COMPUTE && r < rows; r += NCW) {
+      if (COMPUTE == 2) mma_chunk<NCW>(chunk, xh, st.y + c * CH_ROWS, rows, cw, lane);
+      for (int r = cw; COMPUTE == 1 && r < rows; r += NCW) {
         float a4[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: the FMAs' latency overlaps
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -245,12 +299,15 @@ struct Result {
 };
 
 static int g_reps = 12;
+static float* g_ybuf = nullptr;
+static size_t g_ysz = 0;
 
 template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1, int XS = 1>
 Result run(const char* name, int mode, int n_stages, uint32_t* done, double total_bytes, int n_sm,
            const std::vector<Stage>& stages) {
   auto kern = chain_kernel<CH_ROWS, NSLOTS, NCW, COMPUTE, XS>;
-  const size_t smem = (size_t)NSLOTS * CH_ROWS * K + 2 * NSLOTS * sizeof(uint64_t) + K * sizeof(float);
+  const size_t smem = (size_t)NSLOTS * CH_ROWS * K + 2 * NSLOTS * sizeof(uint64_t) + K * sizeof(float) +
+                      K * sizeof(__half);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * (NCW + 1), smem));
@@ -264,6 +321,7 @@ Result run(const char* name, int mode, int n_stages, uint32_t* done, double tota
   std::vector<float> ms;
   for (int rep = 0; rep < g_reps; ++rep) {
     CK(cudaMemset(done, 0, MAX_STAGES * PAD * sizeof(uint32_t)));
+    if (COMPUTE == 2) CK(cudaMemset(g_ybuf, 0, g_ysz * sizeof(float)));  // the rows are summed by atomics
     void* args[] = {&n_stages, &done, &mode};
     CK(cudaEventRecord(a));
     CK(cudaLaunchCooperativeKernel((void*)kern, dim3(n_sm), dim3(32 * (NCW + 1)), args, smem, 0));
@@ -328,6 +386,8 @@ int main(int argc, char** argv) {
   float* ybuf;
   CK(cudaMalloc(&ybuf, ysz * sizeof(float)));
   CK(cudaMemset(ybuf, 0, ysz * sizeof(float)));
+  g_ybuf = ybuf;
+  g_ysz = ysz;
   size_t yoff = 0;
   for (auto& st : stages) {
     st.w = wbuf + off;
@@ -353,6 +413,8 @@ int main(int argc, char** argv) {
       res.push_back(run<8, 12, 8>("16KBx12 8cw", mode, n_stages, done, total_b, n_sm, stages));
       res.push_back(run<16, 6, 8>("32KBx6 8cw", mode, n_stages, done, total_b, n_sm, stages));
       res.push_back(run<16, 6, 16>("32KBx6 16cw", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 4, 2>("32KBx6 4cw mma", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 8, 2>("32KBx6 8cw mma", mode, n_stages, done, total_b, n_sm, stages));
       if (mode < 2) res.push_back(run<8, 12, 4, 0>("16KBx12 4cw no-compute", mode, n_stages, done, total_b, n_sm,
                                                   stages));
     }
