@@ -684,8 +684,9 @@ if has chain; then
 fi
 if has chain2; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_chain benchmarks/stream_chain.cu || exit 1
-  timeout 120 ncu --clock-control none -k regex:chain_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section LaunchStats /tmp/stream_chain /tmp/one.json one > $OUT/ncu_chain.txt 2>&1
-  grep -E "DRAM Throughput|Memory Throughput|Duration|Stall|Warp Cycles|Issued" $OUT/ncu_chain.txt | head -24
+  [[ ${NCU:-1} == 1 ]] && timeout 120 ncu --clock-control none -k regex:chain_kernel -c 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats /tmp/stream_chain /tmp/one.json one \
+    > $OUT/ncu_chain.txt 2>&1 && grep -E "DRAM Throughput|Duration|Warp Cycles" $OUT/ncu_chain.txt | head -8
+  timeout 60 /tmp/stream_chain $OUT/stream_chain_single.json single 2>&1 | tee $OUT/stream_chain_single.log
   timeout 150 /tmp/stream_chain $OUT/stream_chain2.json 2>&1 | tee $OUT/stream_chain2.log
 fi

@@ -205,6 +205,8 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
     if (s == 0) {
 #pragma unroll
       for (int i = 0; i < 64; ++i) x[i] = 0.5f;
+      for (int i = threadIdx.x - 32; COMPUTE == 2 && i < K; i += NCW * 32) xh[i] = __float2half(0.5f);
+      consumers_sync(NCW * 32);
     } else {
       if (mode != 1 && threadIdx.x == 32) wait_count(&done[(s - 1) * PAD], n_cta);
       consumers_sync(NCW * 32);
@@ -376,6 +378,15 @@ int main(int argc, char** argv) {
     }
   stages.push_back(Stage{nullptr, nullptr, lm_rows, -1});  // the FP8 lm_head
   total += (size_t)lm_rows * K;
+  const bool single = argc > 2 && std::string(argv[2]) == "single";
+  if (single) {  // the same bytes as one stage: the consumers' rate without stage transitions
+    int rows = 0;
+    for (auto& st : stages) rows += st.rows;
+    stages.assign(1, Stage{nullptr, nullptr, rows, -1});
+    stages.push_back(Stage{nullptr, nullptr, 16, -1});  // (the check reads stage n - 2)
+    stages.push_back(Stage{nullptr, nullptr, 16, -1});
+    total += 32 * K;
+  }
   const int n_stages = (int)stages.size();
   uint8_t* wbuf;
   CK(cudaMalloc(&wbuf, total));
@@ -403,7 +414,13 @@ int main(int argc, char** argv) {
   printf("%s, %d SMs, %d stages, %.1f MB of weights (floor at 4.3 TB/s: %.3f ms)\n", prop.name, n_sm, n_stages,
          total_b / 1e6, total_b / 4.3e12 * 1e3);
   std::vector<Result> res;
-  if (argc > 2) {  // one run of mode 0 (16 KB x 12, 4 consumer warps), e.g. under ncu
+  if (single) {
+    res.push_back(run<8, 12, 4>("single 16KBx12 4cw", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<8, 12, 8>("single 16KBx12 8cw", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 4, 2>("single 32KBx6 4cw mma", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 8, 2>("single 32KBx6 8cw mma", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<8, 12, 4, 0>("single 16KBx12 no-compute", 1, n_stages, done, total_b, n_sm, stages));
+  } else if (argc > 2) {  // one run of mode 0 (16 KB x 12, 4 consumer warps), e.g. under ncu
     g_reps = 1;
     res.push_back(run<8, 12, 4>("16KBx12 4cw", 0, n_stages, done, total_b, n_sm, stages));
   } else {
