@@ -419,6 +419,7 @@ int main(int argc, char** argv) {
     res.push_back(run<8, 12, 8>("single 16KBx12 8cw", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<16, 6, 4, 2>("single 32KBx6 4cw mma", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<16, 6, 8, 2>("single 32KBx6 8cw mma", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 16, 2>("single 32KBx6 16cw mma", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<8, 12, 4, 0>("single 16KBx12 no-compute", 1, n_stages, done, total_b, n_sm, stages));
   } else if (argc > 2) {  // one run of mode 0 (16 KB x 12, 4 consumer warps), e.g. under ncu
     g_reps = 1;
@@ -432,6 +433,7 @@ int main(int argc, char** argv) {
       res.push_back(run<16, 6, 16>("32KBx6 16cw", mode, n_stages, done, total_b, n_sm, stages));
       res.push_back(run<16, 6, 4, 2>("32KBx6 4cw mma", mode, n_stages, done, total_b, n_sm, stages));
       res.push_back(run<16, 6, 8, 2>("32KBx6 8cw mma", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 16, 2>("32KBx6 16cw mma", mode, n_stages, done, total_b, n_sm, stages));
       if (mode < 2) res.push_back(run<8, 12, 4, 0>("16KBx12 4cw no-compute", mode, n_stages, done, total_b, n_sm,
                                                   stages));
     }
