@@ -123,8 +123,7 @@
 #   sgtest; (2026-11-30h): rows (KB-0035, kept), sweep16 (KB-0037), barrier (KB-0034); earlier: ab, pgraph,
 #   sweep, sweep_head.
 #   (2026-12-01e): probe (moe_bs1_probe.py), topk (KB-0070), epick (KB-0071), mtp4 (MTP tests at the defaults,
-#   FP8-head draft slice). Built, not run: rtiles (KB-0071's sweep at 2-4 tokens), aprologue (qk_norm_rope in the
-#   attention split kernel).
+#   FP8-head draft slice). Built, not run: rtiles (KB-0071's sweep at 2-4 tokens).
 #   (2026-12-01f): aprologue (KB-0072: no faster, an engine graph test failed with it on; off), fused (KB-0073: the MoE
 #   block in one launch, slower, removed: its phase went with it).
 #   chain  - benchmarks/stream_chain.cu (KB-0074): the batch-1 step's byte and dependency skeleton (241 chained e4m3
