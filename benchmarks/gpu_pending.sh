@@ -672,9 +672,9 @@ if has aprologue; then  # METAINFER_ATTN_PROLOGUE 0 / 1: decode-only steps fold 
   METAINFER_ATTN_PROLOGUE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_aprologue.json 2>&1 | grep -E "verdict" | head -1
 fi
+build_chain() { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_chain benchmarks/stream_chain.cu; }
 if has chain; then
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_chain benchmarks/stream_chain.cu \
-    && timeout 150 /tmp/stream_chain $OUT/stream_chain.json 2>&1 | tee $OUT/stream_chain.log
+  build_chain && timeout 150 /tmp/stream_chain $OUT/stream_chain.json 2>&1 | tee $OUT/stream_chain.log
   timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "graph_replay_equals_eager" \
     2>&1 | tail -3
   METAINFER_FP8_LM_HEAD=1 timeout 170 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
@@ -682,7 +682,7 @@ if has chain; then
     | sed "s/^/[fp8, FP8 lm_head] /"
 fi
 if has chain2; then
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_chain benchmarks/stream_chain.cu || exit 1
+  build_chain || exit 1
   [[ ${NCU:-1} == 1 ]] && timeout 120 ncu --clock-control none -k regex:chain_kernel -c 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats /tmp/stream_chain /tmp/one.json one \
     > $OUT/ncu_chain.txt 2>&1 && grep -E "DRAM Throughput|Duration|Warp Cycles" $OUT/ncu_chain.txt | head -8

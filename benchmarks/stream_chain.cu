@@ -23,7 +23,9 @@
 // chunks, each warp a K range) against x in f16 (column 0 of B), rows summed with fp32 atomics.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o stream_chain benchmarks/stream_chain.cu
-//   ./stream_chain [json_out]      (prints a table; writes JSON when a path is given)
+//   ./stream_chain [json_out]          every variant on the 241 stages (prints a table; JSON when a path is given)
+//   ./stream_chain json_out single     the same bytes as one stage (the consumers' rate without transitions)
+//   ./stream_chain json_out one        one mode-0 launch (for ncu)
 
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -252,9 +254,8 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
           for (int q = 0; q < 4; ++q) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[q] >> (16 * h));
-              const __half2 hv = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-              const float2 f = __half22float2(hv);
+              const uint32_t hv = fp8x2_to_f16x2(words[q] >> (16 * h));
+              const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hv));
               a4[q] = fmaf(f.x, x[j * 16 + q * 4 + h * 2], a4[q]);
               a4[q] = fmaf(f.y, x[j * 16 + q * 4 + h * 2 + 1], a4[q]);
             }
