@@ -133,6 +133,9 @@
 #   chain2 - stream_chain.cu after the first run's lessons (its x reload per stage cost more than the stream: a modulo
 #            and tanhf per value, scaling with the consumer warps): the modes again, a no-compute variant, then ncu
 #            (--clock-control none) on one mode-0 run, ~3 min
+#   chain3 - stream_chain.cu v2 (KB-0075): the producer's L2 lead over data-independent chunks (through the routing
+#            waits) and the tensor-core consumers' rows summed in shared memory (no global atomics): `single` and
+#            `v2` variant sets, ~2 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -688,4 +691,9 @@ if has chain2; then
     > $OUT/ncu_chain.txt 2>&1 && grep -E "DRAM Throughput|Duration|Warp Cycles" $OUT/ncu_chain.txt | head -8
   timeout 60 /tmp/stream_chain $OUT/stream_chain_single.json single 2>&1 | tee $OUT/stream_chain_single.log
   timeout 150 /tmp/stream_chain $OUT/stream_chain2.json 2>&1 | tee $OUT/stream_chain2.log
+fi
+if has chain3; then
+  build_chain || exit 1
+  timeout 90 /tmp/stream_chain $OUT/stream_chain_single.json single 2>&1 | tee $OUT/stream_chain_single.log
+  timeout 200 /tmp/stream_chain $OUT/stream_chain_v2.json v2 2>&1 | tee $OUT/stream_chain_v2.log
 fi

@@ -20,12 +20,22 @@
 // launch per stage can do at best with perfect in-stage streaming). COMPUTE 0: the consumers only
 // wait for each chunk and release it (the bulk copies' own rate); 1: each row's dot on the CUDA cores
 // (e4m3 -> f16 -> f32, fp32 FMAs); 2: tensor cores, mma.sync m16n8k16 on e4m3 -> f16 weights (16-row
-// chunks, each warp a K range) against x in f16 (column 0 of B), rows summed with fp32 atomics.
+// chunks, each warp a K range) against x in f16 (column 0 of B), rows summed with fp32 atomics; 3: the
+// same dots, each warp's row partials left in shared memory and summed in warp order by the chunk's
+// last warp to finish (a shared counter per slot), which stores the rows: no global atomics, the same
+// bits on every run.
+//
+// L2 lead (lead, lead_wait: bytes per CTA; 0 = off): the producer also walks ahead of its loads with
+// cp.async.bulk.prefetch.L2 over the chunks it will load later that do not depend on data (every stage
+// but the experts), keeping at most `lead` bytes of them in flight beyond its load cursor, and up to
+// `lead_wait` while it waits for a dependency (the router): the DRAM keeps streaming the next layer's
+// weights through the routing bubble, and the ring later fills from L2.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o stream_chain benchmarks/stream_chain.cu
 //   ./stream_chain [json_out]          every variant on the 241 stages (prints a table; JSON when a path is given)
 //   ./stream_chain json_out single     the same bytes as one stage (the consumers' rate without transitions)
 //   ./stream_chain json_out one        one mode-0 launch (for ncu)
+//   ./stream_chain json_out v2         the lead and COMPUTE 3 variants only
 
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -93,6 +103,9 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
 }
+__device__ __forceinline__ void l2_prefetch(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -118,8 +131,7 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 template <int NCW>
-__device__ __forceinline__ void mma_chunk(const uint8_t* chunk, const __half* xh, float* y, int rows, int cw,
-                                          int lane) {
+__device__ __forceinline__ float2 mma_chunk(const uint8_t* chunk, const __half* xh, int cw, int lane) {
   constexpr int KW = K / NCW;
   const int g = lane >> 2, tig = lane & 3;
   float d[4][4] = {};
@@ -146,32 +158,32 @@ __device__ __forceinline__ void mma_chunk(const uint8_t* chunk, const __half* xh
           : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
   }
-  if (tig == 0) {  // column 0 of D: c0 row g, c2 row g + 8
-    const float r0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]);
-    const float r1 = (d[0][2] + d[1][2]) + (d[2][2] + d[3][2]);
-    if (g < rows) atomicAdd(y + g, r0);
-    if (g + 8 < rows) atomicAdd(y + g + 8, r1);
-  }
+  // column 0 of D (lanes with tig == 0): c0 row g, c2 row g + 8
+  return make_float2((d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), (d[0][2] + d[1][2]) + (d[2][2] + d[3][2]));
 }
 
 // chunk c of a stage (CH_ROWS rows) belongs to CTA c % gridDim.x
 template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE, int XS>
 __global__ void __launch_bounds__(32 * (NCW + 1), 1)
-    chain_kernel(int n_stages, uint32_t* done, int mode) {
+    chain_kernel(int n_stages, uint32_t* done, int mode, uint32_t lead, uint32_t lead_wait) {
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr int CHUNK = CH_ROWS * K;
   uint8_t* ring = smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + NSLOTS * CHUNK);
   uint64_t* empty = full + NSLOTS;
   float* xs = reinterpret_cast<float*>(empty + NSLOTS);  // XS: the stage's x, read from L2 once per CTA
-  __half* xh = reinterpret_cast<__half*>(xs + K);        // COMPUTE 2: the same in f16
-  static_assert(COMPUTE != 2 || (CH_ROWS == 16 && XS && (K / NCW) % 64 == 0), "mma: 16-row chunks");
+  __half* xh = reinterpret_cast<__half*>(xs + K);        // COMPUTE 2, 3: the same in f16
+  float* red = reinterpret_cast<float*>(xh + K);         // COMPUTE 3: [NSLOTS][NCW][16] row partials
+  uint32_t* red_cnt = reinterpret_cast<uint32_t*>(red + NSLOTS * NCW * 16);  // [NSLOTS] warps done
+  constexpr bool MMA = COMPUTE == 2 || COMPUTE == 3;
+  static_assert(!MMA || (CH_ROWS == 16 && XS && (K / NCW) % 64 == 0), "mma: 16-row chunks");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t n_cta = gridDim.x;
   if (threadIdx.x == 0) {
     for (int i = 0; i < NSLOTS; ++i) {
       mbar_init(&full[i], 1);
       mbar_init(&empty[i], NCW);
+      red_cnt[i] = 0;
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -179,18 +191,44 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
 
   if (warp == 0) {  // producer
     if (lane == 0) {
+      // the L2 lead's cursor (stage ps, chunk pc) walks the same (stage, chunk) order as the loads;
+      // pf / ld: bytes of data-independent chunks up to the cursor / loaded so far
+      int ps = 0, pc = blockIdx.x;
+      uint64_t pf = 0, ld = 0;
+      auto walk = [&](uint64_t limit) {
+        while (ps < n_stages && pf < ld + limit) {
+          const Stage q = c_stages[ps];
+          const int nq = (q.rows + CH_ROWS - 1) / CH_ROWS;
+          if ((mode != 1 && q.dep >= 0) || pc >= nq) {  // data-dependent stage (or this CTA's last chunk)
+            ++ps;
+            pc = blockIdx.x;
+            continue;
+          }
+          const uint32_t bytes = min(CH_ROWS, q.rows - pc * CH_ROWS) * K;
+          if (pf >= ld) l2_prefetch(q.w + (size_t)pc * CHUNK, bytes);  // not yet loaded
+          pf += bytes;
+          pc += n_cta;
+        }
+      };
       uint32_t it = 0;
       for (int s = 0; s < n_stages; ++s) {
         const Stage st = c_stages[s];
         int dep = mode == 1 ? -1 : (mode == 2 ? s - 1 : st.dep);
-        if (dep >= 0) wait_count(&done[dep * PAD], n_cta);
+        if (dep >= 0) {
+          while (ld_acquire(&done[dep * PAD]) < n_cta) {
+            if (lead_wait) walk(lead_wait);
+            __nanosleep(32);
+          }
+        }
         const int n_chunks = (st.rows + CH_ROWS - 1) / CH_ROWS;
         for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
           const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+          if (lead) walk(lead);
           mbar_wait(&empty[slot], (rnd & 1) ^ 1);
           const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
           mbar_expect_tx(&full[slot], rows * K);
           bulk_load(ring + slot * CHUNK, st.w + (size_t)c * CHUNK, rows * K, &full[slot]);
+          if (mode == 1 || st.dep < 0) ld += rows * K;
         }
       }
     }
@@ -207,7 +245,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
     if (s == 0) {
 #pragma unroll
       for (int i = 0; i < 64; ++i) x[i] = 0.5f;
-      for (int i = threadIdx.x - 32; COMPUTE == 2 && i < K; i += NCW * 32) xh[i] = __float2half(0.5f);
+      for (int i = threadIdx.x - 32; MMA && i < K; i += NCW * 32) xh[i] = __float2half(0.5f);
       consumers_sync(NCW * 32);
     } else {
       if (mode != 1 && threadIdx.x == 32) wait_count(&done[(s - 1) * PAD], n_cta);
@@ -218,7 +256,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
         for (int i = threadIdx.x - 32; i < K / 4; i += NCW * 32) {
           const float4 v = __ldcg(py + i);
           x4[i] = make_float4(squash(v.x), squash(v.y), squash(v.z), squash(v.w));
-          if (COMPUTE == 2) {
+          if (MMA) {
             reinterpret_cast<__half2*>(xh)[2 * i] = __floats2half2_rn(x4[i].x, x4[i].y);
             reinterpret_cast<__half2*>(xh)[2 * i + 1] = __floats2half2_rn(x4[i].z, x4[i].w);
           }
@@ -243,7 +281,39 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
       mbar_wait(&full[slot], rnd & 1);
       const uint8_t* chunk = ring + slot * CHUNK;
       const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
-      if (COMPUTE == 2) mma_chunk<NCW>(chunk, xh, st.y + c * CH_ROWS, rows, cw, lane);
+      if (MMA) {
+        const float2 r = mma_chunk<NCW>(chunk, xh, cw, lane);
+        const int g = lane >> 2;
+        float* y = st.y + c * CH_ROWS;
+        if (COMPUTE == 2 && (lane & 3) == 0) {
+          if (g < rows) atomicAdd(y + g, r.x);
+          if (g + 8 < rows) atomicAdd(y + g + 8, r.y);
+        }
+        if (COMPUTE == 3) {  // partials to shared memory; the chunk's last warp sums them in warp order
+          float* rp = red + (slot * NCW + cw) * 16;
+          if ((lane & 3) == 0) {
+            rp[g] = r.x;
+            rp[g + 8] = r.y;
+          }
+          __threadfence_block();
+          __syncwarp();
+          uint32_t last = 0;
+          if (lane == 0) last = atomicAdd(&red_cnt[slot], 1u) == NCW - 1;
+          last = __shfl_sync(0xffffffffu, last, 0);
+          if (last) {
+            __threadfence_block();
+            if (lane < rows) {
+              const float* rs = red + slot * NCW * 16 + lane;
+              float acc = 0.f;
+#pragma unroll
+              for (int w = 0; w < NCW; ++w) acc += rs[w * 16];
+              y[lane] = acc;
+            }
+            if (lane == 0) red_cnt[slot] = 0;
+            __syncwarp();
+          }
+        }
+      }
       for (int r = cw; COMPUTE == 1 && r < rows; r += NCW) {
         float a4[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: the FMAs' latency overlaps
 #pragma unroll
@@ -307,10 +377,10 @@ static size_t g_ysz = 0;
 
 template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1, int XS = 1>
 Result run(const char* name, int mode, int n_stages, uint32_t* done, double total_bytes, int n_sm,
-           const std::vector<Stage>& stages) {
+           const std::vector<Stage>& stages, uint32_t lead = 0, uint32_t lead_wait = 0) {
   auto kern = chain_kernel<CH_ROWS, NSLOTS, NCW, COMPUTE, XS>;
   const size_t smem = (size_t)NSLOTS * CH_ROWS * K + 2 * NSLOTS * sizeof(uint64_t) + K * sizeof(float) +
-                      K * sizeof(__half);
+                      K * sizeof(__half) + NSLOTS * NCW * 16 * sizeof(float) + NSLOTS * sizeof(uint32_t);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * (NCW + 1), smem));
@@ -325,7 +395,7 @@ Result run(const char* name, int mode, int n_stages, uint32_t* done, double tota
   for (int rep = 0; rep < g_reps; ++rep) {
     CK(cudaMemset(done, 0, MAX_STAGES * PAD * sizeof(uint32_t)));
     if (COMPUTE == 2) CK(cudaMemset(g_ybuf, 0, g_ysz * sizeof(float)));  // the rows are summed by atomics
-    void* args[] = {&n_stages, &done, &mode};
+    void* args[] = {&n_stages, &done, &mode, &lead, &lead_wait};
     CK(cudaEventRecord(a));
     CK(cudaLaunchCooperativeKernel((void*)kern, dim3(n_sm), dim3(32 * (NCW + 1)), args, smem, 0));
     CK(cudaEventRecord(b));
@@ -421,7 +491,33 @@ int main(int argc, char** argv) {
     res.push_back(run<16, 6, 4, 2>("single 32KBx6 4cw mma", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<16, 6, 8, 2>("single 32KBx6 8cw mma", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<16, 6, 16, 2>("single 32KBx6 16cw mma", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 16, 3>("single 32KBx6 16cw mma smem-sum", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 8, 3>("single 32KBx6 8cw mma smem-sum", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<8, 12, 4, 0>("single 16KBx12 no-compute", 1, n_stages, done, total_b, n_sm, stages));
+  } else if (argc > 2 && std::string(argv[2]) == "v2") {  // the L2 lead and COMPUTE 3 (KB-0075)
+    const uint32_t KB_ = 1024;
+    for (int mode : {0, 1}) {
+      res.push_back(run<8, 12, 4, 0>("no-compute", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<8, 12, 4, 0>("no-compute lead 64K/512K", mode, n_stages, done, total_b, n_sm, stages,
+                                     64 * KB_, 512 * KB_));
+      res.push_back(run<16, 6, 16, 2>("mma 16cw atomics", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 16, 3>("mma 16cw smem-sum", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 8, 3>("mma 8cw smem-sum", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 16, 3>("mma 16cw smem-sum lead 64K/512K", mode, n_stages, done, total_b, n_sm,
+                                      stages, 64 * KB_, 512 * KB_));
+      if (mode == 0) {
+        res.push_back(run<8, 12, 4, 0>("no-compute lead 0/512K", mode, n_stages, done, total_b, n_sm, stages, 0,
+                                       512 * KB_));
+        res.push_back(run<8, 12, 4, 0>("no-compute lead 128K/256K", mode, n_stages, done, total_b, n_sm,
+                                       stages, 128 * KB_, 256 * KB_));
+        res.push_back(run<8, 12, 4, 0>("no-compute lead 32K/1M", mode, n_stages, done, total_b, n_sm, stages,
+                                       32 * KB_, 1024 * KB_));
+        res.push_back(run<16, 6, 16, 3>("mma 16cw smem-sum lead 0/512K", mode, n_stages, done, total_b, n_sm,
+                                        stages, 0, 512 * KB_));
+        res.push_back(run<8, 12, 8, 1>("cuda-core 8cw lead 64K/512K", mode, n_stages, done, total_b, n_sm,
+                                       stages, 64 * KB_, 512 * KB_));
+      }
+    }
   } else if (argc > 2) {  // one run of mode 0 (16 KB x 12, 4 consumer warps), e.g. under ncu
     g_reps = 1;
     res.push_back(run<8, 12, 4>("16KBx12 4cw", 0, n_stages, done, total_b, n_sm, stages));
