@@ -135,7 +135,9 @@
 #            (--clock-control none) on one mode-0 run, ~3 min
 #   chain3 - stream_chain.cu v2 (KB-0075): the producer's L2 lead over data-independent chunks (through the routing
 #            waits) and the tensor-core consumers' rows summed in shared memory (no global atomics): `single` and
-#            `v2` variant sets, ~2 min
+#            `v2` variant sets; v3: COMPUTE 4 (the FP8 model's W8A16 arithmetic: bf16 x, 128 x 128 block scales, fresh
+#            accumulators per block) and XCH (outputs tagged in their 64-bit word: consumers poll the data, not a
+#            counter, then the data), with and without the lead, ~3 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -696,4 +698,5 @@ if has chain3; then
   build_chain || exit 1
   timeout 90 /tmp/stream_chain $OUT/stream_chain_single.json single 2>&1 | tee $OUT/stream_chain_single.log
   timeout 200 /tmp/stream_chain $OUT/stream_chain_v2.json v2 2>&1 | tee $OUT/stream_chain_v2.log
+  timeout 200 /tmp/stream_chain $OUT/stream_chain_v3.json v3 2>&1 | tee $OUT/stream_chain_v3.log
 fi

@@ -23,7 +23,15 @@
 // chunks, each warp a K range) against x in f16 (column 0 of B), rows summed with fp32 atomics; 3: the
 // same dots, each warp's row partials left in shared memory and summed in warp order by the chunk's
 // last warp to finish (a shared counter per slot), which stores the rows: no global atomics, the same
-// bits on every run.
+// bits on every run; 4: the FP8 model's W8A16 arithmetic: COMPUTE 3's dots with x rounded to bf16 (exact
+// in f16), fresh accumulators per 128-column block, each block's product times its weight block scale
+// (real 128 x 128 block scales) and added in fp32. (mma.sync with e4m3 operands, m16n8k32, would skip
+// the weights' convert, but on sm_90 ptxas emulates it: two HMMA.16816 plus unpacks of A and of B per
+// instruction, seen in this file's SASS; only wgmma reads e4m3 natively.)
+//
+// XCH (COMPUTE 3, 4): stage outputs carry their stage's tag in the same 64-bit word as the value (the
+// LL protocol's idea), so a consumer polls the data itself instead of a counter and then the data:
+// one L2 round trip per transition instead of two (the counters stay for the producer's waits).
 //
 // L2 lead (lead, lead_wait: bytes per CTA; 0 = off): the producer also walks ahead of its loads with
 // cp.async.bulk.prefetch.L2 over the chunks it will load later that do not depend on data (every stage
@@ -36,8 +44,10 @@
 //   ./stream_chain json_out single     the same bytes as one stage (the consumers' rate without transitions)
 //   ./stream_chain json_out one        one mode-0 launch (for ncu)
 //   ./stream_chain json_out v2         the lead and COMPUTE 3 variants only
+//   ./stream_chain json_out v3         COMPUTE 4 and XCH variants
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -47,6 +57,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -66,7 +77,8 @@ constexpr int PAD = 32;  // one 128-byte line per stage counter: polls of one do
 
 struct Stage {
   const uint8_t* w;  // [rows, K] e4m3
-  float* y;          // [rows]
+  const float* ws;   // [ceil(rows / 128), K / 128] block scales (COMPUTE 4)
+  float* y;          // [rows] (XCH: [rows] 64-bit words, tag << 32 | value bits)
   int rows;
   int dep;           // the producer waits for this stage's counter before loading (-1: never)
 };
@@ -110,6 +122,14 @@ __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+__device__ __forceinline__ uint64_t ld_relaxed_u64(const void* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_u64(void* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void wait_count(const uint32_t* p, uint32_t n) {
   while (ld_acquire(p) < n) __nanosleep(32);  // 132 pollers of one L2 line: back off a little
@@ -162,10 +182,56 @@ __device__ __forceinline__ float2 mma_chunk(const uint8_t* chunk, const __half* 
   return make_float2((d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), (d[0][2] + d[1][2]) + (d[2][2] + d[3][2]));
 }
 
+// COMPUTE 4: mma_chunk's dots (f16 operands: e4m3 weights, x rounded to bf16, both exact in f16) over
+// each warp's whole 128-column blocks, each block's product (fresh accumulators) times the weight block
+// scale wsr[b] added in fp32. Returns rows g and g + 8 on the lanes with tig == 0.
+template <int NCW>
+__device__ __forceinline__ float2 mma_scaled_chunk(const uint8_t* chunk, const __half* xh, const float* wsr,
+                                                   int cw, int lane) {
+  constexpr int KW = K / NCW;
+  static_assert(KW % 128 == 0, "whole 128-column blocks per warp");
+  const int g = lane >> 2, tig = lane & 3;
+  const uint8_t* ra = chunk + g * K + tig * 16;
+  const uint8_t* rb = ra + 8 * K;
+  const __half* xp = xh + tig * 16;
+  float r0 = 0.f, r1 = 0.f;
+#pragma unroll 2
+  for (int b0 = cw * KW; b0 < (cw + 1) * KW; b0 += 128) {
+    float d[4][4] = {};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k0 = b0 + h * 64;
+      const uint4 wa = *reinterpret_cast<const uint4*>(ra + k0);
+      const uint4 wb = *reinterpret_cast<const uint4*>(rb + k0);
+      const uint4 x0 = *reinterpret_cast<const uint4*>(xp + k0);
+      const uint4 x1 = *reinterpret_cast<const uint4*>(xp + k0 + 8);
+      const uint32_t A0[4] = {wa.x, wa.y, wa.z, wa.w}, A1[4] = {wb.x, wb.y, wb.z, wb.w};
+      const uint32_t X[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint32_t a0 = fp8x2_to_f16x2(A0[t]), a2 = fp8x2_to_f16x2(A0[t] >> 16);
+        const uint32_t a1 = fp8x2_to_f16x2(A1[t]), a3 = fp8x2_to_f16x2(A1[t] >> 16);
+        const uint32_t b0 = g == 0 ? X[2 * t] : 0u, b1 = g == 0 ? X[2 * t + 1] : 0u;
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[t][0]), "+f"(d[t][1]), "+f"(d[t][2]), "+f"(d[t][3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      }
+    }
+    const float sc = wsr[b0 / 128];
+    r0 = fmaf((d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), sc, r0);
+    r1 = fmaf((d[0][2] + d[1][2]) + (d[2][2] + d[3][2]), sc, r1);
+  }
+  return make_float2(r0, r1);
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
 // chunk c of a stage (CH_ROWS rows) belongs to CTA c % gridDim.x
-template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE, int XS>
+template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE, int XS, int XCH>
 __global__ void __launch_bounds__(32 * (NCW + 1), 1)
-    chain_kernel(int n_stages, uint32_t* done, int mode, uint32_t lead, uint32_t lead_wait) {
+    chain_kernel(int n_stages, uint32_t* done, int mode, uint32_t lead, uint32_t lead_wait, uint32_t tag) {
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr int CHUNK = CH_ROWS * K;
   uint8_t* ring = smem;
@@ -176,7 +242,9 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
   float* red = reinterpret_cast<float*>(xh + K);         // COMPUTE 3: [NSLOTS][NCW][16] row partials
   uint32_t* red_cnt = reinterpret_cast<uint32_t*>(red + NSLOTS * NCW * 16);  // [NSLOTS] warps done
   constexpr bool MMA = COMPUTE == 2 || COMPUTE == 3;
-  static_assert(!MMA || (CH_ROWS == 16 && XS && (K / NCW) % 64 == 0), "mma: 16-row chunks");
+  constexpr bool SUMS = COMPUTE == 3 || COMPUTE == 4;  // rows summed in shared memory
+  static_assert(!(MMA || COMPUTE == 4) || (CH_ROWS == 16 && XS && (K / NCW) % 64 == 0), "mma: 16-row chunks");
+  static_assert(!XCH || COMPUTE == 4, "tagged outputs: COMPUTE 4");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t n_cta = gridDim.x;
   if (threadIdx.x == 0) {
@@ -242,7 +310,37 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
   uint32_t it = 0;
   for (int s = 0; s < n_stages; ++s) {
     const Stage st = c_stages[s];
-    if (s == 0) {
+    if (COMPUTE == 4) {  // x rounded to bf16, stored in f16 (exact) for the dots
+      const Stage pv = c_stages[s > 0 ? s - 1 : 0];
+      if (!XCH && s > 0 && mode != 1 && threadIdx.x == 32) wait_count(&done[(s - 1) * PAD], n_cta);
+      consumers_sync(NCW * 32);
+      for (int i0 = (threadIdx.x - 32) * 4; i0 < K; i0 += NCW * 32 * 4) {
+        float v[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+        if (s > 0 && i0 < pv.rows) {  // rows past pv.rows: 0 (padding)
+          if (XCH) {
+            const uint32_t want = tag + s - 1;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              uint64_t w = 0;  // past pv.rows (514 router rows): never written, 0
+              if (i0 + j < pv.rows) {
+                do w = ld_relaxed_u64(reinterpret_cast<const uint64_t*>(pv.y) + i0 + j);
+                while (static_cast<uint32_t>(w >> 32) != want);
+              }
+              v[j] = squash(__uint_as_float(static_cast<uint32_t>(w)));
+            }
+          } else {
+            const float4 f = __ldcg(reinterpret_cast<const float4*>(pv.y + i0));
+            v[0] = squash(f.x), v[1] = squash(f.y), v[2] = squash(f.z), v[3] = squash(f.w);
+          }
+        } else if (s > 0) {
+          v[0] = v[1] = v[2] = v[3] = 0.f;
+        }
+        __half2* xh2 = reinterpret_cast<__half2*>(xh + i0);
+        xh2[0] = __floats2half2_rn(bf16_round(v[0]), bf16_round(v[1]));
+        xh2[1] = __floats2half2_rn(bf16_round(v[2]), bf16_round(v[3]));
+      }
+      consumers_sync(NCW * 32);
+    } else if (s == 0) {
 #pragma unroll
       for (int i = 0; i < 64; ++i) x[i] = 0.5f;
       for (int i = threadIdx.x - 32; MMA && i < K; i += NCW * 32) xh[i] = __float2half(0.5f);
@@ -281,15 +379,17 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
       mbar_wait(&full[slot], rnd & 1);
       const uint8_t* chunk = ring + slot * CHUNK;
       const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
-      if (MMA) {
-        const float2 r = mma_chunk<NCW>(chunk, xh, cw, lane);
+      if (MMA || COMPUTE == 4) {
+        const float2 r = COMPUTE == 4
+                             ? mma_scaled_chunk<NCW>(chunk, xh, st.ws + (c * CH_ROWS / 128) * (K / 128), cw, lane)
+                             : mma_chunk<NCW>(chunk, xh, cw, lane);
         const int g = lane >> 2;
         float* y = st.y + c * CH_ROWS;
         if (COMPUTE == 2 && (lane & 3) == 0) {
           if (g < rows) atomicAdd(y + g, r.x);
           if (g + 8 < rows) atomicAdd(y + g + 8, r.y);
         }
-        if (COMPUTE == 3) {  // partials to shared memory; the chunk's last warp sums them in warp order
+        if (SUMS) {  // partials to shared memory; the chunk's last warp sums them in warp order
           float* rp = red + (slot * NCW + cw) * 16;
           if ((lane & 3) == 0) {
             rp[g] = r.x;
@@ -307,7 +407,11 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
               float acc = 0.f;
 #pragma unroll
               for (int w = 0; w < NCW; ++w) acc += rs[w * 16];
-              y[lane] = acc;
+              if (XCH)
+                st_relaxed_u64(reinterpret_cast<uint64_t*>(st.y) + c * CH_ROWS + lane,
+                               (static_cast<uint64_t>(tag + s) << 32) | __float_as_uint(acc));
+              else
+                y[lane] = acc;
             }
             if (lane == 0) red_cnt[slot] = 0;
             __syncwarp();
@@ -359,6 +463,16 @@ __global__ void fill_kernel(uint8_t* w, size_t n, uint32_t seed) {
   }
 }
 
+__global__ void fill_scales(float* s, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2246822519u ^ seed;
+    h ^= h >> 13;
+    h *= 2654435761u;
+    h ^= h >> 16;
+    s[i] = 0.5f + 1.5f * (float)(h >> 8) / 16777216.f;
+  }
+}
+
 static float e4m3_to_float(uint8_t b) {
   const int s = b >> 7, e = (b >> 3) & 0xF, m = b & 7;
   float v = e == 0 ? std::ldexp((float)m / 8.f, -6) : std::ldexp(1.f + m / 8.f, e - 7);
@@ -374,11 +488,22 @@ struct Result {
 static int g_reps = 12;
 static float* g_ybuf = nullptr;
 static size_t g_ysz = 0;
+static uint32_t g_launch = 0;  // XCH tags: launch * 1024 + stage, never reused
 
-template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1, int XS = 1>
+// a stage's first n outputs as floats (XCH: the value halves of its tagged words)
+static std::vector<float> read_y(const Stage& st, int n, bool xch) {
+  std::vector<float> y((size_t)n * (xch ? 2 : 1));
+  CK(cudaMemcpy(y.data(), st.y, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  if (xch)
+    for (int i = 0; i < n; ++i) y[i] = y[2 * i];
+  y.resize(n);
+  return y;
+}
+
+template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1, int XS = 1, int XCH = 0>
 Result run(const char* name, int mode, int n_stages, uint32_t* done, double total_bytes, int n_sm,
            const std::vector<Stage>& stages, uint32_t lead = 0, uint32_t lead_wait = 0) {
-  auto kern = chain_kernel<CH_ROWS, NSLOTS, NCW, COMPUTE, XS>;
+  auto kern = chain_kernel<CH_ROWS, NSLOTS, NCW, COMPUTE, XS, XCH>;
   const size_t smem = (size_t)NSLOTS * CH_ROWS * K + 2 * NSLOTS * sizeof(uint64_t) + K * sizeof(float) +
                       K * sizeof(__half) + NSLOTS * NCW * 16 * sizeof(float) + NSLOTS * sizeof(uint32_t);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -395,7 +520,8 @@ Result run(const char* name, int mode, int n_stages, uint32_t* done, double tota
   for (int rep = 0; rep < g_reps; ++rep) {
     CK(cudaMemset(done, 0, MAX_STAGES * PAD * sizeof(uint32_t)));
     if (COMPUTE == 2) CK(cudaMemset(g_ybuf, 0, g_ysz * sizeof(float)));  // the rows are summed by atomics
-    void* args[] = {&n_stages, &done, &mode, &lead, &lead_wait};
+    uint32_t tag = ++g_launch * 1024u;
+    void* args[] = {&n_stages, &done, &mode, &lead, &lead_wait, &tag};
     CK(cudaEventRecord(a));
     CK(cudaLaunchCooperativeKernel((void*)kern, dim3(n_sm), dim3(32 * (NCW + 1)), args, smem, 0));
     CK(cudaEventRecord(b));
@@ -411,17 +537,30 @@ Result run(const char* name, int mode, int n_stages, uint32_t* done, double tota
   if (mode != 1 && COMPUTE) {  // the last layer's down stage (before the head) from its gate/up stage's output
     const int s = n_stages - 2;
     const Stage st = stages[s], pv = stages[s - 1];
-    std::vector<float> y(st.rows), yp(K, 0.f);
+    const std::vector<float> y = read_y(st, st.rows, XCH), yp = read_y(pv, K, XCH);  // pv.rows >= K here
     std::vector<uint8_t> w((size_t)st.rows * K);
-    CK(cudaMemcpy(y.data(), st.y, st.rows * sizeof(float), cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(yp.data(), pv.y, K * sizeof(float), cudaMemcpyDeviceToHost));  // padded to >= K
     CK(cudaMemcpy(w.data(), st.w, w.size(), cudaMemcpyDeviceToHost));
+    std::vector<float> ws(((st.rows + 127) / 128) * (K / 128), 1.f);
+    if (COMPUTE == 4) CK(cudaMemcpy(ws.data(), st.ws, ws.size() * sizeof(float), cudaMemcpyDeviceToHost));
     std::vector<double> xs(K);
-    for (int k = 0; k < K; ++k) xs[k] = 0.05 * yp[k] / (1.0 + std::fabs(0.05 * yp[k]));
+    for (int k = 0; k < K; ++k) {
+      if (COMPUTE == 4) {  // the device's float softsign, rounded to bf16 (round to nearest even)
+        const float v = 0.05f * yp[k], q = v / (1.f + std::fabs(v));
+        uint32_t u;
+        memcpy(&u, &q, 4);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        float r;
+        memcpy(&r, &u, 4);
+        xs[k] = r;
+      } else {
+        xs[k] = 0.05 * yp[k] / (1.0 + std::fabs(0.05 * yp[k]));
+      }
+    }
     double num = 0, den = 0;
     for (int r = 0; r < st.rows; ++r) {
       double acc = 0;
-      for (int k = 0; k < K; ++k) acc += (double)e4m3_to_float(w[(size_t)r * K + k]) * xs[k];
+      for (int k = 0; k < K; ++k)
+        acc += (double)ws[(r / 128) * (K / 128) + k / 128] * e4m3_to_float(w[(size_t)r * K + k]) * xs[k];
       num += (acc - y[r]) * (acc - y[r]);
       den += acc * acc;
     }
@@ -444,18 +583,18 @@ int main(int argc, char** argv) {
   size_t total = 0;
   for (int l = 0; l < layers; ++l)
     for (int j = 0; j < 6; ++j) {
-      stages.push_back(Stage{nullptr, nullptr, layer_rows[j], layer_dep[j] < 0 ? -1 : l * 6 + layer_dep[j]});
+      stages.push_back(Stage{nullptr, nullptr, nullptr, layer_rows[j], layer_dep[j] < 0 ? -1 : l * 6 + layer_dep[j]});
       total += (size_t)layer_rows[j] * K;
     }
-  stages.push_back(Stage{nullptr, nullptr, lm_rows, -1});  // the FP8 lm_head
+  stages.push_back(Stage{nullptr, nullptr, nullptr, lm_rows, -1});  // the FP8 lm_head
   total += (size_t)lm_rows * K;
   const bool single = argc > 2 && std::string(argv[2]) == "single";
   if (single) {  // the same bytes as one stage: the consumers' rate without stage transitions
     int rows = 0;
     for (auto& st : stages) rows += st.rows;
-    stages.assign(1, Stage{nullptr, nullptr, rows, -1});
-    stages.push_back(Stage{nullptr, nullptr, 16, -1});  // (the check reads stage n - 2)
-    stages.push_back(Stage{nullptr, nullptr, 16, -1});
+    stages.assign(1, Stage{nullptr, nullptr, nullptr, rows, -1});
+    stages.push_back(Stage{nullptr, nullptr, nullptr, 16, -1});  // (the check reads stage n - 2)
+    stages.push_back(Stage{nullptr, nullptr, nullptr, 16, -1});
     total += 32 * K;
   }
   const int n_stages = (int)stages.size();
@@ -463,19 +602,28 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&wbuf, total));
   fill_kernel<<<4 * n_sm, 256>>>(wbuf, total, 12345u);
   CK(cudaGetLastError());
-  size_t off = 0, ysz = 0;
-  for (auto& st : stages) ysz += std::max(st.rows, K);  // padded: x of the next stage reads K
+  size_t off = 0, ysz = 0, wsz = 0;
+  for (auto& st : stages) {
+    ysz += 2 * std::max(st.rows, K);  // padded: x of the next stage reads K; XCH: 64-bit words
+    wsz += (size_t)((st.rows + 127) / 128) * (K / 128);
+  }
+  float* wsbuf;  // the block scales (COMPUTE 4): values in [0.5, 2)
+  CK(cudaMalloc(&wsbuf, wsz * sizeof(float)));
+  fill_scales<<<n_sm, 256>>>(wsbuf, wsz, 777u);
+  CK(cudaGetLastError());
   float* ybuf;
   CK(cudaMalloc(&ybuf, ysz * sizeof(float)));
   CK(cudaMemset(ybuf, 0, ysz * sizeof(float)));
   g_ybuf = ybuf;
   g_ysz = ysz;
-  size_t yoff = 0;
+  size_t yoff = 0, wsoff = 0;
   for (auto& st : stages) {
     st.w = wbuf + off;
+    st.ws = wsbuf + wsoff;
     st.y = ybuf + yoff;
     off += (size_t)st.rows * K;
-    yoff += std::max(st.rows, K);
+    yoff += 2 * std::max(st.rows, K);
+    wsoff += (size_t)((st.rows + 127) / 128) * (K / 128);
   }
   CK(cudaMemcpyToSymbol(c_stages, stages.data(), n_stages * sizeof(Stage)));
   uint32_t* done;
@@ -494,6 +642,26 @@ int main(int argc, char** argv) {
     res.push_back(run<16, 6, 16, 3>("single 32KBx6 16cw mma smem-sum", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<16, 6, 8, 3>("single 32KBx6 8cw mma smem-sum", 1, n_stages, done, total_b, n_sm, stages));
     res.push_back(run<8, 12, 4, 0>("single 16KBx12 no-compute", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 16, 4>("single 32KBx6 16cw w8a16", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 8, 4>("single 32KBx6 8cw w8a16", 1, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 4, 4>("single 32KBx6 4cw w8a16", 1, n_stages, done, total_b, n_sm, stages));
+  } else if (argc > 2 && std::string(argv[2]) == "v3") {  // COMPUTE 4, XCH (and the lead)
+    const uint32_t KB_ = 1024;
+    for (int mode : {0, 1}) {
+      res.push_back(run<16, 6, 16, 4>("w8a16 16cw", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 8, 4>("w8a16 8cw", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 4, 4>("w8a16 4cw", mode, n_stages, done, total_b, n_sm, stages));
+      res.push_back(run<16, 6, 8, 4>("w8a16 8cw lead 64K/512K", mode, n_stages, done, total_b, n_sm, stages,
+                                     64 * KB_, 512 * KB_));
+    }
+    res.push_back(run<16, 6, 8, 4, 1, 1>("w8a16 8cw tagged", 0, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 16, 4, 1, 1>("w8a16 16cw tagged", 0, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 8, 4, 1, 1>("w8a16 8cw tagged lead 64K/512K", 0, n_stages, done, total_b, n_sm,
+                                         stages, 64 * KB_, 512 * KB_));
+    res.push_back(run<16, 6, 8, 4, 1, 1>("w8a16 8cw tagged lead 128K/1M", 0, n_stages, done, total_b, n_sm,
+                                         stages, 128 * KB_, 1024 * KB_));
+    res.push_back(run<16, 6, 8, 4, 1, 1>("w8a16 8cw tagged lead 32K/512K", 0, n_stages, done, total_b, n_sm,
+                                         stages, 32 * KB_, 512 * KB_));
   } else if (argc > 2 && std::string(argv[2]) == "v2") {  // the L2 lead and COMPUTE 3 (KB-0075)
     const uint32_t KB_ = 1024;
     for (int mode : {0, 1}) {
