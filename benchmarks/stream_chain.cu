@@ -61,6 +61,8 @@
 #include <string>
 #include <vector>
 
+#include "../metainfer/kernels/mega/ptx.cuh"
+
 #define CK(x)                                                                                  \
   do {                                                                                         \
     cudaError_t e_ = (x);                                                                      \
@@ -85,71 +87,15 @@ struct Stage {
 
 __constant__ Stage c_stages[MAX_STAGES];
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok = 0;
-  while (!ok) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  }
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ void l2_prefetch(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t ld_relaxed_u64(const void* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_relaxed_u64(void* p, uint64_t v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void wait_count(const uint32_t* p, uint32_t n) {
-  while (ld_acquire(p) < n) __nanosleep(32);  // 132 pollers of one L2 line: back off a little
-}
 __device__ __forceinline__ float squash(float y) {  // softsign(y / 20): bounded, no vanishing gain
   const float v = 0.05f * y;
   return __fdividef(v, 1.f + fabsf(v));
-}
-__device__ __forceinline__ void consumers_sync(int n_threads) {
-  asm volatile("bar.sync 1, %0;" ::"r"(n_threads) : "memory");
 }
 
 // COMPUTE 2: a [16, K] e4m3 chunk times x (f16) on the tensor cores; warp cw takes K range cw * K / NCW.
 // The dot's K order is free, so each thread's 16-byte row piece (k0 + tig * 16: four m16n8k16 steps of
 // 4 bytes) stands for A's columns (tig * 2 + {0,1}, 8 + tig * 2 + {0,1}), and B (x, column 0 only)
 // is taken in the same order.
-__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
 template <int NCW>
 __device__ __forceinline__ float2 mma_chunk(const uint8_t* chunk, const __half* xh, int cw, int lane) {
   constexpr int KW = K / NCW;

@@ -1,0 +1,110 @@
+"""Builds mega.cu into a cubin with nvcc (sm_90a; cached by the sources' hash) and launches it through
+the CUDA driver API (ctypes on libcuda), on the current torch stream, so a launch can be captured in a
+CUDA graph like any kernel. No torch extension build: nvcc alone, seconds.
+
+`MegaKernel(device)` loads the module and checks its compiled constants against program.py's;
+`kernel.launch(program)` runs one step (one cooperative launch, one CTA per SM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from metainfer.kernels.mega import program as P
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("mega.cu", "ptx.cuh")
+CACHE_ENV = "METAINFER_CACHE"  # cubin cache folder (default ~/.cache/metainfer)
+NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin")
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def nvcc_command(out: Path) -> list[str]:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("the megakernel needs nvcc (CUDA 12.4+) on PATH to build mega.cu")
+    return [nvcc, *NVCC_FLAGS, "-o", str(out), str(HERE / "mega.cu")]
+
+
+def build() -> Path:
+    """The cubin for the current sources, compiled once per source hash."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((HERE / name).read_bytes())
+    h.update(" ".join(NVCC_FLAGS).encode())
+    root = Path(os.environ.get(CACHE_ENV, "") or Path.home() / ".cache" / "metainfer") / "mega"
+    out = root / f"mega-{h.hexdigest()[:16]}.cubin"
+    if not out.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        res = subprocess.run(nvcc_command(tmp), capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed on mega.cu:\n{res.stderr[-4000:]}")
+        tmp.replace(out)
+    return out
+
+
+class _Driver:
+    """The few libcuda entry points used here, each call checked."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def __call__(self, name: str, *args) -> None:
+        rc = getattr(self.lib, name)(*args)
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
+            raise RuntimeError(f"{name} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+
+class MegaKernel:
+    """mega.cu loaded on a CUDA device (sm_90)."""
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0):
+            raise RuntimeError("the megakernel needs a Hopper (sm_90) GPU")
+        torch.zeros(1, device=self.device)  # the primary context exists and is current
+        self.drv = _Driver()
+        self._image = build().read_bytes()  # kept alive with the module
+        self.module = ctypes.c_void_p()
+        self.drv("cuModuleLoadData", ctypes.byref(self.module), self._image)
+        self.step_fn, self.const_fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.step_fn), self.module, b"mega_step")
+        self.drv("cuModuleGetFunction", ctypes.byref(self.const_fn), self.module, b"mega_constants")
+        self.drv("cuFuncSetAttribute", self.step_fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, P.SMEM)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._check_constants()
+
+    def _launch(self, fn, grid: int, block: int, smem: int, args: list, cooperative: bool) -> None:
+        """args: ctypes values (c_void_p for pointers), in the kernel's parameter order."""
+        ptrs = [ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args]
+        params = (ctypes.c_void_p * len(args))(*ptrs)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        name = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
+        extra = () if cooperative else (None,)
+        self.drv(name, fn, grid, 1, 1, block, 1, 1, smem, stream, params, *extra)
+
+    def _check_constants(self) -> None:
+        out = torch.zeros(5, dtype=torch.int64, device=self.device)
+        self._launch(self.const_fn, 1, 1, 0, [ctypes.c_void_p(out.data_ptr())], cooperative=False)
+        got = out.tolist()
+        want = [P.THREADS, P.SMEM, P.SLOT, P.KMAX, P.WORDS * 8]
+        if got != want:
+            raise RuntimeError(f"mega.cu's constants {got} differ from program.py's {want}")
+
+    def launch(self, program: P.Program) -> None:
+        """One step: every instruction of `program`, in order, on the current stream."""
+        if program.table.device != self.device:
+            raise ValueError("the program lives on another device")
+        args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
+                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_void_p(program.state.data_ptr() + 4)]
+        self._launch(self.step_fn, self.num_sms, P.THREADS, P.SMEM, args, cooperative=True)

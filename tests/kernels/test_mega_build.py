@@ -1,0 +1,31 @@
+"""mega.cu builds for sm_90a where this machine has nvcc (a CPU-only check that the GPU tests will find a
+kernel): launch.build() leaves a cubin in its cache, and ptxas reports no spills and no stack frame."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from metainfer.kernels.mega import launch
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+
+
+def test_build_caches_a_cubin(tmp_path, monkeypatch):
+    monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path))
+    out = launch.build()
+    assert out.is_file() and out.suffix == ".cubin" and out.parent.parent == tmp_path
+    assert launch.build() == out  # the same sources: the cached file
+
+
+def test_no_spills(tmp_path):
+    cmd = launch.nvcc_command(tmp_path / "m.cubin")
+    res = subprocess.run([*cmd[:1], "-Xptxas", "-v", *cmd[1:]], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "warning" not in res.stderr.lower(), res.stderr[-3000:]
+    step = res.stderr[res.stderr.index("'mega_step'"):]
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", step)
+    assert frame and frame.groups() == ("0", "0", "0"), step[:500]
