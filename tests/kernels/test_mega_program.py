@@ -1,6 +1,6 @@
 """The megakernel's programs on the CPU (metainfer/kernels/mega/program.py): the packed table holds each
 field where mega.cu's `Instr` reads it, the checks refuse what the kernel cannot run, tagged words
-decode to their values, the float64 reference is the block-scaled product, and program.py's constants
+round-trip, the float64 GEMV of the emulator is the block-scaled product, and program.py's constants
 are mega.cu's."""
 
 from __future__ import annotations
@@ -13,31 +13,34 @@ import pytest
 import torch
 
 from metainfer.kernels import reference as ref
+from metainfer.kernels.mega import emulate
 from metainfer.kernels.mega import program as P
 
 CU = Path(P.__file__).with_name("mega.cu")
 
 
-def _e4m3(rows, k, seed=0):
+def _e4m3(*shape, seed=0):
     g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(rows, k, generator=g) * 2).to(torch.float8_e4m3fn)
-    ws = 0.5 + 1.5 * torch.rand((rows + 127) // 128, k // 128, generator=g)
+    w = (torch.randn(*shape, generator=g) * 2).to(torch.float8_e4m3fn)
+    ws = 0.5 + 1.5 * torch.rand(*shape[:-2], (shape[-2] + 127) // 128, shape[-1] // 128, generator=g)
     return w, ws
 
 
-def _bf16(n, seed=1):
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+def _bf16(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def _chain():
-    w0, s0 = _e4m3(1100, 2048)
-    w1, s1 = _e4m3(520, 512, seed=2)
-    w2 = _bf16(257 * 1024, seed=3).view(257, 1024)
-    return [
-        P.Gemv(w0, s0, x=_bf16(2048), norm_w=_bf16(2048, seed=4), eps=1e-5, out_bf16=True),
-        P.Gemv(w1, s1, src=0, src_off=7),
-        P.Gemv(w2, src=0, src_off=0, norm_w=_bf16(1024, seed=5)),
-    ]
+def _moe(E=6, H=2048, I=512, top_k=2):
+    """router -> GateUp -> Down on a Vec residual stream h and a mixer output (instruction 0)."""
+    h = P.Vec(_bf16(H, seed=2))
+    wm, sm = _e4m3(H, 512, seed=3)
+    mix = P.Gemv(wm, P.Vec(_bf16(512, seed=4)), ws=sm)
+    router = P.Gemv(_bf16(E + 1, H, seed=5) * 0.05, h, norm_w=_bf16(H, seed=6) * 0.1, add=P.Src(0))
+    wgu, sgu = _e4m3(E + 1, 2 * I, H, seed=7)
+    wdn, sdn = _e4m3(E + 1, H, I, seed=8)
+    gu = P.GateUp(wgu, sgu, h, P.Src(0), router.norm_w, P.Src(1), top_k)
+    dn = P.Down(wdn, sdn, P.Src(2), P.Src(1), h, P.Src(0), top_k)
+    return [mix, router, gu, dn]
 
 
 def _halves(word: int) -> tuple[int, int]:
@@ -45,89 +48,99 @@ def _halves(word: int) -> tuple[int, int]:
     return u & 0xFFFFFFFF, u >> 32
 
 
+def _float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
 def test_table_holds_each_field_where_the_kernel_reads_it():
-    prog = P.Program(_chain())
+    instrs = _moe()
+    prog = P.Program(instrs)
     t = prog.table.tolist()
-    assert prog.table.shape == (3, P.WORDS) and prog.table.dtype == torch.int64
-    g0, g1, g2 = prog.instrs
-    assert _halves(t[0][0]) == (P.OP_GEMV, P.W_E4M3) and _halves(t[2][0]) == (P.OP_GEMV, P.W_BF16)
-    assert _halves(t[0][1]) == (1100, 2048) and _halves(t[1][1]) == (520, 512)
-    assert _halves(t[0][2]) == (P.PRO_RMSNORM, P.OUT_BF16) and _halves(t[1][2]) == (P.PRO_NONE, P.OUT_F32)
-    src, eps_bits = _halves(t[0][3])
-    assert src == 2**32 - 1 and struct.unpack("<f", struct.pack("<I", eps_bits))[0] == pytest.approx(1e-5)
-    assert _halves(t[1][3])[0] == 0
-    assert t[0][4:9] == [g0.w.data_ptr(), g0.ws.data_ptr(), g0.norm_w.data_ptr(), g0.x.data_ptr(),
-                         prog.y[0].data_ptr()]
-    assert t[2][5] == 0 and t[2][7] == 0  # no scales for bf16, no x with a source
-    assert t[1][9] == 7 and t[1][10:] == [0, 0]
-    assert prog.bytes == 1100 * 2048 + 520 * 512 + 257 * 1024 * 2
-    assert [int(y.numel()) for y in prog.y] == [1100, 520, 257]
-    assert all(int(y.abs().sum()) == 0 for y in prog.y)
+    assert prog.table.shape == (4, P.WORDS) and P.WORDS * 8 == 160
+    mix, router, gu, dn = instrs
+    # word 0: op | output kind; words 1-6: ints; word 7: floats; words 8-19: pointers
+    ops = [P.OP_GEMV, P.OP_GEMV, P.OP_GATE_UP, P.OP_DOWN]
+    assert [_halves(t[i][0]) for i in range(4)] == [(op, P.OUT_BF16) for op in ops]
+    ints = [[v for w in t[i][1:7] for v in _halves(w)] for i in range(4)]
+    assert ints[0][:8] == [P.W_E4M3, 2048, 512, P.PRO_NONE, P.OUT_BF16, P.X_VEC, 0, 0]
+    assert ints[1][:10] == [P.W_BF16, 7, 2048, P.PRO_ADD_RMSNORM, P.OUT_BF16, P.X_VEC, 0, 0, 0, 0]
+    assert ints[2][:10] == [6, 512, 2048, 2, 1, P.X_VEC, 0, 0, 0, 0]
+    assert ints[3] == [6, 512, 2048, 2, 1, P.X_VEC, 0, 0, 2, 0, 0, 0]
+    assert _float(_halves(t[1][7])[0]) == pytest.approx(1e-6)
+    ptrs = [t[i][8:] for i in range(4)]
+    assert ptrs[0][:5] == [mix.w.data_ptr(), mix.ws.data_ptr(), 0, mix.x.t.data_ptr(), prog.y[0].data_ptr()]
+    assert ptrs[1][1] == 0 and ptrs[1][2] == router.norm_w.data_ptr()
+    assert ptrs[1][8] == prog.step_inputs.data_ptr()
+    assert ptrs[2][:5] == [gu.w.data_ptr(), gu.ws.data_ptr(), gu.norm_w.data_ptr(), gu.x.t.data_ptr(),
+                           prog.y[2].data_ptr()]
+    assert ptrs[3][3] == dn.res.t.data_ptr() and ptrs[3][4] == prog.y[3].data_ptr()
+    assert [y.numel() for y in prog.y] == [2048, 7, 3 * 512, 2048]
+    assert prog.bytes == 2048 * 512 + 7 * 2048 * 2 + 3 * (1024 * 2048 + 2048 * 512)
 
 
 def _bad(case):
     w, ws = _e4m3(64, 2048)
-    x = _bf16(2048)
-    good = P.Gemv(w, ws, x=x, out_bf16=True)
+    x = P.Vec(_bf16(2048))
+    good = P.Gemv(w, x, ws=ws)
     if case == "k":
         w3, s3 = _e4m3(64, 768)
-        return [P.Gemv(w3, s3, x=_bf16(768))]
-    if case == "kmax":
-        w3, s3 = _e4m3(16, 8192)
-        return [P.Gemv(w3, s3, x=_bf16(8192))]
+        return [P.Gemv(w3, P.Vec(_bf16(768)), ws=s3)]
     if case == "row_bytes":  # 1,536-byte rows do not divide the slot
         w3, s3 = _e4m3(16, 1536)
-        return [P.Gemv(w3, s3, x=_bf16(1536))]
+        return [P.Gemv(w3, P.Vec(_bf16(1536)), ws=s3)]
     if case == "scales":
-        return [P.Gemv(w, ws[:, :3], x=x)]
-    if case == "no_x":
-        return [P.Gemv(w, ws)]
+        return [P.Gemv(w, x, ws=ws[:, :3])]
     if case == "forward":
-        return [P.Gemv(w, ws, src=1), good]
+        return [P.Gemv(w, P.Src(1), ws=ws), good]
     if case == "slice":
         w5, s5 = _e4m3(8, 512)
-        return [good, P.Gemv(w5, s5, src=0, src_off=0)]  # good has 64 rows < 512
+        return [good, P.Gemv(w5, P.Src(0), ws=s5)]  # good has 64 rows < 512
     if case == "norm_fp32":
         w6, s6 = _e4m3(2048, 512)
         w7, s7 = _e4m3(8, 2048)
-        return [P.Gemv(w6, s6, x=_bf16(512)), P.Gemv(w7, s7, src=0, norm_w=_bf16(2048))]
+        first = P.Gemv(w6, P.Vec(_bf16(512)), ws=s6, out=P.OUT_F32)
+        return [first, P.Gemv(w7, P.Src(0), ws=s7, norm_w=_bf16(2048))]
     if case == "dtype":
-        return [P.Gemv(w.float(), x=x)]
+        return [P.Gemv(w.float(), x)]
+    if case == "plain":
+        return [P.Gemv(w, x, ws=ws, out=P.OUT_PLAIN_F32)]
+    if case == "routing":  # Down's activations from a GateUp of another routing
+        m = _moe()
+        return [*m[:3], P.Down(m[3].w, m[3].ws, P.Src(2), P.Src(1), m[3].res, P.Src(0), top_k=3)]
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["k", "kmax", "row_bytes", "scales", "no_x", "forward", "slice", "norm_fp32",
-                                  "dtype"])
+BAD = ["k", "row_bytes", "scales", "forward", "slice", "norm_fp32", "dtype", "plain", "routing"]
+
+
+@pytest.mark.parametrize("case", BAD)
 def test_check_refuses_what_the_kernel_cannot_run(case):
     with pytest.raises(ValueError):
         P.Program(_bad(case))
 
 
-def test_tagged_words_decode_to_their_values():
+def test_tagged_words_round_trip():
     v32 = torch.randn(37)
     v16 = torch.randn(37).to(torch.bfloat16)
-    tag = torch.full((37,), 5, dtype=torch.int64) << 32
-    w32 = tag | v32.view(torch.int32).to(torch.int64).bitwise_and(0xFFFFFFFF)
-    w16 = tag | v16.view(torch.int16).to(torch.int64).bitwise_and(0xFFFF)
-    assert torch.equal(P.decode(w32, bf16=False), v32)
-    assert torch.equal(P.decode(w16, bf16=True), v16)
-    prog = P.Program(_chain()[:1])
-    prog.y[0].copy_(w16.repeat(30)[:1100])
-    assert torch.equal(prog.tags(0), torch.full((1100,), 5, dtype=torch.int32))
+    w32, w16 = P.encode(v32, 5), P.encode(v16, 7)
+    assert torch.equal(P.decode(w32, bf16=False), v32) and torch.equal(P.decode(w16, bf16=True), v16)
+    assert torch.equal(w32 >> 32, torch.full((37,), 5)) and torch.equal(w16 >> 32, torch.full((37,), 7))
 
 
-def test_reference_is_the_block_scaled_product_of_the_normed_x():
-    g = _chain()[0]
-    x = _bf16(2048, seed=9).float()
-    got = P.reference(g, x)
-    xn = ref.rms_norm(x.to(torch.bfloat16), g.norm_w, g.eps).double()
-    want = torch.zeros(1100, dtype=torch.float64)
-    for rb in range(9):
+def test_emulated_gemv_is_the_block_scaled_product_of_the_normed_x():
+    w, ws = _e4m3(300, 2048)
+    nw = _bf16(2048, seed=9) * 0.1
+    x = _bf16(2048, seed=10)
+    g = P.Gemv(w, P.Vec(x), ws=ws, norm_w=nw, eps=1e-5, out=P.OUT_F32)
+    got = emulate.gemv(g, [], torch.zeros(P.STEP_WORDS, dtype=torch.int64))
+    xn = ref.rms_norm(x, nw, 1e-5).double()
+    want = torch.zeros(300, dtype=torch.float64)
+    for rb in range(3):
         for kb in range(16):
-            blk = g.w[rb * 128 : (rb + 1) * 128, kb * 128 : (kb + 1) * 128].double()
+            blk = w[rb * 128 : (rb + 1) * 128, kb * 128 : (kb + 1) * 128].double()
             part = blk @ xn[kb * 128 : (kb + 1) * 128]
-            want[rb * 128 : rb * 128 + blk.shape[0]] += float(g.ws[rb, kb]) * part
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-9)
+            want[rb * 128 : rb * 128 + blk.shape[0]] += float(ws[rb, kb]) * part
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-5)
 
 
 def test_constants_are_mega_cu_s():
@@ -136,5 +149,9 @@ def test_constants_are_mega_cu_s():
     def const(name):
         return int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))
 
-    assert (const("NCW"), const("SLOT"), const("NSLOTS"), const("KMAX")) == (P.NCW, P.SLOT, P.NSLOTS, P.KMAX)
-    assert "static_assert(sizeof(Instr) == 96" in src and P.WORDS * 8 == 96
+    names = ("NCW", "SLOT", "NSLOTS", "KMAX", "SCRATCH", "MAX_SCORES", "MAX_EXPERTS", "ROUTE_WORDS")
+    assert [const(n) for n in names] == [getattr(P, n) for n in names]
+    assert "static_assert(sizeof(Instr) == 160" in src
+    for name in ("OP_GEMV", "OP_GATE_UP", "OP_DOWN", "OP_DELTA", "OP_ATTEND", "OP_COMBINE", "PRO_GATED_NORM",
+                 "OUT_PLAIN_F32", "EPI_CONV", "X_EMBED", "STEP_SEQ_LEN"):
+        assert re.search(rf"\b{name} = {getattr(P, name)}\b", src), name

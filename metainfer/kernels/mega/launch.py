@@ -94,10 +94,10 @@ class MegaKernel:
         self.drv(name, fn, grid, 1, 1, block, 1, 1, smem, stream, params, *extra)
 
     def _check_constants(self) -> None:
-        out = torch.zeros(5, dtype=torch.int64, device=self.device)
+        out = torch.zeros(7, dtype=torch.int64, device=self.device)
         self._launch(self.const_fn, 1, 1, 0, [ctypes.c_void_p(out.data_ptr())], cooperative=False)
         got = out.tolist()
-        want = [P.THREADS, P.SMEM, P.SLOT, P.KMAX, P.WORDS * 8]
+        want = [P.THREADS, P.SMEM, P.SLOT, P.KMAX, P.WORDS * 8, P.SCRATCH, P.MAX_SCORES]
         if got != want:
             raise RuntimeError(f"mega.cu's constants {got} differ from program.py's {want}")
 

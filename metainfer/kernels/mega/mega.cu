@@ -1,128 +1,200 @@
-// The batch-1 decode step as one persistent kernel (benchmarks/MEGAKERNEL.md), v0: a program of
-// chained GEMV instructions, y_i = W_i . prologue_i(x_i), run by one cooperative launch of one CTA per
-// SM. Built by metainfer/kernels/mega/program.py, which packs `Instr` and checks every rule below.
+// The batch-1 decode step as one persistent kernel (benchmarks/MEGAKERNEL.md). A program (built and
+// checked by program.py; emulate.py is each instruction's ground truth) runs in one cooperative launch of
+// one CTA per SM.
 //
-// Roles per CTA: warp 0 (lane 0) is the producer. It walks the program and streams its CTA's row
-// chunks of every instruction's weights (chunk c -> CTA c mod gridDim.x) through a ring of NSLOTS
-// shared-memory slots, with 1-D bulk copies completing on mbarriers. Weights never depend on the
-// step's data, so it never waits for anything but a free slot. Warps 1..NCW are consumers. For each
-// instruction they build x in shared memory (the source instruction's outputs, polled, then the
-// prologue), then reduce each ring chunk's rows on the CUDA cores and store each row's output.
+// Roles per CTA: warp 0 is the producer. It walks the program and streams its CTA's chunks of every
+// instruction's weights through a ring of NSLOTS shared-memory slots (1-D bulk copies completing on
+// mbarriers). Dense weights never wait; the experts' wait for the routing, which the producer warp
+// recomputes from the router's logits. Warps 1..NCW are consumers: per instruction they build x in
+// shared memory (sources polled, then the prologue), reduce the ring's chunks on the CUDA cores and store
+// each output; the recurrent-state and attention instructions read their state and cache directly.
 //
-// Outputs are tagged 64-bit words: tag << 32 | value bits (fp32, or bf16 in the low 16 bits). The tag
-// is the step's number (step_tag + 1, read at launch), so a consumer polls the data itself and stale
-// words of the previous step never pass; no counter and no reset between steps. The last CTA to
-// finish advances *step_tag for the next launch.
+// Outputs are tagged 64-bit words: tag << 32 | value bits (fp32, or bf16 in the low 16). The tag is the
+// step's number (step_tag + 1, read at launch): a consumer polls the data itself, stale words of the last
+// step never pass, nothing is reset between steps. The last CTA out advances *step_tag.
 //
-// Numerics follow the engine's W8A16 decode linears (weight_stream._skinny_kernel at T = 1): e4m3 (or
-// bf16) weights times x in fp32, each 16-weight piece's partial sum times its 128 x 128 block scale,
-// fp32 accumulation, outputs rounded to the instruction's dtype. The RMSNorm prologue is
-// reference.rms_norm: x / rms(x) * (1 + w) in fp32, rounded to bf16.
+// Numerics follow the engine's decode kernels: e4m3 (or bf16) weights times x in fp32, each 16-weight
+// piece's sum times its 128 x 128 block scale; fp32 sums; bf16 activations rounded where the engine
+// rounds them (emulate.py lists each).
 //
-// Rules (program.py checks them): k is a multiple of 512 and at most KMAX; a row (k or 2k bytes) divides
-// SLOT; an instruction with src >= 0 reads src's outputs [src_off, src_off + k) as x, so src < i and
-// src_off + k <= src.rows; y buffers are distinct.
+// Instr fields by op (program.fields writes them):
+//   GEMV      i: wtype rows k pro out xkind xidx xoff addidx addoff epi hd|nconv   f: eps
+//             p: w ws norm_w xptr y plain conv_state conv_w step
+//   GATE_UP   i: E I H top_k logits xkind xidx xoff addidx addoff   f: eps   p: w ws norm_w xptr y - - - step
+//   DOWN      i: E I H top_k logits reskind residx resoff actidx actoff radd_idx radd_off
+//             p: w ws - resptr y - - - step
+//   DELTA     i: hk Hv Dk Dv b_off a_off proj   p: state A_log dt_bias - y - - - step
+//   ATTEND    i: hq hkv D rd splits block qkv qkv_off   f: eps scale
+//             p: k_cache v_cache q_norm_w k_norm_w y inv_freq block_table - step
+//   COMBINE   i: hq D splits parts parts_off qkv qkv_off   p: - - - - y
 
 #include <cuda_bf16.h>
 
 #include "ptx.cuh"
 
 namespace {
-constexpr int NCW = 8;                // consumer warps per CTA
-constexpr int NT = 32 * (NCW + 1);    // threads per CTA
-constexpr int SLOT = 32768;           // bytes per ring slot
+constexpr int NCW = 8;              // consumer warps per CTA
+constexpr int NT = 32 * (NCW + 1);  // threads per CTA
+constexpr int CT = 32 * NCW;        // consumer threads
+constexpr int SLOT = 32768;         // bytes per ring slot
 constexpr int NSLOTS = 6;
-constexpr int KMAX = 4096;            // the widest x
+constexpr int KMAX = 4608;          // floats of x
+constexpr int SCRATCH = 3072;       // floats of per-op scratch
+constexpr int MAX_SCORES = 1024;    // positions one attention split scores
+constexpr int MAX_EXPERTS = 256;
+constexpr int ROUTE_WORDS = 64;
 
-enum : int32_t { OP_GEMV = 1 };
+enum : int32_t { OP_GEMV = 1, OP_GATE_UP = 2, OP_DOWN = 3, OP_DELTA = 4, OP_ATTEND = 5, OP_COMBINE = 6 };
 enum : int32_t { W_E4M3 = 0, W_BF16 = 1 };
-enum : int32_t { PRO_NONE = 0, PRO_RMSNORM = 1 };
-enum : int32_t { OUT_F32 = 0, OUT_BF16 = 1 };
+enum : int32_t { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_ADD_RMSNORM = 2, PRO_GATED_NORM = 3 };
+enum : int32_t { OUT_F32 = 0, OUT_BF16 = 1, OUT_PLAIN_F32 = 2 };
+enum : int32_t { EPI_NONE = 0, EPI_CONV = 1 };
+enum : int32_t { X_SRC = 0, X_VEC = 1, X_EMBED = 2 };
+enum : int32_t { STEP_TOKEN = 0, STEP_POS = 1, STEP_KV_SLOT = 2, STEP_STATE_SLOT = 3, STEP_HAS_STATE = 4,
+                 STEP_SEQ_LEN = 5 };
 
-struct Instr {  // 96 bytes, 12 int64 words in program.py's order
-  int32_t op, wtype;
-  int32_t rows, k;
-  int32_t pro, out;
-  int32_t src;                   // the instruction whose outputs are x; -1: x is `x`
-  float eps;                     // PRO_RMSNORM
-  const uint8_t* w;              // [rows, k] e4m3 or bf16, row-major
-  const float* ws;               // e4m3: [ceil(rows / 128), k / 128] block scales
-  const __nv_bfloat16* norm_w;   // PRO_RMSNORM: [k]
-  const __nv_bfloat16* x;        // src < 0: [k], ready at launch
-  uint64_t* y;                   // [rows] tagged words
-  int64_t src_off;               // x = src's outputs [src_off, src_off + k)
-  int64_t reserved[2];
+struct Instr {  // 160 bytes, program.py's 20 words
+  int32_t op, out;  // out: the kind of this instruction's output words
+  int32_t i[12];
+  float f[2];
+  uint64_t p[12];
 };
-static_assert(sizeof(Instr) == 96, "program.py packs 12 words");
+static_assert(sizeof(Instr) == 160, "program.py packs 20 words");
 
 constexpr size_t SMEM = (size_t)NSLOTS * SLOT + 2 * NSLOTS * sizeof(uint64_t) + KMAX * sizeof(float) +
-                        NCW * sizeof(float);
+                        SCRATCH * sizeof(float) + ROUTE_WORDS * 4;
 
-__device__ __forceinline__ int row_bytes(const Instr& in) { return in.k * (in.wtype == W_BF16 ? 2 : 1); }
-__device__ __forceinline__ int chunk_rows(const Instr& in) { return SLOT / row_bytes(in); }
+struct Smem {
+  uint8_t* ring;
+  uint64_t* full;
+  uint64_t* empty;
+  float* xs;       // [KMAX] x, permuted per 512 (xpos)
+  float* sc;       // [SCRATCH]
+  int* route_p;    // producer's routing: ids [16], weights [16] (as int bits)
+  int* route_c;    // consumers'
+};
 
-// x lives in shared memory permuted per 512-column group so that lane L's 16 columns
-// (base + L * 16 + q * 4 + t) are read as float4 q by all 32 lanes at consecutive addresses.
+template <typename T>
+__device__ __forceinline__ T* ptr(uint64_t v) { return reinterpret_cast<T*>(v); }
+
+__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float bf_at(const __nv_bfloat16* p, long long e) { return __bfloat162float(p[e]); }
+
+// x lives in shared memory permuted per 512-column group: lane L's 16 columns (base + L * 16 + q * 4 + t)
+// are read as float4 q by the 32 lanes at consecutive addresses.
 __device__ __forceinline__ int xpos(int e) {
   return (e & ~511) | (((e & 15) >> 2) << 7) | (((e >> 4) & 31) << 2) | (e & 3);
 }
 
-__device__ __forceinline__ float word_value(uint64_t w, int out) {
+__device__ __forceinline__ float word_value(uint64_t w, int kind) {
   const uint32_t b = static_cast<uint32_t>(w);
-  return out == OUT_BF16 ? __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b & 0xffffu)))
-                         : __uint_as_float(b);
+  return kind == OUT_BF16 ? __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b & 0xffffu)))
+                          : __uint_as_float(b);
 }
 
-// x of instruction `in` into xs (fp32, permuted), after the prologue. Consumer threads only.
-__device__ void stage_x(const Instr& in, const Instr* prog, uint32_t tag, float* xs, float* red, int ct, int cw,
-                        int lane) {
-  consumers_sync(NCW * 32);  // every warp is done reading the previous instruction's x
-  const int K = in.k;
+// one source's outputs, polled until they carry this step's tag
+struct Source {
+  const uint64_t* y;
+  int kind;
+  __device__ Source(const Instr* prog, int idx, int off) : y(ptr<const uint64_t>(prog[idx].p[4]) + off),
+                                                            kind(prog[idx].out) {}
+  __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
+    uint64_t w;
+    do w = ld_relaxed_u64(y + e);
+    while (static_cast<uint32_t>(w >> 32) != tag);
+    return word_value(w, kind);
+  }
+};
+
+// an X (kind, idx, off at i[base..base+2], pointer p[3]): element e
+struct XIn {
+  int kind, n;
+  Source src;
+  const __nv_bfloat16* vec;
+  __device__ XIn(const Instr* prog, const Instr& in, int base, int n_)
+      : kind(in.i[base]), n(n_), src(prog, in.i[base] == X_SRC ? in.i[base + 1] : 0, in.i[base + 2]),
+        vec(ptr<const __nv_bfloat16>(in.p[3])) {
+    if (kind == X_EMBED) vec += (long long)ptr<const long long>(in.p[8])[STEP_TOKEN] * n;
+  }
+  __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
+    return kind == X_SRC ? src(e, tag) : __bfloat162float(vec[e]);
+  }
+};
+
+__device__ __forceinline__ void store_word(uint64_t* y, int row, float v, int kind, uint32_t tag) {
+  const uint32_t bits = kind == OUT_BF16 ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(v)))
+                                         : __float_as_uint(v);
+  st_relaxed_u64(y + row, (static_cast<uint64_t>(tag) << 32) | bits);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// the consumers' sum of v (every consumer thread gets it; warp order, then lane butterflies)
+__device__ float block_sum(float v, float* red, int cw, int lane) {
+  v = warp_sum(v);
+  consumers_sync(CT);
+  if (lane == 0) red[cw] = v;
+  consumers_sync(CT);
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < NCW; ++w) t += red[w];
+  return t;
+}
+
+// ---- the x prologues ------------------------------------------------------------------------------
+// RMSNorm of v[e] = x(e) (+ add(e), rounded to bf16) into xs: bf16(v / rms(v) * (1 + w))
+__device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16* nw, float eps, int K, uint32_t tag,
+                           const Smem& s, int ct, int cw, int lane) {
   float ss = 0.f;
-  if (in.src < 0) {
-    for (int e = ct; e < K; e += NCW * 32) {
-      const float v = __bfloat162float(in.x[e]);
-      xs[xpos(e)] = v;
-      ss += v * v;
-    }
-  } else {
-    const uint64_t* sy = prog[in.src].y + in.src_off;
-    const int sout = prog[in.src].out;
-    for (int e = ct; e < K; e += NCW * 32) {
-      uint64_t w;
-      do w = ld_relaxed_u64(sy + e);
-      while (static_cast<uint32_t>(w >> 32) != tag);
-      const float v = word_value(w, sout);
-      xs[xpos(e)] = v;
-      ss += v * v;
-    }
+  for (int e = ct; e < K; e += CT) {
+    float v = x(e, tag);
+    if (add) v = bf(v + (*add)(e, tag));
+    s.xs[xpos(e)] = v;
+    ss += v * v;
   }
-  if (in.pro == PRO_RMSNORM) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) red[cw] = ss;
-    consumers_sync(NCW * 32);
-    float tot = 0.f;
-#pragma unroll
-    for (int w = 0; w < NCW; ++w) tot += red[w];  // warp order: every thread gets the same sum
-    const float r = rsqrtf(tot / K + in.eps);
-    for (int e = ct; e < K; e += NCW * 32) {
-      const float v = xs[xpos(e)] * r * (1.f + __bfloat162float(in.norm_w[e]));
-      xs[xpos(e)] = __bfloat162float(__float2bfloat16_rn(v));
-    }
+  const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);
+  for (int e = ct; e < K; e += CT) {
+    const int q = xpos(e);
+    s.xs[q] = bf(s.xs[q] * r * (1.f + bf_at(nw, e)));
   }
-  consumers_sync(NCW * 32);
 }
 
-// one row's dot with x (whole warp; the result on every lane)
-__device__ __forceinline__ float row_dot(const uint8_t* row, const Instr& in, const float* ws_row, const float* xs,
+// the DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm): warp cw takes heads cw + j * NCW
+__device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
+                            uint32_t tag, const Smem& s, int cw, int lane) {
+  for (int h = cw; h < K / hd; h += NCW) {
+    float ss = 0.f;
+    for (int d = lane; d < hd; d += 32) {
+      const float c = x(h * hd + d, tag);
+      s.xs[xpos(h * hd + d)] = c;
+      ss += c * c;
+    }
+    const float r = rsqrtf(warp_sum(ss) / hd + eps);
+    for (int d = lane; d < hd; d += 32) {
+      const int e = h * hd + d, q = xpos(e);
+      const float hh = bf(bf(s.xs[q] * r) * bf_at(nw, d));
+      const float zz = z(e, tag);
+      s.xs[q] = bf(hh * (zz / (1.f + __expf(-zz))));
+    }
+  }
+}
+
+// ---- one row's dot with x (whole warp; the result on every lane) -------------------------------------
+__device__ __forceinline__ float row_dot(const uint8_t* row, int wtype, int K, const float* ws_row, const float* xs,
                                          int lane) {
-  const int K = in.k;
   float acc = 0.f;
   for (int base = 0; base < K; base += 512) {
     const float4* xv = reinterpret_cast<const float4*>(xs + base) + lane;  // float4 q at xv[q * 32]
     float part = 0.f;
-    if (in.wtype == W_E4M3) {
+    if (wtype == W_E4M3) {
       const uint4 v = *reinterpret_cast<const uint4*>(row + base + lane * 16);
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -138,99 +210,556 @@ __device__ __forceinline__ float row_dot(const uint8_t* row, const Instr& in, co
       }
       acc = fmaf(part, ws_row[(base + lane * 16) / 128], acc);
     } else {
-      const uint4* p = reinterpret_cast<const uint4*>(row + 2 * (base + lane * 16));
+      const uint4* pw = reinterpret_cast<const uint4*>(row + 2 * (base + lane * 16));
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 v = p[h];
+        const uint4 v = pw[h];
         const uint32_t words[4] = {v.x, v.y, v.z, v.w};
         const float4 x0 = xv[(2 * h) * 32], x1 = xv[(2 * h + 1) * 32];
-        const float xs8[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        const float x8[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
-          part = fmaf(f.x, xs8[2 * q], part);
-          part = fmaf(f.y, xs8[2 * q + 1], part);
+          part = fmaf(f.x, x8[2 * q], part);
+          part = fmaf(f.y, x8[2 * q + 1], part);
         }
       }
       acc += part;
     }
   }
+  return warp_sum(acc);
+}
+
+// ---- routing (one whole warp) ----------------------------------------------------------------------
+// logits [E + 1] (bf16 words) -> ids[0..top_k] (the picks of an fp32 softmax, ties to the lower index, then
+// the shared expert E) and weights (renormalised picks, then sigmoid of logit E), into r[0..15], r[16..31]
+__device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int* r, int lane) {
+  constexpr int PER = MAX_EXPERTS / 32;
+  float num[PER];
+  float m = -INFINITY;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  return acc;
+  for (int j = 0; j < PER; ++j) {
+    const int e = j * 32 + lane;
+    num[j] = e < E ? lg(e, tag) : -INFINITY;
+    m = fmaxf(m, num[j]);
+  }
+  m = warp_max(m);
+  float tot = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    num[j] = j * 32 + lane < E ? expf(num[j] - m) : -1.f;
+    tot += num[j] > 0.f ? num[j] : 0.f;
+  }
+  tot = warp_sum(tot);
+  float picked = 0.f;
+  for (int k = 0; k < top_k; ++k) {
+    float bv = -1.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (num[j] > bv) bv = num[j], bi = j * 32 + lane;  // ascending index: the first of ties stays
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (j * 32 + lane == bi) num[j] = -1.f;
+    const float prob = bv / tot;
+    picked += prob;
+    if (lane == 0) {
+      r[k] = bi;
+      reinterpret_cast<float*>(r)[16 + k] = prob;
+    }
+  }
+  __syncwarp();
+  if (lane < top_k) reinterpret_cast<float*>(r)[16 + lane] /= picked;
+  if (lane == 0) {
+    const float g = lg(E, tag);
+    r[top_k] = E;
+    reinterpret_cast<float*>(r)[16 + top_k] = 1.f / (1.f + expf(-g));
+  }
+  __syncwarp();
+}
+
+// ---- chunk enumeration, shared by the producer and the consumers -------------------------------------
+__device__ __forceinline__ int gemv_rpc(const Instr& in) { return SLOT / (in.i[2] * (in.i[0] == W_BF16 ? 2 : 1)); }
+__device__ __forceinline__ int n_chunks_of(const Instr& in) {
+  if (in.op == OP_GEMV) return (in.i[1] + gemv_rpc(in) - 1) / gemv_rpc(in);
+  if (in.op == OP_GATE_UP) return (in.i[3] + 1) * (in.i[1] / 8);
+  return 0;
+}
+// DOWN: row blocks of 16 outputs, each in groups of SLOT / (16 I) experts' pieces
+__device__ __forceinline__ int down_per_group(const Instr& in) { return SLOT / (16 * in.i[1]); }
+__device__ __forceinline__ int down_groups(const Instr& in) {
+  return (in.i[3] + 1 + down_per_group(in) - 1) / down_per_group(in);
+}
+
+// the next ring slot, once free, armed for `bytes` (the caller issues the copies into it) -> its address
+__device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t bytes) {
+  const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+  mbar_wait(&s.empty[slot], (rnd & 1) ^ 1);
+  mbar_expect_tx(&s.full[slot], bytes);
+  return s.ring + slot * SLOT;
+}
+
+__device__ void producer(const Instr* prog, int n_instr, uint32_t tag, const Smem& s, int lane) {
+  uint32_t it = 0;
+  int routed = -1;  // the router instruction whose routing route_p holds
+  const int n_cta = gridDim.x;
+  for (int i = 0; i < n_instr; ++i) {
+    const Instr& in = prog[i];
+    if (in.op == OP_GATE_UP || in.op == OP_DOWN) {
+      const bool mine = in.op == OP_GATE_UP ? (int)blockIdx.x < n_chunks_of(in) : (int)blockIdx.x < in.i[2] / 16;
+      if (!mine) continue;
+      if (routed != in.i[4]) {
+        route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane);
+        routed = in.i[4];
+      }
+    }
+    if (lane != 0) continue;
+    if (in.op == OP_GEMV) {
+      const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
+      for (int c = blockIdx.x; c < n; c += n_cta, ++it) {
+        const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
+        bulk_load(claim(s, it, bytes), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes,
+                  &s.full[it % NSLOTS]);
+      }
+    } else if (in.op == OP_GATE_UP) {
+      const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_chunks_of(in);
+      for (int c = blockIdx.x; c < n; c += n_cta, ++it) {  // 8 gate rows, then the 8 up rows beside them
+        const int j = c / nb, b = c % nb, e = s.route_p[j];
+        const uint8_t* w = ptr<const uint8_t>(in.p[0]) + ((size_t)e * 2 * I + 8 * b) * H;
+        uint8_t* dst = claim(s, it, 16 * H);
+        bulk_load(dst, w, 8 * H, &s.full[it % NSLOTS]);
+        bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, &s.full[it % NSLOTS]);
+      }
+    } else if (in.op == OP_DOWN) {
+      const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in);
+      for (int rb = blockIdx.x; rb < H / 16; rb += n_cta)
+        for (int g = 0; g < down_groups(in); ++g, ++it) {  // the 16 rows of each slot's expert, slot order
+          const int n = min(per, slots - g * per);
+          uint8_t* dst = claim(s, it, n * 16 * I);
+          for (int j = 0; j < n; ++j)
+            bulk_load(dst + j * 16 * I, ptr<const uint8_t>(in.p[0]) + ((size_t)s.route_p[g * per + j] * H + rb * 16) * I,
+                      16 * I, &s.full[it % NSLOTS]);
+        }
+    }
+  }
+}
+
+// ---- consumers ---------------------------------------------------------------------------------------
+struct Ctx {
+  const Instr* prog;
+  uint32_t tag;
+  Smem s;
+  int ct, cw, lane;
+  uint32_t it;
+  int routed;
+};
+
+__device__ __forceinline__ const uint8_t* next_chunk(Ctx& c) {
+  const uint32_t slot = c.it % NSLOTS, rnd = c.it / NSLOTS;
+  mbar_wait(&c.s.full[slot], rnd & 1);
+  return c.s.ring + slot * SLOT;
+}
+__device__ __forceinline__ void release_chunk(Ctx& c) {
+  __syncwarp();
+  if (c.lane == 0) mbar_arrive(&c.s.empty[c.it % NSLOTS]);
+  ++c.it;
+}
+
+__device__ void route_consumers(Ctx& c, const Instr& in) {
+  if (c.routed == in.i[4]) return;
+  consumers_sync(CT);  // nobody still reads the previous routing
+  if (c.cw == 0) route_warp(Source(c.prog, in.i[4], 0), in.i[0], in.i[3], c.tag, c.s.route_c, c.lane);
+  consumers_sync(CT);
+  c.routed = in.i[4];
+}
+
+__device__ void op_gemv(Ctx& c, const Instr& in) {
+  const int n = n_chunks_of(in);
+  if ((int)blockIdx.x >= n) return;
+  const int wtype = in.i[0], rows_all = in.i[1], K = in.i[2], pro = in.i[3], out = in.i[4];
+  consumers_sync(CT);  // every warp is done with the previous instruction's x and scratch
+  const XIn x(c.prog, in, 5, K);
+  if (pro == PRO_NONE) {
+    for (int e = c.ct; e < K; e += CT) c.s.xs[xpos(e)] = x(e, c.tag);
+  } else if (pro == PRO_GATED_NORM) {
+    stage_gated(x, Source(c.prog, in.i[8], in.i[9]), ptr<const __nv_bfloat16>(in.p[2]), in.f[0], K, in.i[11], c.tag,
+                c.s, c.cw, c.lane);
+  } else {
+    const Source add(c.prog, in.i[8], in.i[9]);
+    stage_norm(x, pro == PRO_ADD_RMSNORM ? &add : nullptr, ptr<const __nv_bfloat16>(in.p[2]), in.f[0], K, c.tag, c.s,
+               c.ct, c.cw, c.lane);
+  }
+  consumers_sync(CT);
+  const int rb = K * (wtype == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), kb = K / 128;
+  const long long* step = ptr<const long long>(in.p[8]);
+  for (int ch = blockIdx.x; ch < n; ch += gridDim.x) {
+    const uint8_t* chunk = next_chunk(c);
+    const int rows = min(rpc, rows_all - ch * rpc);
+    for (int r = c.cw; r < rows; r += NCW) {
+      const int row = ch * rpc + r;
+      const float* ws_row = wtype == W_E4M3 ? ptr<const float>(in.p[1]) + (size_t)(row / 128) * kb : nullptr;
+      float v = row_dot(chunk + (size_t)r * rb, wtype, K, ws_row, c.s.xs, c.lane);
+      if (c.lane == 0) {
+        if (in.i[10] == EPI_CONV && row < in.i[11]) {  // the DeltaNet decode conv + SiLU (its state shifted)
+          const int C = in.i[11];
+          const long long slot = step[STEP_STATE_SLOT];
+          const bool has = step[STEP_HAS_STATE] != 0;
+          __nv_bfloat16* st = ptr<__nv_bfloat16>(in.p[6]) + slot * 3 * C + row;
+          const __nv_bfloat16* cwt = ptr<const __nv_bfloat16>(in.p[7]) + (size_t)row * 4;
+          const float y = bf(v), p0 = has ? bf_at(st, 0) : 0.f, p1 = has ? bf_at(st, C) : 0.f,
+                      p2 = has ? bf_at(st, 2 * C) : 0.f;
+          float cv = y * bf_at(cwt, 3);
+          cv += p0 * bf_at(cwt, 0);
+          cv += p1 * bf_at(cwt, 1);
+          cv += p2 * bf_at(cwt, 2);
+          st[0] = __float2bfloat16_rn(p1);
+          st[C] = __float2bfloat16_rn(p2);
+          st[2 * C] = __float2bfloat16_rn(y);
+          cv = bf(cv);
+          v = cv / (1.f + __expf(-cv));
+        }
+        if (out == OUT_PLAIN_F32) ptr<float>(in.p[5])[row] = v;
+        store_word(ptr<uint64_t>(in.p[4]), row, v, out == OUT_BF16 ? OUT_BF16 : OUT_F32, c.tag);
+      }
+    }
+    release_chunk(c);
+  }
+}
+
+__device__ void op_gate_up(Ctx& c, const Instr& in) {
+  const int n = n_chunks_of(in);
+  if ((int)blockIdx.x >= n) return;
+  const int I = in.i[1], H = in.i[2], nb = I / 8, kb = H / 128;
+  route_consumers(c, in);
+  consumers_sync(CT);
+  const Source add(c.prog, in.i[8], in.i[9]);
+  stage_norm(XIn(c.prog, in, 5, H), &add, ptr<const __nv_bfloat16>(in.p[2]), in.f[0], H, c.tag, c.s, c.ct, c.cw,
+             c.lane);
+  consumers_sync(CT);
+  const float* ws = ptr<const float>(in.p[1]);
+  for (int ch = blockIdx.x; ch < n; ch += gridDim.x) {
+    const uint8_t* chunk = next_chunk(c);
+    const int j = ch / nb, b = ch % nb, e = c.s.route_c[j];
+    const int rg = 8 * b + c.cw, ru = I + rg;  // this warp's gate and up rows of expert e
+    const float* wse = ws + (size_t)e * (2 * I / 128) * kb;
+    const float g = row_dot(chunk + (size_t)c.cw * H, W_E4M3, H, wse + (rg / 128) * kb, c.s.xs, c.lane);
+    const float u = row_dot(chunk + (size_t)(8 + c.cw) * H, W_E4M3, H, wse + (ru / 128) * kb, c.s.xs, c.lane);
+    if (c.lane == 0) store_word(ptr<uint64_t>(in.p[4]), j * I + rg, g / (1.f + __expf(-g)) * u, OUT_BF16, c.tag);
+    release_chunk(c);
+  }
+}
+
+__device__ void op_down(Ctx& c, const Instr& in) {
+  const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in), kb = I / 128;
+  if ((int)blockIdx.x >= H / 16) return;
+  route_consumers(c, in);
+  consumers_sync(CT);
+  const Source act(c.prog, in.i[8], in.i[9]);
+  for (int e = c.ct; e < slots * I; e += CT) c.s.xs[xpos(e)] = act(e, c.tag);
+  consumers_sync(CT);
+  const XIn res(c.prog, in, 5, H);
+  const Source radd(c.prog, in.i[10], in.i[11]);
+  const float* wts = reinterpret_cast<const float*>(c.s.route_c) + 16;
+  const float* ws = ptr<const float>(in.p[1]);
+  for (int rb = blockIdx.x; rb < H / 16; rb += gridDim.x) {
+    float acc0 = 0.f, acc1 = 0.f;  // rows rb * 16 + cw and + 8 (every lane holds them)
+    for (int g = 0; g < down_groups(in); ++g) {
+      const uint8_t* chunk = next_chunk(c);
+      for (int j = g * per; j < min(slots, g * per + per); ++j) {
+        const uint8_t* piece = chunk + (size_t)(j - g * per) * 16 * I;
+        const float* wse = ws + (size_t)c.s.route_c[j] * (H / 128) * kb;
+        const int r0 = rb * 16 + c.cw, r1 = r0 + 8;
+        const float y0 = row_dot(piece + (size_t)c.cw * I, W_E4M3, I, wse + (r0 / 128) * kb, c.s.xs + j * I, c.lane);
+        const float y1 = row_dot(piece + (size_t)(8 + c.cw) * I, W_E4M3, I, wse + (r1 / 128) * kb, c.s.xs + j * I,
+                                 c.lane);
+        acc0 = fmaf(wts[j], y0, acc0);
+        acc1 = fmaf(wts[j], y1, acc1);
+      }
+      release_chunk(c);
+    }
+    if (c.lane < 2) {
+      const int row = rb * 16 + c.cw + 8 * c.lane;
+      const float r = bf(res(row, c.tag) + radd(row, c.tag));
+      store_word(ptr<uint64_t>(in.p[4]), row, bf(c.lane ? acc1 : acc0) + r, OUT_BF16, c.tag);
+    }
+  }
+}
+
+// the gated delta rule on one (value head, 32-column block) of the state: thread (cw, lane) holds column lane,
+// rows cw * 16 .. + 15 (Dk = 128)
+__device__ void op_delta(Ctx& c, const Instr& in) {
+  const int hk = in.i[0], Hv = in.i[1], Dk = in.i[2], Dv = in.i[3], nblk = Dv / 32;
+  const Source proj(c.prog, in.i[6], 0);
+  const long long* step = ptr<const long long>(in.p[8]);
+  const long long slot = step[STEP_STATE_SLOT];
+  const bool has = step[STEP_HAS_STATE] != 0;
+  float* qn = c.s.sc;           // [128]
+  float* kn = qn + 128;         // [128]
+  float* red = kn + 128;        // [NCW][32]
+  float* gates = red + NCW * 32;  // decay, beta
+  for (int item = blockIdx.x; item < Hv * nblk; item += gridDim.x) {
+    const int h = item / nblk, cb = item % nblk, kh = h / (Hv / hk), col = cb * 32 + c.lane;
+    float* S = ptr<float>(in.p[0]) + (((size_t)slot * Hv + h) * Dk) * Dv + col;
+    float st[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) st[r] = has ? S[(size_t)(c.cw * 16 + r) * Dv] : 0.f;  // before the wait
+    consumers_sync(CT);  // the scratch is free
+    if (c.cw < 2) {  // warp 0: q, warp 1: k, l2-normalised (q also scaled by Dk^-0.5)
+      const int off = (c.cw == 0 ? 0 : hk * Dk) + kh * Dk;
+      float v[4], ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[j] = proj(off + j * 32 + c.lane, c.tag);
+        ss += v[j] * v[j];
+      }
+      const float r = rsqrtf(warp_sum(ss) + 1e-6f) * (c.cw == 0 ? rsqrtf((float)Dk) : 1.f);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) (c.cw == 0 ? qn : kn)[j * 32 + c.lane] = v[j] * r;
+    } else if (c.cw == 2 && c.lane == 0) {
+      const float a = proj(in.i[5] + h, c.tag) + bf_at(ptr<const __nv_bfloat16>(in.p[2]), h);
+      const float b = proj(in.i[4] + h, c.tag);
+      const float sp = a > 20.f ? a : log1pf(expf(a));
+      gates[0] = expf(-expf(bf_at(ptr<const __nv_bfloat16>(in.p[1]), h)) * sp);
+      gates[1] = bf(1.f / (1.f + expf(-b)));
+    }
+    const float v = proj(2 * hk * Dk + h * Dv + col, c.tag);
+    consumers_sync(CT);
+    const float decay = gates[0], beta = gates[1];
+    float kv = 0.f;
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      st[r] *= decay;
+      kv = fmaf(st[r], kn[c.cw * 16 + r], kv);
+    }
+    red[c.cw * 32 + c.lane] = kv;
+    consumers_sync(CT);
+    kv = 0.f;
+#pragma unroll
+    for (int w = 0; w < NCW; ++w) kv += red[w * 32 + c.lane];
+    const float delta = (v - kv) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      st[r] = fmaf(kn[c.cw * 16 + r], delta, st[r]);
+      o = fmaf(st[r], qn[c.cw * 16 + r], o);
+      S[(size_t)(c.cw * 16 + r) * Dv] = st[r];
+    }
+    consumers_sync(CT);  // every thread read red's kv
+    red[c.cw * 32 + c.lane] = o;
+    consumers_sync(CT);
+    if (c.cw == 0) {
+      o = 0.f;
+#pragma unroll
+      for (int w = 0; w < NCW; ++w) o += red[w * 32 + c.lane];
+      store_word(ptr<uint64_t>(in.p[4]), h * Dv + col, o, OUT_BF16, c.tag);
+    }
+  }
+}
+
+// qk_norm_rope's math on one head of 256 (consumer thread t holds dim t): RMSNorm (1 + w), NeoX RoPE on the
+// first rd dims at pos; raw[] in shared memory. -> fp32
+__device__ float norm_rope(const float* raw, const __nv_bfloat16* w, float eps, float pos, const float* inv_freq, int rd,
+                           float* red, int ct, int cw, int lane) {
+  const int D = CT, half = rd / 2;
+  const float x = raw[ct];
+  const float rstd = rsqrtf(block_sum(x * x, red, cw, lane) / D + eps);
+  const int partner = ct < half ? ct + half : (ct < rd ? ct - half : ct);
+  const float xn = x * rstd * (1.f + bf_at(w, ct)), xpn = raw[partner] * rstd * (1.f + bf_at(w, partner));
+  if (ct >= rd) return xn;
+  float sn, cs;
+  sincosf(pos * inv_freq[ct < half ? ct : ct - half], &sn, &cs);
+  return xn * cs + (ct < half ? -xpn : xpn) * sn;
+}
+
+// split-KV attention of one (q head, split): warp cw scores positions lo + cw + j * NCW (lane: 8 dims)
+__device__ void op_attend(Ctx& c, const Instr& in) {
+  const int hq = in.i[0], hkv = in.i[1], D = in.i[2], rd = in.i[3], ns = in.i[4], bs = in.i[5];
+  const Source qkv(c.prog, in.i[6], in.i[7]);
+  const long long* step = ptr<const long long>(in.p[8]);
+  const int L = (int)step[STEP_SEQ_LEN];
+  const float pos = (float)step[STEP_POS];
+  const long long kv_slot = step[STEP_KV_SLOT];
+  const int* bt = ptr<const int>(in.p[6]);
+  __nv_bfloat16* kc = ptr<__nv_bfloat16>(in.p[0]);
+  __nv_bfloat16* vc = ptr<__nv_bfloat16>(in.p[1]);
+  const float* inv_freq = ptr<const float>(in.p[5]);
+  const float scale = in.f[1] * 1.4426950408889634f;
+  float* q = c.s.xs;          // [256] the normed, rotated query (bf16 values)
+  float* kn = q + 256;        // [256] this step's key, normed and rotated (bf16 values)
+  float* vn = kn + 256;       // [256] this step's value
+  float* raw = vn + 256;      // [256]
+  float* score = raw + 256;   // [MAX_SCORES]
+  float* red = c.s.sc;        // [NCW] sums; then [NCW][D] partial outputs
+  const int per = (L + ns - 1) / ns;
+  for (int item = blockIdx.x; item < hq * ns; item += gridDim.x) {
+    const int h = item / ns, sp = item % ns, kvh = h / (hq / hkv);
+    const int lo = sp * per, hi = min(lo + per, L);
+    uint64_t* y = ptr<uint64_t>(in.p[4]) + (size_t)(h * ns + sp) * (D + 2);
+    consumers_sync(CT);
+    raw[c.ct] = qkv(h * 2 * D + c.ct, c.tag);
+    consumers_sync(CT);
+    const float qv = bf(norm_rope(raw, ptr<const __nv_bfloat16>(in.p[2]), in.f[0], pos, inv_freq, rd, red, c.ct, c.cw,
+                                  c.lane));
+    consumers_sync(CT);
+    q[c.ct] = qv;
+    const bool last = lo <= L - 1 && L - 1 < hi;
+    if (last) {  // this step's key and value (used for position L - 1 instead of the cache's row)
+      raw[c.ct] = qkv(2 * hq * D + kvh * D + c.ct, c.tag);
+      consumers_sync(CT);
+      const float kv = bf(norm_rope(raw, ptr<const __nv_bfloat16>(in.p[3]), in.f[0], pos, inv_freq, rd, red, c.ct,
+                                    c.cw, c.lane));
+      kn[c.ct] = kv;
+      vn[c.ct] = qkv(2 * hq * D + hkv * D + kvh * D + c.ct, c.tag);
+      if (h % (hq / hkv) == 0) {  // one item per KV head stores them
+        kc[((size_t)kv_slot * hkv + kvh) * D + c.ct] = __float2bfloat16_rn(kv);
+        vc[((size_t)kv_slot * hkv + kvh) * D + c.ct] = __float2bfloat16_rn(vn[c.ct]);
+      }
+    }
+    consumers_sync(CT);
+    if (lo >= hi) {  // an empty split
+      store_word(y, c.ct, 0.f, OUT_F32, c.tag);
+      if (c.ct < 2) store_word(y, D + c.ct, c.ct == 0 ? -INFINITY : 0.f, OUT_F32, c.tag);
+      continue;
+    }
+    // pass 1: the scores (fp32; q and k bf16 values)
+    float qr[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) qr[j] = q[c.lane * 8 + j];
+    float m = -INFINITY;
+    for (int t = lo + c.cw; t < hi; t += NCW) {
+      float part = 0.f;
+      if (t == L - 1) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part = fmaf(qr[j], kn[c.lane * 8 + j], part);
+      } else {
+        const long long row = (long long)bt[t / bs] * bs + t % bs;
+        const uint4 kv4 = *reinterpret_cast<const uint4*>(kc + (row * hkv + kvh) * D + c.lane * 8);
+        const uint32_t kw[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kw[j]));
+          part = fmaf(qr[2 * j], f.x, part);
+          part = fmaf(qr[2 * j + 1], f.y, part);
+        }
+      }
+      const float sc = warp_sum(part) * scale;
+      if (c.lane == 0) score[t - lo] = sc;
+      m = fmaxf(m, sc);
+    }
+    m = warp_max(m);
+    if (c.lane == 0) red[c.cw] = m;
+    consumers_sync(CT);
+    m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NCW; ++w) m = fmaxf(m, red[w]);
+    // pass 2: p = exp2(score - m); the sum of p, and bf16(p) times v
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, lsum = 0.f;
+    for (int t = lo + c.cw; t < hi; t += NCW) {
+      const float p = exp2f(score[t - lo] - m), pb = bf(p);
+      lsum += p;
+      if (t == L - 1) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, vn[c.lane * 8 + j], acc[j]);
+      } else {
+        const long long row = (long long)bt[t / bs] * bs + t % bs;
+        const uint4 v4 = *reinterpret_cast<const uint4*>(vc + (row * hkv + kvh) * D + c.lane * 8);
+        const uint32_t vw[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vw[j]));
+          acc[2 * j] = fmaf(pb, f.x, acc[2 * j]);
+          acc[2 * j + 1] = fmaf(pb, f.y, acc[2 * j + 1]);
+        }
+      }
+    }
+    consumers_sync(CT);  // red's maxima are read
+    float* pacc = red + NCW;  // [NCW][D]
+#pragma unroll
+    for (int j = 0; j < 8; ++j) pacc[c.cw * D + c.lane * 8 + j] = acc[j];
+    if (c.lane == 0) red[c.cw] = lsum;
+    consumers_sync(CT);
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NCW; ++w) {
+      l += red[w];
+      o += pacc[w * D + c.ct];
+    }
+    store_word(y, c.ct, o / l, OUT_F32, c.tag);
+    if (c.ct == 0) store_word(y, D, m + log2f(l), OUT_F32, c.tag);
+    if (c.ct == 1) store_word(y, D + 1, l, OUT_F32, c.tag);
+  }
+}
+
+// the splits merged per head (consumer thread t: dim t), times sigmoid(gate), each rounded to bf16 first
+__device__ void op_combine(Ctx& c, const Instr& in) {
+  const int hq = in.i[0], D = in.i[1], ns = in.i[2];
+  const Source parts(c.prog, in.i[3], in.i[4]), qkv(c.prog, in.i[5], in.i[6]);
+  for (int h = blockIdx.x; h < hq; h += gridDim.x) {
+    float m = -INFINITY;
+    for (int s = 0; s < ns; ++s) m = fmaxf(m, parts((h * ns + s) * (D + 2) + D, c.tag));
+    if (m == -INFINITY) m = 0.f;
+    float acc = 0.f, wsum = 0.f;
+    for (int s = 0; s < ns; ++s) {
+      const float lse = parts((h * ns + s) * (D + 2) + D, c.tag);
+      if (lse == -INFINITY) continue;
+      const float w = exp2f(lse - m);
+      wsum += w;
+      acc = fmaf(w, parts((h * ns + s) * (D + 2) + c.ct, c.tag), acc);
+    }
+    const float g = qkv(h * 2 * D + D + c.ct, c.tag);
+    store_word(ptr<uint64_t>(in.p[4]), h * D + c.ct, bf(acc / wsum) * bf(1.f / (1.f + expf(-g))), OUT_BF16, c.tag);
+  }
 }
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
     mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* step_tag, uint32_t* done) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ring = smem;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + NSLOTS * SLOT);
-  uint64_t* empty = full + NSLOTS;
-  float* xs = reinterpret_cast<float*>(empty + NSLOTS);
-  float* red = xs + KMAX;
+  Smem s;
+  s.ring = smem;
+  s.full = reinterpret_cast<uint64_t*>(smem + NSLOTS * SLOT);
+  s.empty = s.full + NSLOTS;
+  s.xs = reinterpret_cast<float*>(s.empty + NSLOTS);
+  s.sc = s.xs + KMAX;
+  s.route_p = reinterpret_cast<int*>(s.sc + SCRATCH);
+  s.route_c = s.route_p + ROUTE_WORDS / 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t n_cta = gridDim.x;
   const uint32_t tag = *reinterpret_cast<volatile uint32_t*>(step_tag) + 1u;
   if (threadIdx.x == 0) {
     for (int i = 0; i < NSLOTS; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], NCW);
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], NCW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-
-  if (warp == 0) {  // producer
-    if (lane == 0) {
-      uint32_t it = 0;
-      for (int i = 0; i < n_instr; ++i) {
-        const Instr& in = prog[i];
-        const int rb = row_bytes(in), rpc = chunk_rows(in);
-        const int n_chunks = (in.rows + rpc - 1) / rpc;
-        for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
-          const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
-          mbar_wait(&empty[slot], (rnd & 1) ^ 1);
-          const uint32_t bytes = min(rpc, in.rows - c * rpc) * rb;
-          mbar_expect_tx(&full[slot], bytes);
-          bulk_load(ring + slot * SLOT, in.w + (size_t)c * rpc * rb, bytes, &full[slot]);
-        }
-      }
-    }
-  } else {  // consumers
-    const int cw = warp - 1, ct = threadIdx.x - 32;
-    uint32_t it = 0;
+  if (warp == 0) {
+    producer(prog, n_instr, tag, s, lane);
+  } else {
+    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1};
     for (int i = 0; i < n_instr; ++i) {
       const Instr in = prog[i];
-      const int rb = row_bytes(in), rpc = chunk_rows(in);
-      const int n_chunks = (in.rows + rpc - 1) / rpc;
-      if ((int)blockIdx.x >= n_chunks) continue;  // no rows here (the same branch for every consumer warp)
-      stage_x(in, prog, tag, xs, red, ct, cw, lane);
-      const int kb = in.k / 128;
-      for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
-        const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
-        mbar_wait(&full[slot], rnd & 1);
-        const uint8_t* chunk = ring + slot * SLOT;
-        const int rows = min(rpc, in.rows - c * rpc);
-        for (int r = cw; r < rows; r += NCW) {
-          const int row = c * rpc + r;
-          const float* ws_row = in.wtype == W_E4M3 ? in.ws + (size_t)(row / 128) * kb : nullptr;
-          const float v = row_dot(chunk + (size_t)r * rb, in, ws_row, xs, lane);
-          if (lane == 0) {
-            const uint32_t bits = in.out == OUT_BF16 ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(v)))
-                                                     : __float_as_uint(v);
-            st_relaxed_u64(in.y + row, (static_cast<uint64_t>(tag) << 32) | bits);
-          }
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot]);
+      switch (in.op) {
+        case OP_GEMV: op_gemv(c, in); break;
+        case OP_GATE_UP: op_gate_up(c, in); break;
+        case OP_DOWN: op_down(c, in); break;
+        case OP_DELTA: op_delta(c, in); break;
+        case OP_ATTEND: op_attend(c, in); break;
+        case OP_COMBINE: op_combine(c, in); break;
+        default: break;
       }
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {  // the last CTA out advances the step's tag for the next launch
     __threadfence();
-    if (atomicAdd(done, 1u) == n_cta - 1) {
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
       *done = 0;
       __threadfence();
       atomicExch(step_tag, tag);
@@ -238,12 +767,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   }
 }
 
-// the constants program.py builds against (it checks them once per load): threads per CTA, dynamic
-// shared memory, slot bytes, widest x, bytes per instruction
+// the constants program.py builds against (MegaKernel checks them once per load)
 extern "C" __global__ void mega_constants(int64_t* out) {
   out[0] = NT;
   out[1] = (int64_t)SMEM;
   out[2] = SLOT;
   out[3] = KMAX;
   out[4] = (int64_t)sizeof(Instr);
+  out[5] = SCRATCH;
+  out[6] = MAX_SCORES;
 }

@@ -1,50 +1,103 @@
 """Programs for the batch-1 megakernel (`mega.cu`, plan in benchmarks/MEGAKERNEL.md): instructions as
-frozen dataclasses, checked against the kernel's rules and packed into the [n, 12] int64 table the
-kernel reads (its `Instr` struct, word by word), with the output buffers allocated once.
+frozen dataclasses, checked against the kernel's rules and packed into the [n, WORDS] int64 table the
+kernel reads (its `Instr` struct: op, 12 int32 fields, 2 floats, 12 pointers), with one tagged output
+buffer per instruction allocated once.
 
-v0 has one instruction, `Gemv`: y = W . prologue(x), W [rows, k] e4m3 with 128 x 128 block scales
-(W8A16) or bf16, x the launch input or an earlier instruction's outputs, prologue none or RMSNorm,
-outputs fp32 or bf16. Outputs are tagged 64-bit words (the step's tag in the high half); `values`
-decodes them. `reference` computes an instruction in float64 from given x (the kernel's test oracle).
+Outputs are 64-bit words, the step's tag in the high half and the value bits in the low (fp32, or bf16
+in the low 16 bits), so a consumer polls the data itself; `Program.values` decodes them. An `x` names
+where an instruction's input vector comes from: an earlier instruction's outputs (`Src`), a vector
+ready at launch (`Vec`) or the row of the step's token in an embedding table (`Embed`).
+
+Instructions (each one's numerics are `emulate.py`'s, which follows the engine's decode kernels):
+`Gemv` (y = W . prologue(x): e4m3 W8A16 with block scales or bf16; prologues RMSNorm, add + RMSNorm,
+the DeltaNet gated norm; the DeltaNet conv epilogue), `GateUp` and `Down` (the routed + shared
+experts of one token: routing from the router's logits, SiLU x up, the weighted sum in slot order plus
+the residual), `DeltaState` (the gated delta rule on the recurrent state), `Attend` and `Combine`
+(split-KV decode attention with q/k norm, RoPE and the cache write; the gated combine).
+
+Step inputs live in one int64 device vector `step` [STEP_WORDS] that the runner fills before each
+launch: token id, position, KV slot, state slot, has-state, sequence length (STEP_* indices).
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-
-from metainfer.kernels import reference as ref
 
 # mega.cu's constants (MegaKernel checks them against the compiled kernel's `mega_constants`)
 NCW = 8
 THREADS = 32 * (NCW + 1)
 SLOT = 32768
 NSLOTS = 6
-KMAX = 4096
-WORDS = 12
-SMEM = NSLOTS * SLOT + 2 * NSLOTS * 8 + KMAX * 4 + NCW * 4
+KMAX = 4608  # the widest x: 4,096 (out_proj, o_proj), or the 9 experts' 512 (the down projections)
+SCRATCH = 3072  # floats of per-op scratch (reductions, attention scores and partial sums)
+MAX_SCORES = 1024  # the most positions one attention split scores (Attend: splits >= seq_len / 1024)
+MAX_EXPERTS = 256  # the router's experts (8 logits per lane of one warp)
+ROUTE_WORDS = 64  # two copies (producer, consumers) of up to 16 (id, weight) slots
+N_INTS, N_PTRS = 12, 12
+WORDS = 1 + N_INTS // 2 + 1 + N_PTRS  # 20 words, 160 bytes
+SMEM = NSLOTS * SLOT + 2 * NSLOTS * 8 + KMAX * 4 + SCRATCH * 4 + ROUTE_WORDS * 4
 
-OP_GEMV = 1
+STEP_TOKEN, STEP_POS, STEP_KV_SLOT, STEP_STATE_SLOT, STEP_HAS_STATE, STEP_SEQ_LEN = range(6)
+STEP_WORDS = 8
+
+OP_GEMV, OP_GATE_UP, OP_DOWN, OP_DELTA, OP_ATTEND, OP_COMBINE = 1, 2, 3, 4, 5, 6
 W_E4M3, W_BF16 = 0, 1
-PRO_NONE, PRO_RMSNORM = 0, 1
-OUT_F32, OUT_BF16 = 0, 1
+PRO_NONE, PRO_RMSNORM, PRO_ADD_RMSNORM, PRO_GATED_NORM = 0, 1, 2, 3
+OUT_F32, OUT_BF16, OUT_PLAIN_F32 = 0, 1, 2
+EPI_NONE, EPI_CONV = 0, 1
+X_SRC, X_VEC, X_EMBED = 0, 1, 2
+CONV_K = 4  # the DeltaNet conv kernel (its state holds CONV_K - 1 inputs)
+
+
+# ---- where x comes from ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Src:
+    """An earlier instruction's outputs [off, off + n)."""
+
+    index: int
+    off: int = 0
 
 
 @dataclass(frozen=True)
+class Vec:
+    """A bf16 vector ready at launch."""
+
+    t: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Embed:
+    """Row step[STEP_TOKEN] of a bf16 embedding table [V, H]."""
+
+    table: torch.Tensor
+
+
+X = Src | Vec | Embed
+
+
+# ---- instructions ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class Gemv:
-    """y [rows] = w [rows, k] . prologue(x). x: the launch input `x` [k] bf16 (src = -1) or instruction
-    src's outputs [src_off, src_off + k). norm_w [k] bf16: the RMSNorm prologue (reference.rms_norm)."""
+    """y [rows] = w [rows, k] . prologue(x). Prologues: norm_w alone, RMSNorm x / rms(x) * (1 + w);
+    with add, RMSNorm of bf16(x + add) (a residual add; both bf16); gated (DeltaNet): per head of
+    head_dim values, the gated RMSNorm of x (the core output) with z = `add` (norm_w plain, [head_dim]).
+    conv: the DeltaNet decode conv + SiLU on rows < conv_w.shape[0] (their conv state updated)."""
 
     w: torch.Tensor  # [rows, k] float8_e4m3fn or bfloat16
+    x: X
     ws: torch.Tensor | None = None  # e4m3: [ceil(rows / 128), k / 128] fp32 block scales
-    src: int = -1
-    src_off: int = 0
-    x: torch.Tensor | None = None  # [k] bf16, src == -1
-    norm_w: torch.Tensor | None = None  # [k] bf16
+    norm_w: torch.Tensor | None = None  # [k] bf16 (gated: [head_dim])
+    add: Src | None = None
+    gated: bool = False
+    head_dim: int = 0
     eps: float = 1e-6
-    out_bf16: bool = False
+    out: int = OUT_BF16
+    plain_out: torch.Tensor | None = None  # OUT_PLAIN_F32: [rows] fp32, written untagged
+    conv_state: torch.Tensor | None = None  # EPI_CONV: [S, CONV_K - 1, C] bf16
+    conv_w: torch.Tensor | None = None  # [C, CONV_K] bf16
 
     @property
     def rows(self) -> int:
@@ -54,54 +107,244 @@ class Gemv:
     def k(self) -> int:
         return self.w.shape[1]
 
+
+@dataclass(frozen=True)
+class GateUp:
+    """act [(top_k + 1) * I] bf16: for each slot j (the top_k routed experts of the router's logits,
+    then the shared expert, id E), silu(gate_e x) * up_e x, x = the RMSNorm of bf16(h + add) (the
+    router's own prologue). w [E + 1, 2I, H] e4m3, ws [E + 1, 2I / 128, H / 128]."""
+
+    w: torch.Tensor
+    ws: torch.Tensor
+    x: X  # the residual stream h (bf16)
+    add: Src
+    norm_w: torch.Tensor
+    logits: Src  # the router's outputs: [E + 1] bf16 (the shared expert's gate last), off 0
+    top_k: int
+    eps: float = 1e-6
+
     @property
-    def e4m3(self) -> bool:
-        return self.w.dtype == torch.float8_e4m3fn
+    def rows(self) -> int:  # outputs
+        return (self.top_k + 1) * self.w.shape[1] // 2
 
 
-def check(program: list[Gemv]) -> None:
+@dataclass(frozen=True)
+class Down:
+    """h' [H] bf16 = bf16(bf16(sum_j w_j down_e(act_j)) + r), the slots in order, w_j the routing
+    weights (renormalised top-k, then sigmoid of the shared gate), r = bf16(res + res_add) the
+    residual stream. w [E + 1, H, I] e4m3, ws [E + 1, H / 128, I / 128]."""
+
+    w: torch.Tensor
+    ws: torch.Tensor
+    act: Src  # GateUp's outputs
+    logits: Src
+    res: X  # the residual stream h (bf16)
+    res_add: Src
+    top_k: int
+
+    @property
+    def rows(self) -> int:
+        return self.w.shape[1]
+
+
+@dataclass(frozen=True)
+class DeltaState:
+    """The gated delta rule on the state slot step[STEP_STATE_SLOT] (zeros where not has-state) from
+    the conv'd in_proj outputs: q, k [Hk, Dk] at qkv offsets 0, Hk * Dk; v [Hv, Dv] after them; b, a
+    [Hv] at b_off, a_off. Outputs: core [Hv * Dv] bf16. state [S, Hv, Dk, Dv] fp32, in place."""
+
+    proj: Src  # the in_proj instruction (off = 0)
+    state: torch.Tensor
+    A_log: torch.Tensor  # [Hv]
+    dt_bias: torch.Tensor  # [Hv]
+    hk: int
+    b_off: int
+    a_off: int
+
+    @property
+    def rows(self) -> int:
+        return self.state.shape[1] * self.state.shape[3]
+
+
+@dataclass(frozen=True)
+class Attend:
+    """Split-KV decode attention of one token: q rows [Hq, 2D] (query, gate) and k, v [Hkv, D] from the
+    qkv instruction; q/k RMSNorm (1 + w) and NeoX RoPE on the first rotary_dim dims at step[STEP_POS];
+    this step's key and value stored at KV slot step[STEP_KV_SLOT]; scores over step[STEP_SEQ_LEN]
+    positions of the block table. Outputs per (head, split): D fp32 partial outputs, then m and
+    log2-sum (log2 units) -> [Hq * splits * (D + 2)]."""
+
+    qkv: Src
+    k_cache: torch.Tensor  # [N, block, Hkv, D] bf16
+    v_cache: torch.Tensor
+    q_norm_w: torch.Tensor
+    k_norm_w: torch.Tensor
+    inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
+    block_table: torch.Tensor  # [max_blocks] int32
+    hq: int
+    splits: int
+    eps: float = 1e-6
+
+    @property
+    def hkv(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def d(self) -> int:
+        return self.k_cache.shape[3]
+
+    @property
+    def rows(self) -> int:
+        return self.hq * self.splits * (self.d + 2)
+
+
+@dataclass(frozen=True)
+class Combine:
+    """o [Hq * D] bf16: the splits' partials merged, times sigmoid(gate) (gate: the qkv rows' second
+    half of each head), each rounded to bf16 first as the engine's gated output."""
+
+    parts: Src  # the Attend instruction
+    qkv: Src
+    hq: int
+    d: int
+    splits: int
+
+    @property
+    def rows(self) -> int:
+        return self.hq * self.d
+
+
+Instr = Gemv | GateUp | Down | DeltaState | Attend | Combine
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {what}")
+
+
+def _src(p: list[Instr], i: int, s: Src, n: int, where: str, bf16: bool | None = None) -> None:
+    _need(0 <= s.index < i, where, f"source {s.index} must be an earlier instruction")
+    _need(s.off >= 0 and s.off + n <= p[s.index].rows, where,
+          f"reads outputs [{s.off}, {s.off + n}) of instruction {s.index}, which has {p[s.index].rows}")
+    if bf16 is not None:
+        _need(out_dtype(p[s.index]) == (OUT_BF16 if bf16 else OUT_F32), where,
+              f"instruction {s.index} must store {'bf16' if bf16 else 'fp32'}")
+
+
+def _x(p: list[Instr], i: int, x: X, n: int, where: str, bf16: bool | None = True) -> None:
+    if isinstance(x, Src):
+        _src(p, i, x, n, where, bf16)
+    elif isinstance(x, Vec):
+        _need(x.t.dtype == torch.bfloat16 and tuple(x.t.shape) == (n,) and x.t.is_contiguous(), where,
+              f"x: contiguous bf16 [{n}]")
+    elif isinstance(x, Embed):
+        _need(x.table.dtype == torch.bfloat16 and x.table.dim() == 2 and x.table.shape[1] == n
+              and x.table.is_contiguous(), where, f"embedding table: contiguous bf16 [V, {n}]")
+    else:
+        raise ValueError(f"{where}: x must be Src, Vec or Embed")
+
+
+def out_dtype(g: Instr) -> int:
+    """The value kind of an instruction's outputs."""
+    if isinstance(g, Gemv):
+        return g.out
+    return OUT_F32 if isinstance(g, Attend) else OUT_BF16
+
+
+def _e4m3(w: torch.Tensor, ws: torch.Tensor | None, where: str) -> None:
+    _need(w.dtype == torch.float8_e4m3fn and w.is_contiguous(), where, "w must be contiguous e4m3")
+    want = (*w.shape[:-2], (w.shape[-2] + 127) // 128, (w.shape[-1] + 127) // 128)
+    _need(ws is not None and tuple(ws.shape) == want and ws.dtype == torch.float32 and ws.is_contiguous(),
+          where, f"e4m3 weights need contiguous fp32 block scales of shape {want}")
+
+
+def check(p: list[Instr]) -> None:
     """Raises ValueError where an instruction breaks one of mega.cu's rules."""
-    if not program:
-        raise ValueError("empty program")
-    for i, g in enumerate(program):
-        where = f"instruction {i}"
-        if g.w.dim() != 2 or not g.w.is_contiguous():
-            raise ValueError(f"{where}: w must be a contiguous [rows, k] matrix")
-        if g.w.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
-            raise ValueError(f"{where}: w must be float8_e4m3fn or bfloat16, got {g.w.dtype}")
-        if g.k % 512 or not 512 <= g.k <= KMAX:
-            raise ValueError(f"{where}: k = {g.k} must be a multiple of 512 in [512, {KMAX}]")
-        row_bytes = g.k * g.w.element_size()
-        if SLOT % row_bytes:
-            raise ValueError(f"{where}: a row of {row_bytes} bytes must divide the {SLOT}-byte slot")
-        if g.e4m3:
-            want = ((g.rows + 127) // 128, g.k // 128)
-            ws = g.ws
-            if ws is None or tuple(ws.shape) != want or ws.dtype != torch.float32 or not ws.is_contiguous():
-                raise ValueError(f"{where}: e4m3 weights need contiguous fp32 block scales of shape {want}")
-        elif g.ws is not None:
-            raise ValueError(f"{where}: bf16 weights take no block scales")
-        if g.src < 0:
-            x = g.x
-            if x is None or x.dtype != torch.bfloat16 or tuple(x.shape) != (g.k,) or not x.is_contiguous():
-                raise ValueError(f"{where}: src = -1 needs a contiguous bf16 x of shape ({g.k},)")
+    _need(len(p) > 0, "program", "empty")
+    for i, g in enumerate(p):
+        where = f"instruction {i} ({type(g).__name__})"
+        if isinstance(g, Gemv):
+            e4m3 = g.w.dtype == torch.float8_e4m3fn
+            _need(g.w.dim() == 2 and (e4m3 or g.w.dtype == torch.bfloat16) and g.w.is_contiguous(),
+                  where, "w must be a contiguous [rows, k] e4m3 or bf16 matrix")
+            _need(g.k % 512 == 0 and 512 <= g.k <= 4096,
+                  where, f"k = {g.k}: a multiple of 512 in [512, 4096]")
+            _need(SLOT % (g.k * g.w.element_size()) == 0, where, "a row must divide the slot")
+            if g.w.dtype == torch.float8_e4m3fn:
+                _e4m3(g.w, g.ws, where)
+            else:
+                _need(g.ws is None, where, "bf16 weights take no block scales")
+            _x(p, i, g.x, g.k, where, bf16=True if g.norm_w is not None else None)
+            if g.gated:
+                _need(isinstance(g.x, Src) and g.add is not None and g.head_dim > 0 and g.k % g.head_dim == 0,
+                      where, "the gated norm takes x and z from instructions, whole heads")
+                _need(g.norm_w is not None and tuple(g.norm_w.shape) == (g.head_dim,),
+                      where, "norm_w [head_dim]")
+            elif g.norm_w is not None:
+                _need(g.norm_w.dtype == torch.bfloat16 and tuple(g.norm_w.shape) == (g.k,),
+                      where, "norm_w bf16 [k]")
+            if g.add is not None:
+                _need(g.gated or g.norm_w is not None, where, "add goes with a norm prologue")
+                _src(p, i, g.add, g.k, where, bf16=True)
+            if g.out == OUT_PLAIN_F32:
+                _need(g.plain_out is not None and g.plain_out.dtype == torch.float32
+                      and tuple(g.plain_out.shape) == (g.rows,), where, "plain_out: fp32 [rows]")
+            if g.conv_w is not None:
+                C = g.conv_w.shape[0]
+                _need(g.out == OUT_BF16 and C <= g.rows and g.conv_w.shape[1] == CONV_K,
+                      where, "conv_w [C, 4]")
+                _need(g.conv_state is not None and g.conv_state.shape[1:] == (CONV_K - 1, C)
+                      and g.conv_state.is_contiguous(), where, "conv_state: [S, 3, C] contiguous")
+        elif isinstance(g, GateUp):
+            _e4m3(g.w, g.ws, where)
+            E1, I2, H = g.w.shape
+            _need(H % 512 == 0 and H <= 4096 and I2 % 32 == 0 and (I2 // 2) % 8 == 0, where, "shapes")
+            _x(p, i, g.x, H, where)
+            _src(p, i, g.add, H, where, bf16=True)
+            _src(p, i, g.logits, E1, where, bf16=True)
+            _need(g.logits.off == 0, where, "logits: the router's outputs from 0")
+            _need(1 <= g.top_k < E1 and E1 - 1 <= MAX_EXPERTS and g.top_k + 1 <= 16, where, "top_k, experts")
+            _need(16 * H <= SLOT, where, "8 gate + 8 up rows must fill at most a slot")
+        elif isinstance(g, Down):
+            _e4m3(g.w, g.ws, where)
+            E1, H, I = g.w.shape
+            _need(I % 512 == 0 and SLOT % (16 * I) == 0, where, "I: a multiple of 512 (16 rows per piece)")
+            gu = p[g.act.index]
+            _need(isinstance(gu, GateUp) and gu.logits == g.logits and gu.top_k == g.top_k, where,
+                  "act comes from the GateUp of the same routing")
+            _src(p, i, g.act, (g.top_k + 1) * I, where, bf16=True)
+            _need((g.top_k + 1) * I <= KMAX, where, "the slots' activations must fit x")
+            _src(p, i, g.logits, E1, where, bf16=True)
+            _need(g.logits.off == 0, where, "logits: the router's outputs from 0")
+            _x(p, i, g.res, H, where)
+            _src(p, i, g.res_add, H, where, bf16=True)
+        elif isinstance(g, DeltaState):
+            S, Hv, Dk, Dv = g.state.shape
+            _need(g.state.dtype == torch.float32 and g.state.is_contiguous(), where, "state: fp32 contiguous")
+            _need(Dk == 128 and Dv % 32 == 0 and Hv % g.hk == 0, where, "Dk = 128, whole 32-column blocks")
+            _src(p, i, g.proj, max(g.a_off, g.b_off) + Hv, where, bf16=True)
+            src = p[g.proj.index]
+            _need(g.proj.off == 0 and isinstance(src, Gemv) and src.conv_w is not None,
+                  where, "proj is the conv'd in_proj")
+        elif isinstance(g, Attend):
+            _need(g.k_cache.shape == g.v_cache.shape and g.k_cache.dtype == torch.bfloat16, where, "caches")
+            _need(g.d == 256 and g.hq % g.hkv == 0 and 1 <= g.splits, where, "head_dim 256, GQA")
+            max_len = g.block_table.numel() * g.k_cache.shape[1]
+            _need(-(-max_len // g.splits) <= MAX_SCORES, where,
+                  f"a split may score {MAX_SCORES} positions: splits >= {-(-max_len // MAX_SCORES)}")
+            _need(g.inv_freq.numel() * 2 <= g.d, where, "rotary dims")
+            _need(g.block_table.dtype == torch.int32 and g.inv_freq.dtype == torch.float32, where, "dtypes")
+            _src(p, i, g.qkv, 2 * g.hq * g.d + 2 * g.hkv * g.d, where, bf16=True)
+        elif isinstance(g, Combine):
+            _need(isinstance(p[g.parts.index], Attend), where, "parts come from an Attend")
+            _src(p, i, g.parts, g.hq * g.splits * (g.d + 2), where, bf16=False)
+            _src(p, i, g.qkv, 2 * g.hq * g.d, where, bf16=True)
         else:
-            if g.src >= i:
-                raise ValueError(f"{where}: src {g.src} must be an earlier instruction")
-            if g.src_off < 0 or g.src_off + g.k > program[g.src].rows:
-                raise ValueError(f"{where}: x = outputs [{g.src_off}, {g.src_off + g.k}) of instruction "
-                                 f"{g.src}, which has {program[g.src].rows}")
-        if g.norm_w is not None:
-            if g.norm_w.dtype != torch.bfloat16 or tuple(g.norm_w.shape) != (g.k,):
-                raise ValueError(f"{where}: norm_w must be bf16 of shape ({g.k},)")
-            if g.src >= 0 and not program[g.src].out_bf16:
-                raise ValueError(f"{where}: the RMSNorm prologue takes bf16 x (a residual stream); "
-                                 f"instruction {g.src} stores fp32")
-        tensors = [t for t in (g.w, g.ws, g.x, g.norm_w) if t is not None]
-        if any(t.device != g.w.device for t in tensors):
-            raise ValueError(f"{where}: every tensor must be on one device")
+            raise ValueError(f"{where}: not an instruction")
 
 
+# ---- packing --------------------------------------------------------------------------------------
 def _word(lo: int, hi: int) -> int:
     v = (lo & 0xFFFFFFFF) | ((hi & 0xFFFFFFFF) << 32)
     return v - (1 << 64) if v >= 1 << 63 else v
@@ -111,56 +354,148 @@ def _f32_bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
-class Program:
-    """A checked program on its device: the packed table `table` [n, WORDS] int64 and one tagged output
-    buffer per instruction (`y[i]` [rows] int64, zeros: tag 0 is never a step's)."""
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
-    def __init__(self, instrs: list[Gemv]) -> None:
+
+@dataclass
+class _Fields:
+    op: int
+    out: int = OUT_BF16  # the kind of the instruction's output words (word 0's high half)
+    ints: list[int] = field(default_factory=lambda: [0] * N_INTS)
+    floats: tuple[float, float] = (0.0, 0.0)
+    ptrs: list[int] = field(default_factory=lambda: [0] * N_PTRS)
+
+
+def _x_fields(f: _Fields, x: X, base: int) -> None:
+    """x's kind and source into ints[base:base + 3], its pointer (Vec, Embed) into ptrs[3]."""
+    if isinstance(x, Src):
+        f.ints[base : base + 3] = [X_SRC, x.index, x.off]
+    elif isinstance(x, Vec):
+        f.ints[base] = X_VEC
+        f.ptrs[3] = x.t.data_ptr()
+    else:
+        f.ints[base] = X_EMBED
+        f.ptrs[3] = x.table.data_ptr()
+
+
+def fields(g: Instr, y: torch.Tensor, step: torch.Tensor) -> _Fields:
+    """The kernel's view of g: mega.cu documents each op's use of ints[], floats[] and ptrs[]."""
+    if isinstance(g, Gemv):
+        f = _Fields(OP_GEMV)
+        pro = PRO_GATED_NORM if g.gated else (PRO_ADD_RMSNORM if g.add else
+                                              (PRO_RMSNORM if g.norm_w is not None else PRO_NONE))
+        f.ints[:3] = [W_E4M3 if g.w.dtype == torch.float8_e4m3fn else W_BF16, g.rows, g.k]
+        f.ints[3:5] = [pro, g.out]
+        _x_fields(f, g.x, 5)  # ints 5, 6, 7
+        f.ints[8:10] = [g.add.index, g.add.off] if g.add else [0, 0]
+        f.ints[10] = EPI_CONV if g.conv_w is not None else EPI_NONE
+        f.ints[11] = g.head_dim if g.gated else (g.conv_w.shape[0] if g.conv_w is not None else 0)
+        f.floats = (g.eps, 0.0)
+        f.ptrs[:3] = [_ptr(g.w), _ptr(g.ws), _ptr(g.norm_w)]
+        f.ptrs[4:9] = [y.data_ptr(), _ptr(g.plain_out), _ptr(g.conv_state), _ptr(g.conv_w), step.data_ptr()]
+        return f
+    if isinstance(g, GateUp):
+        f = _Fields(OP_GATE_UP)
+        E1, I2, H = g.w.shape
+        f.ints[:5] = [E1 - 1, I2 // 2, H, g.top_k, g.logits.index]
+        _x_fields(f, g.x, 5)
+        f.ints[8:10] = [g.add.index, g.add.off]
+        f.floats = (g.eps, 0.0)
+        f.ptrs[:3] = [g.w.data_ptr(), g.ws.data_ptr(), g.norm_w.data_ptr()]
+        f.ptrs[4] = y.data_ptr()
+        f.ptrs[8] = step.data_ptr()
+        return f
+    if isinstance(g, Down):
+        f = _Fields(OP_DOWN)
+        E1, H, I = g.w.shape
+        f.ints[:5] = [E1 - 1, I, H, g.top_k, g.logits.index]
+        _x_fields(f, g.res, 5)
+        f.ints[8:12] = [g.act.index, g.act.off, g.res_add.index, g.res_add.off]
+        f.ptrs[:2] = [g.w.data_ptr(), g.ws.data_ptr()]
+        f.ptrs[4] = y.data_ptr()
+        f.ptrs[8] = step.data_ptr()
+        return f
+    if isinstance(g, DeltaState):
+        f = _Fields(OP_DELTA)
+        S, Hv, Dk, Dv = g.state.shape
+        f.ints[:6] = [g.hk, Hv, Dk, Dv, g.b_off, g.a_off]
+        f.ints[6] = g.proj.index
+        f.ptrs[:3] = [g.state.data_ptr(), g.A_log.data_ptr(), g.dt_bias.data_ptr()]
+        f.ptrs[4] = y.data_ptr()
+        f.ptrs[8] = step.data_ptr()
+        return f
+    if isinstance(g, Attend):
+        f = _Fields(OP_ATTEND)
+        f.ints[:8] = [g.hq, g.hkv, g.d, 2 * g.inv_freq.numel(), g.splits, g.k_cache.shape[1], g.qkv.index,
+                      g.qkv.off]
+        f.floats = (g.eps, g.d**-0.5)
+        f.ptrs[:4] = [_ptr(g.k_cache), _ptr(g.v_cache), _ptr(g.q_norm_w), _ptr(g.k_norm_w)]
+        f.ptrs[4:9] = [y.data_ptr(), g.inv_freq.data_ptr(), g.block_table.data_ptr(), 0, step.data_ptr()]
+        return f
+    f = _Fields(OP_COMBINE)
+    f.ints[:7] = [g.hq, g.d, g.splits, g.parts.index, g.parts.off, g.qkv.index, g.qkv.off]
+    f.ptrs[4] = y.data_ptr()
+    return f
+
+
+def pack(f: _Fields) -> list[int]:
+    ints = [_word(f.ints[2 * j], f.ints[2 * j + 1]) for j in range(N_INTS // 2)]
+    return [_word(f.op, f.out), *ints, _word(_f32_bits(f.floats[0]), _f32_bits(f.floats[1])), *f.ptrs]
+
+
+class Program:
+    """A checked program on its device: the packed table [n, WORDS] int64, one tagged output buffer per
+    instruction (`y[i]` [rows] int64, zeros: tag 0 is never a step's), the step inputs `step`, and the
+    kernel's counters `state` (step tag, finished CTAs)."""
+
+    def __init__(self, instrs: list[Instr], step: torch.Tensor | None = None) -> None:
         check(instrs)
         self.instrs = list(instrs)
-        dev = instrs[0].w.device
+        dev = _device(instrs[0])
+        if step is None:
+            step = torch.zeros(STEP_WORDS, dtype=torch.int64, device=dev)
+        self.step_inputs = step
+        _need(self.step_inputs.dtype == torch.int64 and self.step_inputs.numel() >= STEP_WORDS, "program",
+              "step: int64 [STEP_WORDS]")
         self.y = [torch.zeros(g.rows, dtype=torch.int64, device=dev) for g in instrs]
         rows = []
         for g, y in zip(instrs, self.y):
-            ptr = [t.data_ptr() if t is not None else 0 for t in (g.w, g.ws, g.norm_w, g.x)]
-            rows.append([
-                _word(OP_GEMV, W_E4M3 if g.e4m3 else W_BF16),
-                _word(g.rows, g.k),
-                _word(PRO_RMSNORM if g.norm_w is not None else PRO_NONE, OUT_BF16 if g.out_bf16 else OUT_F32),
-                _word(g.src, _f32_bits(g.eps)),
-                *ptr,
-                y.data_ptr(),
-                g.src_off,
-                0,
-                0,
-            ])
+            f = fields(g, y, self.step_inputs)
+            f.out = out_dtype(g)
+            rows.append(pack(f))
         self.table = torch.tensor(rows, dtype=torch.int64).to(dev)  # [n, WORDS]
-        # the step counter (the kernel's step_tag) and the finished-CTA counter
         self.state = torch.zeros(2, dtype=torch.int32, device=dev)
 
     @property
     def bytes(self) -> int:
-        """Weight bytes one launch streams (the byte floor's numerator)."""
-        return sum(g.w.numel() * g.w.element_size() for g in self.instrs)
+        """Weight bytes one launch streams at least (dense weights, and the experts' routed slots)."""
+        total = 0
+        for g in self.instrs:
+            if isinstance(g, Gemv):
+                total += g.w.numel() * g.w.element_size()
+            elif isinstance(g, (GateUp, Down)):
+                total += (g.top_k + 1) * g.w[0].numel()
+        return total
 
     def step(self) -> int:
         """The tag of the last completed launch (0 before any)."""
         return int(self.state[0])
 
     def values(self, i: int) -> torch.Tensor:
-        """Instruction i's outputs: fp32 [rows], or bf16 [rows] where out_bf16."""
-        return decode(self.y[i], self.instrs[i].out_bf16)
+        """Instruction i's outputs: bf16 or fp32 [rows]."""
+        return decode(self.y[i], out_dtype(self.instrs[i]) == OUT_BF16)
 
     def tags(self, i: int) -> torch.Tensor:
         """The tag half of instruction i's output words [rows] int32."""
         return self.y[i].view(torch.int32).view(-1, 2)[:, 1]
 
-    def x_of(self, i: int) -> torch.Tensor:
-        """The x instruction i reads (before its prologue), as the kernel sees it: [k] fp32 values."""
-        g = self.instrs[i]
-        if g.src < 0:
-            return g.x.float()
-        return self.values(g.src)[g.src_off : g.src_off + g.k].float()
+
+def _device(g: Instr) -> torch.device:
+    for name in ("w", "state", "k_cache"):
+        if hasattr(g, name):
+            return getattr(g, name).device
+    raise ValueError("the first instruction must own a weight, state or cache tensor")
 
 
 def decode(words: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -171,18 +506,10 @@ def decode(words: torch.Tensor, bf16: bool) -> torch.Tensor:
     return halves.view(torch.float32)
 
 
-def dequant(g: Gemv) -> torch.Tensor:
-    """g's weights in float64 [rows, k] (e4m3 times each 128 x 128 block's scale)."""
-    w = g.w.to(torch.float64)
-    if g.e4m3:
-        s = g.ws.to(torch.float64).repeat_interleave(128, 0)[: g.rows].repeat_interleave(128, 1)
-        w = w * s
-    return w
-
-
-def reference(g: Gemv, x: torch.Tensor) -> torch.Tensor:
-    """g's outputs in float64 [rows] from x [k] (the values it reads, before the prologue). The
-    prologue is reference.rms_norm on x in bf16, as the engine's norms see the residual stream."""
-    if g.norm_w is not None:
-        x = ref.rms_norm(x.to(torch.bfloat16), g.norm_w, g.eps)
-    return dequant(g) @ x.to(torch.float64)
+def encode(values: torch.Tensor, tag: int) -> torch.Tensor:
+    """decode's inverse: bf16 or fp32 values [n] -> words [n] int64 under `tag`."""
+    if values.dtype == torch.bfloat16:
+        bits = values.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    else:
+        bits = values.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return bits | (tag << 32)
