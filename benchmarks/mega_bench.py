@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_smoke import env_info  # noqa: E402
 
 from metainfer.config import FULL, ModelConfig  # noqa: E402
+from metainfer.kernels.mega import emulate  # noqa: E402
 from metainfer.kernels.mega import program as P  # noqa: E402
 from metainfer.kernels.mega.launch import MegaKernel  # noqa: E402
 
@@ -60,12 +61,13 @@ def build(cfg: ModelConfig, lm_head: str, free: bool, seed: int = 0, device: str
     instrs: list[P.Gemv] = []
 
     def add(w, ws, src, off=0, norm=False, bf16=True):
-        if free:  # every instruction from the launch input (k of 4096 / 512: a slice of a wider one)
-            x = x0 if w.shape[1] == H else _bf16(w.shape[1], g, 1.0)
-            instrs.append(P.Gemv(w, ws, x=x, norm_w=nw[: w.shape[1]] if norm else None, out_bf16=bf16))
+        out = P.OUT_BF16 if bf16 else P.OUT_F32
+        if free:  # every instruction from the launch input (k of 4096 / 512: a vector of its own)
+            x = P.Vec(x0 if w.shape[1] == H else _bf16(w.shape[1], g, 1.0))
+            instrs.append(P.Gemv(w, x, ws=ws, norm_w=nw if norm else None, out=out))
         else:
-            instrs.append(P.Gemv(w, ws, src=src, src_off=off, x=x0 if src < 0 else None,
-                                 norm_w=nw if norm else None, out_bf16=bf16))
+            x = P.Vec(x0) if src < 0 else P.Src(src, off)
+            instrs.append(P.Gemv(w, x, ws=ws, norm_w=nw if norm else None, out=out))
         return len(instrs) - 1
 
     h = -1  # the residual stream: the launch input, then each layer's last down projection
@@ -101,12 +103,14 @@ def time_launches(kernel: MegaKernel, prog: P.Program, reps: int) -> list[float]
 
 
 def sample_check(prog: P.Program, n: int = 6) -> float:
-    """The worst relative RMSE over a sample of instructions (the first, the last, a few between)."""
+    """The worst relative RMSE over a sample of instructions (the first, the last, a few between), each
+    against emulate.py from the kernel's outputs of the instructions before it."""
     idx = sorted({0, len(prog.instrs) - 1, *range(1, len(prog.instrs) - 1, max(1, len(prog.instrs) // n))})
+    vals = [prog.values(j) for j in range(len(prog.instrs))]
     worst = 0.0
     for i in idx:
-        got = prog.values(i).double()
-        want = P.reference(prog.instrs[i], prog.x_of(i))
+        got = vals[i].double()
+        want = emulate.one(prog.instrs[i], vals[:i], prog.step_inputs.cpu()).double()
         err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-30))
         worst = max(worst, err if torch.isfinite(got).all() else float("inf"))
     return worst

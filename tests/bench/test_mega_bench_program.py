@@ -34,8 +34,9 @@ def test_two_layer_program_is_accepted(free):
     assert [g.rows for g in instrs[:4]] == [12352, 2048, 257, 9216]
     assert [g.k for g in instrs[:4]] == [2048, 4096, 2048, 2048] and instrs[13].rows == 9216
     assert instrs[2].w.dtype == torch.bfloat16 and instrs[-1].rows == 1000
+    src = [g.x.index if isinstance(g.x, P.Src) else -1 for g in instrs]
     if not free:
-        assert [g.src for g in instrs[:5]] == [-1, 0, 1, 1, 3] and instrs[12].src_off == 8 * 1024
-        assert instrs[13].src == 12 and instrs[-1].src == 25  # the last down: the next residual stream
+        assert src[:5] == [-1, 0, 1, 1, 3] and instrs[12].x.off == 8 * 1024
+        assert src[13] == 12 and src[-1] == 25  # the last down: the next residual stream
     else:
-        assert all(g.src == -1 for g in instrs)
+        assert all(isinstance(g.x, P.Vec) for g in instrs)
