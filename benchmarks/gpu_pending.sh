@@ -138,10 +138,12 @@
 #            `v2` variant sets; v3: COMPUTE 4 (the FP8 model's W8A16 arithmetic: bf16 x, 128 x 128 block scales, fresh
 #            accumulators per block) and XCH (outputs tagged in their 64-bit word: consumers poll the data, not a
 #            counter, then the data), with and without the lead, ~3 min
-#   mega   - the megakernel v0 (metainfer/kernels/mega, built 2026-12-01g, never run): nvcc and ptxas report, its GPU
-#            tests (chained GEMV instructions against float64, same bits on a second launch, CUDA-graph replay), then
-#            benchmarks/mega_bench.py (the step's GEMV bytes, 3.1 GB in ~520 instructions, chained and hop-free;
-#            FP8 lm_head, then BF16), ~4 min
+#   mega   - the megakernel (metainfer/kernels/mega, built 2026-12-01g, never run): ptxas report; its GPU tests (each
+#            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
+#            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
+#            benchmarks/mega_step.py (the full config's decode step, 1k context, against the engine's step and
+#            timed; BF16 then FP8 lm_head); benchmarks/mega_bench.py (the GEMV skeleton, chained and hop-free), ~7 min
+#            (MEGA_STEP=0 skips the full-config runs)
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -706,8 +708,12 @@ if has chain3; then
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \
-    metainfer/kernels/mega/mega.cu 2>&1 | grep -E "mega_step|registers|spill" | head -4
-  timeout 240 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider -x 2>&1 | tail -15 | tee $OUT/mega_tests.log
-  timeout 150 python benchmarks/mega_bench.py --json $OUT/mega_bench_fp8.json 2>&1 | tail -8
-  timeout 150 python benchmarks/mega_bench.py --lm-head bf16 --modes chain --json $OUT/mega_bench_bf16.json 2>&1 | tail -4
+    metainfer/kernels/mega/mega.cu 2>&1 | grep -E "registers|spill" | tail -2
+  timeout 240 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
+  tail -4 $OUT/mega_tests.log
+  if [[ ${MEGA_STEP:-1} == 1 ]]; then
+    timeout 200 python benchmarks/mega_step.py --json $OUT/mega_step_bf16head.json 2>&1 | tail -5
+    timeout 200 python benchmarks/mega_step.py --fp8-lm-head --json $OUT/mega_step_fp8head.json 2>&1 | tail -5
+  fi
+  timeout 150 python benchmarks/mega_bench.py --json $OUT/mega_bench_fp8.json 2>&1 | tail -5
 fi

@@ -1,0 +1,135 @@
+"""The megakernel's batch-1 decode step on the full config (dummy FP8 weights) against the engine's.
+
+An engine (FP8, dummy weights, eager, synchronous scheduling) prefills one random 1k-token prompt and
+samples its first token. From that state, one decode step runs twice: through the engine's model
+forward (its Triton kernels) and through the megakernel program built from the same weights and caches
+(build_step.decode_program), each from the same saved states. Printed: the logits' relative RMSE and
+argmax agreement, the DeltaNet states' and this step's key's differences; then the megakernel step's
+time (median of --reps launches; the states advance between launches, which moves no byte counts),
+its tok/s and its % of the byte floor at 4.3 TB/s. The engine's own decode rate is decode_bench.py's.
+
+  python benchmarks/mega_step.py --json out/mega_step.json [--fp8-lm-head] [--prompt-len 1024] [--reps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_smoke import env_info  # noqa: E402
+
+from metainfer.config import FULL_CONFIG  # noqa: E402
+from metainfer.engine.request import SamplingParams  # noqa: E402
+from metainfer.kernels.mega import build_step  # noqa: E402
+from metainfer.kernels.mega import program as P  # noqa: E402
+from metainfer.kernels.mega.launch import MegaKernel  # noqa: E402
+from metainfer.llm import LLM  # noqa: E402
+from metainfer.model.meta import ForwardMeta  # noqa: E402
+
+HBM = 4.3e12
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--splits", type=int, default=8)
+    ap.add_argument("--fp8-lm-head", action="store_true")
+    args = ap.parse_args()
+    llm = LLM(model=f"dummy:{FULL_CONFIG}", device="cuda", dtype="bfloat16", quantization="fp8",
+              fp8_lm_head=args.fp8_lm_head, max_model_len=args.prompt_len + 64, max_num_seqs=1,
+              enforce_eager=True, async_scheduling=False)
+    eng, runner = llm.engine, llm.engine.runner
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 248000, (args.prompt_len,), generator=g).tolist()
+    eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while not (eng.scheduler.running and eng.scheduler.running[0].output_token_ids):
+        eng.step()
+    req = eng.scheduler.running[0]
+    bs = runner.ecfg.block_size
+    token, pos, slot = req.output_token_ids[-1], req.num_computed_tokens, req.state_slot
+    kv_slot = req.block_ids[pos // bs] * bs + pos % bs
+    model, caches = runner.model, runner.caches
+
+    def snapshot():
+        return ([t[:, slot].clone() for t in (runner.conv_states, runner.ssm_states)],
+                [(c.view(-1, *c.shape[2:])[kv_slot].clone()) for c in caches.k + caches.v])
+
+    def restore(snap):
+        (conv, ssm), rows = snap
+        runner.conv_states[:, slot].copy_(conv)
+        runner.ssm_states[:, slot].copy_(ssm)
+        for c, r in zip(caches.k + caches.v, rows):
+            c.view(-1, *c.shape[2:])[kv_slot].copy_(r)
+
+    before = snapshot()
+    with torch.no_grad():  # the engine's step
+        meta = ForwardMeta.build([1], [pos], [req.block_ids], [slot], bs, [0], "cuda")
+        hidden = model(torch.tensor([token], device="cuda"), torch.tensor([pos], device="cuda"), meta, caches)
+        want = model.compute_logits(hidden)[0].float()
+    after_engine = snapshot()
+    restore(before)
+
+    kernel = MegaKernel("cuda")
+    bt = torch.zeros(runner.blocks_per_seq, dtype=torch.int32, device="cuda")
+    bt[: len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+    logits = torch.zeros(model.cfg.vocab_size, device="cuda")
+    step = torch.zeros(P.STEP_WORDS, dtype=torch.int64, device="cuda")
+    build_step.step_inputs(step, token, pos, kv_slot, slot, True, pos + 1)
+    prog = P.Program(build_step.decode_program(model, caches, bt, logits, splits=args.splits), step=step)
+    kernel.launch(prog)
+    torch.cuda.synchronize()
+    after_mega = snapshot()
+    (ce, se), re_ = after_engine
+    (cm, sm), rm = after_mega
+    check = {
+        "logits_rel_rmse": rel(logits, want),
+        "argmax_equal": int(logits.argmax()) == int(want.argmax()),
+        "top5_overlap": len(set(logits.topk(5).indices.tolist()) & set(want.topk(5).indices.tolist())),
+        "conv_state_rel_rmse": rel(cm.float(), ce.float()),
+        "ssm_state_rel_rmse": rel(sm, se),
+        "new_kv_rel_rmse": max(rel(a.float(), b.float()) for a, b in zip(rm, re_)),
+        "finite": bool(torch.isfinite(logits).all()),
+    }
+    ms = []
+    for i in range(args.reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        kernel.launch(prog)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            ms.append(a.elapsed_time(b))
+    restore(before)
+    ms.sort()
+    med = ms[len(ms) // 2]
+    res = {"instructions": len(prog.instrs), "weight_bytes": prog.bytes, "ms_median": med, "ms_min": ms[0],
+           "ms_max": ms[-1], "tok_s": 1e3 / med, "pct_of_floor": 100 * prog.bytes / HBM / (med * 1e-3),
+           "check": check}
+    print(f"megakernel step, full config, FP8 (lm_head {'FP8' if args.fp8_lm_head else 'BF16'}), "
+          f"{args.prompt_len}-token context, {torch.cuda.get_device_name()}")
+    print("| instructions | GB | ms (median) | tok/s | % of 4.3 TB/s | logits rel RMSE | argmax equal |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {res['instructions']} | {prog.bytes / 1e9:.3f} | {med:.3f} | {res['tok_s']:.0f} | "
+          f"{res['pct_of_floor']:.1f} | {check['logits_rel_rmse']:.2e} | {check['argmax_equal']} |")
+    print("check:", json.dumps(check))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"env": env_info(), "args": vars(args) | {"json": str(args.json)},
+                                         "results": res}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
