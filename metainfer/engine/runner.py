@@ -133,6 +133,12 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
         self.prefill = self._prefill_path()
+        self.mega = None  # EngineConfig.megakernel: batch-1 decode steps in one launch (engine.mega_decode)
+        if ecfg.megakernel:
+            from metainfer.engine.mega_decode import MegaDecode
+
+            self.mega = MegaDecode(self.model, self.caches, self.blocks_per_seq, ecfg.block_size,
+                                   ecfg.max_model_len, self.device)
         if self.mtp is not None and self.prefill is not None:  # a proposal in one replay (spec.mtp)
             from metainfer.spec.mtp import MTPGraphs
 
@@ -269,7 +275,9 @@ class ModelRunner:
         id is taken on the device from that step's token buffer."""
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
         saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
-        if self.decode is not None and self._pure_decode(items):
+        if self.mega is not None and len(items) == 1 and self._decode_only(items):
+            logits, owners, dst = self._mega_logits(items[0][0])
+        elif self.decode is not None and self._pure_decode(items):
             logits, owners, dst = self._decode_logits(items)
         elif self.prefill is not None and self._lone_prefill(items):
             logits, owners, dst = self._prefill_logits(items[0])
@@ -342,13 +350,29 @@ class ModelRunner:
             input_ids[idx[:, 0]] = self._tok_buf[idx[:, 1]]
 
     def _pure_decode(self, items: list[tuple[Request, int]]) -> bool:
-        return len(items) <= self.decode.max_bs and all(
+        return len(items) <= self.decode.max_bs and self._decode_only(items)
+
+    @staticmethod
+    def _decode_only(items: list[tuple[Request, int]]) -> bool:
+        """Every sequence decodes its one last token (no drafts, no scoring, no prompt logprobs left)."""
+        return all(
             n == 1
             and r.num_computed_tokens == r.num_tokens - 1
             and not r.score_only
             and (r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= r.num_prompt_tokens)
             for r, n in items
         )
+
+    def _mega_logits(self, r: Request):
+        """The megakernel's step of a lone decoding sequence (its token taken on the device when PENDING)."""
+        p = r.num_computed_tokens
+        tok = r.token_at(p)
+        src = None
+        if tok == PENDING:
+            row = self._pending_source(r, p)
+            tok, src = None, self._tok_buf[row : row + 1]
+        logits = self.mega.run(tok, p, r.block_ids, r.state_slot, token_src=src)
+        return logits, [(r, "sample", p)], []
 
     def _lone_prefill(self, items: list[tuple[Request, int]]) -> bool:
         """One request's chunk alone in the step, ending its tokens (then its drafts, if any) with a

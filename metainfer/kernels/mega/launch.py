@@ -102,9 +102,13 @@ class MegaKernel:
             raise RuntimeError(f"mega.cu's constants {got} differ from program.py's {want}")
 
     def launch(self, program: P.Program) -> None:
-        """One step: every instruction of `program`, in order, on the current stream."""
+        """One step: every instruction of `program`, in order, on the current stream. Eager launches are
+        cooperative (the driver guarantees every CTA is resident at once, which the CTAs' waits on each
+        other need); inside a CUDA-graph capture a plain launch is recorded: one CTA per SM with this
+        much shared memory fills each SM alone, so all of them are resident once the SMs are free."""
         if program.table.device != self.device:
             raise ValueError("the program lives on another device")
         args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
                 ctypes.c_void_p(program.state.data_ptr()), ctypes.c_void_p(program.state.data_ptr() + 4)]
-        self._launch(self.step_fn, self.num_sms, P.THREADS, P.SMEM, args, cooperative=True)
+        capturing = torch.cuda.is_current_stream_capturing()
+        self._launch(self.step_fn, self.num_sms, P.THREADS, P.SMEM, args, cooperative=not capturing)

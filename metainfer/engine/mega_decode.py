@@ -1,0 +1,69 @@
+"""Batch-1 decode steps through the megakernel (EngineConfig.megakernel; kernels/mega).
+
+The program (build_step.decode_program) is built once over the model's weights and the runner's caches,
+with its own persistent step inputs: the step vector (token, position, KV slot, state slot, has-state,
+sequence length), the sequence's block table and the logits row. A step writes those inputs (the
+token on the device when it is still PENDING: the previous step's sampled row), then runs the program:
+one cooperative launch on CUDA (MegaKernel), the PyTorch emulator elsewhere (so the engine path is
+testable on the CPU). The caller samples from the returned logits as from any step's.
+
+Serves a step with one sequence decoding one token; any other step takes the runner's usual paths.
+No hidden states come out (the MTP drafter's input), hence no speculation with it (EngineConfig).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer.kernels.mega import build_step, emulate
+from metainfer.kernels.mega import program as P
+from metainfer.model.meta import CacheTensors
+
+
+def splits_for(max_model_len: int) -> int:
+    """KV splits per attention head: 8 (128 of the 132 SMs busy), more where a split would score over
+    program.MAX_SCORES positions."""
+    return max(8, -(-max_model_len // P.MAX_SCORES))
+
+
+class MegaDecode:
+    def __init__(self, model, caches: CacheTensors, blocks_per_seq: int, block_size: int, max_model_len: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.step_vec = torch.zeros(P.STEP_WORDS, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(blocks_per_seq, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(model.cfg.vocab_size, dtype=torch.float32, device=device)
+        instrs = build_step.decode_program(model, caches, self.block_table, self.logits,
+                                           splits=splits_for(max_model_len))
+        self.program = P.Program(instrs, step=self.step_vec)
+        self.kernel = None
+        if device.type == "cuda":
+            from metainfer.kernels.mega.launch import MegaKernel
+
+            self.kernel = MegaKernel(device)
+        self.steps = 0  # steps served
+
+    def run(self, token: int | None, position: int, block_ids: list[int], state_slot: int,
+            token_src: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of the sequence at `position` (its token there: `token`, or None with
+        token_src a [1] int64 device tensor holding it). -> logits [1, V] fp32 (a view of this
+        object's buffer: valid until the next run)."""
+        bs = self.block_size
+        host = [0] * P.STEP_WORDS
+        host[P.STEP_TOKEN] = 0 if token is None else token
+        host[P.STEP_POS], host[P.STEP_KV_SLOT] = position, block_ids[position // bs] * bs + position % bs
+        host[P.STEP_STATE_SLOT], host[P.STEP_HAS_STATE] = state_slot, int(position > 0)
+        host[P.STEP_SEQ_LEN] = position + 1
+        self.step_vec.copy_(torch.tensor(host, dtype=torch.int64), non_blocking=True)
+        if token is None:
+            self.step_vec[P.STEP_TOKEN : P.STEP_TOKEN + 1].copy_(token_src)
+        table = torch.zeros(self.block_table.numel(), dtype=torch.int32)
+        table[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.block_table.copy_(table, non_blocking=True)
+        if self.kernel is not None:
+            self.kernel.launch(self.program)
+        else:
+            emulate.run(self.program.instrs, self.step_vec)
+        self.steps += 1
+        return self.logits.view(1, -1)
