@@ -214,6 +214,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=1, help="the decode profile's batch size")
     ap.add_argument("--sync-too", action="store_true", help="also time batch 1 with async scheduling off")
+    ap.add_argument("--megakernel", action="store_true",
+                    help="FP8: batch-1 decode steps through the megakernel (EngineConfig.megakernel)")
     ap.add_argument("--ssm-state-dtype", default="float32", choices=SSM_STATE_DTYPES,
                     help="storage of the DeltaNet recurrent states")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -231,6 +233,7 @@ def main() -> None:
         max_num_batched_tokens=8192,
         enforce_eager=args.eager,
         ssm_state_dtype=args.ssm_state_dtype,
+        megakernel=args.megakernel,
         prefill_graphs=None if args.prefill_graphs == "auto" else tuple(
             int(s) for s in args.prefill_graphs.split(",") if s and s != "0"),
     )
@@ -249,6 +252,7 @@ def main() -> None:
         "config": args.config,
         "dtype": args.dtype,
         "ssm_state_dtype": args.ssm_state_dtype,
+        "megakernel": args.megakernel,
         "init_s": init_s,
         "warmup_s": llm.engine.runner.warmup_s,
         "cuda_graphs": bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs),
@@ -272,6 +276,8 @@ def main() -> None:
         llm.engine.async_scheduling = True
         res["decode_sync_bs1"] = r
         print("sync scheduling:", json.dumps(r), flush=True)
+    if llm.engine.runner.mega is not None:
+        res["megakernel_steps"] = llm.engine.runner.mega.steps
     res["ttft"] = ttft(llm, args.prompt_len)
     if llm.engine.runner.prefill is not None:  # steps served by the lone-prefill graphs (all TTFT reps)
         res["prefill_graph_runs"] = llm.engine.runner.prefill.runs

@@ -144,6 +144,8 @@
 #            benchmarks/mega_step.py (the full config's decode step, 1k context, against the engine's step and
 #            timed; BF16 then FP8 lm_head); benchmarks/mega_bench.py (the GEMV skeleton, chained and hop-free), ~7 min
 #            (MEGA_STEP=0 skips the full-config runs)
+#   megaeng - the engine with --megakernel (after `mega` passes): FP8 batch-1 decode (decode_bench), then
+#            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -716,4 +718,10 @@ if has mega; then
     timeout 200 python benchmarks/mega_step.py --fp8-lm-head --json $OUT/mega_step_fp8head.json 2>&1 | tail -5
   fi
   timeout 150 python benchmarks/mega_bench.py --json $OUT/mega_bench_fp8.json 2>&1 | tail -5
+fi
+if has megaeng; then  # the engine with --megakernel: FP8 batch 1 decode, then the oracle (only if the tests passed)
+  timeout 240 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --no-profile --megakernel \
+    --out $OUT/megaeng 2>&1 | grep -E "decode_tok_s|megakernel|Error|Traceback" | head -6
+  timeout 300 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
+    --megakernel --device cuda --suite full --json $OUT/verify_fp8_mega.json 2>&1 | grep -E "verdict" | head -1
 fi
