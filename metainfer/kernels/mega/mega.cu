@@ -230,6 +230,41 @@ __device__ __forceinline__ float row_dot(const uint8_t* row, int wtype, int K, c
   return warp_sum(acc);
 }
 
+// two e4m3 rows' dots with the same x, each x load serving both (whole warp; the results on every lane)
+__device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* row1, int K, const float* ws0,
+                                           const float* ws1, const float* xs, int lane) {
+  float acc0 = 0.f, acc1 = 0.f;
+  for (int base = 0; base < K; base += 512) {
+    const float4* xv = reinterpret_cast<const float4*>(xs + base) + lane;
+    const uint4 v0 = *reinterpret_cast<const uint4*>(row0 + base + lane * 16);
+    const uint4 v1 = *reinterpret_cast<const uint4*>(row1 + base + lane * 16);
+    const uint32_t w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 x4 = xv[q * 32];
+      const uint32_t a_lo = fp8x2_to_f16x2(w0[q]), a_hi = fp8x2_to_f16x2(w0[q] >> 16);
+      const uint32_t b_lo = fp8x2_to_f16x2(w1[q]), b_hi = fp8x2_to_f16x2(w1[q] >> 16);
+      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&a_lo));
+      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&a_hi));
+      const float2 c = __half22float2(*reinterpret_cast<const __half2*>(&b_lo));
+      const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&b_hi));
+      p0 = fmaf(a.x, x4.x, p0);
+      p0 = fmaf(a.y, x4.y, p0);
+      p0 = fmaf(b.x, x4.z, p0);
+      p0 = fmaf(b.y, x4.w, p0);
+      p1 = fmaf(c.x, x4.x, p1);
+      p1 = fmaf(c.y, x4.y, p1);
+      p1 = fmaf(d.x, x4.z, p1);
+      p1 = fmaf(d.y, x4.w, p1);
+    }
+    const int b = (base + lane * 16) / 128;
+    acc0 = fmaf(p0, ws0[b], acc0);
+    acc1 = fmaf(p1, ws1[b], acc1);
+  }
+  return make_float2(warp_sum(acc0), warp_sum(acc1));
+}
+
 // ---- routing (one whole warp) ----------------------------------------------------------------------
 // logits [E + 1] (bf16 words) -> ids[0..top_k] (the picks of an fp32 softmax, ties to the lower index, then
 // the shared expert E) and weights (renormalised picks, then sigmoid of logit E), into r[0..15], r[16..31]
@@ -305,7 +340,25 @@ __device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t b
   return s.ring + slot * SLOT;
 }
 
-__device__ void producer(const Instr* prog, int n_instr, uint32_t tag, const Smem& s, int lane) {
+// The L2 lead (lead > 0): before the producer waits for a routing, it prefetches into L2 this CTA's
+// chunks of the GEMV instructions after instruction i (the dense weights the routing does not decide:
+// the next layer's projections), up to `lead` bytes, so the DRAM streams through the routing bubble and
+// those chunks later load from L2. (The skeleton's v2 measures the idea: benchmarks/stream_chain.cu.)
+__device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t lead) {
+  uint32_t done = 0;
+  for (int j = i + 1; j < n_instr && done < lead; ++j) {
+    const Instr& in = prog[j];
+    if (in.op != OP_GEMV) continue;
+    const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
+    for (int c = blockIdx.x; c < n && done < lead; c += gridDim.x) {
+      const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
+      l2_prefetch(ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes);
+      done += bytes;
+    }
+  }
+}
+
+__device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t lead, const Smem& s, int lane) {
   uint32_t it = 0;
   int routed = -1;  // the router instruction whose routing route_p holds
   const int n_cta = gridDim.x;
@@ -315,6 +368,8 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, const Sme
       const bool mine = in.op == OP_GATE_UP ? (int)blockIdx.x < n_chunks_of(in) : (int)blockIdx.x < in.i[2] / 16;
       if (!mine) continue;
       if (routed != in.i[4]) {
+        if (lead && lane == 0) l2_lead(prog, n_instr, i, lead);
+        __syncwarp();
         route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane);
         routed = in.i[4];
       }
@@ -343,8 +398,9 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, const Sme
           const int n = min(per, slots - g * per);
           uint8_t* dst = claim(s, it, n * 16 * I);
           for (int j = 0; j < n; ++j)
-            bulk_load(dst + j * 16 * I, ptr<const uint8_t>(in.p[0]) + ((size_t)s.route_p[g * per + j] * H + rb * 16) * I,
-                      16 * I, &s.full[it % NSLOTS]);
+            bulk_load(dst + j * 16 * I,
+                      ptr<const uint8_t>(in.p[0]) + ((size_t)s.route_p[g * per + j] * H + rb * 16) * I, 16 * I,
+                      &s.full[it % NSLOTS]);
         }
     }
   }
@@ -379,10 +435,36 @@ __device__ void route_consumers(Ctx& c, const Instr& in) {
   c.routed = in.i[4];
 }
 
+// a GEMV row's output (one thread): the DeltaNet decode conv + SiLU on rows < nconv (their conv state
+// shifted: [s0, s1, s2] -> [s1, s2, y]), the plain copy, the tagged word
+__device__ void gemv_store(const Instr& in, int row, float v, const long long* step, uint32_t tag) {
+  const int out = in.i[4];
+  if (in.i[10] == EPI_CONV && row < in.i[11]) {
+    const int C = in.i[11];
+    const long long slot = step[STEP_STATE_SLOT];
+    const bool has = step[STEP_HAS_STATE] != 0;
+    __nv_bfloat16* st = ptr<__nv_bfloat16>(in.p[6]) + slot * 3 * C + row;
+    const __nv_bfloat16* cwt = ptr<const __nv_bfloat16>(in.p[7]) + (size_t)row * 4;
+    const float y = bf(v), p0 = has ? bf_at(st, 0) : 0.f, p1 = has ? bf_at(st, C) : 0.f,
+                p2 = has ? bf_at(st, 2 * C) : 0.f;
+    float cv = y * bf_at(cwt, 3);
+    cv += p0 * bf_at(cwt, 0);
+    cv += p1 * bf_at(cwt, 1);
+    cv += p2 * bf_at(cwt, 2);
+    st[0] = __float2bfloat16_rn(p1);
+    st[C] = __float2bfloat16_rn(p2);
+    st[2 * C] = __float2bfloat16_rn(y);
+    cv = bf(cv);
+    v = cv / (1.f + __expf(-cv));
+  }
+  if (out == OUT_PLAIN_F32) ptr<float>(in.p[5])[row] = v;
+  store_word(ptr<uint64_t>(in.p[4]), row, v, out == OUT_BF16 ? OUT_BF16 : OUT_F32, tag);
+}
+
 __device__ void op_gemv(Ctx& c, const Instr& in) {
   const int n = n_chunks_of(in);
   if ((int)blockIdx.x >= n) return;
-  const int wtype = in.i[0], rows_all = in.i[1], K = in.i[2], pro = in.i[3], out = in.i[4];
+  const int wtype = in.i[0], rows_all = in.i[1], K = in.i[2], pro = in.i[3];
   consumers_sync(CT);  // every warp is done with the previous instruction's x and scratch
   const XIn x(c.prog, in, 5, K);
   if (pro == PRO_NONE) {
@@ -404,28 +486,21 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
     for (int r = c.cw; r < rows; r += NCW) {
       const int row = ch * rpc + r;
       const float* ws_row = wtype == W_E4M3 ? ptr<const float>(in.p[1]) + (size_t)(row / 128) * kb : nullptr;
-      float v = row_dot(chunk + (size_t)r * rb, wtype, K, ws_row, c.s.xs, c.lane);
-      if (c.lane == 0) {
-        if (in.i[10] == EPI_CONV && row < in.i[11]) {  // the DeltaNet decode conv + SiLU (its state shifted)
-          const int C = in.i[11];
-          const long long slot = step[STEP_STATE_SLOT];
-          const bool has = step[STEP_HAS_STATE] != 0;
-          __nv_bfloat16* st = ptr<__nv_bfloat16>(in.p[6]) + slot * 3 * C + row;
-          const __nv_bfloat16* cwt = ptr<const __nv_bfloat16>(in.p[7]) + (size_t)row * 4;
-          const float y = bf(v), p0 = has ? bf_at(st, 0) : 0.f, p1 = has ? bf_at(st, C) : 0.f,
-                      p2 = has ? bf_at(st, 2 * C) : 0.f;
-          float cv = y * bf_at(cwt, 3);
-          cv += p0 * bf_at(cwt, 0);
-          cv += p1 * bf_at(cwt, 1);
-          cv += p2 * bf_at(cwt, 2);
-          st[0] = __float2bfloat16_rn(p1);
-          st[C] = __float2bfloat16_rn(p2);
-          st[2 * C] = __float2bfloat16_rn(y);
-          cv = bf(cv);
-          v = cv / (1.f + __expf(-cv));
-        }
-        if (out == OUT_PLAIN_F32) ptr<float>(in.p[5])[row] = v;
-        store_word(ptr<uint64_t>(in.p[4]), row, v, out == OUT_BF16 ? OUT_BF16 : OUT_F32, c.tag);
+      float v, v_next = 0.f;
+      const bool pair = wtype == W_E4M3 && r + NCW < rows;  // this warp's next row too, sharing x's loads
+      if (pair) {
+        const float* ws_next = ptr<const float>(in.p[1]) + (size_t)((row + NCW) / 128) * kb;
+        const float2 vv = row_dot2(chunk + (size_t)r * rb, chunk + (size_t)(r + NCW) * rb, K, ws_row, ws_next,
+                                   c.s.xs, c.lane);
+        v = vv.x;
+        v_next = vv.y;
+      } else {
+        v = row_dot(chunk + (size_t)r * rb, wtype, K, ws_row, c.s.xs, c.lane);
+      }
+      if (c.lane == 0) gemv_store(in, row, v, step, c.tag);
+      if (pair) {
+        if (c.lane == 0) gemv_store(in, row + NCW, v_next, step, c.tag);
+        r += NCW;
       }
     }
     release_chunk(c);
@@ -448,9 +523,10 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
     const int j = ch / nb, b = ch % nb, e = c.s.route_c[j];
     const int rg = 8 * b + c.cw, ru = I + rg;  // this warp's gate and up rows of expert e
     const float* wse = ws + (size_t)e * (2 * I / 128) * kb;
-    const float g = row_dot(chunk + (size_t)c.cw * H, W_E4M3, H, wse + (rg / 128) * kb, c.s.xs, c.lane);
-    const float u = row_dot(chunk + (size_t)(8 + c.cw) * H, W_E4M3, H, wse + (ru / 128) * kb, c.s.xs, c.lane);
-    if (c.lane == 0) store_word(ptr<uint64_t>(in.p[4]), j * I + rg, g / (1.f + __expf(-g)) * u, OUT_BF16, c.tag);
+    const float2 gu = row_dot2(chunk + (size_t)c.cw * H, chunk + (size_t)(8 + c.cw) * H, H, wse + (rg / 128) * kb,
+                               wse + (ru / 128) * kb, c.s.xs, c.lane);
+    if (c.lane == 0)
+      store_word(ptr<uint64_t>(in.p[4]), j * I + rg, gu.x / (1.f + __expf(-gu.x)) * gu.y, OUT_BF16, c.tag);
     release_chunk(c);
   }
 }
@@ -475,11 +551,10 @@ __device__ void op_down(Ctx& c, const Instr& in) {
         const uint8_t* piece = chunk + (size_t)(j - g * per) * 16 * I;
         const float* wse = ws + (size_t)c.s.route_c[j] * (H / 128) * kb;
         const int r0 = rb * 16 + c.cw, r1 = r0 + 8;
-        const float y0 = row_dot(piece + (size_t)c.cw * I, W_E4M3, I, wse + (r0 / 128) * kb, c.s.xs + j * I, c.lane);
-        const float y1 = row_dot(piece + (size_t)(8 + c.cw) * I, W_E4M3, I, wse + (r1 / 128) * kb, c.s.xs + j * I,
-                                 c.lane);
-        acc0 = fmaf(wts[j], y0, acc0);
-        acc1 = fmaf(wts[j], y1, acc1);
+        const float2 y = row_dot2(piece + (size_t)c.cw * I, piece + (size_t)(8 + c.cw) * I, I, wse + (r0 / 128) * kb,
+                                  wse + (r1 / 128) * kb, c.s.xs + j * I, c.lane);
+        acc0 = fmaf(wts[j], y.x, acc0);
+        acc1 = fmaf(wts[j], y.y, acc1);
       }
       release_chunk(c);
     }
@@ -564,8 +639,8 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
 
 // qk_norm_rope's math on one head of 256 (consumer thread t holds dim t): RMSNorm (1 + w), NeoX RoPE on the
 // first rd dims at pos; raw[] in shared memory. -> fp32
-__device__ float norm_rope(const float* raw, const __nv_bfloat16* w, float eps, float pos, const float* inv_freq, int rd,
-                           float* red, int ct, int cw, int lane) {
+__device__ float norm_rope(const float* raw, const __nv_bfloat16* w, float eps, float pos, const float* inv_freq,
+                           int rd, float* red, int ct, int cw, int lane) {
   const int D = CT, half = rd / 2;
   const float x = raw[ct];
   const float rstd = rsqrtf(block_sum(x * x, red, cw, lane) / D + eps);
@@ -719,7 +794,7 @@ __device__ void op_combine(Ctx& c, const Instr& in) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
-    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* step_tag, uint32_t* done) {
+    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* step_tag, uint32_t* done, uint32_t lead) {
   extern __shared__ __align__(128) uint8_t smem[];
   Smem s;
   s.ring = smem;
@@ -740,7 +815,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   }
   __syncthreads();
   if (warp == 0) {
-    producer(prog, n_instr, tag, s, lane);
+    producer(prog, n_instr, tag, lead, s, lane);
   } else {
     Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1};
     for (int i = 0; i < n_instr; ++i) {
