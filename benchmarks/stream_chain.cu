@@ -96,6 +96,29 @@ __device__ __forceinline__ float squash(float y) {  // softsign(y / 20): bounded
 // The dot's K order is free, so each thread's 16-byte row piece (k0 + tig * 16: four m16n8k16 steps of
 // 4 bytes) stands for A's columns (tig * 2 + {0,1}, 8 + tig * 2 + {0,1}), and B (x, column 0 only)
 // is taken in the same order.
+// one 64-column step of a 16-row chunk into d: rows g (ra) and g + 8 (rb), this thread's 16-byte pieces at k0
+// (four m16n8k16 steps), x (f16) at xp + k0 in column 0 of B (lanes with g == 0; zeros elsewhere)
+__device__ __forceinline__ void mma_k64(float (&d)[4][4], const uint8_t* ra, const uint8_t* rb, const __half* xp,
+                                        int k0, int g) {
+  const uint4 wa = *reinterpret_cast<const uint4*>(ra + k0);
+  const uint4 wb = *reinterpret_cast<const uint4*>(rb + k0);
+  const uint4 x0 = *reinterpret_cast<const uint4*>(xp + k0);
+  const uint4 x1 = *reinterpret_cast<const uint4*>(xp + k0 + 8);
+  const uint32_t A0[4] = {wa.x, wa.y, wa.z, wa.w}, A1[4] = {wb.x, wb.y, wb.z, wb.w};
+  const uint32_t X[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t a0 = fp8x2_to_f16x2(A0[t]), a2 = fp8x2_to_f16x2(A0[t] >> 16);
+    const uint32_t a1 = fp8x2_to_f16x2(A1[t]), a3 = fp8x2_to_f16x2(A1[t] >> 16);
+    const uint32_t b0 = g == 0 ? X[2 * t] : 0u, b1 = g == 0 ? X[2 * t + 1] : 0u;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[t][0]), "+f"(d[t][1]), "+f"(d[t][2]), "+f"(d[t][3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
 template <int NCW>
 __device__ __forceinline__ float2 mma_chunk(const uint8_t* chunk, const __half* xh, int cw, int lane) {
   constexpr int KW = K / NCW;
@@ -105,25 +128,7 @@ __device__ __forceinline__ float2 mma_chunk(const uint8_t* chunk, const __half* 
   const uint8_t* rb = chunk + (g + 8) * K + tig * 16;
   const __half* xp = xh + tig * 16;
 #pragma unroll 2
-  for (int k0 = cw * KW; k0 < (cw + 1) * KW; k0 += 64) {
-    const uint4 wa = *reinterpret_cast<const uint4*>(ra + k0);
-    const uint4 wb = *reinterpret_cast<const uint4*>(rb + k0);
-    const uint4 x0 = *reinterpret_cast<const uint4*>(xp + k0);
-    const uint4 x1 = *reinterpret_cast<const uint4*>(xp + k0 + 8);
-    const uint32_t A0[4] = {wa.x, wa.y, wa.z, wa.w}, A1[4] = {wb.x, wb.y, wb.z, wb.w};
-    const uint32_t X[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint32_t a0 = fp8x2_to_f16x2(A0[t]), a2 = fp8x2_to_f16x2(A0[t] >> 16);
-      const uint32_t a1 = fp8x2_to_f16x2(A1[t]), a3 = fp8x2_to_f16x2(A1[t] >> 16);
-      const uint32_t b0 = g == 0 ? X[2 * t] : 0u, b1 = g == 0 ? X[2 * t + 1] : 0u;
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-          "{%0,%1,%2,%3};\n"
-          : "+f"(d[t][0]), "+f"(d[t][1]), "+f"(d[t][2]), "+f"(d[t][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-  }
+  for (int k0 = cw * KW; k0 < (cw + 1) * KW; k0 += 64) mma_k64(d, ra, rb, xp, k0, g);
   // column 0 of D (lanes with tig == 0): c0 row g, c2 row g + 8
   return make_float2((d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), (d[0][2] + d[1][2]) + (d[2][2] + d[3][2]));
 }
@@ -145,26 +150,7 @@ __device__ __forceinline__ float2 mma_scaled_chunk(const uint8_t* chunk, const _
   for (int b0 = cw * KW; b0 < (cw + 1) * KW; b0 += 128) {
     float d[4][4] = {};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int k0 = b0 + h * 64;
-      const uint4 wa = *reinterpret_cast<const uint4*>(ra + k0);
-      const uint4 wb = *reinterpret_cast<const uint4*>(rb + k0);
-      const uint4 x0 = *reinterpret_cast<const uint4*>(xp + k0);
-      const uint4 x1 = *reinterpret_cast<const uint4*>(xp + k0 + 8);
-      const uint32_t A0[4] = {wa.x, wa.y, wa.z, wa.w}, A1[4] = {wb.x, wb.y, wb.z, wb.w};
-      const uint32_t X[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const uint32_t a0 = fp8x2_to_f16x2(A0[t]), a2 = fp8x2_to_f16x2(A0[t] >> 16);
-        const uint32_t a1 = fp8x2_to_f16x2(A1[t]), a3 = fp8x2_to_f16x2(A1[t] >> 16);
-        const uint32_t b0 = g == 0 ? X[2 * t] : 0u, b1 = g == 0 ? X[2 * t + 1] : 0u;
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(d[t][0]), "+f"(d[t][1]), "+f"(d[t][2]), "+f"(d[t][3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      }
-    }
+    for (int h = 0; h < 2; ++h) mma_k64(d, ra, rb, xp, b0 + h * 64, g);
     const float sc = wsr[b0 / 128];
     r0 = fmaf((d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), sc, r0);
     r1 = fmaf((d[0][2] + d[1][2]) + (d[2][2] + d[3][2]), sc, r1);
@@ -398,25 +384,24 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
 }
 
 // ---- host -------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t hash32(size_t i, uint32_t seed) {
+  uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+  h ^= h >> 15;
+  h *= 2246822519u;
+  return h ^ (h >> 13);
+}
+
 __global__ void fill_kernel(uint8_t* w, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
+    const uint32_t h = hash32(i, seed);
     // e4m3 with exponent field <= 7 (|v| < 2): no NaN, sums stay finite
     w[i] = (uint8_t)((h & 0x80u) | (h & 0x07u) | (((h >> 8) & 0x7u) << 3));
   }
 }
 
-__global__ void fill_scales(float* s, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2246822519u ^ seed;
-    h ^= h >> 13;
-    h *= 2654435761u;
-    h ^= h >> 16;
-    s[i] = 0.5f + 1.5f * (float)(h >> 8) / 16777216.f;
-  }
+__global__ void fill_scales(float* s, size_t n, uint32_t seed) {  // block scales in [0.5, 2)
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    s[i] = 0.5f + 1.5f * (float)(hash32(i, seed) >> 8) / 16777216.f;
 }
 
 static float e4m3_to_float(uint8_t b) {

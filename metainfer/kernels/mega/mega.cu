@@ -188,6 +188,17 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
 }
 
 // ---- one row's dot with x (whole warp; the result on every lane) -------------------------------------
+// p + the dot of 4 e4m3 weights (one 32-bit word) with x4
+__device__ __forceinline__ float fma4_e4m3(uint32_t w, const float4& x4, float p) {
+  const uint32_t lo = fp8x2_to_f16x2(w), hi = fp8x2_to_f16x2(w >> 16);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  p = fmaf(a.x, x4.x, p);
+  p = fmaf(a.y, x4.y, p);
+  p = fmaf(b.x, x4.z, p);
+  return fmaf(b.y, x4.w, p);
+}
+
 __device__ __forceinline__ float row_dot(const uint8_t* row, int wtype, int K, const float* ws_row, const float* xs,
                                          int lane) {
   float acc = 0.f;
@@ -198,16 +209,7 @@ __device__ __forceinline__ float row_dot(const uint8_t* row, int wtype, int K, c
       const uint4 v = *reinterpret_cast<const uint4*>(row + base + lane * 16);
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 x4 = xv[q * 32];
-        const uint32_t lo = fp8x2_to_f16x2(words[q]), hi = fp8x2_to_f16x2(words[q] >> 16);
-        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-        part = fmaf(a.x, x4.x, part);
-        part = fmaf(a.y, x4.y, part);
-        part = fmaf(b.x, x4.z, part);
-        part = fmaf(b.y, x4.w, part);
-      }
+      for (int q = 0; q < 4; ++q) part = fma4_e4m3(words[q], xv[q * 32], part);
       acc = fmaf(part, ws_row[(base + lane * 16) / 128], acc);
     } else {
       const uint4* pw = reinterpret_cast<const uint4*>(row + 2 * (base + lane * 16));
@@ -243,20 +245,8 @@ __device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* r
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const float4 x4 = xv[q * 32];
-      const uint32_t a_lo = fp8x2_to_f16x2(w0[q]), a_hi = fp8x2_to_f16x2(w0[q] >> 16);
-      const uint32_t b_lo = fp8x2_to_f16x2(w1[q]), b_hi = fp8x2_to_f16x2(w1[q] >> 16);
-      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&a_lo));
-      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&a_hi));
-      const float2 c = __half22float2(*reinterpret_cast<const __half2*>(&b_lo));
-      const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&b_hi));
-      p0 = fmaf(a.x, x4.x, p0);
-      p0 = fmaf(a.y, x4.y, p0);
-      p0 = fmaf(b.x, x4.z, p0);
-      p0 = fmaf(b.y, x4.w, p0);
-      p1 = fmaf(c.x, x4.x, p1);
-      p1 = fmaf(c.y, x4.y, p1);
-      p1 = fmaf(d.x, x4.z, p1);
-      p1 = fmaf(d.y, x4.w, p1);
+      p0 = fma4_e4m3(w0[q], x4, p0);
+      p1 = fma4_e4m3(w1[q], x4, p1);
     }
     const int b = (base + lane * 16) / 128;
     acc0 = fmaf(p0, ws0[b], acc0);
@@ -637,6 +627,18 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
   }
 }
 
+// eight bf16 values (16 bytes, aligned) as floats
+__device__ __forceinline__ void bf16x8(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+
 // qk_norm_rope's math on one head of 256 (consumer thread t holds dim t): RMSNorm (1 + w), NeoX RoPE on the
 // first rd dims at pos; raw[] in shared memory. -> fp32
 __device__ float norm_rope(const float* raw, const __nv_bfloat16* w, float eps, float pos, const float* inv_freq,
@@ -714,14 +716,10 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
         for (int j = 0; j < 8; ++j) part = fmaf(qr[j], kn[c.lane * 8 + j], part);
       } else {
         const long long row = (long long)bt[t / bs] * bs + t % bs;
-        const uint4 kv4 = *reinterpret_cast<const uint4*>(kc + (row * hkv + kvh) * D + c.lane * 8);
-        const uint32_t kw[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+        float k8[8];
+        bf16x8(kc + (row * hkv + kvh) * D + c.lane * 8, k8);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kw[j]));
-          part = fmaf(qr[2 * j], f.x, part);
-          part = fmaf(qr[2 * j + 1], f.y, part);
-        }
+        for (int j = 0; j < 8; ++j) part = fmaf(qr[j], k8[j], part);
       }
       const float sc = warp_sum(part) * scale;
       if (c.lane == 0) score[t - lo] = sc;
@@ -743,14 +741,10 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
         for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, vn[c.lane * 8 + j], acc[j]);
       } else {
         const long long row = (long long)bt[t / bs] * bs + t % bs;
-        const uint4 v4 = *reinterpret_cast<const uint4*>(vc + (row * hkv + kvh) * D + c.lane * 8);
-        const uint32_t vw[4] = {v4.x, v4.y, v4.z, v4.w};
+        float v8[8];
+        bf16x8(vc + (row * hkv + kvh) * D + c.lane * 8, v8);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vw[j]));
-          acc[2 * j] = fmaf(pb, f.x, acc[2 * j]);
-          acc[2 * j + 1] = fmaf(pb, f.y, acc[2 * j + 1]);
-        }
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, v8[j], acc[j]);
       }
     }
     consumers_sync(CT);  // red's maxima are read
