@@ -129,6 +129,8 @@ def main() -> int:
     for mode in args.modes.split(","):
         prog = P.Program(build(cfg, args.lm_head, free=mode == "free"))
         ms = time_launches(kernel, prog, args.reps)
+        if prog.error():
+            raise SystemExit(f"megakernel ({mode}): {prog.error()}")
         med = ms[len(ms) // 2]
         err = sample_check(prog)
         rows.append({"mode": mode, "instructions": len(prog.instrs), "bytes": prog.bytes, "ms_median": med,

@@ -92,6 +92,8 @@ def main() -> int:
     prog = P.Program(build_step.decode_program(model, caches, bt, logits, splits=args.splits), step=step)
     kernel.launch(prog)
     torch.cuda.synchronize()
+    if prog.error():
+        raise SystemExit(f"megakernel: {prog.error()}")
     after_mega = snapshot()
     (ce, se), re_ = after_engine
     (cm, sm), rm = after_mega
@@ -120,6 +122,8 @@ def main() -> int:
         timings.append({"lead": lead, "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1], "tok_s": 1e3 / med,
                         "pct_of_floor": 100 * prog.bytes / HBM / (med * 1e-3)})
     restore(before)
+    if prog.error():
+        raise SystemExit(f"megakernel: {prog.error()}")
     res = {"instructions": len(prog.instrs), "weight_bytes": prog.bytes, "timings": timings, "check": check}
     print(f"megakernel step, full config, FP8 (lm_head {'FP8' if args.fp8_lm_head else 'BF16'}), "
           f"{args.prompt_len}-token context, {torch.cuda.get_device_name()}, "

@@ -63,6 +63,10 @@ class MegaDecode:
         self.block_table.copy_(table, non_blocking=True)
         if self.kernel is not None:
             self.kernel.launch(self.program)
+            if self.steps < 4 or self.steps % 256 == 0:  # the watchdog's word (a sync): early, then rarely
+                err = self.program.error()
+                if err:
+                    raise RuntimeError(f"megakernel step {self.steps}: {err}")
         else:
             emulate.run(self.program.instrs, self.step_vec)
         self.steps += 1

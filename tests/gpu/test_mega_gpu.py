@@ -97,6 +97,7 @@ def _check_each(prog, instrs_emu, step):
     from metainfer.kernels.mega import emulate
     from metainfer.kernels.mega import program as P
 
+    assert prog.error() is None, prog.error()
     vals = [prog.values(i) for i in range(len(prog.instrs))]
     for i, g in enumerate(instrs_emu):
         want = emulate.one(g, vals[:i], step.cpu()).float()
@@ -153,6 +154,7 @@ def test_second_launch_same_bits_next_tag(kernel):
     first = _bits(prog)
     kernel.launch(prog)
     torch.cuda.synchronize()
+    assert prog.error() is None, prog.error()
     assert prog.step() == 2
     for i, (a, b) in enumerate(zip(_bits(prog), first)):
         assert bool((prog.tags(i) == 2).all()) and torch.equal(a, b), i
@@ -172,6 +174,7 @@ def test_cuda_graph_replay(kernel):
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
+    assert prog.error() is None, prog.error()
     assert prog.step() == 4  # eager 1, then 3 replays (capturing runs nothing)
     for i, (a, b) in enumerate(zip(_bits(prog), eager)):
         assert bool((prog.tags(i) == 4).all()) and torch.equal(a, b), i

@@ -153,5 +153,14 @@ def test_constants_are_mega_cu_s():
     assert [const(n) for n in names] == [getattr(P, n) for n in names]
     assert "static_assert(sizeof(Instr) == 160" in src
     for name in ("OP_GEMV", "OP_GATE_UP", "OP_DOWN", "OP_DELTA", "OP_ATTEND", "OP_COMBINE", "PRO_GATED_NORM",
-                 "OUT_PLAIN_F32", "EPI_CONV", "X_EMBED", "STEP_SEQ_LEN"):
+                 "OUT_PLAIN_F32", "EPI_CONV", "X_EMBED", "STEP_SEQ_LEN", "ERR_DATA", "ERR_FULL", "ERR_EMPTY"):
         assert re.search(rf"\b{name} = {getattr(P, name)}\b", src), name
+
+
+def test_watchdog_words_read_as_a_diagnosis():
+    prog = P.Program(_moe())
+    assert prog.error() is None
+    prog.state[2:6] = torch.tensor([P.ERR_DATA, 17, 3, 1234], dtype=torch.int32)
+    assert prog.error() == "CTA 17 at instruction 3 (Down) polled an input that never came (element 1234)"
+    prog.reset_error()
+    assert prog.error() is None and prog.state.numel() == P.STATE_WORDS

@@ -111,7 +111,6 @@ class MegaKernel:
         if program.table.device != self.device:
             raise ValueError("the program lives on another device")
         args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
-                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_void_p(program.state.data_ptr() + 4),
-                ctypes.c_uint32(lead)]
+                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead)]
         capturing = torch.cuda.is_current_stream_capturing()
         self._launch(self.step_fn, self.num_sms, P.THREADS, P.SMEM, args, cooperative=not capturing)

@@ -64,6 +64,43 @@ static_assert(sizeof(Instr) == 160, "program.py packs 20 words");
 constexpr size_t SMEM = (size_t)NSLOTS * SLOT + 2 * NSLOTS * sizeof(uint64_t) + KMAX * sizeof(float) +
                         SCRATCH * sizeof(float) + ROUTE_WORDS * 4;
 
+// The watchdog. Every wait is bounded: past WAIT_LIMIT polls the first thread to give up records what it
+// waited for in err[] (the program's state words 2-5: code, CTA, instruction, detail) and raises the
+// abort flag there, which every other wait checks, so a broken program ends in seconds, outputs
+// garbage, and says where it stalled (program.py: Program.error()).
+enum : uint32_t { ERR_DATA = 1, ERR_FULL = 2, ERR_EMPTY = 3 };
+constexpr uint32_t WAIT_LIMIT = 1u << 22;
+__device__ uint32_t* g_err;  // state + 2 (the same value from every CTA)
+
+__device__ __forceinline__ bool aborted() { return *reinterpret_cast<volatile uint32_t*>(g_err) != 0; }
+__device__ void give_up(uint32_t code, int instr, uint32_t detail) {
+  if (atomicCAS(g_err, 0u, code) == 0u) {
+    g_err[1] = blockIdx.x;
+    g_err[2] = (uint32_t)instr;
+    g_err[3] = detail;
+    __threadfence();
+  }
+}
+__device__ __shared__ int s_instr[2];  // the instruction the producer [0] and the consumers [1] are at
+
+// mbar_wait with the watchdog
+__device__ __forceinline__ void wait_bar(uint64_t* bar, uint32_t parity, uint32_t code, int who, uint32_t detail) {
+  for (uint32_t n = 0;; ++n) {
+    uint32_t ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (ok) return;
+    if ((n & 1023u) == 1023u && aborted()) return;
+    if (n == WAIT_LIMIT) {
+      give_up(code, s_instr[who], detail);
+      return;
+    }
+  }
+}
+
 struct Smem {
   uint8_t* ring;
   uint64_t* full;
@@ -99,9 +136,15 @@ struct Source {
   __device__ Source(const Instr* prog, int idx, int off) : y(ptr<const uint64_t>(prog[idx].p[4]) + off),
                                                             kind(prog[idx].out) {}
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
-    uint64_t w;
-    do w = ld_relaxed_u64(y + e);
-    while (static_cast<uint32_t>(w >> 32) != tag);
+    uint64_t w = ld_relaxed_u64(y + e);
+    for (uint32_t n = 0; static_cast<uint32_t>(w >> 32) != tag; ++n) {
+      if ((n & 255u) == 255u && aborted()) break;
+      if (n == WAIT_LIMIT) {
+        give_up(ERR_DATA, s_instr[1], (uint32_t)e);
+        break;
+      }
+      w = ld_relaxed_u64(y + e);
+    }
     return word_value(w, kind);
   }
 };
@@ -325,7 +368,7 @@ __device__ __forceinline__ int down_groups(const Instr& in) {
 // the next ring slot, once free, armed for `bytes` (the caller issues the copies into it) -> its address
 __device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t bytes) {
   const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
-  mbar_wait(&s.empty[slot], (rnd & 1) ^ 1);
+  wait_bar(&s.empty[slot], (rnd & 1) ^ 1, ERR_EMPTY, 0, slot);
   mbar_expect_tx(&s.full[slot], bytes);
   return s.ring + slot * SLOT;
 }
@@ -354,6 +397,7 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
   const int n_cta = gridDim.x;
   for (int i = 0; i < n_instr; ++i) {
     const Instr& in = prog[i];
+    if (lane == 0) s_instr[0] = i;
     if (in.op == OP_GATE_UP || in.op == OP_DOWN) {
       const bool mine = in.op == OP_GATE_UP ? (int)blockIdx.x < n_chunks_of(in) : (int)blockIdx.x < in.i[2] / 16;
       if (!mine) continue;
@@ -408,7 +452,7 @@ struct Ctx {
 
 __device__ __forceinline__ const uint8_t* next_chunk(Ctx& c) {
   const uint32_t slot = c.it % NSLOTS, rnd = c.it / NSLOTS;
-  mbar_wait(&c.s.full[slot], rnd & 1);
+  wait_bar(&c.s.full[slot], rnd & 1, ERR_FULL, 1, slot);
   return c.s.ring + slot * SLOT;
 }
 __device__ __forceinline__ void release_chunk(Ctx& c) {
@@ -788,7 +832,7 @@ __device__ void op_combine(Ctx& c, const Instr& in) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
-    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* step_tag, uint32_t* done, uint32_t lead) {
+    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* state, uint32_t lead) {
   extern __shared__ __align__(128) uint8_t smem[];
   Smem s;
   s.ring = smem;
@@ -799,8 +843,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   s.route_p = reinterpret_cast<int*>(s.sc + SCRATCH);
   s.route_c = s.route_p + ROUTE_WORDS / 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint32_t* step_tag = state;  // state: [0] the last step's tag, [1] CTAs finished, [2..5] the watchdog
+  uint32_t* done = state + 1;
   const uint32_t tag = *reinterpret_cast<volatile uint32_t*>(step_tag) + 1u;
   if (threadIdx.x == 0) {
+    g_err = state + 2;
+    s_instr[0] = s_instr[1] = -1;
     for (int i = 0; i < NSLOTS; ++i) {
       mbar_init(&s.full[i], 1);
       mbar_init(&s.empty[i], NCW);
@@ -814,6 +862,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1};
     for (int i = 0; i < n_instr; ++i) {
       const Instr in = prog[i];
+      if (threadIdx.x == 32) s_instr[1] = i;  // (read only by a thread that gives up)
       switch (in.op) {
         case OP_GEMV: op_gemv(c, in); break;
         case OP_GATE_UP: op_gate_up(c, in); break;

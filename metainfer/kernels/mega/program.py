@@ -40,6 +40,8 @@ N_INTS, N_PTRS = 12, 12
 WORDS = 1 + N_INTS // 2 + 1 + N_PTRS  # 20 words, 160 bytes
 SMEM = NSLOTS * SLOT + 2 * NSLOTS * 8 + KMAX * 4 + SCRATCH * 4 + ROUTE_WORDS * 4
 
+STATE_WORDS = 8  # the kernel's state: step tag, CTAs finished, watchdog code / CTA / instruction / detail
+ERR_DATA, ERR_FULL, ERR_EMPTY = 1, 2, 3  # mega.cu's watchdog codes
 STEP_TOKEN, STEP_POS, STEP_KV_SLOT, STEP_STATE_SLOT, STEP_HAS_STATE, STEP_SEQ_LEN = range(6)
 STEP_WORDS = 8
 
@@ -465,7 +467,9 @@ class Program:
             f.out = out_dtype(g)
             rows.append(pack(f))
         self.table = torch.tensor(rows, dtype=torch.int64).to(dev)  # [n, WORDS]
-        self.state = torch.zeros(2, dtype=torch.int32, device=dev)
+        # the kernel's words: the last step's tag, the CTAs finished, the watchdog (code, CTA, instruction,
+        # detail: mega.cu's give_up)
+        self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=dev)
 
     @property
     def bytes(self) -> int:
@@ -481,6 +485,21 @@ class Program:
     def step(self) -> int:
         """The tag of the last completed launch (0 before any)."""
         return int(self.state[0])
+
+    def error(self) -> str | None:
+        """What the kernel's watchdog recorded (a wait that timed out, then every wait aborted), or None.
+        Reads the device (a sync)."""
+        code, cta, instr, detail = self.state[2:6].tolist()
+        if code == 0:
+            return None
+        what = {ERR_DATA: "polled an input that never came (element",
+                ERR_FULL: "waited for a weight chunk (slot",
+                ERR_EMPTY: "the producer waited for a free slot (slot"}.get(code, f"code {code} (detail")
+        name = type(self.instrs[instr]).__name__ if 0 <= instr < len(self.instrs) else "?"
+        return f"CTA {cta} at instruction {instr} ({name}) {what} {detail})"
+
+    def reset_error(self) -> None:
+        self.state[2:].zero_()
 
     def values(self, i: int) -> torch.Tensor:
         """Instruction i's outputs: bf16 or fp32 [rows]."""
