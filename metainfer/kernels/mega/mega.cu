@@ -129,14 +129,16 @@ __device__ __forceinline__ float word_value(uint64_t w, int kind) {
                           : __uint_as_float(b);
 }
 
+constexpr int FETCH_GROUP = 6;  // polled loads in flight per thread (registers: 168 per thread, 9 warps)
+
 // one source's outputs, polled until they carry this step's tag
 struct Source {
   const uint64_t* y;
   int kind;
   __device__ Source(const Instr* prog, int idx, int off) : y(ptr<const uint64_t>(prog[idx].p[4]) + off),
                                                             kind(prog[idx].out) {}
-  __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
-    uint64_t w = ld_relaxed_u64(y + e);
+  // word e once it carries `tag` (w: a first load of it)
+  __device__ uint64_t wait(int e, uint64_t w, uint32_t tag) const {
     for (uint32_t n = 0; static_cast<uint32_t>(w >> 32) != tag; ++n) {
       if ((n & 255u) == 255u && aborted()) break;
       if (n == WAIT_LIMIT) {
@@ -145,7 +147,28 @@ struct Source {
       }
       w = ld_relaxed_u64(y + e);
     }
-    return word_value(w, kind);
+    return w;
+  }
+  __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
+    return word_value(wait(e, ld_relaxed_u64(y + e), tag), kind);
+  }
+  // elements e0 + j * stride (j < n <= N) into v[] (ADD: bf16(v[j] + element)), FETCH_GROUP loads issued
+  // before any is waited for: a thread's words cost ceil(n / FETCH_GROUP) L2 round trips, not n
+  template <bool ADD = false, int N>
+  __device__ __forceinline__ void fetch(int e0, int stride, int n, float (&v)[N], uint32_t tag) const {
+#pragma unroll
+    for (int g0 = 0; g0 < N; g0 += FETCH_GROUP) {
+      uint64_t w[FETCH_GROUP];
+#pragma unroll
+      for (int j = 0; j < FETCH_GROUP; ++j)
+        w[j] = g0 + j < N && g0 + j < n ? ld_relaxed_u64(y + e0 + (g0 + j) * stride) : 0ull;
+#pragma unroll
+      for (int j = 0; j < FETCH_GROUP; ++j)
+        if (g0 + j < N && g0 + j < n) {
+          const float u = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
+          v[g0 + j] = ADD ? bf(v[g0 + j] + u) : u;
+        }
+    }
   }
 };
 
@@ -159,10 +182,43 @@ struct XIn {
         vec(ptr<const __nv_bfloat16>(in.p[3])) {
     if (kind == X_EMBED) vec += (long long)ptr<const long long>(in.p[8])[STEP_TOKEN] * n;
   }
+  // an instruction's source at i[base] (index), i[base + 1] (offset)
+  __device__ XIn(const Instr* prog, const Instr& in, int base, int n_, int src_kind)
+      : kind(src_kind), n(n_), src(prog, in.i[base], in.i[base + 1]), vec(nullptr) {}
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
     return kind == X_SRC ? src(e, tag) : __bfloat162float(vec[e]);
   }
+  template <int N>
+  __device__ __forceinline__ void fetch(int e0, int stride, int m, float (&v)[N], uint32_t tag) const {
+    if (kind == X_SRC) {
+      src.fetch(e0, stride, m, v, tag);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (j < m) v[j] = __bfloat162float(vec[e0 + j * stride]);
+  }
 };
+
+// x's elements ct + j * CT (j < ceil((K - ct) / CT)), plus add's rounded to bf16 where given, into xs (permuted),
+// FETCH_GROUP at a time -> this thread's sum of their squares
+__device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, uint32_t tag, int ct) {
+  float ss = 0.f;
+  const int m = (K - ct + CT - 1) / CT;
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {
+    float v[FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0);
+    x.fetch(ct + g0 * CT, CT, n, v, tag);
+    if (add) add->fetch<true>(ct + g0 * CT, CT, n, v, tag);
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        xs[xpos(ct + (g0 + j) * CT)] = v[j];
+        ss += v[j] * v[j];
+      }
+  }
+  return ss;
+}
 
 __device__ __forceinline__ void store_word(uint64_t* y, int row, float v, int kind, uint32_t tag) {
   const uint32_t bits = kind == OUT_BF16 ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(v)))
@@ -196,13 +252,7 @@ __device__ float block_sum(float v, float* red, int cw, int lane) {
 // RMSNorm of v[e] = x(e) (+ add(e), rounded to bf16) into xs: bf16(v / rms(v) * (1 + w))
 __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16* nw, float eps, int K, uint32_t tag,
                            const Smem& s, int ct, int cw, int lane) {
-  float ss = 0.f;
-  for (int e = ct; e < K; e += CT) {
-    float v = x(e, tag);
-    if (add) v = bf(v + (*add)(e, tag));
-    s.xs[xpos(e)] = v;
-    ss += v * v;
-  }
+  const float ss = stage_raw(x, add, K, s.xs, tag, ct);
   const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);
   for (int e = ct; e < K; e += CT) {
     const int q = xpos(e);
@@ -210,23 +260,41 @@ __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16*
   }
 }
 
-// the DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm): warp cw takes heads cw + j * NCW
+// the DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z;
+// thread ct holds elements ct + j * CT, so head h's hd values sit on hd / 32 warps (hd divides CT): their
+// sums of squares meet in red[h * (hd / 32) + w]
 __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
-                            uint32_t tag, const Smem& s, int cw, int lane) {
-  for (int h = cw; h < K / hd; h += NCW) {
-    float ss = 0.f;
-    for (int d = lane; d < hd; d += 32) {
-      const float c = x(h * hd + d, tag);
-      s.xs[xpos(h * hd + d)] = c;
-      ss += c * c;
-    }
-    const float r = rsqrtf(warp_sum(ss) / hd + eps);
-    for (int d = lane; d < hd; d += 32) {
-      const int e = h * hd + d, q = xpos(e);
-      const float hh = bf(bf(s.xs[q] * r) * bf_at(nw, d));
-      const float zz = z(e, tag);
-      s.xs[q] = bf(hh * (zz / (1.f + __expf(-zz))));
-    }
+                            uint32_t tag, const Smem& s, int ct, int cw, int lane) {
+  const int m = K / CT, wph = hd / 32;
+  float* red = s.sc;
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // the core values, and each head's sums of squares
+    float v[FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0);
+    x.fetch(ct + g0 * CT, CT, n, v, tag);
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        const int e = ct + (g0 + j) * CT;
+        s.xs[xpos(e)] = v[j];
+        const float p = warp_sum(v[j] * v[j]);
+        if (lane == 0) red[(e / hd) * wph + cw % wph] = p;
+      }
+  }
+  consumers_sync(CT);
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // then z, and the gated norm in place
+    float zz[FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0);
+    z.fetch(ct + g0 * CT, CT, n, zz, tag);
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        const int e = ct + (g0 + j) * CT, h = e / hd, q = xpos(e);
+        float t = 0.f;
+        for (int w = 0; w < wph; ++w) t += red[h * wph + w];
+        const float r = rsqrtf(t / hd + eps);
+        const float hh = bf(bf(s.xs[q] * r) * bf_at(nw, e % hd));
+        s.xs[q] = bf(hh * (zz[j] / (1.f + __expf(-zz[j]))));
+      }
   }
 }
 
@@ -304,11 +372,11 @@ __device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* r
 __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int* r, int lane) {
   constexpr int PER = MAX_EXPERTS / 32;
   float num[PER];
+  lg.fetch(lane, 32, (E - lane + 31) / 32, num, tag);  // logit j * 32 + lane
   float m = -INFINITY;
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
-    const int e = j * 32 + lane;
-    num[j] = e < E ? lg(e, tag) : -INFINITY;
+    if (j * 32 + lane >= E) num[j] = -INFINITY;
     m = fmaxf(m, num[j]);
   }
   m = warp_max(m);
@@ -502,10 +570,10 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
   consumers_sync(CT);  // every warp is done with the previous instruction's x and scratch
   const XIn x(c.prog, in, 5, K);
   if (pro == PRO_NONE) {
-    for (int e = c.ct; e < K; e += CT) c.s.xs[xpos(e)] = x(e, c.tag);
+    stage_raw(x, nullptr, K, c.s.xs, c.tag, c.ct);
   } else if (pro == PRO_GATED_NORM) {
     stage_gated(x, Source(c.prog, in.i[8], in.i[9]), ptr<const __nv_bfloat16>(in.p[2]), in.f[0], K, in.i[11], c.tag,
-                c.s, c.cw, c.lane);
+                c.s, c.ct, c.cw, c.lane);
   } else {
     const Source add(c.prog, in.i[8], in.i[9]);
     stage_norm(x, pro == PRO_ADD_RMSNORM ? &add : nullptr, ptr<const __nv_bfloat16>(in.p[2]), in.f[0], K, c.tag, c.s,
@@ -570,8 +638,7 @@ __device__ void op_down(Ctx& c, const Instr& in) {
   if ((int)blockIdx.x >= H / 16) return;
   route_consumers(c, in);
   consumers_sync(CT);
-  const Source act(c.prog, in.i[8], in.i[9]);
-  for (int e = c.ct; e < slots * I; e += CT) c.s.xs[xpos(e)] = act(e, c.tag);
+  stage_raw(XIn(c.prog, in, 8, slots * I, X_SRC), nullptr, slots * I, c.s.xs, c.tag, c.ct);  // the activations
   consumers_sync(CT);
   const XIn res(c.prog, in, 5, H);
   const Source radd(c.prog, in.i[10], in.i[11]);
@@ -622,11 +689,9 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
     if (c.cw < 2) {  // warp 0: q, warp 1: k, l2-normalised (q also scaled by Dk^-0.5)
       const int off = (c.cw == 0 ? 0 : hk * Dk) + kh * Dk;
       float v[4], ss = 0.f;
+      proj.fetch(off + c.lane, 32, 4, v, c.tag);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[j] = proj(off + j * 32 + c.lane, c.tag);
-        ss += v[j] * v[j];
-      }
+      for (int j = 0; j < 4; ++j) ss += v[j] * v[j];
       const float r = rsqrtf(warp_sum(ss) + 1e-6f) * (c.cw == 0 ? rsqrtf((float)Dk) : 1.f);
 #pragma unroll
       for (int j = 0; j < 4; ++j) (c.cw == 0 ? qn : kn)[j * 32 + c.lane] = v[j] * r;
@@ -753,7 +818,8 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) qr[j] = q[c.lane * 8 + j];
     float m = -INFINITY;
-    for (int t = lo + c.cw; t < hi; t += NCW) {
+#pragma unroll 4
+    for (int t = lo + c.cw; t < hi; t += NCW) {  // (unrolled: several cache rows in flight per warp)
       float part = 0.f;
       if (t == L - 1) {
 #pragma unroll
@@ -777,6 +843,7 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
     for (int w = 0; w < NCW; ++w) m = fmaxf(m, red[w]);
     // pass 2: p = exp2(score - m); the sum of p, and bf16(p) times v
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, lsum = 0.f;
+#pragma unroll 4
     for (int t = lo + c.cw; t < hi; t += NCW) {
       const float p = exp2f(score[t - lo] - m), pb = bf(p);
       lsum += p;
@@ -813,17 +880,28 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
 __device__ void op_combine(Ctx& c, const Instr& in) {
   const int hq = in.i[0], D = in.i[1], ns = in.i[2];
   const Source parts(c.prog, in.i[3], in.i[4]), qkv(c.prog, in.i[5], in.i[6]);
+  constexpr int G = 8;  // splits fetched at once
   for (int h = blockIdx.x; h < hq; h += gridDim.x) {
-    float m = -INFINITY;
-    for (int s = 0; s < ns; ++s) m = fmaxf(m, parts((h * ns + s) * (D + 2) + D, c.tag));
+    float m = -INFINITY, lse[G], o[G];
+    for (int s0 = 0; s0 < ns; s0 += G) {
+      parts.fetch((h * ns + s0) * (D + 2) + D, D + 2, min(G, ns - s0), lse, c.tag);
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        if (s0 + j < ns) m = fmaxf(m, lse[j]);
+    }
     if (m == -INFINITY) m = 0.f;
     float acc = 0.f, wsum = 0.f;
-    for (int s = 0; s < ns; ++s) {
-      const float lse = parts((h * ns + s) * (D + 2) + D, c.tag);
-      if (lse == -INFINITY) continue;
-      const float w = exp2f(lse - m);
-      wsum += w;
-      acc = fmaf(w, parts((h * ns + s) * (D + 2) + c.ct, c.tag), acc);
+    for (int s0 = 0; s0 < ns; s0 += G) {
+      const int n = min(G, ns - s0);
+      parts.fetch((h * ns + s0) * (D + 2) + D, D + 2, n, lse, c.tag);
+      parts.fetch((h * ns + s0) * (D + 2) + c.ct, D + 2, n, o, c.tag);
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        if (j < n && lse[j] != -INFINITY) {
+          const float w = exp2f(lse[j] - m);
+          wsum += w;
+          acc = fmaf(w, o[j], acc);
+        }
     }
     const float g = qkv(h * 2 * D + D + c.ct, c.tag);
     store_word(ptr<uint64_t>(in.p[4]), h * D + c.ct, bf(acc / wsum) * bf(1.f / (1.f + expf(-g))), OUT_BF16, c.tag);
@@ -861,7 +939,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   } else {
     Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1};
     for (int i = 0; i < n_instr; ++i) {
-      const Instr in = prog[i];
+      const Instr& in = prog[i];
       if (threadIdx.x == 32) s_instr[1] = i;  // (read only by a thread that gives up)
       switch (in.op) {
         case OP_GEMV: op_gemv(c, in); break;
