@@ -433,6 +433,27 @@ __device__ __forceinline__ int down_groups(const Instr& in) {
   return (in.i[3] + 1 + down_per_group(in) - 1) / down_per_group(in);
 }
 
+// Work units of an instruction (chunks, row blocks, items), dealt to the CTAs round robin, each instruction
+// starting where the one before it ended: unit u of an instruction whose units start at `base` (the units of
+// the instructions before it) belongs to CTA (base + u) mod gridDim.x. So every CTA gets an equal share of
+// the whole step, not the first CTAs one unit more of every instruction. Producer and consumers walk the
+// same bases.
+__device__ __forceinline__ int n_units(const Instr& in) {
+  switch (in.op) {
+    case OP_GEMV:
+    case OP_GATE_UP: return n_chunks_of(in);
+    case OP_DOWN: return in.i[2] / 16;
+    case OP_DELTA: return in.i[1] * (in.i[3] / 32);
+    case OP_ATTEND: return in.i[0] * in.i[4];
+    case OP_COMBINE: return in.i[0];
+    default: return 0;
+  }
+}
+// this CTA's first unit of an instruction starting at base (>= the units' count: none)
+__device__ __forceinline__ int first_unit(uint32_t base) {
+  return (int)((blockIdx.x + gridDim.x - base % gridDim.x) % gridDim.x);
+}
+
 // the next ring slot, once free, armed for `bytes` (the caller issues the copies into it) -> its address
 __device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t bytes) {
   const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
@@ -445,13 +466,14 @@ __device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t b
 // chunks of the GEMV instructions after instruction i (the dense weights the routing does not decide:
 // the next layer's projections), up to `lead` bytes, so the DRAM streams through the routing bubble and
 // those chunks later load from L2. (The skeleton's v2 measures the idea: benchmarks/stream_chain.cu.)
-__device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t lead) {
+__device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t base, uint32_t lead) {
   uint32_t done = 0;
-  for (int j = i + 1; j < n_instr && done < lead; ++j) {
+  base += n_units(prog[i]);
+  for (int j = i + 1; j < n_instr && done < lead; base += n_units(prog[j]), ++j) {
     const Instr& in = prog[j];
     if (in.op != OP_GEMV) continue;
     const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
-    for (int c = blockIdx.x; c < n && done < lead; c += gridDim.x) {
+    for (int c = first_unit(base); c < n && done < lead; c += gridDim.x) {
       const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
       l2_prefetch(ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes);
       done += bytes;
@@ -463,14 +485,15 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
   uint32_t it = 0;
   int routed = -1;  // the router instruction whose routing route_p holds
   const int n_cta = gridDim.x;
-  for (int i = 0; i < n_instr; ++i) {
+  uint32_t base = 0;  // the units of the instructions before (first_unit)
+  for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
     const Instr& in = prog[i];
+    const int first = first_unit(base);
     if (lane == 0) s_instr[0] = i;
     if (in.op == OP_GATE_UP || in.op == OP_DOWN) {
-      const bool mine = in.op == OP_GATE_UP ? (int)blockIdx.x < n_chunks_of(in) : (int)blockIdx.x < in.i[2] / 16;
-      if (!mine) continue;
+      if (first >= n_units(in)) continue;  // none of its units here
       if (routed != in.i[4]) {
-        if (lead && lane == 0) l2_lead(prog, n_instr, i, lead);
+        if (lead && lane == 0) l2_lead(prog, n_instr, i, base, lead);
         __syncwarp();
         route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane);
         routed = in.i[4];
@@ -479,14 +502,14 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
     if (lane != 0) continue;
     if (in.op == OP_GEMV) {
       const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
-      for (int c = blockIdx.x; c < n; c += n_cta, ++it) {
+      for (int c = first; c < n; c += n_cta, ++it) {
         const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
         bulk_load(claim(s, it, bytes), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes,
                   &s.full[it % NSLOTS]);
       }
     } else if (in.op == OP_GATE_UP) {
       const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_chunks_of(in);
-      for (int c = blockIdx.x; c < n; c += n_cta, ++it) {  // 8 gate rows, then the 8 up rows beside them
+      for (int c = first; c < n; c += n_cta, ++it) {  // 8 gate rows, then the 8 up rows beside them
         const int j = c / nb, b = c % nb, e = s.route_p[j];
         const uint8_t* w = ptr<const uint8_t>(in.p[0]) + ((size_t)e * 2 * I + 8 * b) * H;
         uint8_t* dst = claim(s, it, 16 * H);
@@ -495,7 +518,7 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
       }
     } else if (in.op == OP_DOWN) {
       const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in);
-      for (int rb = blockIdx.x; rb < H / 16; rb += n_cta)
+      for (int rb = first; rb < H / 16; rb += n_cta)
         for (int g = 0; g < down_groups(in); ++g, ++it) {  // the 16 rows of each slot's expert, slot order
           const int n = min(per, slots - g * per);
           uint8_t* dst = claim(s, it, n * 16 * I);
@@ -516,6 +539,7 @@ struct Ctx {
   int ct, cw, lane;
   uint32_t it;
   int routed;
+  int first;  // this CTA's first unit of the current instruction (first_unit)
 };
 
 __device__ __forceinline__ const uint8_t* next_chunk(Ctx& c) {
@@ -565,7 +589,7 @@ __device__ void gemv_store(const Instr& in, int row, float v, const long long* s
 
 __device__ void op_gemv(Ctx& c, const Instr& in) {
   const int n = n_chunks_of(in);
-  if ((int)blockIdx.x >= n) return;
+  if (c.first >= n) return;
   const int wtype = in.i[0], rows_all = in.i[1], K = in.i[2], pro = in.i[3];
   consumers_sync(CT);  // every warp is done with the previous instruction's x and scratch
   const XIn x(c.prog, in, 5, K);
@@ -582,7 +606,7 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
   consumers_sync(CT);
   const int rb = K * (wtype == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), kb = K / 128;
   const long long* step = ptr<const long long>(in.p[8]);
-  for (int ch = blockIdx.x; ch < n; ch += gridDim.x) {
+  for (int ch = c.first; ch < n; ch += gridDim.x) {
     const uint8_t* chunk = next_chunk(c);
     const int rows = min(rpc, rows_all - ch * rpc);
     for (int r = c.cw; r < rows; r += NCW) {
@@ -611,7 +635,7 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
 
 __device__ void op_gate_up(Ctx& c, const Instr& in) {
   const int n = n_chunks_of(in);
-  if ((int)blockIdx.x >= n) return;
+  if (c.first >= n) return;
   const int I = in.i[1], H = in.i[2], nb = I / 8, kb = H / 128;
   route_consumers(c, in);
   consumers_sync(CT);
@@ -620,7 +644,7 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
              c.lane);
   consumers_sync(CT);
   const float* ws = ptr<const float>(in.p[1]);
-  for (int ch = blockIdx.x; ch < n; ch += gridDim.x) {
+  for (int ch = c.first; ch < n; ch += gridDim.x) {
     const uint8_t* chunk = next_chunk(c);
     const int j = ch / nb, b = ch % nb, e = c.s.route_c[j];
     const int rg = 8 * b + c.cw, ru = I + rg;  // this warp's gate and up rows of expert e
@@ -635,7 +659,7 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
 
 __device__ void op_down(Ctx& c, const Instr& in) {
   const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in), kb = I / 128;
-  if ((int)blockIdx.x >= H / 16) return;
+  if (c.first >= H / 16) return;
   route_consumers(c, in);
   consumers_sync(CT);
   stage_raw(XIn(c.prog, in, 8, slots * I, X_SRC), nullptr, slots * I, c.s.xs, c.tag, c.ct);  // the activations
@@ -644,7 +668,7 @@ __device__ void op_down(Ctx& c, const Instr& in) {
   const Source radd(c.prog, in.i[10], in.i[11]);
   const float* wts = reinterpret_cast<const float*>(c.s.route_c) + 16;
   const float* ws = ptr<const float>(in.p[1]);
-  for (int rb = blockIdx.x; rb < H / 16; rb += gridDim.x) {
+  for (int rb = c.first; rb < H / 16; rb += gridDim.x) {
     float acc0 = 0.f, acc1 = 0.f;  // rows rb * 16 + cw and + 8 (every lane holds them)
     for (int g = 0; g < down_groups(in); ++g) {
       const uint8_t* chunk = next_chunk(c);
@@ -679,7 +703,7 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
   float* kn = qn + 128;         // [128]
   float* red = kn + 128;        // [NCW][32]
   float* gates = red + NCW * 32;  // decay, beta
-  for (int item = blockIdx.x; item < Hv * nblk; item += gridDim.x) {
+  for (int item = c.first; item < Hv * nblk; item += gridDim.x) {
     const int h = item / nblk, cb = item % nblk, kh = h / (Hv / hk), col = cb * 32 + c.lane;
     float* S = ptr<float>(in.p[0]) + (((size_t)slot * Hv + h) * Dk) * Dv + col;
     float st[16];
@@ -783,7 +807,7 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
   float* score = raw + 256;   // [MAX_SCORES]
   float* red = c.s.sc;        // [NCW] sums; then [NCW][D] partial outputs
   const int per = (L + ns - 1) / ns;
-  for (int item = blockIdx.x; item < hq * ns; item += gridDim.x) {
+  for (int item = c.first; item < hq * ns; item += gridDim.x) {
     const int h = item / ns, sp = item % ns, kvh = h / (hq / hkv);
     const int lo = sp * per, hi = min(lo + per, L);
     uint64_t* y = ptr<uint64_t>(in.p[4]) + (size_t)(h * ns + sp) * (D + 2);
@@ -881,7 +905,7 @@ __device__ void op_combine(Ctx& c, const Instr& in) {
   const int hq = in.i[0], D = in.i[1], ns = in.i[2];
   const Source parts(c.prog, in.i[3], in.i[4]), qkv(c.prog, in.i[5], in.i[6]);
   constexpr int G = 8;  // splits fetched at once
-  for (int h = blockIdx.x; h < hq; h += gridDim.x) {
+  for (int h = c.first; h < hq; h += gridDim.x) {
     float m = -INFINITY, lse[G], o[G];
     for (int s0 = 0; s0 < ns; s0 += G) {
       parts.fetch((h * ns + s0) * (D + 2) + D, D + 2, min(G, ns - s0), lse, c.tag);
@@ -937,9 +961,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (warp == 0) {
     producer(prog, n_instr, tag, lead, s, lane);
   } else {
-    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1};
-    for (int i = 0; i < n_instr; ++i) {
+    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1, 0};
+    uint32_t base = 0;
+    for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
       const Instr& in = prog[i];
+      c.first = first_unit(base);
       if (threadIdx.x == 32) s_instr[1] = i;  // (read only by a thread that gives up)
       switch (in.op) {
         case OP_GEMV: op_gemv(c, in); break;
