@@ -64,3 +64,28 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
+
+// one 64-column step of a 16-row e4m3 tile into d: rows g (ra) and g + 8 (rb), this thread's 16-byte pieces
+// at k0 (four m16n8k16 steps; the dot's K order is free, so each piece stands for A's columns tig * 2 + {0,1},
+// 8 + tig * 2 + {0,1} of its steps), x (f16) at xp + k0 in column 0 of B (lanes with g == 0; zeros elsewhere).
+// D's column 0 then holds the rows' partial dots: d[t][0] row g, d[t][2] row g + 8 (lanes with tig == 0).
+__device__ __forceinline__ void mma_k64(float (&d)[4][4], const uint8_t* ra, const uint8_t* rb, const __half* xp,
+                                        int k0, int g) {
+  const uint4 wa = *reinterpret_cast<const uint4*>(ra + k0);
+  const uint4 wb = *reinterpret_cast<const uint4*>(rb + k0);
+  const uint4 x0 = *reinterpret_cast<const uint4*>(xp + k0);
+  const uint4 x1 = *reinterpret_cast<const uint4*>(xp + k0 + 8);
+  const uint32_t A0[4] = {wa.x, wa.y, wa.z, wa.w}, A1[4] = {wb.x, wb.y, wb.z, wb.w};
+  const uint32_t X[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t a0 = fp8x2_to_f16x2(A0[t]), a2 = fp8x2_to_f16x2(A0[t] >> 16);
+    const uint32_t a1 = fp8x2_to_f16x2(A1[t]), a3 = fp8x2_to_f16x2(A1[t] >> 16);
+    const uint32_t b0 = g == 0 ? X[2 * t] : 0u, b1 = g == 0 ? X[2 * t + 1] : 0u;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[t][0]), "+f"(d[t][1]), "+f"(d[t][2]), "+f"(d[t][3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
