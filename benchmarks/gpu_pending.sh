@@ -714,8 +714,8 @@ if has mega; then
   timeout 240 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
   tail -4 $OUT/mega_tests.log
   if [[ ${MEGA_STEP:-1} == 1 ]]; then
-    timeout 200 python benchmarks/mega_step.py --json $OUT/mega_step_bf16head.json 2>&1 | tail -7
-    timeout 200 python benchmarks/mega_step.py --fp8-lm-head --json $OUT/mega_step_fp8head.json 2>&1 | tail -7
+    timeout 200 python benchmarks/mega_step.py --json $OUT/mega_step_bf16head.json 2>&1 | tail -12
+    timeout 200 python benchmarks/mega_step.py --fp8-lm-head --json $OUT/mega_step_fp8head.json 2>&1 | tail -12
   fi
   timeout 150 python benchmarks/mega_bench.py --json $OUT/mega_bench_fp8.json 2>&1 | tail -5
 fi

@@ -4,9 +4,11 @@ An engine (FP8, dummy weights, eager, synchronous scheduling) prefills one rando
 samples its first token. From that state, one decode step runs twice: through the engine's model
 forward (its Triton kernels) and through the megakernel program built from the same weights and caches
 (build_step.decode_program), each from the same saved states. Printed: the logits' relative RMSE and
-argmax agreement, the DeltaNet states' and this step's key's differences; then the megakernel step's
-time (median of --reps launches; the states advance between launches, which moves no byte counts),
-its tok/s and its % of the byte floor at 4.3 TB/s. The engine's own decode rate is decode_bench.py's.
+argmax agreement, the DeltaNet states' and this step's key's differences, for each consumer kind (the
+CUDA cores; the tensor cores, MegaKernel.launch(mma=True)); then the megakernel step's time for each
+consumer kind and L2 lead (median of --reps launches; the states advance between launches, which moves
+no byte counts), its tok/s and its % of the byte floor at 4.3 TB/s. The engine's own decode rate is
+decode_bench.py's.
 
   python benchmarks/mega_step.py --json out/mega_step.json [--fp8-lm-head] [--prompt-len 1024] [--reps 50]
 """
@@ -39,6 +41,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
+def compare(engine_snap, mega_snap, logits: torch.Tensor, want: torch.Tensor) -> dict:
+    """The megakernel's step against the engine's: logits, the slot's DeltaNet states, this step's KV rows."""
+    (ce, se), re_ = engine_snap
+    (cm, sm), rm = mega_snap
+    return {
+        "logits_rel_rmse": rel(logits, want),
+        "argmax_equal": int(logits.argmax()) == int(want.argmax()),
+        "top5_overlap": len(set(logits.topk(5).indices.tolist()) & set(want.topk(5).indices.tolist())),
+        "conv_state_rel_rmse": rel(cm.float(), ce.float()),
+        "ssm_state_rel_rmse": rel(sm, se),
+        "new_kv_rel_rmse": max(rel(a.float(), b.float()) for a, b in zip(rm, re_)),
+        "finite": bool(torch.isfinite(logits).all()),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
@@ -48,6 +65,7 @@ def main() -> int:
     ap.add_argument("--fp8-lm-head", action="store_true")
     ap.add_argument("--leads", default="0,131072,262144",
                     help="L2 leads to time (bytes per CTA prefetched before each routing wait; 0: off)")
+    ap.add_argument("--mma", default="0,1", help="consumer kinds to time: 0 CUDA cores, 1 tensor cores")
     args = ap.parse_args()
     llm = LLM(model=f"dummy:{FULL_CONFIG}", device="cuda", dtype="bfloat16", quantization="fp8",
               fp8_lm_head=args.fp8_lm_head, max_model_len=args.prompt_len + 64, max_num_seqs=1,
@@ -90,37 +108,30 @@ def main() -> int:
     step = torch.zeros(P.STEP_WORDS, dtype=torch.int64, device="cuda")
     build_step.step_inputs(step, token, pos, kv_slot, slot, True, pos + 1)
     prog = P.Program(build_step.decode_program(model, caches, bt, logits, splits=args.splits), step=step)
-    kernel.launch(prog)
-    torch.cuda.synchronize()
-    if prog.error():
-        raise SystemExit(f"megakernel: {prog.error()}")
-    after_mega = snapshot()
-    (ce, se), re_ = after_engine
-    (cm, sm), rm = after_mega
-    check = {
-        "logits_rel_rmse": rel(logits, want),
-        "argmax_equal": int(logits.argmax()) == int(want.argmax()),
-        "top5_overlap": len(set(logits.topk(5).indices.tolist()) & set(want.topk(5).indices.tolist())),
-        "conv_state_rel_rmse": rel(cm.float(), ce.float()),
-        "ssm_state_rel_rmse": rel(sm, se),
-        "new_kv_rel_rmse": max(rel(a.float(), b.float()) for a, b in zip(rm, re_)),
-        "finite": bool(torch.isfinite(logits).all()),
-    }
+    check = {}
+    for mma in [int(v) for v in args.mma.split(",")]:  # each from the saved states
+        restore(before)
+        kernel.launch(prog, mma=bool(mma))
+        torch.cuda.synchronize()
+        if prog.error():
+            raise SystemExit(f"megakernel (mma {mma}): {prog.error()}")
+        check[f"mma{mma}"] = compare(after_engine, snapshot(), logits, want)
     timings = []
-    for lead in [int(v) for v in args.leads.split(",")]:
-        ms = []
-        for i in range(args.reps + 3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            kernel.launch(prog, lead=lead)
-            b.record()
-            b.synchronize()
-            if i >= 3:
-                ms.append(a.elapsed_time(b))
-        ms.sort()
-        med = ms[len(ms) // 2]
-        timings.append({"lead": lead, "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1], "tok_s": 1e3 / med,
-                        "pct_of_floor": 100 * prog.bytes / HBM / (med * 1e-3)})
+    for mma in [int(v) for v in args.mma.split(",")]:
+        for lead in [int(v) for v in args.leads.split(",")]:
+            ms = []
+            for i in range(args.reps + 3):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                kernel.launch(prog, lead=lead, mma=bool(mma))
+                b.record()
+                b.synchronize()
+                if i >= 3:
+                    ms.append(a.elapsed_time(b))
+            ms.sort()
+            med = ms[len(ms) // 2]
+            timings.append({"mma": mma, "lead": lead, "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1],
+                            "tok_s": 1e3 / med, "pct_of_floor": 100 * prog.bytes / HBM / (med * 1e-3)})
     restore(before)
     if prog.error():
         raise SystemExit(f"megakernel: {prog.error()}")
@@ -129,10 +140,11 @@ def main() -> int:
           f"{args.prompt_len}-token context, {torch.cuda.get_device_name()}, "
           f"{len(prog.instrs)} instructions, {prog.bytes / 1e9:.3f} GB")
     print("check:", json.dumps(check))
-    print("| L2 lead (bytes per CTA) | ms (median) | tok/s | % of 4.3 TB/s |")
-    print("|---|---|---|---|")
+    print("| consumers | L2 lead (bytes per CTA) | ms (median) | tok/s | % of 4.3 TB/s |")
+    print("|---|---|---|---|---|")
     for t in timings:
-        print(f"| {t['lead']} | {t['ms_median']:.3f} | {t['tok_s']:.0f} | {t['pct_of_floor']:.1f} |")
+        kind = "tensor cores" if t["mma"] else "CUDA cores"
+        print(f"| {kind} | {t['lead']} | {t['ms_median']:.3f} | {t['tok_s']:.0f} | {t['pct_of_floor']:.1f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"env": env_info(), "args": vars(args) | {"json": str(args.json)},

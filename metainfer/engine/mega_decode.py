@@ -13,11 +13,16 @@ No hidden states come out (the MTP drafter's input), hence no speculation with i
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from metainfer.kernels.mega import build_step, emulate
 from metainfer.kernels.mega import program as P
 from metainfer.model.meta import CacheTensors
+
+MMA_ENV = "METAINFER_MEGA_MMA"  # "1": the megakernel's e4m3 tiles on the tensor cores (measured next)
+LEAD_ENV = "METAINFER_MEGA_LEAD"  # bytes per CTA of L2 lead before each routing wait (0: off)
 
 
 def splits_for(max_model_len: int) -> int:
@@ -43,6 +48,8 @@ class MegaDecode:
 
             self.kernel = MegaKernel(device)
         self.steps = 0  # steps served
+        self.mma = os.environ.get(MMA_ENV, "0") == "1"  # the tensor-core consumers (MegaKernel.launch)
+        self.lead = int(os.environ.get(LEAD_ENV, "0") or 0)  # the L2 lead, bytes per CTA
 
     def run(self, token: int | None, position: int, block_ids: list[int], state_slot: int,
             token_src: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +69,7 @@ class MegaDecode:
         table[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
         self.block_table.copy_(table, non_blocking=True)
         if self.kernel is not None:
-            self.kernel.launch(self.program)
+            self.kernel.launch(self.program, lead=self.lead, mma=self.mma)
             if self.steps < 4 or self.steps % 256 == 0:  # the watchdog's word (a sync): early, then rarely
                 err = self.program.error()
                 if err:

@@ -10,6 +10,8 @@ instruction is judged alone), then whole steps against the engine:
   logits against the engine's own decode step on its Triton kernels;
 - a second launch gives the same bits under the next tag; a CUDA graph of a launch replays.
 
+The kernel checks run with the CUDA-core and the tensor-core consumers (launch mma=False / True).
+
 Tolerances (relative RMSE): outputs rounded to bf16 5e-3 (a rounding may flip against float64's); fp32
 outputs 1e-4, 1e-3 through a norm prologue; attention partials 5e-3 (bf16 probabilities); the step's
 logits against the engine's 1e-2 (the CPU emulator measured 3.1e-3 against the reference path)."""
@@ -121,25 +123,27 @@ def _bits(prog):
     return [y.view(torch.int32).view(-1, 2)[:, 0].clone() for y in prog.y]
 
 
-def test_gemv_chain(kernel):
+@pytest.mark.parametrize("mma", [False, True])
+def test_gemv_chain(kernel, mma):
     from metainfer.kernels.mega import program as P
 
     instrs = _gemv_chain()
     prog = P.Program(instrs)
-    kernel.launch(prog)
+    kernel.launch(prog, mma=mma)
     torch.cuda.synchronize()
     assert prog.step() == 1
     assert torch.equal(instrs[-1].plain_out, prog.values(5))  # (before the emulator overwrites it)
     _check_each(prog, instrs, prog.step_inputs)
 
 
-def test_moe_block(kernel):
+@pytest.mark.parametrize("mma", [False, True])
+def test_moe_block(kernel, mma):
     from metainfer.kernels.mega import emulate
     from metainfer.kernels.mega import program as P
 
     instrs = _moe_block()
     prog = P.Program(instrs)
-    kernel.launch(prog)
+    kernel.launch(prog, mma=mma)
     torch.cuda.synchronize()
     vals = _check_each(prog, instrs, prog.step_inputs)
     ids, _ = emulate.route(vals[1], 8)
@@ -217,7 +221,8 @@ def _clone(c):
     return CacheTensors(*[[t.clone() for t in ts] for ts in (c.k, c.v, c.conv, c.ssm)])
 
 
-def test_decode_step(kernel, cut_model):
+@pytest.mark.parametrize("mma", [False, True])
+def test_decode_step(kernel, cut_model, mma):
     from metainfer.kernels.mega import build_step
     from metainfer.kernels.mega import program as P
     from metainfer.model.meta import ForwardMeta
@@ -231,7 +236,7 @@ def test_decode_step(kernel, cut_model):
                                   kv_slot=table[pos // BS] * BS + pos % BS, state_slot=1, has_state=True,
                                   seq_len=pos + 1)
     prog = P.Program(build_step.decode_program(model, ker, bt, logits), step=step)
-    kernel.launch(prog)
+    kernel.launch(prog, mma=mma, lead=131072 if mma else 0)  # (the L2 lead moves no value)
     torch.cuda.synchronize()
     emu_logits = torch.zeros(cfg.vocab_size, device="cuda")
     _check_each(prog, build_step.decode_program(model, emu, bt, emu_logits), step)

@@ -101,9 +101,10 @@ class MegaKernel:
         if got != want:
             raise RuntimeError(f"mega.cu's constants {got} differ from program.py's {want}")
 
-    def launch(self, program: P.Program, lead: int = 0) -> None:
+    def launch(self, program: P.Program, lead: int = 0, mma: bool = False) -> None:
         """One step: every instruction of `program`, in order, on the current stream. lead: bytes per CTA
         of the next dense chunks prefetched into L2 before each routing wait (0: off; mega.cu's l2_lead).
+        mma: the e4m3 dots of 16-row tiles (K <= 2048, the experts) on the tensor cores (tile_mma).
         Eager launches are
         cooperative (the driver guarantees every CTA is resident at once, which the CTAs' waits on each
         other need); inside a CUDA-graph capture a plain launch is recorded: one CTA per SM with this
@@ -111,6 +112,6 @@ class MegaKernel:
         if program.table.device != self.device:
             raise ValueError("the program lives on another device")
         args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
-                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead)]
+                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead), ctypes.c_int(int(mma))]
         capturing = torch.cuda.is_current_stream_capturing()
         self._launch(self.step_fn, self.num_sms, P.THREADS, P.SMEM, args, cooperative=not capturing)

@@ -531,6 +531,54 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
   }
 }
 
+// ---- the tensor-core consumers (launch mma = 1) --------------------------------------------------------
+// e4m3 tiles of 16 rows x K (K <= 2048: GEMV chunks, GateUp's 8 + 8 rows, Down's pieces) on mma.sync: warp cw
+// takes columns [cw K / NCW, (cw + 1) K / NCW), f16 operands (e4m3 weights and bf16-valued x, both exact in
+// f16), fp32 accumulation per 64 columns times the rows' block scale (ws_lo: rows 0-7, ws_hi: rows 8-15).
+// -> the warp's partials of rows g and g + 8 on the lanes with tig == 0. The warps' partials meet in shared
+// memory (tile_sum).
+__device__ __forceinline__ float2 tile_mma(const uint8_t* tile, int K, const __half* xh, const float* ws_lo,
+                                           const float* ws_hi, int cw, int lane) {
+  const int kw = K / NCW, g = lane >> 2, tig = lane & 3;
+  const uint8_t* ra = tile + g * K + tig * 16;
+  const __half* xp = xh + tig * 16;
+  float r0 = 0.f, r1 = 0.f;
+  for (int k0 = cw * kw; k0 < (cw + 1) * kw; k0 += 64) {
+    float d[4][4] = {};
+    mma_k64(d, ra, ra + 8 * K, xp, k0, g);
+    r0 = fmaf((d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), ws_lo[k0 / 128], r0);
+    r1 = fmaf((d[0][2] + d[1][2]) + (d[2][2] + d[3][2]), ws_hi[k0 / 128], r1);
+  }
+  return make_float2(r0, r1);
+}
+// x in f16 for tile_mma: past the fp32 copy's first 2,304 floats (x of K <= 2048 fits below), or from 0 where
+// the fp32 copy is not kept (Down's activations)
+__device__ __forceinline__ __half* xh_of(const Smem& s, bool alone) {
+  return reinterpret_cast<__half*>(alone ? s.xs : s.xs + 2304);
+}
+// the fp32 x (permuted) copied into xh (f16, in order), then a barrier
+__device__ void stage_f16(const Smem& s, int K, int ct) {
+  __half* xh = xh_of(s, false);
+  for (int e = ct; e < K; e += CT) xh[e] = __float2half_rn(s.xs[xpos(e)]);
+  consumers_sync(CT);
+}
+// the warps' partials of one tile summed in warp order -> row r's dot on lane r < 16 of every warp (red: two
+// [NCW][16] buffers used in turn, so one barrier per tile)
+__device__ __forceinline__ float tile_sum(float2 part, float* red, int& buf, int cw, int lane) {
+  float* r = red + buf * NCW * 16;
+  if ((lane & 3) == 0) {
+    r[cw * 16 + (lane >> 2)] = part.x;
+    r[cw * 16 + (lane >> 2) + 8] = part.y;
+  }
+  consumers_sync(CT);
+  float t = 0.f;
+  if (lane < 16)
+#pragma unroll
+    for (int w = 0; w < NCW; ++w) t += r[w * 16 + lane];
+  buf ^= 1;
+  return t;
+}
+
 // ---- consumers ---------------------------------------------------------------------------------------
 struct Ctx {
   const Instr* prog;
@@ -540,7 +588,13 @@ struct Ctx {
   uint32_t it;
   int routed;
   int first;  // this CTA's first unit of the current instruction (first_unit)
+  int mma;    // the tensor-core consumers (tile_mma) where an instruction allows them
 };
+
+// whether an instruction's e4m3 dots run on tile_mma (16-row tiles, K <= 2048)
+__device__ __forceinline__ bool mma_path(const Ctx& c, const Instr& in) {
+  return c.mma && (in.op == OP_GATE_UP || in.op == OP_DOWN || (in.i[0] == W_E4M3 && in.i[2] <= 2048));
+}
 
 __device__ __forceinline__ const uint8_t* next_chunk(Ctx& c) {
   const uint32_t slot = c.it % NSLOTS, rnd = c.it / NSLOTS;
@@ -606,6 +660,24 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
   consumers_sync(CT);
   const int rb = K * (wtype == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), kb = K / 128;
   const long long* step = ptr<const long long>(in.p[8]);
+  if (mma_path(c, in)) {  // 16-row tiles on the tensor cores; lane r < 16 of warp (tile % NCW) stores row r
+    stage_f16(c.s, K, c.ct);
+    const __half* xh = xh_of(c.s, false);
+    int buf = 0;
+    for (int ch = c.first; ch < n; ch += gridDim.x) {
+      const uint8_t* chunk = next_chunk(c);
+      const int rows = min(rpc, rows_all - ch * rpc);
+      for (int t = 0; t * 16 < rows; ++t) {
+        const int row0 = ch * rpc + t * 16;
+        const float* wsr = ptr<const float>(in.p[1]) + (size_t)(row0 / 128) * kb;
+        const float v = tile_sum(tile_mma(chunk + (size_t)t * 16 * K, K, xh, wsr, wsr, c.cw, c.lane), c.s.sc + 64, buf,
+                                 c.cw, c.lane);
+        if (c.cw == t % NCW && c.lane < 16 && t * 16 + c.lane < rows) gemv_store(in, row0 + c.lane, v, step, c.tag);
+      }
+      release_chunk(c);
+    }
+    return;
+  }
   for (int ch = c.first; ch < n; ch += gridDim.x) {
     const uint8_t* chunk = next_chunk(c);
     const int rows = min(rpc, rows_all - ch * rpc);
@@ -644,6 +716,24 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
              c.lane);
   consumers_sync(CT);
   const float* ws = ptr<const float>(in.p[1]);
+  if (c.mma) {  // each chunk one 16-row tile: gate rows 0-7, up rows 8-15; warp 0's lanes 0-7 store
+    stage_f16(c.s, H, c.ct);
+    const __half* xh = xh_of(c.s, false);
+    int buf = 0;
+    for (int ch = c.first; ch < n; ch += gridDim.x) {
+      const uint8_t* chunk = next_chunk(c);
+      const int j = ch / nb, b = ch % nb, e = c.s.route_c[j];
+      const float* wse = ws + (size_t)e * (2 * I / 128) * kb;
+      const float* ws_g = wse + ((8 * b) / 128) * kb;
+      const float* ws_u = wse + ((I + 8 * b) / 128) * kb;
+      const float v = tile_sum(tile_mma(chunk, H, xh, ws_g, ws_u, c.cw, c.lane), c.s.sc + 64, buf, c.cw, c.lane);
+      const float u = __shfl_down_sync(0xffffffffu, v, 8);  // lane r < 8: its up row's dot
+      if (c.cw == 0 && c.lane < 8)
+        store_word(ptr<uint64_t>(in.p[4]), j * I + 8 * b + c.lane, v / (1.f + __expf(-v)) * u, OUT_BF16, c.tag);
+      release_chunk(c);
+    }
+    return;
+  }
   for (int ch = c.first; ch < n; ch += gridDim.x) {
     const uint8_t* chunk = next_chunk(c);
     const int j = ch / nb, b = ch % nb, e = c.s.route_c[j];
@@ -662,12 +752,41 @@ __device__ void op_down(Ctx& c, const Instr& in) {
   if (c.first >= H / 16) return;
   route_consumers(c, in);
   consumers_sync(CT);
-  stage_raw(XIn(c.prog, in, 8, slots * I, X_SRC), nullptr, slots * I, c.s.xs, c.tag, c.ct);  // the activations
+  const XIn act(c.prog, in, 8, slots * I, X_SRC);
+  if (c.mma) {  // the activations straight into f16 (no fp32 copy)
+    __half* xh = xh_of(c.s, true);
+    for (int e = c.ct; e < slots * I; e += CT) xh[e] = __float2half_rn(act(e, c.tag));
+  } else {
+    stage_raw(act, nullptr, slots * I, c.s.xs, c.tag, c.ct);
+  }
   consumers_sync(CT);
   const XIn res(c.prog, in, 5, H);
   const Source radd(c.prog, in.i[10], in.i[11]);
   const float* wts = reinterpret_cast<const float*>(c.s.route_c) + 16;
   const float* ws = ptr<const float>(in.p[1]);
+  if (c.mma) {  // each piece one 16-row tile; warp 0's lane r < 16 keeps row r's weighted sum
+    const __half* xh = xh_of(c.s, true);
+    int buf = 0;
+    for (int rb = c.first; rb < H / 16; rb += gridDim.x) {
+      float acc = 0.f;
+      for (int g = 0; g < down_groups(in); ++g) {
+        const uint8_t* chunk = next_chunk(c);
+        for (int j = g * per; j < min(slots, g * per + per); ++j) {
+          const float* wsr = ws + (size_t)c.s.route_c[j] * (H / 128) * kb + ((rb * 16) / 128) * kb;
+          const float y = tile_sum(tile_mma(chunk + (size_t)(j - g * per) * 16 * I, I, xh + j * I, wsr, wsr, c.cw,
+                                            c.lane), c.s.sc + 64, buf, c.cw, c.lane);
+          acc = fmaf(wts[j], y, acc);
+        }
+        release_chunk(c);
+      }
+      if (c.cw == 0 && c.lane < 16) {
+        const int row = rb * 16 + c.lane;
+        const float r = bf(res(row, c.tag) + radd(row, c.tag));
+        store_word(ptr<uint64_t>(in.p[4]), row, bf(acc) + r, OUT_BF16, c.tag);
+      }
+    }
+    return;
+  }
   for (int rb = c.first; rb < H / 16; rb += gridDim.x) {
     float acc0 = 0.f, acc1 = 0.f;  // rows rb * 16 + cw and + 8 (every lane holds them)
     for (int g = 0; g < down_groups(in); ++g) {
@@ -934,7 +1053,7 @@ __device__ void op_combine(Ctx& c, const Instr& in) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
-    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* state, uint32_t lead) {
+    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* state, uint32_t lead, int mma) {
   extern __shared__ __align__(128) uint8_t smem[];
   Smem s;
   s.ring = smem;
@@ -961,7 +1080,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (warp == 0) {
     producer(prog, n_instr, tag, lead, s, lane);
   } else {
-    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1, 0};
+    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1, 0, mma};
     uint32_t base = 0;
     for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
       const Instr& in = prog[i];
