@@ -123,14 +123,20 @@ def _bits(prog):
     return [y.view(torch.int32).view(-1, 2)[:, 0].clone() for y in prog.y]
 
 
-@pytest.mark.parametrize("mma", [False, True])
-def test_gemv_chain(kernel, mma):
+def _launched(kernel, instrs, mma):
+    """The program of instrs after one launch (synchronised)."""
     from metainfer.kernels.mega import program as P
 
-    instrs = _gemv_chain()
     prog = P.Program(instrs)
     kernel.launch(prog, mma=mma)
     torch.cuda.synchronize()
+    return prog
+
+
+@pytest.mark.parametrize("mma", [False, True])
+def test_gemv_chain(kernel, mma):
+    instrs = _gemv_chain()
+    prog = _launched(kernel, instrs, mma)
     assert prog.step() == 1
     assert torch.equal(instrs[-1].plain_out, prog.values(5))  # (before the emulator overwrites it)
     _check_each(prog, instrs, prog.step_inputs)
@@ -139,12 +145,9 @@ def test_gemv_chain(kernel, mma):
 @pytest.mark.parametrize("mma", [False, True])
 def test_moe_block(kernel, mma):
     from metainfer.kernels.mega import emulate
-    from metainfer.kernels.mega import program as P
 
     instrs = _moe_block()
-    prog = P.Program(instrs)
-    kernel.launch(prog, mma=mma)
-    torch.cuda.synchronize()
+    prog = _launched(kernel, instrs, mma)
     vals = _check_each(prog, instrs, prog.step_inputs)
     ids, _ = emulate.route(vals[1], 8)
     assert len(set(ids)) == 9 and ids[-1] == 16
