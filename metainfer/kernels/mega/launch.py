@@ -70,6 +70,8 @@ class MegaKernel:
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report "cuda:N"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0):
             raise RuntimeError("the megakernel needs a Hopper (sm_90) GPU")
         torch.zeros(1, device=self.device)  # the primary context exists and is current
