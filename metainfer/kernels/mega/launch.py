@@ -107,10 +107,10 @@ class MegaKernel:
         """One step: every instruction of `program`, in order, on the current stream. lead: bytes per CTA
         of the next dense chunks prefetched into L2 before each routing wait (0: off; mega.cu's l2_lead).
         mma: the e4m3 dots of 16-row tiles (K <= 2048, the experts) on the tensor cores (tile_mma).
-        Eager launches are
-        cooperative (the driver guarantees every CTA is resident at once, which the CTAs' waits on each
-        other need); inside a CUDA-graph capture a plain launch is recorded: one CTA per SM with this
-        much shared memory fills each SM alone, so all of them are resident once the SMs are free."""
+        Eager launches are cooperative (the driver guarantees every CTA is resident at once, which the
+        CTAs' waits on each other need); inside a CUDA-graph capture a plain launch is recorded: one CTA
+        per SM with this much shared memory fills each SM alone, so all of them are resident once the SMs
+        are free."""
         if program.table.device != self.device:
             raise ValueError("the program lives on another device")
         args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
