@@ -72,7 +72,7 @@ def main() -> int:
               enforce_eager=True, async_scheduling=False)
     eng, runner = llm.engine, llm.engine.runner
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 248000, (args.prompt_len,), generator=g).tolist()
+    prompt = torch.randint(0, runner.model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
     eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while not (eng.scheduler.running and eng.scheduler.running[0].output_token_ids):
         eng.step()
