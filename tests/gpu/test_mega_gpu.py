@@ -33,35 +33,36 @@ pytestmark = [
                        or shutil.which("nvcc") is None, reason="needs an sm_90 GPU and nvcc"),
 ]
 BS = 16
+DEV = "cuda"  # (a CPU dry run of this module's helpers swaps it, with the emulator as the kernel)
 
 
 def _e4m3(*shape, g):
-    w = (torch.randn(*shape, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn)
+    w = (torch.randn(*shape, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn)
     blocks = (*shape[:-2], (shape[-2] + 127) // 128, shape[-1] // 128)
-    ws = 0.5 + 1.5 * torch.rand(*blocks, device="cuda", generator=g)
+    ws = 0.5 + 1.5 * torch.rand(*blocks, device=DEV, generator=g)
     return w, ws / 64
 
 
 def _bf16(*shape, g, scale=1.0):
-    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def kernel():
     from metainfer.kernels.mega.launch import MegaKernel
 
-    return MegaKernel("cuda")
+    return MegaKernel(DEV)
 
 
 def _gemv_chain(seed=0):
     from metainfer.kernels.mega import program as P
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEV).manual_seed(seed)
     w0, s0 = _e4m3(4200, 2048, g=g)
     w1, s1 = _e4m3(2048, 512, g=g)
     w2, s2 = _e4m3(1000, 4096, g=g)
     w5, s5 = _e4m3(20001, 2048, g=g)
-    logits = torch.zeros(20001, device="cuda")
+    logits = torch.zeros(20001, device=DEV)
     return [
         P.Gemv(w0, P.Vec(_bf16(2048, g=g, scale=3.0)), ws=s0, norm_w=_bf16(2048, g=g, scale=0.1)),
         P.Gemv(w1, P.Src(0, 100), ws=s1),
@@ -77,7 +78,7 @@ def _gemv_chain(seed=0):
 def _moe_block(seed=0, E=16, top_k=8):
     from metainfer.kernels.mega import program as P
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEV).manual_seed(seed)
     h = P.Vec(_bf16(2048, g=g))
     wm, sm = _e4m3(2048, 512, g=g)
     wgu, sgu = _e4m3(E + 1, 1024, 2048, g=g)
@@ -199,21 +200,21 @@ def cut_model():
     full = ModelConfig.from_hf(FULL_CONFIG)
     cfg = dataclasses.replace(full, num_hidden_layers=2, layer_types=(LINEAR, FULL), num_experts=16,
                               vocab_size=4096, mtp_num_hidden_layers=0)
-    model = build_model(cfg, torch.bfloat16, "cuda")
+    model = build_model(cfg, torch.bfloat16, DEV)
     init_dummy(model, seed=3)
     quantize_model_fp8(model, lm_head=False)
     kv = (4, BS, cfg.num_key_value_heads, cfg.head_dim)
     caches = CacheTensors(
-        k=[torch.zeros(kv, dtype=torch.bfloat16, device="cuda")],
-        v=[torch.zeros(kv, dtype=torch.bfloat16, device="cuda")],
-        conv=[torch.zeros(3, 3, cfg.linear_conv_dim, dtype=torch.bfloat16, device="cuda")],
-        ssm=[torch.zeros(3, cfg.linear_num_value_heads, 128, 128, device="cuda")],
+        k=[torch.zeros(kv, dtype=torch.bfloat16, device=DEV)],
+        v=[torch.zeros(kv, dtype=torch.bfloat16, device=DEV)],
+        conv=[torch.zeros(3, 3, cfg.linear_conv_dim, dtype=torch.bfloat16, device=DEV)],
+        ssm=[torch.zeros(3, cfg.linear_num_value_heads, 128, 128, device=DEV)],
     )
     table = [2, 1]
     with torch.no_grad():
-        meta = ForwardMeta.build([6], [0], [table], [1], BS, [5], "cuda")
-        prompt = torch.tensor([5, 77, 301, 12, 9, 411], device="cuda")
-        model(prompt, torch.arange(6, device="cuda"), meta, caches)
+        meta = ForwardMeta.build([6], [0], [table], [1], BS, [5], DEV)
+        prompt = torch.tensor([5, 77, 301, 12, 9, 411], device=DEV)
+        model(prompt, torch.arange(6, device=DEV), meta, caches)
     torch.cuda.synchronize()
     return cfg, model, caches, table
 
@@ -233,15 +234,15 @@ def test_decode_step(kernel, cut_model, mma):
     cfg, model, caches, table = cut_model
     token, pos = 123, 6
     ker, emu, eng = _clone(caches), _clone(caches), _clone(caches)
-    bt = torch.tensor(table + [0, 0], dtype=torch.int32, device="cuda")
-    logits = torch.zeros(cfg.vocab_size, device="cuda")
-    step = build_step.step_inputs(torch.zeros(P.STEP_WORDS, dtype=torch.int64, device="cuda"), token, pos,
+    bt = torch.tensor(table + [0, 0], dtype=torch.int32, device=DEV)
+    logits = torch.zeros(cfg.vocab_size, device=DEV)
+    step = build_step.step_inputs(torch.zeros(P.STEP_WORDS, dtype=torch.int64, device=DEV), token, pos,
                                   kv_slot=table[pos // BS] * BS + pos % BS, state_slot=1, has_state=True,
                                   seq_len=pos + 1)
     prog = P.Program(build_step.decode_program(model, ker, bt, logits), step=step)
     kernel.launch(prog, mma=mma, lead=131072 if mma else 0)  # (the L2 lead moves no value)
     torch.cuda.synchronize()
-    emu_logits = torch.zeros(cfg.vocab_size, device="cuda")
+    emu_logits = torch.zeros(cfg.vocab_size, device=DEV)
     _check_each(prog, build_step.decode_program(model, emu, bt, emu_logits), step)
     assert rel_rmse(ker.conv[0][1].float(), emu.conv[0][1].float()) < TOL_BF16
     assert rel_rmse(ker.ssm[0][1], emu.ssm[0][1]) < TOL_F32_NORM
@@ -249,8 +250,8 @@ def test_decode_step(kernel, cut_model, mma):
     assert rel_rmse(ker.k[0][row].float(), emu.k[0][row].float()) < TOL_BF16
     assert torch.equal(ker.v[0][row], emu.v[0][row])
     with torch.no_grad():  # the engine's own step (its Triton kernels)
-        meta = ForwardMeta.build([1], [pos], [table], [1], BS, [0], "cuda")
-        hidden = model(torch.tensor([token], device="cuda"), torch.tensor([pos], device="cuda"), meta, eng)
+        meta = ForwardMeta.build([1], [pos], [table], [1], BS, [0], DEV)
+        hidden = model(torch.tensor([token], device=DEV), torch.tensor([pos], device=DEV), meta, eng)
         want = model.compute_logits(hidden)[0].float()
     assert math.isfinite(float(logits.sum()))
     assert rel_rmse(logits, want) < 1e-2, rel_rmse(logits, want)
