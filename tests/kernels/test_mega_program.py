@@ -1,7 +1,7 @@
 """The megakernel's programs on the CPU (metainfer/kernels/mega/program.py): the packed table holds each
 field where mega.cu's `Instr` reads it, the checks refuse what the kernel cannot run, tagged words
 round-trip, the float64 GEMV of the emulator is the block-scaled product, and program.py's constants
-are mega.cu's."""
+are mega.cu's (its parts: launch.SOURCES, every .cu and .cuh file beside it)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from metainfer.kernels import reference as ref
 from metainfer.kernels.mega import emulate
 from metainfer.kernels.mega import program as P
 
-CU = Path(P.__file__).with_name("mega.cu")
+MEGA = Path(P.__file__).parent
 
 
 def _e4m3(*shape, seed=0):
@@ -144,7 +144,11 @@ def test_emulated_gemv_is_the_block_scaled_product_of_the_normed_x():
 
 
 def test_constants_are_mega_cu_s():
-    src = CU.read_text()
+    from metainfer.kernels.mega.launch import SOURCES
+
+    parts = sorted(f.name for f in MEGA.iterdir() if f.suffix in (".cu", ".cuh"))
+    assert sorted(SOURCES) == parts  # every part is in the cubin cache's key
+    src = "".join((MEGA / name).read_text() for name in SOURCES)
 
     def const(name):
         return int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))

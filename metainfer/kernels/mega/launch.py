@@ -20,7 +20,8 @@ import torch
 from metainfer.kernels.mega import program as P
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("mega.cu", "ptx.cuh")
+SOURCES = ("mega.cu", "ptx.cuh", "mega_base.cuh", "mega_math.cuh", "mega_producer.cuh", "mega_dense.cuh",
+           "mega_mixers.cuh")  # mega.cu and the parts it includes (the cubin cache's key)
 CACHE_ENV = "METAINFER_CACHE"  # cubin cache folder (default ~/.cache/metainfer)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin")
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8

@@ -1,0 +1,225 @@
+// The megakernel's layout and plumbing: constants, the instruction, shared memory, the watchdog, sources
+// polled in batches, the reductions.
+// Part of mega.cu (one translation unit: mega.cu includes the parts in order).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "ptx.cuh"
+
+namespace mega {
+constexpr int NCW = 8;              // consumer warps per CTA
+constexpr int NT = 32 * (NCW + 1);  // threads per CTA
+constexpr int CT = 32 * NCW;        // consumer threads
+constexpr int SLOT = 32768;         // bytes per ring slot
+constexpr int NSLOTS = 6;
+constexpr int KMAX = 4608;          // floats of x
+constexpr int SCRATCH = 3072;       // floats of per-op scratch
+constexpr int MAX_SCORES = 1024;    // positions one attention split scores
+constexpr int MAX_EXPERTS = 256;
+constexpr int ROUTE_WORDS = 64;
+
+enum : int32_t { OP_GEMV = 1, OP_GATE_UP = 2, OP_DOWN = 3, OP_DELTA = 4, OP_ATTEND = 5, OP_COMBINE = 6 };
+enum : int32_t { W_E4M3 = 0, W_BF16 = 1 };
+enum : int32_t { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_ADD_RMSNORM = 2, PRO_GATED_NORM = 3 };
+enum : int32_t { OUT_F32 = 0, OUT_BF16 = 1, OUT_PLAIN_F32 = 2 };
+enum : int32_t { EPI_NONE = 0, EPI_CONV = 1 };
+enum : int32_t { X_SRC = 0, X_VEC = 1, X_EMBED = 2 };
+enum : int32_t { STEP_TOKEN = 0, STEP_POS = 1, STEP_KV_SLOT = 2, STEP_STATE_SLOT = 3, STEP_HAS_STATE = 4,
+                 STEP_SEQ_LEN = 5 };
+
+struct Instr {  // 160 bytes, program.py's 20 words
+  int32_t op, out;  // out: the kind of this instruction's output words
+  int32_t i[12];
+  float f[2];
+  uint64_t p[12];
+};
+static_assert(sizeof(Instr) == 160, "program.py packs 20 words");
+
+constexpr size_t SMEM = (size_t)NSLOTS * SLOT + 2 * NSLOTS * sizeof(uint64_t) + KMAX * sizeof(float) +
+                        SCRATCH * sizeof(float) + ROUTE_WORDS * 4;
+
+// The watchdog. Every wait is bounded: past WAIT_LIMIT polls the first thread to give up records what it
+// waited for in err[] (the program's state words 2-5: code, CTA, instruction, detail) and raises the
+// abort flag there, which every other wait checks, so a broken program ends in seconds, outputs
+// garbage, and says where it stalled (program.py: Program.error()).
+enum : uint32_t { ERR_DATA = 1, ERR_FULL = 2, ERR_EMPTY = 3 };
+constexpr uint32_t WAIT_LIMIT = 1u << 22;
+__device__ uint32_t* g_err;  // state + 2 (the same value from every CTA)
+
+__device__ __forceinline__ bool aborted() { return *reinterpret_cast<volatile uint32_t*>(g_err) != 0; }
+__device__ void give_up(uint32_t code, int instr, uint32_t detail) {
+  if (atomicCAS(g_err, 0u, code) == 0u) {
+    g_err[1] = blockIdx.x;
+    g_err[2] = (uint32_t)instr;
+    g_err[3] = detail;
+    __threadfence();
+  }
+}
+__device__ __shared__ int s_instr[2];  // the instruction the producer [0] and the consumers [1] are at
+
+// mbar_wait with the watchdog
+__device__ __forceinline__ void wait_bar(uint64_t* bar, uint32_t parity, uint32_t code, int who, uint32_t detail) {
+  for (uint32_t n = 0;; ++n) {
+    uint32_t ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (ok) return;
+    if ((n & 1023u) == 1023u && aborted()) return;
+    if (n == WAIT_LIMIT) {
+      give_up(code, s_instr[who], detail);
+      return;
+    }
+  }
+}
+
+struct Smem {
+  uint8_t* ring;
+  uint64_t* full;
+  uint64_t* empty;
+  float* xs;       // [KMAX] x, permuted per 512 (xpos)
+  float* sc;       // [SCRATCH]
+  int* route_p;    // producer's routing: ids [16], weights [16] (as int bits)
+  int* route_c;    // consumers'
+};
+
+template <typename T>
+__device__ __forceinline__ T* ptr(uint64_t v) { return reinterpret_cast<T*>(v); }
+
+__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float bf_at(const __nv_bfloat16* p, long long e) { return __bfloat162float(p[e]); }
+
+// x lives in shared memory permuted per 512-column group: lane L's 16 columns (base + L * 16 + q * 4 + t)
+// are read as float4 q by the 32 lanes at consecutive addresses.
+__device__ __forceinline__ int xpos(int e) {
+  return (e & ~511) | (((e & 15) >> 2) << 7) | (((e >> 4) & 31) << 2) | (e & 3);
+}
+
+__device__ __forceinline__ float word_value(uint64_t w, int kind) {
+  const uint32_t b = static_cast<uint32_t>(w);
+  return kind == OUT_BF16 ? __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b & 0xffffu)))
+                          : __uint_as_float(b);
+}
+
+constexpr int FETCH_GROUP = 6;  // polled loads in flight per thread (registers: 168 per thread, 9 warps)
+
+// one source's outputs, polled until they carry this step's tag
+struct Source {
+  const uint64_t* y;
+  int kind;
+  __device__ Source(const Instr* prog, int idx, int off) : y(ptr<const uint64_t>(prog[idx].p[4]) + off),
+                                                            kind(prog[idx].out) {}
+  // word e once it carries `tag` (w: a first load of it)
+  __device__ uint64_t wait(int e, uint64_t w, uint32_t tag) const {
+    for (uint32_t n = 0; static_cast<uint32_t>(w >> 32) != tag; ++n) {
+      if ((n & 255u) == 255u && aborted()) break;
+      if (n == WAIT_LIMIT) {
+        give_up(ERR_DATA, s_instr[1], (uint32_t)e);
+        break;
+      }
+      w = ld_relaxed_u64(y + e);
+    }
+    return w;
+  }
+  __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
+    return word_value(wait(e, ld_relaxed_u64(y + e), tag), kind);
+  }
+  // elements e0 + j * stride (j < n <= N) into v[] (ADD: bf16(v[j] + element)), FETCH_GROUP loads issued
+  // before any is waited for: a thread's words cost ceil(n / FETCH_GROUP) L2 round trips, not n
+  template <bool ADD = false, int N>
+  __device__ __forceinline__ void fetch(int e0, int stride, int n, float (&v)[N], uint32_t tag) const {
+#pragma unroll
+    for (int g0 = 0; g0 < N; g0 += FETCH_GROUP) {
+      uint64_t w[FETCH_GROUP];
+#pragma unroll
+      for (int j = 0; j < FETCH_GROUP; ++j)
+        w[j] = g0 + j < N && g0 + j < n ? ld_relaxed_u64(y + e0 + (g0 + j) * stride) : 0ull;
+#pragma unroll
+      for (int j = 0; j < FETCH_GROUP; ++j)
+        if (g0 + j < N && g0 + j < n) {
+          const float u = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
+          v[g0 + j] = ADD ? bf(v[g0 + j] + u) : u;
+        }
+    }
+  }
+};
+
+// an X (kind, idx, off at i[base..base+2], pointer p[3]): element e
+struct XIn {
+  int kind, n;
+  Source src;
+  const __nv_bfloat16* vec;
+  __device__ XIn(const Instr* prog, const Instr& in, int base, int n_)
+      : kind(in.i[base]), n(n_), src(prog, in.i[base] == X_SRC ? in.i[base + 1] : 0, in.i[base + 2]),
+        vec(ptr<const __nv_bfloat16>(in.p[3])) {
+    if (kind == X_EMBED) vec += (long long)ptr<const long long>(in.p[8])[STEP_TOKEN] * n;
+  }
+  // an instruction's source at i[base] (index), i[base + 1] (offset)
+  __device__ XIn(const Instr* prog, const Instr& in, int base, int n_, int src_kind)
+      : kind(src_kind), n(n_), src(prog, in.i[base], in.i[base + 1]), vec(nullptr) {}
+  __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
+    return kind == X_SRC ? src(e, tag) : __bfloat162float(vec[e]);
+  }
+  template <int N>
+  __device__ __forceinline__ void fetch(int e0, int stride, int m, float (&v)[N], uint32_t tag) const {
+    if (kind == X_SRC) {
+      src.fetch(e0, stride, m, v, tag);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (j < m) v[j] = __bfloat162float(vec[e0 + j * stride]);
+  }
+};
+
+// x's elements ct + j * CT (j < ceil((K - ct) / CT)), plus add's rounded to bf16 where given, into xs (permuted),
+// FETCH_GROUP at a time -> this thread's sum of their squares
+__device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, uint32_t tag, int ct) {
+  float ss = 0.f;
+  const int m = (K - ct + CT - 1) / CT;
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {
+    float v[FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0);
+    x.fetch(ct + g0 * CT, CT, n, v, tag);
+    if (add) add->fetch<true>(ct + g0 * CT, CT, n, v, tag);
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        xs[xpos(ct + (g0 + j) * CT)] = v[j];
+        ss += v[j] * v[j];
+      }
+  }
+  return ss;
+}
+
+__device__ __forceinline__ void store_word(uint64_t* y, int row, float v, int kind, uint32_t tag) {
+  const uint32_t bits = kind == OUT_BF16 ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(v)))
+                                         : __float_as_uint(v);
+  st_relaxed_u64(y + row, (static_cast<uint64_t>(tag) << 32) | bits);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// the consumers' sum of v (every consumer thread gets it; warp order, then lane butterflies)
+__device__ float block_sum(float v, float* red, int cw, int lane) {
+  v = warp_sum(v);
+  consumers_sync(CT);
+  if (lane == 0) red[cw] = v;
+  consumers_sync(CT);
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < NCW; ++w) t += red[w];
+  return t;
+}
+}  // namespace mega

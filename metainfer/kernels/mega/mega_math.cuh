@@ -1,0 +1,227 @@
+// The megakernel's arithmetic: the x prologues (norms), the CUDA-core and tensor-core dots, the routing.
+// Part of mega.cu (one translation unit: mega.cu includes the parts in order).
+#pragma once
+
+#include "mega_base.cuh"
+
+namespace mega {
+// ---- the x prologues ------------------------------------------------------------------------------
+// RMSNorm of v[e] = x(e) (+ add(e), rounded to bf16) into xs: bf16(v / rms(v) * (1 + w))
+__device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16* nw, float eps, int K, uint32_t tag,
+                           const Smem& s, int ct, int cw, int lane) {
+  const float ss = stage_raw(x, add, K, s.xs, tag, ct);
+  const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);
+  for (int e = ct; e < K; e += CT) {
+    const int q = xpos(e);
+    s.xs[q] = bf(s.xs[q] * r * (1.f + bf_at(nw, e)));
+  }
+}
+
+// the DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z;
+// thread ct holds elements ct + j * CT, so head h's hd values sit on hd / 32 warps (hd divides CT): their
+// sums of squares meet in red[h * (hd / 32) + w]
+__device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
+                            uint32_t tag, const Smem& s, int ct, int cw, int lane) {
+  const int m = K / CT, wph = hd / 32;
+  float* red = s.sc;
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // the core values, and each head's sums of squares
+    float v[FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0);
+    x.fetch(ct + g0 * CT, CT, n, v, tag);
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        const int e = ct + (g0 + j) * CT;
+        s.xs[xpos(e)] = v[j];
+        const float p = warp_sum(v[j] * v[j]);
+        if (lane == 0) red[(e / hd) * wph + cw % wph] = p;
+      }
+  }
+  consumers_sync(CT);
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // then z, and the gated norm in place
+    float zz[FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0);
+    z.fetch(ct + g0 * CT, CT, n, zz, tag);
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        const int e = ct + (g0 + j) * CT, h = e / hd, q = xpos(e);
+        float t = 0.f;
+        for (int w = 0; w < wph; ++w) t += red[h * wph + w];
+        const float r = rsqrtf(t / hd + eps);
+        const float hh = bf(bf(s.xs[q] * r) * bf_at(nw, e % hd));
+        s.xs[q] = bf(hh * (zz[j] / (1.f + __expf(-zz[j]))));
+      }
+  }
+}
+
+// ---- one row's dot with x (whole warp; the result on every lane) -------------------------------------
+// p + the dot of 4 e4m3 weights (one 32-bit word) with x4
+__device__ __forceinline__ float fma4_e4m3(uint32_t w, const float4& x4, float p) {
+  const uint32_t lo = fp8x2_to_f16x2(w), hi = fp8x2_to_f16x2(w >> 16);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  p = fmaf(a.x, x4.x, p);
+  p = fmaf(a.y, x4.y, p);
+  p = fmaf(b.x, x4.z, p);
+  return fmaf(b.y, x4.w, p);
+}
+
+__device__ __forceinline__ float row_dot(const uint8_t* row, int wtype, int K, const float* ws_row, const float* xs,
+                                         int lane) {
+  float acc = 0.f;
+  for (int base = 0; base < K; base += 512) {
+    const float4* xv = reinterpret_cast<const float4*>(xs + base) + lane;  // float4 q at xv[q * 32]
+    float part = 0.f;
+    if (wtype == W_E4M3) {
+      const uint4 v = *reinterpret_cast<const uint4*>(row + base + lane * 16);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) part = fma4_e4m3(words[q], xv[q * 32], part);
+      acc = fmaf(part, ws_row[(base + lane * 16) / 128], acc);
+    } else {
+      const uint4* pw = reinterpret_cast<const uint4*>(row + 2 * (base + lane * 16));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = pw[h];
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        const float4 x0 = xv[(2 * h) * 32], x1 = xv[(2 * h + 1) * 32];
+        const float x8[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
+          part = fmaf(f.x, x8[2 * q], part);
+          part = fmaf(f.y, x8[2 * q + 1], part);
+        }
+      }
+      acc += part;
+    }
+  }
+  return warp_sum(acc);
+}
+
+// two e4m3 rows' dots with the same x, each x load serving both (whole warp; the results on every lane)
+__device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* row1, int K, const float* ws0,
+                                           const float* ws1, const float* xs, int lane) {
+  float acc0 = 0.f, acc1 = 0.f;
+  for (int base = 0; base < K; base += 512) {
+    const float4* xv = reinterpret_cast<const float4*>(xs + base) + lane;
+    const uint4 v0 = *reinterpret_cast<const uint4*>(row0 + base + lane * 16);
+    const uint4 v1 = *reinterpret_cast<const uint4*>(row1 + base + lane * 16);
+    const uint32_t w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 x4 = xv[q * 32];
+      p0 = fma4_e4m3(w0[q], x4, p0);
+      p1 = fma4_e4m3(w1[q], x4, p1);
+    }
+    const int b = (base + lane * 16) / 128;
+    acc0 = fmaf(p0, ws0[b], acc0);
+    acc1 = fmaf(p1, ws1[b], acc1);
+  }
+  return make_float2(warp_sum(acc0), warp_sum(acc1));
+}
+
+// ---- routing (one whole warp) ----------------------------------------------------------------------
+// logits [E + 1] (bf16 words) -> ids[0..top_k] (the picks of an fp32 softmax, ties to the lower index, then
+// the shared expert E) and weights (renormalised picks, then sigmoid of logit E), into r[0..15], r[16..31]
+__device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int* r, int lane) {
+  constexpr int PER = MAX_EXPERTS / 32;
+  float num[PER];
+  lg.fetch(lane, 32, (E - lane + 31) / 32, num, tag);  // logit j * 32 + lane
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    if (j * 32 + lane >= E) num[j] = -INFINITY;
+    m = fmaxf(m, num[j]);
+  }
+  m = warp_max(m);
+  float tot = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    num[j] = j * 32 + lane < E ? expf(num[j] - m) : -1.f;
+    tot += num[j] > 0.f ? num[j] : 0.f;
+  }
+  tot = warp_sum(tot);
+  float picked = 0.f;
+  for (int k = 0; k < top_k; ++k) {
+    float bv = -1.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (num[j] > bv) bv = num[j], bi = j * 32 + lane;  // ascending index: the first of ties stays
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (j * 32 + lane == bi) num[j] = -1.f;
+    const float prob = bv / tot;
+    picked += prob;
+    if (lane == 0) {
+      r[k] = bi;
+      reinterpret_cast<float*>(r)[16 + k] = prob;
+    }
+  }
+  __syncwarp();
+  if (lane < top_k) reinterpret_cast<float*>(r)[16 + lane] /= picked;
+  if (lane == 0) {
+    const float g = lg(E, tag);
+    r[top_k] = E;
+    reinterpret_cast<float*>(r)[16 + top_k] = 1.f / (1.f + expf(-g));
+  }
+  __syncwarp();
+}
+
+// ---- the tensor-core consumers (launch mma = 1) --------------------------------------------------------
+// e4m3 tiles of 16 rows x K (K <= 2048: GEMV chunks, GateUp's 8 + 8 rows, Down's pieces) on mma.sync: warp cw
+// takes columns [cw K / NCW, (cw + 1) K / NCW), f16 operands (e4m3 weights and bf16-valued x, both exact in
+// f16), fp32 accumulation per 64 columns times the rows' block scale (ws_lo: rows 0-7, ws_hi: rows 8-15).
+// -> the warp's partials of rows g and g + 8 on the lanes with tig == 0. The warps' partials meet in shared
+// memory (tile_sum).
+__device__ __forceinline__ float2 tile_mma(const uint8_t* tile, int K, const __half* xh, const float* ws_lo,
+                                           const float* ws_hi, int cw, int lane) {
+  const int kw = K / NCW, g = lane >> 2, tig = lane & 3;
+  const uint8_t* ra = tile + g * K + tig * 16;
+  const __half* xp = xh + tig * 16;
+  float r0 = 0.f, r1 = 0.f;
+  for (int k0 = cw * kw; k0 < (cw + 1) * kw; k0 += 64) {
+    float d[4][4] = {};
+    mma_k64(d, ra, ra + 8 * K, xp, k0, g);
+    r0 = fmaf((d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), ws_lo[k0 / 128], r0);
+    r1 = fmaf((d[0][2] + d[1][2]) + (d[2][2] + d[3][2]), ws_hi[k0 / 128], r1);
+  }
+  return make_float2(r0, r1);
+}
+// x in f16 for tile_mma: past the fp32 copy's first 2,304 floats (x of K <= 2048 fits below), or from 0 where
+// the fp32 copy is not kept (Down's activations)
+__device__ __forceinline__ __half* xh_of(const Smem& s, bool alone) {
+  return reinterpret_cast<__half*>(alone ? s.xs : s.xs + 2304);
+}
+// the fp32 x (permuted) copied into xh (f16, in order), then a barrier
+__device__ void stage_f16(const Smem& s, int K, int ct) {
+  __half* xh = xh_of(s, false);
+  for (int e = ct; e < K; e += CT) xh[e] = __float2half_rn(s.xs[xpos(e)]);
+  consumers_sync(CT);
+}
+// the warps' partials of one tile summed in warp order -> row r's dot on lane r < 16 of every warp (red: two
+// [NCW][16] buffers used in turn, so one barrier per tile)
+__device__ __forceinline__ float tile_sum(float2 part, float* red, int& buf, int cw, int lane) {
+  float* r = red + buf * NCW * 16;
+  if ((lane & 3) == 0) {
+    r[cw * 16 + (lane >> 2)] = part.x;
+    r[cw * 16 + (lane >> 2) + 8] = part.y;
+  }
+  consumers_sync(CT);
+  float t = 0.f;
+  if (lane < 16)
+#pragma unroll
+    for (int w = 0; w < NCW; ++w) t += r[w * 16 + lane];
+  buf ^= 1;
+  return t;
+}
+}  // namespace mega

@@ -1,0 +1,118 @@
+// The megakernel's producer warp: the work units, the ring, the L2 lead, the weight streams.
+// Part of mega.cu (one translation unit: mega.cu includes the parts in order).
+#pragma once
+
+#include "mega_math.cuh"
+
+namespace mega {
+// ---- chunk enumeration, shared by the producer and the consumers -------------------------------------
+__device__ __forceinline__ int gemv_rpc(const Instr& in) { return SLOT / (in.i[2] * (in.i[0] == W_BF16 ? 2 : 1)); }
+__device__ __forceinline__ int n_chunks_of(const Instr& in) {
+  if (in.op == OP_GEMV) return (in.i[1] + gemv_rpc(in) - 1) / gemv_rpc(in);
+  if (in.op == OP_GATE_UP) return (in.i[3] + 1) * (in.i[1] / 8);
+  return 0;
+}
+// DOWN: row blocks of 16 outputs, each in groups of SLOT / (16 I) experts' pieces
+__device__ __forceinline__ int down_per_group(const Instr& in) { return SLOT / (16 * in.i[1]); }
+__device__ __forceinline__ int down_groups(const Instr& in) {
+  return (in.i[3] + 1 + down_per_group(in) - 1) / down_per_group(in);
+}
+
+// Work units of an instruction (chunks, row blocks, items), dealt to the CTAs round robin, each instruction
+// starting where the one before it ended: unit u of an instruction whose units start at `base` (the units of
+// the instructions before it) belongs to CTA (base + u) mod gridDim.x. So every CTA gets an equal share of
+// the whole step, not the first CTAs one unit more of every instruction. Producer and consumers walk the
+// same bases.
+__device__ __forceinline__ int n_units(const Instr& in) {
+  switch (in.op) {
+    case OP_GEMV:
+    case OP_GATE_UP: return n_chunks_of(in);
+    case OP_DOWN: return in.i[2] / 16;
+    case OP_DELTA: return in.i[1] * (in.i[3] / 32);
+    case OP_ATTEND: return in.i[0] * in.i[4];
+    case OP_COMBINE: return in.i[0];
+    default: return 0;
+  }
+}
+// this CTA's first unit of an instruction starting at base (>= the units' count: none)
+__device__ __forceinline__ int first_unit(uint32_t base) {
+  return (int)((blockIdx.x + gridDim.x - base % gridDim.x) % gridDim.x);
+}
+
+// the next ring slot, once free, armed for `bytes` (the caller issues the copies into it) -> its address
+__device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t bytes) {
+  const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+  wait_bar(&s.empty[slot], (rnd & 1) ^ 1, ERR_EMPTY, 0, slot);
+  mbar_expect_tx(&s.full[slot], bytes);
+  return s.ring + slot * SLOT;
+}
+
+// The L2 lead (lead > 0): before the producer waits for a routing, it prefetches into L2 this CTA's
+// chunks of the GEMV instructions after instruction i (the dense weights the routing does not decide:
+// the next layer's projections), up to `lead` bytes, so the DRAM streams through the routing bubble and
+// those chunks later load from L2. (The skeleton's v2 measures the idea: benchmarks/stream_chain.cu.)
+__device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t base, uint32_t lead) {
+  uint32_t done = 0;
+  base += n_units(prog[i]);
+  for (int j = i + 1; j < n_instr && done < lead; base += n_units(prog[j]), ++j) {
+    const Instr& in = prog[j];
+    if (in.op != OP_GEMV) continue;
+    const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
+    for (int c = first_unit(base); c < n && done < lead; c += gridDim.x) {
+      const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
+      l2_prefetch(ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes);
+      done += bytes;
+    }
+  }
+}
+
+__device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t lead, const Smem& s, int lane) {
+  uint32_t it = 0;
+  int routed = -1;  // the router instruction whose routing route_p holds
+  const int n_cta = gridDim.x;
+  uint32_t base = 0;  // the units of the instructions before (first_unit)
+  for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
+    const Instr& in = prog[i];
+    const int first = first_unit(base);
+    if (lane == 0) s_instr[0] = i;
+    if (in.op == OP_GATE_UP || in.op == OP_DOWN) {
+      if (first >= n_units(in)) continue;  // none of its units here
+      if (routed != in.i[4]) {
+        if (lead && lane == 0) l2_lead(prog, n_instr, i, base, lead);
+        __syncwarp();
+        route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane);
+        routed = in.i[4];
+      }
+    }
+    if (lane != 0) continue;
+    if (in.op == OP_GEMV) {
+      const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
+      for (int c = first; c < n; c += n_cta, ++it) {
+        const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
+        bulk_load(claim(s, it, bytes), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes,
+                  &s.full[it % NSLOTS]);
+      }
+    } else if (in.op == OP_GATE_UP) {
+      const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_chunks_of(in);
+      for (int c = first; c < n; c += n_cta, ++it) {  // 8 gate rows, then the 8 up rows beside them
+        const int j = c / nb, b = c % nb, e = s.route_p[j];
+        const uint8_t* w = ptr<const uint8_t>(in.p[0]) + ((size_t)e * 2 * I + 8 * b) * H;
+        uint8_t* dst = claim(s, it, 16 * H);
+        bulk_load(dst, w, 8 * H, &s.full[it % NSLOTS]);
+        bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, &s.full[it % NSLOTS]);
+      }
+    } else if (in.op == OP_DOWN) {
+      const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in);
+      for (int rb = first; rb < H / 16; rb += n_cta)
+        for (int g = 0; g < down_groups(in); ++g, ++it) {  // the 16 rows of each slot's expert, slot order
+          const int n = min(per, slots - g * per);
+          uint8_t* dst = claim(s, it, n * 16 * I);
+          for (int j = 0; j < n; ++j)
+            bulk_load(dst + j * 16 * I,
+                      ptr<const uint8_t>(in.p[0]) + ((size_t)s.route_p[g * per + j] * H + rb * 16) * I, 16 * I,
+                      &s.full[it % NSLOTS]);
+        }
+    }
+  }
+}
+}  // namespace mega
