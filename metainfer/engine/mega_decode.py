@@ -48,6 +48,7 @@ class MegaDecode:
 
             self.kernel = MegaKernel(device)
         self.steps = 0  # steps served
+        self._table: list[int] | None = None  # the block ids now in block_table
         self.mma = os.environ.get(MMA_ENV, "0") == "1"  # the tensor-core consumers (MegaKernel.launch)
         self.lead = int(os.environ.get(LEAD_ENV, "0") or 0)  # the L2 lead, bytes per CTA
 
@@ -57,17 +58,16 @@ class MegaDecode:
         token_src a [1] int64 device tensor holding it). -> logits [1, V] fp32 (a view of this
         object's buffer: valid until the next run)."""
         bs = self.block_size
-        host = [0] * P.STEP_WORDS
-        host[P.STEP_TOKEN] = 0 if token is None else token
-        host[P.STEP_POS], host[P.STEP_KV_SLOT] = position, block_ids[position // bs] * bs + position % bs
-        host[P.STEP_STATE_SLOT], host[P.STEP_HAS_STATE] = state_slot, int(position > 0)
-        host[P.STEP_SEQ_LEN] = position + 1
-        self.step_vec.copy_(torch.tensor(host, dtype=torch.int64), non_blocking=True)
+        kv_slot = block_ids[position // bs] * bs + position % bs
+        build_step.step_inputs(self.step_vec, 0 if token is None else token, position, kv_slot, state_slot,
+                               position > 0, position + 1)
         if token is None:
             self.step_vec[P.STEP_TOKEN : P.STEP_TOKEN + 1].copy_(token_src)
-        table = torch.zeros(self.block_table.numel(), dtype=torch.int32)
-        table[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
-        self.block_table.copy_(table, non_blocking=True)
+        if block_ids != self._table:  # a new block or a new sequence: the device table again
+            table = torch.zeros(self.block_table.numel(), dtype=torch.int32)
+            table[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+            self.block_table.copy_(table)
+            self._table = list(block_ids)
         if self.kernel is not None:
             self.kernel.launch(self.program, lead=self.lead, mma=self.mma)
             if self.steps < 4 or self.steps % 256 == 0:  # the watchdog's word (a sync): early, then rarely

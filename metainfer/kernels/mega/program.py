@@ -383,6 +383,12 @@ def _x_fields(f: _Fields, x: X, base: int) -> None:
 
 def fields(g: Instr, y: torch.Tensor, step: torch.Tensor) -> _Fields:
     """The kernel's view of g: mega.cu documents each op's use of ints[], floats[] and ptrs[]."""
+    f = _op_fields(g, y, step)
+    f.out = out_dtype(g)
+    return f
+
+
+def _op_fields(g: Instr, y: torch.Tensor, step: torch.Tensor) -> _Fields:
     if isinstance(g, Gemv):
         f = _Fields(OP_GEMV)
         pro = PRO_GATED_NORM if g.gated else (PRO_ADD_RMSNORM if g.add else
@@ -461,11 +467,7 @@ class Program:
         _need(self.step_inputs.dtype == torch.int64 and self.step_inputs.numel() >= STEP_WORDS, "program",
               "step: int64 [STEP_WORDS]")
         self.y = [torch.zeros(g.rows, dtype=torch.int64, device=dev) for g in instrs]
-        rows = []
-        for g, y in zip(instrs, self.y):
-            f = fields(g, y, self.step_inputs)
-            f.out = out_dtype(g)
-            rows.append(pack(f))
+        rows = [pack(fields(g, y, self.step_inputs)) for g, y in zip(instrs, self.y)]
         self.table = torch.tensor(rows, dtype=torch.int64).to(dev)  # [n, WORDS]
         # the kernel's words: the last step's tag, the CTAs finished, the watchdog (code, CTA, instruction,
         # detail: mega.cu's give_up)
