@@ -5,6 +5,7 @@ are mega.cu's (its parts: launch.SOURCES, every .cu and .cuh file beside it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from pathlib import Path
@@ -153,7 +154,8 @@ def test_constants_are_mega_cu_s():
     def const(name):
         return int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))
 
-    names = ("NCW", "SLOT", "NSLOTS", "KMAX", "SCRATCH", "MAX_SCORES", "MAX_EXPERTS", "ROUTE_WORDS")
+    names = ("NCW", "SLOT", "NSLOTS", "SCALE_BYTES", "KMAX", "SCRATCH", "MAX_SCORES", "MAX_EXPERTS",
+             "ROUTE_WORDS")
     assert [const(n) for n in names] == [getattr(P, n) for n in names]
     assert "static_assert(sizeof(Instr) == 160" in src
     for name in ("OP_GEMV", "OP_GATE_UP", "OP_DOWN", "OP_DELTA", "OP_ATTEND", "OP_COMBINE", "PRO_GATED_NORM",
@@ -168,3 +170,22 @@ def test_watchdog_words_read_as_a_diagnosis():
     assert prog.error() == "CTA 17 at instruction 3 (Down) polled an input that never came (element 1234)"
     prog.reset_error()
     assert prog.error() is None and prog.state.numel() == P.STATE_WORDS
+
+
+def test_outputs_share_one_arena_with_aligned_disjoint_slices():
+    prog = P.Program(_moe())
+    starts = [y.data_ptr() for y in prog.y]
+    assert all(y.untyped_storage().data_ptr() == prog.arena.untyped_storage().data_ptr() for y in prog.y)
+    assert all(s % 16 == 0 for s in starts)
+    spans = sorted((s, s + y.numel() * 8) for s, y in zip(starts, prog.y))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two outputs overlap
+    assert [y.numel() for y in prog.y] == [g.rows for g in prog.instrs]
+    apart = P.Program(_moe(), arena=False)  # one allocation each: the same table but the pointers
+    assert [y.numel() for y in apart.y] == [y.numel() for y in prog.y] and not hasattr(apart, "arena")
+
+
+def test_block_scales_must_start_16_byte_aligned():
+    mix, router, gu, dn = _moe()
+    ws = torch.empty(mix.ws.numel() + 1)[1:].view_as(mix.ws).copy_(mix.ws)  # 4 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        P.Program([dataclasses.replace(mix, ws=ws), router, gu, dn])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from metainfer.kernels.mega import profile
 from metainfer.kernels.mega import program as P
 
 HERE = Path(__file__).resolve().parent
@@ -27,25 +28,28 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cu
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-def nvcc_command(out: Path) -> list[str]:
+PROF_FLAGS = ("-DMEGA_PROF=1",)  # the profiling build (profile.py reads what it records)
+
+
+def nvcc_command(out: Path, prof: bool = False) -> list[str]:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("the megakernel needs nvcc (CUDA 12.4+) on PATH to build mega.cu")
-    return [nvcc, *NVCC_FLAGS, "-o", str(out), str(HERE / "mega.cu")]
+    return [nvcc, *NVCC_FLAGS, *(PROF_FLAGS if prof else ()), "-o", str(out), str(HERE / "mega.cu")]
 
 
-def build() -> Path:
-    """The cubin for the current sources, compiled once per source hash."""
+def build(prof: bool = False) -> Path:
+    """The cubin for the current sources (the profiling build with prof), compiled once per source hash."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((HERE / name).read_bytes())
-    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(" ".join(NVCC_FLAGS + (PROF_FLAGS if prof else ())).encode())
     root = Path(os.environ.get(CACHE_ENV, "") or Path.home() / ".cache" / "metainfer") / "mega"
     out = root / f"mega-{h.hexdigest()[:16]}.cubin"
     if not out.is_file():
         root.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run(nvcc_command(tmp), capture_output=True, text=True, timeout=600)
+        res = subprocess.run(nvcc_command(tmp, prof), capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed on mega.cu:\n{res.stderr[-4000:]}")
         tmp.replace(out)
@@ -67,9 +71,10 @@ class _Driver:
 
 
 class MegaKernel:
-    """mega.cu loaded on a CUDA device (sm_90)."""
+    """mega.cu loaded on a CUDA device (sm_90); prof: its profiling build (launch(prof=buffer))."""
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(self, device: torch.device | str = "cuda", prof: bool = False) -> None:
+        self.prof = prof
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report "cuda:N"
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -77,7 +82,7 @@ class MegaKernel:
             raise RuntimeError("the megakernel needs a Hopper (sm_90) GPU")
         torch.zeros(1, device=self.device)  # the primary context exists and is current
         self.drv = _Driver()
-        self._image = build().read_bytes()  # kept alive with the module
+        self._image = build(prof).read_bytes()  # kept alive with the module
         self.module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self._image)
         self.step_fn, self.const_fn = ctypes.c_void_p(), ctypes.c_void_p()
@@ -97,24 +102,36 @@ class MegaKernel:
         self.drv(name, fn, grid, 1, 1, block, 1, 1, smem, stream, params, *extra)
 
     def _check_constants(self) -> None:
-        out = torch.zeros(7, dtype=torch.int64, device=self.device)
+        out = torch.zeros(8, dtype=torch.int64, device=self.device)
         self._launch(self.const_fn, 1, 1, 0, [ctypes.c_void_p(out.data_ptr())], cooperative=False)
         got = out.tolist()
-        want = [P.THREADS, P.SMEM, P.SLOT, P.KMAX, P.WORDS * 8, P.SCRATCH, P.MAX_SCORES]
+        want = [P.THREADS, P.SMEM, P.SLOT, P.KMAX, P.WORDS * 8, P.SCRATCH, P.MAX_SCORES, P.SCALE_BYTES]
         if got != want:
             raise RuntimeError(f"mega.cu's constants {got} differ from program.py's {want}")
 
-    def launch(self, program: P.Program, lead: int = 0, mma: bool = False) -> None:
+    def launch(self, program: P.Program, lead: int = 0, mma: bool = False, inflight: int = P.NSLOTS,
+               prof: torch.Tensor | None = None) -> None:
         """One step: every instruction of `program`, in order, on the current stream. lead: bytes per CTA
         of the next dense chunks prefetched into L2 before each routing wait (0: off; mega.cu's l2_lead).
         mma: the e4m3 dots of 16-row tiles (K <= 2048, the experts) on the tensor cores (tile_mma).
         Eager launches are cooperative (the driver guarantees every CTA is resident at once, which the
         CTAs' waits on each other need); inside a CUDA-graph capture a plain launch is recorded: one CTA
         per SM with this much shared memory fills each SM alone, so all of them are resident once the SMs
-        are free."""
+        are free. inflight: the most weight chunks the producer keeps on their way to the ring (1..NSLOTS;
+        the rest of the ring holds landed chunks): every load of a CTA's own waits queues behind the bulk
+        copies in flight to its SM, so fewer in flight cut the dependency hops' latency, down to what the
+        bandwidth needs (Little's law). prof (the profiling build only): an int32 buffer of
+        profile.words(n_instr, grid) words that
+        the step's cycle counts go to (profile.py)."""
         if program.table.device != self.device:
             raise ValueError("the program lives on another device")
+        if (prof is not None) != self.prof:
+            raise ValueError("a profile buffer goes with the profiling build (MegaKernel(prof=True)), only")
+        if prof is not None and (prof.dtype != torch.int32 or prof.device != self.device
+                                 or prof.numel() < profile.words(len(program.instrs), self.num_sms)):
+            raise ValueError("the profile buffer is not an int32 tensor of profile.words() on this device")
         args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
-                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead), ctypes.c_int(int(mma))]
+                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead), ctypes.c_int(int(mma)),
+                ctypes.c_uint32(inflight), ctypes.c_void_p(0 if prof is None else prof.data_ptr())]
         capturing = torch.cuda.is_current_stream_capturing()
         self._launch(self.step_fn, self.num_sms, P.THREADS, P.SMEM, args, cooperative=not capturing)

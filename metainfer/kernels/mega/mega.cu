@@ -38,22 +38,27 @@
 using namespace mega;
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
-    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* state, uint32_t lead, int mma) {
+    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* state, uint32_t lead, int mma, uint32_t inflight,
+              uint32_t* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
   Smem s;
   s.ring = smem;
-  s.full = reinterpret_cast<uint64_t*>(smem + NSLOTS * SLOT);
+  s.inflight = inflight >= 1 && inflight < NSLOTS ? inflight : NSLOTS;
+  s.scales = reinterpret_cast<float*>(smem + NSLOTS * SLOT);
+  s.full = reinterpret_cast<uint64_t*>(smem + NSLOTS * SLOT + NSLOTS * SCALE_BYTES);
   s.empty = s.full + NSLOTS;
   s.xs = reinterpret_cast<float*>(s.empty + NSLOTS);
   s.sc = s.xs + KMAX;
   s.route_p = reinterpret_cast<int*>(s.sc + SCRATCH);
-  s.route_c = s.route_p + ROUTE_WORDS / 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   uint32_t* step_tag = state;  // state: [0] the last step's tag, [1] CTAs finished, [2..5] the watchdog
   uint32_t* done = state + 1;
   const uint32_t tag = *reinterpret_cast<volatile uint32_t*>(step_tag) + 1u;
+  const uint64_t t_in = MEGA_PROF ? global_ns() : 0ull;
   if (threadIdx.x == 0) {
     g_err = state + 2;
+    g_prof = prof;
+    g_nin = n_instr;
     s_instr[0] = s_instr[1] = -1;
     for (int i = 0; i < NSLOTS; ++i) {
       mbar_init(&s.full[i], 1);
@@ -65,12 +70,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (warp == 0) {
     producer(prog, n_instr, tag, lead, s, lane);
   } else {
-    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, -1, 0, mma};
+    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, 0, mma};
     uint32_t base = 0;
     for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
       const Instr& in = prog[i];
       c.first = first_unit(base);
-      if (threadIdx.x == 32) s_instr[1] = i;  // (read only by a thread that gives up)
+      if (threadIdx.x == 32) s_instr[1] = i;  // (read only by a thread that gives up; and the profile)
+      if (MEGA_PROF && threadIdx.x == 32) {
+        prof_set(i, PF_LAT, probe_latency());
+        prof_set(i, PF_C_IN, cycles()), c.waited = c.chunks = 0;
+      }
       switch (in.op) {
         case OP_GEMV: op_gemv(c, in); break;
         case OP_GATE_UP: op_gate_up(c, in); break;
@@ -80,9 +89,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         case OP_COMBINE: op_combine(c, in); break;
         default: break;
       }
+      if (MEGA_PROF && threadIdx.x == 32) {
+        prof_set(i, PF_C_OUT, cycles());
+        prof_set(i, PF_C_WAIT, c.waited);
+        prof_set(i, PF_CHUNKS, c.chunks);
+      }
     }
   }
   __syncthreads();
+  if (MEGA_PROF && threadIdx.x == 0) {  // globaltimer (ns) at entry and exit: the CTAs' spans line up
+    uint32_t* t = g_prof + (size_t)gridDim.x * n_instr * PF_N + blockIdx.x * 4;
+    const uint64_t t_out = global_ns();
+    t[0] = (uint32_t)t_in, t[1] = (uint32_t)(t_in >> 32), t[2] = (uint32_t)t_out, t[3] = (uint32_t)(t_out >> 32);
+  }
   if (threadIdx.x == 0) {  // the last CTA out advances the step's tag for the next launch
     __threadfence();
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
@@ -102,4 +121,5 @@ extern "C" __global__ void mega_constants(int64_t* out) {
   out[4] = (int64_t)sizeof(Instr);
   out[5] = SCRATCH;
   out[6] = MAX_SCORES;
+  out[7] = SCALE_BYTES;
 }

@@ -7,12 +7,17 @@
 
 #include "ptx.cuh"
 
+#ifndef MEGA_PROF
+#define MEGA_PROF 0  // 1: the profiling build (launch.MegaKernel(prof=True)); see profile.py
+#endif
+
 namespace mega {
 constexpr int NCW = 8;              // consumer warps per CTA
 constexpr int NT = 32 * (NCW + 1);  // threads per CTA
 constexpr int CT = 32 * NCW;        // consumer threads
 constexpr int SLOT = 32768;         // bytes per ring slot
 constexpr int NSLOTS = 6;
+constexpr int SCALE_BYTES = 256;    // per slot: its chunk's block scales (copied with it)
 constexpr int KMAX = 4608;          // floats of x
 constexpr int SCRATCH = 3072;       // floats of per-op scratch
 constexpr int MAX_SCORES = 1024;    // positions one attention split scores
@@ -36,7 +41,7 @@ struct Instr {  // 160 bytes, program.py's 20 words
 };
 static_assert(sizeof(Instr) == 160, "program.py packs 20 words");
 
-constexpr size_t SMEM = (size_t)NSLOTS * SLOT + 2 * NSLOTS * sizeof(uint64_t) + KMAX * sizeof(float) +
+constexpr size_t SMEM = (size_t)NSLOTS * SLOT + NSLOTS * SCALE_BYTES + 2 * NSLOTS * sizeof(uint64_t) + KMAX * sizeof(float) +
                         SCRATCH * sizeof(float) + ROUTE_WORDS * 4;
 
 // The watchdog. Every wait is bounded: past WAIT_LIMIT polls the first thread to give up records what it
@@ -45,6 +50,9 @@ constexpr size_t SMEM = (size_t)NSLOTS * SLOT + 2 * NSLOTS * sizeof(uint64_t) + 
 // garbage, and says where it stalled (program.py: Program.error()).
 enum : uint32_t { ERR_DATA = 1, ERR_FULL = 2, ERR_EMPTY = 3 };
 constexpr uint32_t WAIT_LIMIT = 1u << 22;
+#ifndef POLL_BACKOFF
+#define POLL_BACKOFF 0  // 1: Source::wait backs off between polls (measured 2026-12-02: no gain; see KB-0076)
+#endif
 __device__ uint32_t* g_err;  // state + 2 (the same value from every CTA)
 
 __device__ __forceinline__ bool aborted() { return *reinterpret_cast<volatile uint32_t*>(g_err) != 0; }
@@ -56,7 +64,42 @@ __device__ void give_up(uint32_t code, int instr, uint32_t detail) {
     __threadfence();
   }
 }
-__device__ __shared__ int s_instr[2];  // the instruction the producer [0] and the consumers [1] are at
+__device__ __shared__ int s_instr[2];
+
+// The profiling build (MEGA_PROF 1) records, per CTA and instruction, PF_N words of SM cycles (clock64's low
+// 32 bits): the consumers' entry, x staged, exit and chunk waits (consumer thread 0); the producer's entry,
+// routing (with the L2 lead) and empty-slot waits (producer lane 0). profile.py reads them.
+enum : int { PF_C_IN, PF_C_X, PF_C_OUT, PF_C_WAIT, PF_P_IN, PF_P_ROUTE, PF_P_EMPTY, PF_CHUNKS,
+             PF_S1, PF_S2, PF_S3, PF_S4, PF_LAT, PF_N };  // S1-S4: marks inside the x prologues (prof_mark);
+                                                           // LAT: one L2 load's round trip at the op's entry
+__device__ uint32_t* g_prof;  // [gridDim.x][n_instr][PF_N], then [gridDim.x][4] (globaltimer at entry and exit)
+__device__ int g_nin;
+__device__ __forceinline__ uint32_t cycles() { return static_cast<uint32_t>(clock64()); }
+__device__ __forceinline__ void prof_set(int instr, int f, uint32_t v) {
+  if (MEGA_PROF) g_prof[((size_t)blockIdx.x * g_nin + instr) * PF_N + f] = v;
+}
+// (the profiling build) consumer thread 0 marks a step of an x prologue: PF_S1..PF_S4
+__device__ __forceinline__ void prof_mark(int ct, int f) {
+  if (MEGA_PROF && ct == 0) prof_set(s_instr[1], f, cycles());
+}
+// (the profiling build) the cycles one gpu-scope load of a hot word (the watchdog's) takes to come back: the
+// loaded value is stored to shared memory before the second clock read, and a warp issues in order, so that
+// read waits for the load. (An asm input alone does not: ptxas dropped the dependency, and the first
+// version of this probe read 2 cycles.)
+__device__ __shared__ uint64_t s_probe;
+__device__ __forceinline__ uint32_t probe_latency() {
+  uint64_t t0, t1;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
+  const uint64_t v = ld_relaxed_u64(g_err);
+  asm volatile("st.shared.u64 [%0], %1;" ::"r"(smem_u32(&s_probe)), "l"(v) : "memory");
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t1)::"memory");
+  return static_cast<uint32_t>(t1 - t0);
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}  // the instruction the producer [0] and the consumers [1] are at
 
 // mbar_wait with the watchdog
 __device__ __forceinline__ void wait_bar(uint64_t* bar, uint32_t parity, uint32_t code, int who, uint32_t detail) {
@@ -78,12 +121,13 @@ __device__ __forceinline__ void wait_bar(uint64_t* bar, uint32_t parity, uint32_
 
 struct Smem {
   uint8_t* ring;
+  float* scales;   // [NSLOTS][SCALE_BYTES / 4]: slot i's chunk's block scales
   uint64_t* full;
   uint64_t* empty;
   float* xs;       // [KMAX] x, permuted per 512 (xpos)
   float* sc;       // [SCRATCH]
-  int* route_p;    // producer's routing: ids [16], weights [16] (as int bits)
-  int* route_c;    // consumers'
+  uint32_t inflight;  // the most chunks the producer keeps on their way (1..NSLOTS; the rest of the ring: landed)
+  int* route_p;    // the producer's routing: ids [16], weights [16] (as int bits); Down's consumers read it
 };
 
 template <typename T>
@@ -104,7 +148,7 @@ __device__ __forceinline__ float word_value(uint64_t w, int kind) {
                           : __uint_as_float(b);
 }
 
-constexpr int FETCH_GROUP = 6;  // polled loads in flight per thread (registers: 168 per thread, 9 warps)
+constexpr int FETCH_GROUP = 9;  // polled elements in flight per thread (x's and add's loads: 18)
 
 // one source's outputs, polled until they carry this step's tag
 struct Source {
@@ -113,13 +157,17 @@ struct Source {
   __device__ Source(const Instr* prog, int idx, int off) : y(ptr<const uint64_t>(prog[idx].p[4]) + off),
                                                             kind(prog[idx].out) {}
   // word e once it carries `tag` (w: a first load of it)
+  // With POLL_BACKOFF a miss backs off (32, 64, 128, then 256 ns between polls), in case thousands of threads
+  // spinning on the same few L2 lines (the router's logits, a hop's outputs) queued up everyone else's loads;
+  // measured, it did not shorten the step.
   __device__ uint64_t wait(int e, uint64_t w, uint32_t tag) const {
     for (uint32_t n = 0; static_cast<uint32_t>(w >> 32) != tag; ++n) {
       if ((n & 255u) == 255u && aborted()) break;
-      if (n == WAIT_LIMIT) {
+      if (n == (POLL_BACKOFF ? WAIT_LIMIT / 64 : WAIT_LIMIT)) {  // (with the back-off: about as long as the others)
         give_up(ERR_DATA, s_instr[1], (uint32_t)e);
         break;
       }
+      if (POLL_BACKOFF) __nanosleep(32u << min(n, 3u));
       w = ld_relaxed_u64(y + e);
     }
     return w;
@@ -175,20 +223,35 @@ struct XIn {
   }
 };
 
-// x's elements ct + j * CT (j < ceil((K - ct) / CT)), plus add's rounded to bf16 where given, into xs (permuted),
-// FETCH_GROUP at a time -> this thread's sum of their squares
-__device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, uint32_t tag, int ct) {
+// x's elements ct + j * CT (j < ceil((K - ct) / CT)), plus add's rounded to bf16 where given, FETCH_GROUP at a
+// time, every load of a group (x's and add's) issued before any is waited for -> into xs (fp32, permuted: xpos),
+// or with F16 into xh (f16, in order); returns this thread's sum of their squares
+template <bool F16 = false>
+__device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, uint32_t tag, int ct,
+                           __half* xh = nullptr) {
   float ss = 0.f;
   const int m = (K - ct + CT - 1) / CT;
   for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {
-    float v[FETCH_GROUP];
     const int n = min(FETCH_GROUP, m - g0);
-    x.fetch(ct + g0 * CT, CT, n, v, tag);
-    if (add) add->fetch<true>(ct + g0 * CT, CT, n, v, tag);
+    uint64_t wx[FETCH_GROUP], wa[FETCH_GROUP];
+    float v[FETCH_GROUP];
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j) {
+      const int e = ct + (g0 + j) * CT;
+      if (j < n) {
+        if (x.kind == X_SRC) wx[j] = ld_relaxed_u64(x.src.y + e);
+        else v[j] = __bfloat162float(x.vec[e]);
+        if (add) wa[j] = ld_relaxed_u64(add->y + e);
+      }
+    }
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) {
-        xs[xpos(ct + (g0 + j) * CT)] = v[j];
+        const int e = ct + (g0 + j) * CT;
+        if (x.kind == X_SRC) v[j] = word_value(x.src.wait(e, wx[j], tag), x.src.kind);
+        if (add) v[j] = bf(v[j] + word_value(add->wait(e, wa[j], tag), add->kind));
+        if (F16) xh[e] = __float2half_rn(v[j]);
+        else xs[xpos(e)] = v[j];
         ss += v[j] * v[j];
       }
   }

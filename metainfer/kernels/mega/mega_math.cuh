@@ -6,28 +6,38 @@
 
 namespace mega {
 // ---- the x prologues ------------------------------------------------------------------------------
+// the scratch's norm-weight copy (bf16, K <= 4096: floats [256, 2304) of the scratch)
+__device__ __forceinline__ __nv_bfloat16* norm_w_smem(const Smem& s) {
+  return reinterpret_cast<__nv_bfloat16*>(s.sc + 256);
+}
+
 // RMSNorm of v[e] = x(e) (+ add(e), rounded to bf16) into xs: bf16(v / rms(v) * (1 + w))
 __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16* nw, float eps, int K, uint32_t tag,
                            const Smem& s, int ct, int cw, int lane) {
+  __nv_bfloat16* wsm = norm_w_smem(s);
+  for (int e = ct * 8; e < K; e += CT * 8)  // the weights to shared memory, one 16-byte load per 8 (in flight
+    *reinterpret_cast<uint4*>(wsm + e) = *reinterpret_cast<const uint4*>(nw + e);  // while x is polled)
   const float ss = stage_raw(x, add, K, s.xs, tag, ct);
-  const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);
-  for (int e = ct; e < K; e += CT) {
-    const int q = xpos(e);
-    s.xs[q] = bf(s.xs[q] * r * (1.f + bf_at(nw, e)));
-  }
+  prof_mark(ct, PF_S1);
+  const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);  // (its barriers: wsm is complete)
+  prof_mark(ct, PF_S2);
+  for (int e = ct; e < K; e += CT) s.xs[xpos(e)] = bf(s.xs[xpos(e)] * r * (1.f + __bfloat162float(wsm[e])));
 }
 
 // the DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z;
 // thread ct holds elements ct + j * CT, so head h's hd values sit on hd / 32 warps (hd divides CT): their
-// sums of squares meet in red[h * (hd / 32) + w]
+// sums of squares meet in red[h * (hd / 32) + w]. The norm weights [hd] go to shared memory while x is polled.
 __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
                             uint32_t tag, const Smem& s, int ct, int cw, int lane) {
   const int m = K / CT, wph = hd / 32;
   float* red = s.sc;
+  float* wsm = s.sc + SCRATCH - hd;  // [hd]
+  if (ct < hd) wsm[ct] = bf_at(nw, ct);
   for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // the core values, and each head's sums of squares
     float v[FETCH_GROUP];
     const int n = min(FETCH_GROUP, m - g0);
     x.fetch(ct + g0 * CT, CT, n, v, tag);
+    prof_mark(ct, g0 == 0 ? PF_S1 : PF_S2);
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) {
@@ -38,10 +48,12 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
       }
   }
   consumers_sync(CT);
-  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // then z, and the gated norm in place
+  prof_mark(ct, PF_S3);
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // then z (ready: in_proj's), and the gated norm in place
     float zz[FETCH_GROUP];
     const int n = min(FETCH_GROUP, m - g0);
     z.fetch(ct + g0 * CT, CT, n, zz, tag);
+    if (g0 == 0) prof_mark(ct, PF_S4);
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) {
@@ -49,7 +61,7 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
         float t = 0.f;
         for (int w = 0; w < wph; ++w) t += red[h * wph + w];
         const float r = rsqrtf(t / hd + eps);
-        const float hh = bf(bf(s.xs[q] * r) * bf_at(nw, e % hd));
+        const float hh = bf(bf(s.xs[q] * r) * wsm[e % hd]);
         s.xs[q] = bf(hh * (zz[j] / (1.f + __expf(-zz[j]))));
       }
   }

@@ -39,10 +39,21 @@ __device__ __forceinline__ int first_unit(uint32_t base) {
   return (int)((blockIdx.x + gridDim.x - base % gridDim.x) % gridDim.x);
 }
 
+// ring slot it's block scales (the producer copies a chunk's scale rows there with it)
+__device__ __forceinline__ float* slot_scales(const Smem& s, uint32_t it) {
+  return s.scales + (it % NSLOTS) * (SCALE_BYTES / 4);
+}
+
 // the next ring slot, once free, armed for `bytes` (the caller issues the copies into it) -> its address
-__device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t bytes) {
+__device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t bytes, uint32_t& waited) {
   const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+  const uint32_t t0 = MEGA_PROF ? cycles() : 0u;
   wait_bar(&s.empty[slot], (rnd & 1) ^ 1, ERR_EMPTY, 0, slot);
+  if (it >= s.inflight && s.inflight < NSLOTS) {  // at most `inflight` chunks on their way (see mega_step)
+    const uint32_t o = it - s.inflight;
+    wait_bar(&s.full[o % NSLOTS], (o / NSLOTS) & 1, ERR_FULL, 0, o % NSLOTS);
+  }
+  if (MEGA_PROF) waited += cycles() - t0;
   mbar_expect_tx(&s.full[slot], bytes);
   return s.ring + slot * SLOT;
 }
@@ -74,45 +85,61 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
   for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
     const Instr& in = prog[i];
     const int first = first_unit(base);
+    uint32_t waited = 0;  // (the profiling build) cycles waiting for empty slots
     if (lane == 0) s_instr[0] = i;
+    if (MEGA_PROF && lane == 0) prof_set(i, PF_P_IN, cycles());
     if (in.op == OP_GATE_UP || in.op == OP_DOWN) {
       if (first >= n_units(in)) continue;  // none of its units here
       if (routed != in.i[4]) {
+        const uint32_t t0 = MEGA_PROF ? cycles() : 0u;
         if (lead && lane == 0) l2_lead(prog, n_instr, i, base, lead);
         __syncwarp();
         route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane);
         routed = in.i[4];
+        if (MEGA_PROF && lane == 0) prof_set(i, PF_P_ROUTE, cycles() - t0);
       }
     }
     if (lane != 0) continue;
     if (in.op == OP_GEMV) {
       const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
+      const uint32_t sb = in.i[0] == W_E4M3 ? in.i[2] / 128 * 4 : 0u;  // the chunk's scale row (one 128-row block)
       for (int c = first; c < n; c += n_cta, ++it) {
         const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
-        bulk_load(claim(s, it, bytes), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes,
-                  &s.full[it % NSLOTS]);
+        uint64_t* bar = &s.full[it % NSLOTS];
+        bulk_load(claim(s, it, bytes + sb, waited), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes, bar);
+        if (sb) bulk_load(slot_scales(s, it), ptr<const uint8_t>(in.p[1]) + (size_t)(c * rpc / 128) * sb, sb, bar);
       }
     } else if (in.op == OP_GATE_UP) {
       const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_chunks_of(in);
+      const uint32_t sb = H / 128 * 4;  // one scale row of the gate rows, one of the up rows
       for (int c = first; c < n; c += n_cta, ++it) {  // 8 gate rows, then the 8 up rows beside them
         const int j = c / nb, b = c % nb, e = s.route_p[j];
         const uint8_t* w = ptr<const uint8_t>(in.p[0]) + ((size_t)e * 2 * I + 8 * b) * H;
-        uint8_t* dst = claim(s, it, 16 * H);
-        bulk_load(dst, w, 8 * H, &s.full[it % NSLOTS]);
-        bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, &s.full[it % NSLOTS]);
+        const uint8_t* ws = ptr<const uint8_t>(in.p[1]) + (size_t)e * (2 * I / 128) * sb;
+        uint64_t* bar = &s.full[it % NSLOTS];
+        uint8_t* dst = claim(s, it, 16 * H + 2 * sb, waited);
+        bulk_load(dst, w, 8 * H, bar);
+        bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, bar);
+        bulk_load(slot_scales(s, it), ws + (size_t)(8 * b / 128) * sb, sb, bar);
+        bulk_load(slot_scales(s, it) + sb / 4, ws + (size_t)((I + 8 * b) / 128) * sb, sb, bar);
       }
     } else if (in.op == OP_DOWN) {
       const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in);
       for (int rb = first; rb < H / 16; rb += n_cta)
         for (int g = 0; g < down_groups(in); ++g, ++it) {  // the 16 rows of each slot's expert, slot order
           const int n = min(per, slots - g * per);
-          uint8_t* dst = claim(s, it, n * 16 * I);
-          for (int j = 0; j < n; ++j)
-            bulk_load(dst + j * 16 * I,
-                      ptr<const uint8_t>(in.p[0]) + ((size_t)s.route_p[g * per + j] * H + rb * 16) * I, 16 * I,
-                      &s.full[it % NSLOTS]);
+          const uint32_t sb = I / 128 * 4;  // each piece's scale row
+          uint64_t* bar = &s.full[it % NSLOTS];
+          uint8_t* dst = claim(s, it, n * (16 * I + sb), waited);
+          for (int j = 0; j < n; ++j) {
+            const size_t e = s.route_p[g * per + j];
+            bulk_load(dst + j * 16 * I, ptr<const uint8_t>(in.p[0]) + (e * H + rb * 16) * I, 16 * I, bar);
+            bulk_load(slot_scales(s, it) + j * sb / 4,
+                      ptr<const uint8_t>(in.p[1]) + (e * (H / 128) + rb * 16 / 128) * sb, sb, bar);
+          }
         }
     }
+    if (MEGA_PROF) prof_set(i, PF_P_EMPTY, waited);
   }
 }
 }  // namespace mega

@@ -1,0 +1,50 @@
+"""profile.py on a hand-built record (the layout mega_base.cuh's profiling build writes): the phases come out
+of the cycle words modulo 2^32, the clock out of globaltimer, and the groups sum the instructions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels.mega import profile
+from metainfer.kernels.mega import program as P
+
+
+def _gemv(rows, k):
+    w = torch.zeros(rows, k, dtype=torch.float8_e4m3fn)
+    return P.Gemv(w, P.Vec(torch.zeros(k, dtype=torch.bfloat16)),
+                  ws=torch.ones((rows + 127) // 128, k // 128))
+
+
+def test_summarize_hand_built_record():
+    instrs = [_gemv(256, 256), _gemv(256, 256), _gemv(128, 512)]
+    grid, n = 2, 3
+    buf = torch.zeros(profile.words(n, grid), dtype=torch.int64)
+    rec = buf[: grid * n * profile.PF_N].view(grid, n, profile.PF_N)
+    base = 2**32 - 550  # the cycle counter wraps inside the step
+    for c in range(grid):
+        t = base
+        for i in range(n):  # 100 cycles staging, 300 more with 50 of them waiting for chunks
+            rec[c, i, profile.C_IN] = t
+            rec[c, i, profile.C_X] = t + 100
+            rec[c, i, profile.C_OUT] = t + 400
+            rec[c, i, profile.C_WAIT] = 50
+            rec[c, i, profile.P_EMPTY] = 7
+            rec[c, i, profile.CHUNKS] = 2
+            t += 400
+    t = buf[grid * n * profile.PF_N:].view(grid, 4)
+    t[:, 0], t[:, 2] = 1000, 1000 + 600  # 1,200 cycles in 600 ns: 2 GHz
+    buf = ((buf + 2**31) % 2**32 - 2**31).to(torch.int32)  # the kernel's int32 words
+    s = profile.summarize(buf, instrs, grid)
+    assert s["clock_ghz"] == pytest.approx(2.0)
+    us = 1 / 2000  # one cycle at 2 GHz
+    assert s["consumer_us"] == pytest.approx(3 * 400 * us)
+    assert s["stage_us"] == pytest.approx(3 * 100 * us)
+    assert s["chunk_wait_us"] == pytest.approx(3 * 50 * us)
+    assert s["work_us"] == pytest.approx(3 * 250 * us)
+    assert s["producer_empty_wait_us"] == pytest.approx(3 * 7 * us)
+    g = {r["group"]: r for r in s["groups"]}
+    assert g["Gemv 256x256 e4m3"]["instructions"] == 2 and g["Gemv 128x512 e4m3"]["instructions"] == 1
+    assert g["Gemv 256x256 e4m3"]["consumer_us"] == pytest.approx(2 * 400 * us)
+    assert g["Gemv 256x256 e4m3"]["chunks_per_cta"] == pytest.approx(4)
+    assert "| all | 3 |" in profile.table(s)
