@@ -144,6 +144,8 @@
 #            benchmarks/mega_step.py (the full config's decode step, 1k context, against the engine's step and
 #            timed; BF16 then FP8 lm_head); benchmarks/mega_bench.py (the GEMV skeleton, chained and hop-free), ~7 min
 #            (MEGA_STEP=0 skips the full-config runs)
+#   megaprof - the megakernel's GPU tests, then mega_step.py --prof (the full step checked, timed and profiled:
+#            where each instruction group's time goes, profile.py), ~2 min
 #   megaeng - the engine with --megakernel (after `mega` passes): FP8 batch-1 decode (decode_bench), then
 #            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
@@ -718,6 +720,12 @@ if has mega; then
     timeout 200 python benchmarks/mega_step.py --fp8-lm-head --json $OUT/mega_step_fp8head.json 2>&1 | tail -12
   fi
   timeout 150 python benchmarks/mega_bench.py --json $OUT/mega_bench_fp8.json 2>&1 | tail -5
+fi
+if has megaprof; then  # the megakernel's GPU tests, then the full step checked, timed and profiled (profile.py)
+  timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
+  tail -3 $OUT/mega_tests.log
+  timeout 240 python benchmarks/mega_step.py --prof --reps 30 --leads 0 ${MEGA_ARGS:-} \
+    --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -32
 fi
 if has megaeng; then  # the engine with --megakernel: FP8 batch 1 decode, then the oracle (only if the tests passed)
   timeout 240 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --no-profile --megakernel \

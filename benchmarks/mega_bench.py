@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_smoke import env_info  # noqa: E402
 
 from metainfer.config import FULL, ModelConfig  # noqa: E402
-from metainfer.kernels.mega import emulate  # noqa: E402
+from metainfer.kernels.mega import emulate, profile  # noqa: E402
 from metainfer.kernels.mega import program as P  # noqa: E402
 from metainfer.kernels.mega.launch import MegaKernel  # noqa: E402
 
@@ -89,12 +89,12 @@ def build(cfg: ModelConfig, lm_head: str, free: bool, seed: int = 0, device: str
     return instrs
 
 
-def time_launches(kernel: MegaKernel, prog: P.Program, reps: int) -> list[float]:
+def time_launches(kernel: MegaKernel, prog: P.Program, reps: int, mma: bool = False) -> list[float]:
     ms = []
     for i in range(reps + 2):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        kernel.launch(prog)
+        kernel.launch(prog, mma=mma)
         b.record()
         b.synchronize()
         if i >= 2:
@@ -122,33 +122,45 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--lm-head", choices=["fp8", "bf16"], default="fp8")
     ap.add_argument("--modes", default="chain,free")
+    ap.add_argument("--prof", action="store_true",
+                    help="each mode also once in the profiling build (profile.py)")
+    ap.add_argument("--mma", default="0",
+                    help="consumer kinds: 0 CUDA cores, 1 tensor cores (e4m3, K <= 2048)")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(CONFIG)
     kernel = MegaKernel("cuda")
-    rows = []
-    for mode in args.modes.split(","):
+    pk = MegaKernel("cuda", prof=True) if args.prof else None
+    rows, profiles = [], []
+    for mode, mma in [(m, int(v)) for m in args.modes.split(",") for v in args.mma.split(",")]:
         prog = P.Program(build(cfg, args.lm_head, free=mode == "free"))
-        ms = time_launches(kernel, prog, args.reps)
+        ms = time_launches(kernel, prog, args.reps, mma=bool(mma))
         if prog.error():
             raise SystemExit(f"megakernel ({mode}): {prog.error()}")
         med = ms[len(ms) // 2]
         err = sample_check(prog)
-        rows.append({"mode": mode, "instructions": len(prog.instrs), "bytes": prog.bytes, "ms_median": med,
+        rows.append({"mode": mode, "mma": mma, "instructions": len(prog.instrs), "bytes": prog.bytes,
+                     "ms_median": med,
                      "ms_min": ms[0], "ms_max": ms[-1], "gb_s": prog.bytes / med / 1e6,
                      "pct_of_4_3_tb_s": 100 * prog.bytes / med / 1e-3 / HBM, "worst_rel_rmse": err,
                      "steps": prog.step()})
+        if pk is not None:
+            profiles.append((f"{mode} mma {mma}", profile.summarize(profile.record(pk, prog, mma=bool(mma)),
+                                                                    prog.instrs, pk.num_sms)))
         del prog
         torch.cuda.empty_cache()
     print(f"megakernel v0, {torch.cuda.get_device_name()}, lm_head {args.lm_head}, {args.reps} launches each")
-    print("| mode | instructions | GB | ms (median) | GB/s | % of 4.3 TB/s | worst rel RMSE (sample) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | mma | instructions | GB | ms (median) | GB/s | % of 4.3 TB/s | worst rel RMSE (sample) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['instructions']} | {r['bytes'] / 1e9:.3f} | {r['ms_median']:.3f} | "
+        print(f"| {r['mode']} | {r['mma']} | {r['instructions']} | {r['bytes'] / 1e9:.3f} | "
+              f"{r['ms_median']:.3f} | "
               f"{r['gb_s']:.0f} | {r['pct_of_4_3_tb_s']:.1f} | {r['worst_rel_rmse']:.1e} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"env": env_info(), "lm_head": args.lm_head, "reps": args.reps,
-                                         "results": rows}, indent=1))
+                                         "results": rows, "profiles": dict(profiles)}, indent=1))
+    for name, sm in profiles:
+        print(f"\n{name} (profiling build)\n" + profile.table(sm))
     return 0
 
 

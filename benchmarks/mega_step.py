@@ -27,7 +27,7 @@ from engine_smoke import env_info  # noqa: E402
 
 from metainfer.config import FULL_CONFIG  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
-from metainfer.kernels.mega import build_step  # noqa: E402
+from metainfer.kernels.mega import build_step, profile  # noqa: E402
 from metainfer.kernels.mega import program as P  # noqa: E402
 from metainfer.kernels.mega.launch import MegaKernel  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
@@ -65,7 +65,12 @@ def main() -> int:
     ap.add_argument("--fp8-lm-head", action="store_true")
     ap.add_argument("--leads", default="0,131072,262144",
                     help="L2 leads to time (bytes per CTA prefetched before each routing wait; 0: off)")
+    ap.add_argument("--arena", default="1", help="output layouts to time: 1 one arena, 0 one allocation each")
+    ap.add_argument("--inflight", default="6",
+                    help="the producer's chunks in flight to time (MegaKernel.launch)")
     ap.add_argument("--mma", default="0,1", help="consumer kinds to time: 0 CUDA cores, 1 tensor cores")
+    ap.add_argument("--prof", action="store_true",
+                    help="then each kind once in the profiling build (profile.py): where the time goes")
     args = ap.parse_args()
     llm = LLM(model=f"dummy:{FULL_CONFIG}", device="cuda", dtype="bfloat16", quantization="fp8",
               fp8_lm_head=args.fp8_lm_head, max_model_len=args.prompt_len + 64, max_num_seqs=1,
@@ -77,6 +82,7 @@ def main() -> int:
     while not (eng.scheduler.running and eng.scheduler.running[0].output_token_ids):
         eng.step()
     req = eng.scheduler.running[0]
+    eng.scheduler.cache.grow(req, 1)  # the decode position's block (the scheduler's next step would take it)
     bs = runner.ecfg.block_size
     token, pos, slot = req.output_token_ids[-1], req.num_computed_tokens, req.state_slot
     kv_slot = req.block_ids[pos // bs] * bs + pos % bs
@@ -107,44 +113,65 @@ def main() -> int:
     logits = torch.zeros(model.cfg.vocab_size, device="cuda")
     step = torch.zeros(P.STEP_WORDS, dtype=torch.int64, device="cuda")
     build_step.step_inputs(step, token, pos, kv_slot, slot, True, pos + 1)
-    prog = P.Program(build_step.decode_program(model, caches, bt, logits, splits=args.splits), step=step)
+    instrs = build_step.decode_program(model, caches, bt, logits, splits=args.splits)
+    progs = {a: P.Program(instrs, step=step, arena=bool(a)) for a in [int(v) for v in args.arena.split(",")]}
+    prog = next(iter(progs.values()))
+    mmas = [int(v) for v in args.mma.split(",")]
     check = {}
-    for mma in [int(v) for v in args.mma.split(",")]:  # each from the saved states
+    for mma in mmas:  # each from the saved states
         restore(before)
-        kernel.launch(prog, mma=bool(mma))
+        kernel.launch(prog, mma=bool(mma), inflight=int(args.inflight.split(",")[0]))  # (the first listed)
         torch.cuda.synchronize()
         if prog.error():
             raise SystemExit(f"megakernel (mma {mma}): {prog.error()}")
         check[f"mma{mma}"] = compare(after_engine, snapshot(), logits, want)
     timings = []
-    for mma in [int(v) for v in args.mma.split(",")]:
-        for lead in [int(v) for v in args.leads.split(",")]:
+    for (arena, pr), mma in [(ap, m) for ap in progs.items() for m in mmas]:
+        for lead, infl in [(int(a), int(b)) for a in args.leads.split(",") for b in args.inflight.split(",")]:
             ms = []
             for i in range(args.reps + 3):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                kernel.launch(prog, lead=lead, mma=bool(mma))
+                kernel.launch(pr, lead=lead, mma=bool(mma), inflight=infl)
                 b.record()
                 b.synchronize()
                 if i >= 3:
                     ms.append(a.elapsed_time(b))
             ms.sort()
             med = ms[len(ms) // 2]
-            timings.append({"mma": mma, "lead": lead, "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1],
-                            "tok_s": 1e3 / med, "pct_of_floor": 100 * prog.bytes / HBM / (med * 1e-3)})
+            timings.append({"mma": mma, "arena": arena, "lead": lead, "inflight": infl, "ms_median": med,
+                            "ms_min": ms[0], "ms_max": ms[-1], "tok_s": 1e3 / med,
+                            "pct_of_floor": 100 * pr.bytes / HBM / (med * 1e-3)})
+    profiles = {}
+    if args.prof:
+        pk = MegaKernel("cuda", prof=True)
+        for (arena, pr), mma in [(ap, m) for ap in progs.items() for m in mmas]:
+            best = min((t for t in timings if t["mma"] == mma and t["arena"] == arena),
+                       key=lambda t: t["ms_median"])
+            buf = profile.record(pk, pr, mma=bool(mma), lead=best["lead"], inflight=best["inflight"])
+            key = f"mma{mma}_arena{arena}"
+            profiles[key] = profile.summarize(buf, pr.instrs, pk.num_sms) | {"inflight": best["inflight"]}
+            if args.json:
+                torch.save(buf.cpu(), args.json.with_name(f"{args.json.stem}_prof_{key}.pt"))
     restore(before)
-    if prog.error():
-        raise SystemExit(f"megakernel: {prog.error()}")
-    res = {"instructions": len(prog.instrs), "weight_bytes": prog.bytes, "timings": timings, "check": check}
+    for pr in progs.values():
+        if pr.error():
+            raise SystemExit(f"megakernel: {pr.error()}")
+    res = {"instructions": len(prog.instrs), "weight_bytes": prog.bytes, "timings": timings, "check": check,
+           "profiles": profiles}
     print(f"megakernel step, full config, FP8 (lm_head {'FP8' if args.fp8_lm_head else 'BF16'}), "
           f"{args.prompt_len}-token context, {torch.cuda.get_device_name()}, "
           f"{len(prog.instrs)} instructions, {prog.bytes / 1e9:.3f} GB")
     print("check:", json.dumps(check))
-    print("| consumers | L2 lead (bytes per CTA) | ms (median) | tok/s | % of 4.3 TB/s |")
-    print("|---|---|---|---|---|")
+    print("| consumers | output arena | L2 lead (bytes per CTA) | chunks in flight | ms (median) | tok/s "
+          "| % of 4.3 TB/s |")
+    print("|---|---|---|---|---|---|---|")
     for t in timings:
         kind = "tensor cores" if t["mma"] else "CUDA cores"
-        print(f"| {kind} | {t['lead']} | {t['ms_median']:.3f} | {t['tok_s']:.0f} | {t['pct_of_floor']:.1f} |")
+        print(f"| {kind} | {t['arena']} | {t['lead']} | {t['inflight']} | {t['ms_median']:.3f} | "
+              f"{t['tok_s']:.0f} | {t['pct_of_floor']:.1f} |")
+    for k, sm in profiles.items():
+        print(f"\n{k} (profiling build, at its fastest lead and chunks in flight)\n" + profile.table(sm))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"env": env_info(), "args": vars(args) | {"json": str(args.json)},
