@@ -138,7 +138,7 @@
 #            `v2` variant sets; v3: COMPUTE 4 (the FP8 model's W8A16 arithmetic: bf16 x, 128 x 128 block scales, fresh
 #            accumulators per block) and XCH (outputs tagged in their 64-bit word: consumers poll the data, not a
 #            counter, then the data), with and without the lead, ~3 min
-#   mega   - the megakernel (metainfer/kernels/mega, built 2026-12-01g, never run): ptxas report; its GPU tests (each
+#   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
 #            benchmarks/mega_step.py (the full config's decode step, 1k context, against the engine's step and
