@@ -146,6 +146,9 @@
 #            (MEGA_STEP=0 skips the full-config runs)
 #   megaprof - the megakernel's GPU tests, then mega_step.py --prof (the full step checked, timed and profiled:
 #            where each instruction group's time goes, profile.py), ~2 min
+#   megacode - (KB-0076 next) the GPU tests; mega_step.py --prof for the default build and MEGA_VARIANTS (less
+#            unrolled code: -DMEGA_FETCH_GROUP=3); then ncu's warp stall reasons on one step ("no instruction":
+#            the SM waiting for code), ~5 min
 #   megaeng - the engine with --megakernel (after `mega` passes): FP8 batch-1 decode (decode_bench), then
 #            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
@@ -726,6 +729,15 @@ if has megaprof; then  # the megakernel's GPU tests, then the full step checked,
   tail -3 $OUT/mega_tests.log
   timeout 240 python benchmarks/mega_step.py --prof --reps 30 --leads 0 ${MEGA_ARGS:-} \
     --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -32
+fi
+if has megacode; then  # KB-0076's next step: is the megakernel bound by instruction fetch (its code: 224 KB)?
+  timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
+  tail -3 $OUT/mega_tests.log
+  timeout 240 python benchmarks/mega_step.py --prof --reps 20 --leads 0 --inflight 6 --mma 0 \
+    --variants "${MEGA_VARIANTS:-;-DMEGA_FETCH_GROUP=3}" --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -30
+  timeout 200 ncu --clock-control none -k regex:mega_step -c 1 --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats python benchmarks/mega_step.py --reps 1 --leads 0 --mma 0 > $OUT/ncu_mega.txt 2>&1
+  grep -iE "no instruction|stall|warp cycles|issued" $OUT/ncu_mega.txt | head -16
 fi
 if has megaeng; then  # the engine with --megakernel: FP8 batch 1 decode, then the oracle (only if the tests passed)
   timeout 240 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --no-profile --megakernel \

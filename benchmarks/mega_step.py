@@ -27,7 +27,7 @@ from engine_smoke import env_info  # noqa: E402
 
 from metainfer.config import FULL_CONFIG  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
-from metainfer.kernels.mega import build_step, profile  # noqa: E402
+from metainfer.kernels.mega import build_step, launch, profile  # noqa: E402
 from metainfer.kernels.mega import program as P  # noqa: E402
 from metainfer.kernels.mega.launch import MegaKernel  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("--fp8-lm-head", action="store_true")
     ap.add_argument("--leads", default="0,131072,262144",
                     help="L2 leads to time (bytes per CTA prefetched before each routing wait; 0: off)")
+    ap.add_argument("--variants", default="",
+                    help="kernel builds to compare: ';'-separated, each ','-separated -D flags ('': default)")
     ap.add_argument("--arena", default="1", help="output layouts to time: 1 one arena, 0 one allocation each")
     ap.add_argument("--inflight", default="6",
                     help="the producer's chunks in flight to time (MegaKernel.launch)")
@@ -107,7 +109,9 @@ def main() -> int:
     after_engine = snapshot()
     restore(before)
 
-    kernel = MegaKernel("cuda")
+    # the kernel builds compared: name -> -D flags ("base": none)
+    variants = {(v or "base"): tuple(d for d in v.split(",") if d) for v in args.variants.split(";")}
+    kernels = {v: MegaKernel("cuda", defines=d) for v, d in variants.items()}
     bt = torch.zeros(runner.blocks_per_seq, dtype=torch.int32, device="cuda")
     bt[: len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
     logits = torch.zeros(model.cfg.vocab_size, device="cuda")
@@ -118,15 +122,17 @@ def main() -> int:
     prog = next(iter(progs.values()))
     mmas = [int(v) for v in args.mma.split(",")]
     check = {}
-    for mma in mmas:  # each from the saved states
+    for (name, kernel), mma in [(kv, m) for kv in kernels.items() for m in mmas]:  # each from saved states
         restore(before)
         kernel.launch(prog, mma=bool(mma), inflight=int(args.inflight.split(",")[0]))  # (the first listed)
         torch.cuda.synchronize()
         if prog.error():
-            raise SystemExit(f"megakernel (mma {mma}): {prog.error()}")
-        check[f"mma{mma}"] = compare(after_engine, snapshot(), logits, want)
+            raise SystemExit(f"megakernel ({name}, mma {mma}): {prog.error()}")
+        key = f"mma{mma}" + (f"_{name}" if len(kernels) > 1 else "")
+        check[key] = compare(after_engine, snapshot(), logits, want)
     timings = []
-    for (arena, pr), mma in [(ap, m) for ap in progs.items() for m in mmas]:
+    for (name, kernel), (arena, pr), mma in [(kv, ap, m) for kv in kernels.items() for ap in progs.items()
+                                             for m in mmas]:
         for lead, infl in [(int(a), int(b)) for a in args.leads.split(",") for b in args.inflight.split(",")]:
             ms = []
             for i in range(args.reps + 3):
@@ -139,36 +145,41 @@ def main() -> int:
                     ms.append(a.elapsed_time(b))
             ms.sort()
             med = ms[len(ms) // 2]
-            timings.append({"mma": mma, "arena": arena, "lead": lead, "inflight": infl, "ms_median": med,
-                            "ms_min": ms[0], "ms_max": ms[-1], "tok_s": 1e3 / med,
+            timings.append({"variant": name, "mma": mma, "arena": arena, "lead": lead, "inflight": infl,
+                            "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1], "tok_s": 1e3 / med,
                             "pct_of_floor": 100 * pr.bytes / HBM / (med * 1e-3)})
     profiles = {}
     if args.prof:
-        pk = MegaKernel("cuda", prof=True)
-        for (arena, pr), mma in [(ap, m) for ap in progs.items() for m in mmas]:
-            best = min((t for t in timings if t["mma"] == mma and t["arena"] == arena),
-                       key=lambda t: t["ms_median"])
-            buf = profile.record(pk, pr, mma=bool(mma), lead=best["lead"], inflight=best["inflight"])
-            key = f"mma{mma}_arena{arena}"
-            profiles[key] = profile.summarize(buf, pr.instrs, pk.num_sms) | {"inflight": best["inflight"]}
-            if args.json:
-                torch.save(buf.cpu(), args.json.with_name(f"{args.json.stem}_prof_{key}.pt"))
+        for name, defines in variants.items():
+            pk = MegaKernel("cuda", prof=True, defines=defines)
+            for (arena, pr), mma in [(ap, m) for ap in progs.items() for m in mmas]:
+                mine = [t for t in timings if (t["mma"], t["arena"], t["variant"]) == (mma, arena, name)]
+                best = min(mine, key=lambda t: t["ms_median"])
+                buf = profile.record(pk, pr, mma=bool(mma), lead=best["lead"], inflight=best["inflight"])
+                key = f"mma{mma}_arena{arena}" + (f"_{name}" if len(variants) > 1 else "")
+                profiles[key] = profile.summarize(buf, pr.instrs, pk.num_sms) | {"inflight": best["inflight"]}
+                if args.json:
+                    torch.save(buf.cpu(), args.json.with_name(f"{args.json.stem}_prof_{len(profiles)}.pt"))
     restore(before)
     for pr in progs.values():
         if pr.error():
             raise SystemExit(f"megakernel: {pr.error()}")
-    res = {"instructions": len(prog.instrs), "weight_bytes": prog.bytes, "timings": timings, "check": check,
-           "profiles": profiles}
+    code = {name: launch.text_bytes(launch.build(defines=d))  # (the cached cubins)
+            for name, d in variants.items()}
+    res = {"instructions": len(prog.instrs), "weight_bytes": prog.bytes, "code_bytes": code,
+           "timings": timings, "check": check, "profiles": profiles}
     print(f"megakernel step, full config, FP8 (lm_head {'FP8' if args.fp8_lm_head else 'BF16'}), "
           f"{args.prompt_len}-token context, {torch.cuda.get_device_name()}, "
           f"{len(prog.instrs)} instructions, {prog.bytes / 1e9:.3f} GB")
     print("check:", json.dumps(check))
-    print("| consumers | output arena | L2 lead (bytes per CTA) | chunks in flight | ms (median) | tok/s "
-          "| % of 4.3 TB/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("code bytes:", json.dumps(code))
+    print("| variant | consumers | output arena | L2 lead (bytes per CTA) | chunks in flight | ms (median) "
+          "| tok/s | % of 4.3 TB/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for t in timings:
         kind = "tensor cores" if t["mma"] else "CUDA cores"
-        print(f"| {kind} | {t['arena']} | {t['lead']} | {t['inflight']} | {t['ms_median']:.3f} | "
+        print(f"| {t['variant']} | {kind} | {t['arena']} | {t['lead']} | {t['inflight']} | "
+              f"{t['ms_median']:.3f} | "
               f"{t['tok_s']:.0f} | {t['pct_of_floor']:.1f} |")
     for k, sm in profiles.items():
         print(f"\n{k} (profiling build, at its fastest lead and chunks in flight)\n" + profile.table(sm))

@@ -31,3 +31,20 @@ def test_no_spills(tmp_path):
     step = res.stderr[res.stderr.index("'mega_step'"):]
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", step)
     assert frame and int(frame.group(1)) <= 48 and frame.groups()[1:] == ("0", "0"), step[:500]
+
+
+def test_code_size_budget(tmp_path, monkeypatch):
+    """The kernel's code is measured here, so it cannot grow unnoticed. At 2026-12-02 it was 224,000 bytes
+    (KB-0076: several times the SM's instruction cache; the suspected cause of slow cold paths): the slow
+    paths of the polls and waits moved out of line (-85 KB) and the gated norm's per-element work cut
+    (-27 KB)."""
+    monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path))
+    assert launch.text_bytes(launch.build()) <= 230_000
+    small = launch.build(defines=("-DMEGA_FETCH_GROUP=3",))  # a variant: its own cubin, less unrolled code
+    assert small != launch.build() and launch.text_bytes(small) < launch.text_bytes(launch.build())
+
+
+def test_build_refuses_what_is_not_one_define():
+    for bad in ("-O0", "-DA -DB", "MEGA_FETCH_GROUP=3"):
+        with pytest.raises(ValueError, match="-DNAME"):
+            launch.build(defines=(bad,))

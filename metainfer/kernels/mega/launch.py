@@ -31,29 +31,58 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 PROF_FLAGS = ("-DMEGA_PROF=1",)  # the profiling build (profile.py reads what it records)
 
 
-def nvcc_command(out: Path, prof: bool = False) -> list[str]:
+def nvcc_command(out: Path, prof: bool = False, defines: tuple[str, ...] = ()) -> list[str]:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("the megakernel needs nvcc (CUDA 12.4+) on PATH to build mega.cu")
-    return [nvcc, *NVCC_FLAGS, *(PROF_FLAGS if prof else ()), "-o", str(out), str(HERE / "mega.cu")]
+    return [nvcc, *NVCC_FLAGS, *(PROF_FLAGS if prof else ()), *defines, "-o", str(out), str(HERE / "mega.cu")]
 
 
-def build(prof: bool = False) -> Path:
-    """The cubin for the current sources (the profiling build with prof), compiled once per source hash."""
+def build(prof: bool = False, defines: tuple[str, ...] = ()) -> Path:
+    """The cubin for the current sources (the profiling build with prof; extra -D flags in defines, e.g.
+    "-DMEGA_FETCH_GROUP=3" or "-DPOLL_BACKOFF=1"), compiled once per source hash and flags."""
+    for d in defines:
+        if not d.startswith("-D") or any(c.isspace() for c in d):
+            raise ValueError(f"megakernel build: {d!r} is not one -DNAME[=VALUE] flag")
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((HERE / name).read_bytes())
-    h.update(" ".join(NVCC_FLAGS + (PROF_FLAGS if prof else ())).encode())
+    h.update(" ".join(NVCC_FLAGS + (PROF_FLAGS if prof else ()) + tuple(defines)).encode())
     root = Path(os.environ.get(CACHE_ENV, "") or Path.home() / ".cache" / "metainfer") / "mega"
     out = root / f"mega-{h.hexdigest()[:16]}.cubin"
     if not out.is_file():
         root.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run(nvcc_command(tmp, prof), capture_output=True, text=True, timeout=600)
+        res = subprocess.run(nvcc_command(tmp, prof, defines), capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed on mega.cu:\n{res.stderr[-4000:]}")
         tmp.replace(out)
     return out
+
+
+def text_bytes(cubin: Path, kernel: str = "mega_step") -> int:
+    """The size of a kernel's code in a cubin (its .text section, from the ELF section headers). The
+    megakernel's code is several times an SM's instruction cache; this is the figure to keep down."""
+    import struct
+
+    data = cubin.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ValueError(f"{cubin} is not a 64-bit ELF")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:  # name offset, file offset, size
+        name, = struct.unpack_from("<I", data, shoff + i * shentsize)
+        off, size = struct.unpack_from("<QQ", data, shoff + i * shentsize + 0x18)
+        return name, off, size
+
+    _, str_off, _ = header(shstrndx)
+    want = f".text.{kernel}".encode()
+    for i in range(shnum):
+        name, _, size = header(i)
+        if data[str_off + name:].split(b"\0", 1)[0] == want:
+            return size
+    raise ValueError(f"{cubin} has no {want.decode()} section")
 
 
 class _Driver:
@@ -71,9 +100,11 @@ class _Driver:
 
 
 class MegaKernel:
-    """mega.cu loaded on a CUDA device (sm_90); prof: its profiling build (launch(prof=buffer))."""
+    """mega.cu loaded on a CUDA device (sm_90); prof: its profiling build (launch(prof=buffer)); defines:
+    extra -D flags (build)."""
 
-    def __init__(self, device: torch.device | str = "cuda", prof: bool = False) -> None:
+    def __init__(self, device: torch.device | str = "cuda", prof: bool = False,
+                 defines: tuple[str, ...] = ()) -> None:
         self.prof = prof
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report "cuda:N"
@@ -82,7 +113,7 @@ class MegaKernel:
             raise RuntimeError("the megakernel needs a Hopper (sm_90) GPU")
         torch.zeros(1, device=self.device)  # the primary context exists and is current
         self.drv = _Driver()
-        self._image = build(prof).read_bytes()  # kept alive with the module
+        self._image = build(prof, tuple(defines)).read_bytes()  # kept alive with the module
         self.module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self._image)
         self.step_fn, self.const_fn = ctypes.c_void_p(), ctypes.c_void_p()

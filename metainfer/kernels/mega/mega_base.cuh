@@ -56,7 +56,7 @@ constexpr uint32_t WAIT_LIMIT = 1u << 22;
 __device__ uint32_t* g_err;  // state + 2 (the same value from every CTA)
 
 __device__ __forceinline__ bool aborted() { return *reinterpret_cast<volatile uint32_t*>(g_err) != 0; }
-__device__ void give_up(uint32_t code, int instr, uint32_t detail) {
+__device__ __noinline__ void give_up(uint32_t code, int instr, uint32_t detail) {
   if (atomicCAS(g_err, 0u, code) == 0u) {
     g_err[1] = blockIdx.x;
     g_err[2] = (uint32_t)instr;
@@ -101,22 +101,28 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }  // the instruction the producer [0] and the consumers [1] are at
 
-// mbar_wait with the watchdog
-__device__ __forceinline__ void wait_bar(uint64_t* bar, uint32_t parity, uint32_t code, int who, uint32_t detail) {
+// mbar_wait with the watchdog: one try inline, the rest out of line (bar_wait_slow)
+__device__ __forceinline__ bool bar_try(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+__device__ __noinline__ void bar_wait_slow(uint64_t* bar, uint32_t parity, uint32_t code, int who, uint32_t detail) {
   for (uint32_t n = 0;; ++n) {
-    uint32_t ok;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-    if (ok) return;
+    if (bar_try(bar, parity)) return;
     if ((n & 1023u) == 1023u && aborted()) return;
     if (n == WAIT_LIMIT) {
       give_up(code, s_instr[who], detail);
       return;
     }
   }
+}
+__device__ __forceinline__ void wait_bar(uint64_t* bar, uint32_t parity, uint32_t code, int who, uint32_t detail) {
+  if (!bar_try(bar, parity)) bar_wait_slow(bar, parity, code, who, detail);
 }
 
 struct Smem {
@@ -148,7 +154,27 @@ __device__ __forceinline__ float word_value(uint64_t w, int kind) {
                           : __uint_as_float(b);
 }
 
-constexpr int FETCH_GROUP = 9;  // polled elements in flight per thread (x's and add's loads: 18)
+#ifndef MEGA_FETCH_GROUP
+#define MEGA_FETCH_GROUP 9
+#endif
+constexpr int FETCH_GROUP = MEGA_FETCH_GROUP;  // polled elements in flight per thread (x's and add's loads: 18);
+                                               // fewer: less unrolled code (launch.MegaKernel(defines=...))
+
+// word e of y polled until it carries `tag` (the slow path of Source::wait, out of line: inlined at every poll
+// site it made the kernel's code several times the SM's instruction cache)
+__device__ __noinline__ uint64_t poll_until(const uint64_t* y, int e, uint32_t tag) {
+  uint64_t w = ld_relaxed_u64(y + e);
+  for (uint32_t n = 0; static_cast<uint32_t>(w >> 32) != tag; ++n) {
+    if ((n & 255u) == 255u && aborted()) break;
+    if (n == (POLL_BACKOFF ? WAIT_LIMIT / 64 : WAIT_LIMIT)) {  // (with the back-off: about as long as the others)
+      give_up(ERR_DATA, s_instr[1], (uint32_t)e);
+      break;
+    }
+    if (POLL_BACKOFF) __nanosleep(32u << min(n, 3u));
+    w = ld_relaxed_u64(y + e);
+  }
+  return w;
+}
 
 // one source's outputs, polled until they carry this step's tag
 struct Source {
@@ -160,17 +186,8 @@ struct Source {
   // With POLL_BACKOFF a miss backs off (32, 64, 128, then 256 ns between polls), in case thousands of threads
   // spinning on the same few L2 lines (the router's logits, a hop's outputs) queued up everyone else's loads;
   // measured, it did not shorten the step.
-  __device__ uint64_t wait(int e, uint64_t w, uint32_t tag) const {
-    for (uint32_t n = 0; static_cast<uint32_t>(w >> 32) != tag; ++n) {
-      if ((n & 255u) == 255u && aborted()) break;
-      if (n == (POLL_BACKOFF ? WAIT_LIMIT / 64 : WAIT_LIMIT)) {  // (with the back-off: about as long as the others)
-        give_up(ERR_DATA, s_instr[1], (uint32_t)e);
-        break;
-      }
-      if (POLL_BACKOFF) __nanosleep(32u << min(n, 3u));
-      w = ld_relaxed_u64(y + e);
-    }
-    return w;
+  __device__ __forceinline__ uint64_t wait(int e, uint64_t w, uint32_t tag) const {
+    return static_cast<uint32_t>(w >> 32) == tag ? w : poll_until(y, e, tag);  // (a miss: out of line)
   }
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
     return word_value(wait(e, ld_relaxed_u64(y + e), tag), kind);

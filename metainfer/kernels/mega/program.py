@@ -285,6 +285,9 @@ def check(p: list[Instr]) -> None:
                       where, "the gated norm takes x and z from instructions, whole heads")
                 _need(g.norm_w is not None and tuple(g.norm_w.shape) == (g.head_dim,),
                       where, "norm_w [head_dim]")
+                _need(g.head_dim & (g.head_dim - 1) == 0 and 32 <= g.head_dim <= THREADS - 32
+                      and g.k % (THREADS - 32) == 0, where,
+                      "gated: head_dim a power of two in [32, 256], k a multiple of 256 (consumer threads)")
             elif g.norm_w is not None:
                 _need(g.norm_w.dtype == torch.bfloat16 and tuple(g.norm_w.shape) == (g.k,)
                       and g.norm_w.is_contiguous() and g.norm_w.data_ptr() % 16 == 0,
