@@ -155,22 +155,27 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
     float qr[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) qr[j] = q[c.lane * 8 + j];
+    // the cache's positions [lo, hc); this step's (L - 1, from kn and vn) after them, on warp w_last
+    const int hc = last ? L - 1 : hi;
+    const bool w_last = last && (L - 1 - lo) % NCW == c.cw;
     float m = -INFINITY;
 #pragma unroll 4
-    for (int t = lo + c.cw; t < hi; t += NCW) {  // (unrolled: several cache rows in flight per warp)
-      float part = 0.f;
-      if (t == L - 1) {
+    for (int t = lo + c.cw; t < hc; t += NCW) {  // (unrolled: several cache rows in flight per warp)
+      const long long row = (long long)bt[t / bs] * bs + t % bs;
+      float k8[8], part = 0.f;
+      bf16x8(kc + (row * hkv + kvh) * D + c.lane * 8, k8);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) part = fmaf(qr[j], kn[c.lane * 8 + j], part);
-      } else {
-        const long long row = (long long)bt[t / bs] * bs + t % bs;
-        float k8[8];
-        bf16x8(kc + (row * hkv + kvh) * D + c.lane * 8, k8);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) part = fmaf(qr[j], k8[j], part);
-      }
+      for (int j = 0; j < 8; ++j) part = fmaf(qr[j], k8[j], part);
       const float sc = warp_sum(part) * scale;
       if (c.lane == 0) score[t - lo] = sc;
+      m = fmaxf(m, sc);
+    }
+    if (w_last) {
+      float part = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) part = fmaf(qr[j], kn[c.lane * 8 + j], part);
+      const float sc = warp_sum(part) * scale;
+      if (c.lane == 0) score[L - 1 - lo] = sc;
       m = fmaxf(m, sc);
     }
     m = warp_max(m);
@@ -182,19 +187,20 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
     // pass 2: p = exp2(score - m); the sum of p, and bf16(p) times v
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, lsum = 0.f;
 #pragma unroll 4
-    for (int t = lo + c.cw; t < hi; t += NCW) {
+    for (int t = lo + c.cw; t < hc; t += NCW) {
       const float p = exp2f(score[t - lo] - m), pb = bf(p);
       lsum += p;
-      if (t == L - 1) {
+      const long long row = (long long)bt[t / bs] * bs + t % bs;
+      float v8[8];
+      bf16x8(vc + (row * hkv + kvh) * D + c.lane * 8, v8);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, vn[c.lane * 8 + j], acc[j]);
-      } else {
-        const long long row = (long long)bt[t / bs] * bs + t % bs;
-        float v8[8];
-        bf16x8(vc + (row * hkv + kvh) * D + c.lane * 8, v8);
+      for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, v8[j], acc[j]);
+    }
+    if (w_last) {
+      const float p = exp2f(score[L - 1 - lo] - m), pb = bf(p);
+      lsum += p;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, v8[j], acc[j]);
-      }
+      for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, vn[c.lane * 8 + j], acc[j]);
     }
     consumers_sync(CT);  // red's maxima are read
     float* pacc = red + NCW;  // [NCW][D]
