@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -63,8 +64,6 @@ def build(prof: bool = False, defines: tuple[str, ...] = ()) -> Path:
 def text_bytes(cubin: Path, kernel: str = "mega_step") -> int:
     """The size of a kernel's code in a cubin (its .text section, from the ELF section headers). The
     megakernel's code is several times an SM's instruction cache; this is the figure to keep down."""
-    import struct
-
     data = cubin.read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise ValueError(f"{cubin} is not a 64-bit ELF")
@@ -149,11 +148,10 @@ class MegaKernel:
         CTAs' waits on each other need); inside a CUDA-graph capture a plain launch is recorded: one CTA
         per SM with this much shared memory fills each SM alone, so all of them are resident once the SMs
         are free. inflight: the most weight chunks the producer keeps on their way to the ring (1..NSLOTS;
-        the rest of the ring holds landed chunks): every load of a CTA's own waits queues behind the bulk
-        copies in flight to its SM, so fewer in flight cut the dependency hops' latency, down to what the
-        bandwidth needs (Little's law). prof (the profiling build only): an int32 buffer of
-        profile.words(n_instr, grid) words that
-        the step's cycle counts go to (profile.py)."""
+        the rest of the ring holds landed chunks), to test whether the polls queue behind bulk copies in
+        flight to the SM (measured 2026-12-02, 1 to 6: the same step time). prof (the profiling build
+        only): an int32 buffer of profile.words(n_instr, grid) words that the step's cycle counts go to
+        (profile.py)."""
         if program.table.device != self.device:
             raise ValueError("the program lives on another device")
         if (prof is not None) != self.prof:

@@ -22,7 +22,7 @@ constexpr int KMAX = 4608;          // floats of x
 constexpr int SCRATCH = 3072;       // floats of per-op scratch
 constexpr int MAX_SCORES = 1024;    // positions one attention split scores
 constexpr int MAX_EXPERTS = 256;
-constexpr int ROUTE_WORDS = 64;
+constexpr int ROUTE_WORDS = 32;     // the routing: ids [16], weights [16]
 
 enum : int32_t { OP_GEMV = 1, OP_GATE_UP = 2, OP_DOWN = 3, OP_DELTA = 4, OP_ATTEND = 5, OP_COMBINE = 6 };
 enum : int32_t { W_E4M3 = 0, W_BF16 = 1 };
@@ -41,8 +41,8 @@ struct Instr {  // 160 bytes, program.py's 20 words
 };
 static_assert(sizeof(Instr) == 160, "program.py packs 20 words");
 
-constexpr size_t SMEM = (size_t)NSLOTS * SLOT + NSLOTS * SCALE_BYTES + 2 * NSLOTS * sizeof(uint64_t) + KMAX * sizeof(float) +
-                        SCRATCH * sizeof(float) + ROUTE_WORDS * 4;
+constexpr size_t SMEM = (size_t)NSLOTS * SLOT + NSLOTS * SCALE_BYTES + 2 * NSLOTS * sizeof(uint64_t) +
+                        KMAX * sizeof(float) + SCRATCH * sizeof(float) + ROUTE_WORDS * 4;
 
 // The watchdog. Every wait is bounded: past WAIT_LIMIT polls the first thread to give up records what it
 // waited for in err[] (the program's state words 2-5: code, CTA, instruction, detail) and raises the
@@ -64,7 +64,7 @@ __device__ __noinline__ void give_up(uint32_t code, int instr, uint32_t detail) 
     __threadfence();
   }
 }
-__device__ __shared__ int s_instr[2];
+__device__ __shared__ int s_instr[2];  // the instruction the producer [0] and the consumers [1] are at
 
 // The profiling build (MEGA_PROF 1) records, per CTA and instruction, PF_N words of SM cycles (clock64's low
 // 32 bits): the consumers' entry, x staged, exit and chunk waits (consumer thread 0); the producer's entry,
@@ -99,7 +99,7 @@ __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
-}  // the instruction the producer [0] and the consumers [1] are at
+}
 
 // mbar_wait with the watchdog: one try inline, the rest out of line (bar_wait_slow)
 __device__ __forceinline__ bool bar_try(uint64_t* bar, uint32_t parity) {

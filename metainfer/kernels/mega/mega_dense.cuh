@@ -226,7 +226,9 @@ __device__ void op_down(Ctx& c, const Instr& in) {
   consumers_sync(CT);
   prof_x_ready(c);
   // a row's residual: rsm for the first row block, else polled here
-  auto residual = [&](int rb, int row) { return rb == c.first ? rsm[row % 16] : bf(res(row, c.tag) + radd(row, c.tag)); };
+  auto residual = [&](int rb, int row) {
+    return rb == c.first ? rsm[row % 16] : bf(res(row, c.tag) + radd(row, c.tag));
+  };
   const float* wts = reinterpret_cast<const float*>(c.s.route_p) + 16;  // (read after a chunk's wait)
   if (c.mma) {  // each piece one 16-row tile; warp 0's lane r < 16 keeps row r's weighted sum
     const __half* xh = xh_of(c.s, true);

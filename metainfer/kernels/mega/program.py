@@ -35,7 +35,7 @@ KMAX = 4608  # the widest x: 4,096 (out_proj, o_proj), or the 9 experts' 512 (th
 SCRATCH = 3072  # floats of per-op scratch (reductions, attention scores and partial sums)
 MAX_SCORES = 1024  # the most positions one attention split scores (Attend: splits >= seq_len / 1024)
 MAX_EXPERTS = 256  # the router's experts (8 logits per lane of one warp)
-ROUTE_WORDS = 64  # two copies (producer, consumers) of up to 16 (id, weight) slots
+ROUTE_WORDS = 32  # the producer's routing: up to 16 (id, weight) slots (Down's consumers read it)
 N_INTS, N_PTRS = 12, 12
 WORDS = 1 + N_INTS // 2 + 1 + N_PTRS  # 20 words, 160 bytes
 SCALE_BYTES = 256  # per slot: the block scales of the slot's chunk (the producer copies them with it)
@@ -263,6 +263,11 @@ def _e4m3(w: torch.Tensor, ws: torch.Tensor | None, where: str) -> None:
     _need(ws.data_ptr() % 16 == 0, where, "block scales must start 16-byte aligned (bulk copies)")
 
 
+def _norm_w(w: torch.Tensor, n: int, where: str) -> None:
+    _need(w.dtype == torch.bfloat16 and tuple(w.shape) == (n,) and w.is_contiguous()
+          and w.data_ptr() % 16 == 0, where, f"norm_w bf16 [{n}], contiguous, 16-byte aligned")
+
+
 def check(p: list[Instr]) -> None:
     """Raises ValueError where an instruction breaks one of mega.cu's rules."""
     _need(len(p) > 0, "program", "empty")
@@ -289,9 +294,7 @@ def check(p: list[Instr]) -> None:
                       and g.k % (THREADS - 32) == 0, where,
                       "gated: head_dim a power of two in [32, 256], k a multiple of 256 (consumer threads)")
             elif g.norm_w is not None:
-                _need(g.norm_w.dtype == torch.bfloat16 and tuple(g.norm_w.shape) == (g.k,)
-                      and g.norm_w.is_contiguous() and g.norm_w.data_ptr() % 16 == 0,
-                      where, "norm_w bf16 [k], contiguous, 16-byte aligned (read 8 at a time)")
+                _norm_w(g.norm_w, g.k, where)
             if g.add is not None:
                 _need(g.gated or g.norm_w is not None, where, "add goes with a norm prologue")
                 _src(p, i, g.add, g.k, where, bf16=True)
@@ -314,9 +317,7 @@ def check(p: list[Instr]) -> None:
             _need(g.logits.off == 0, where, "logits: the router's outputs from 0")
             _need(1 <= g.top_k < E1 and E1 - 1 <= MAX_EXPERTS and g.top_k + 1 <= 16, where, "top_k, experts")
             _need(16 * H <= SLOT, where, "8 gate + 8 up rows must fill at most a slot")
-            _need(g.norm_w.dtype == torch.bfloat16 and tuple(g.norm_w.shape) == (H,)
-                  and g.norm_w.is_contiguous() and g.norm_w.data_ptr() % 16 == 0,
-                  where, "norm_w bf16 [H], contiguous, 16-byte aligned")
+            _norm_w(g.norm_w, H, where)
         elif isinstance(g, Down):
             _e4m3(g.w, g.ws, where)
             E1, H, I = g.w.shape
