@@ -146,9 +146,11 @@
 #            (MEGA_STEP=0 skips the full-config runs)
 #   megaprof - the megakernel's GPU tests, then mega_step.py --prof (the full step checked, timed and profiled:
 #            where each instruction group's time goes, profile.py), ~2 min
-#   megacode - (KB-0076 next) the GPU tests; mega_step.py --prof for the default build and MEGA_VARIANTS (less
-#            unrolled code: -DMEGA_FETCH_GROUP=3); then ncu's warp stall reasons on one step ("no instruction":
-#            the SM waiting for code), ~5 min
+#   megacode - (KB-0076/77) the GPU tests; mega_step.py --prof for the default build and MEGA_VARIANTS (less
+#            unrolled code: -DMEGA_FETCH_GROUP=2), both consumer kinds (MEGA_MMAS); with NCU=1 then ncu's warp
+#            stall reasons on one step ("no instruction": the SM waiting for code), ~4 min
+#   megasrc - ncu's source counters on one megakernel step: warp stalls and instructions per SASS address
+#            ($OUT/mega_source.csv; map addresses to ops with the same build's nvdisasm), ~2 min
 #   megaeng - the engine with --megakernel (after `mega` passes): FP8 batch-1 decode (decode_bench), then
 #            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
@@ -733,11 +735,21 @@ fi
 if has megacode; then  # KB-0076's next step: is the megakernel bound by instruction fetch (its code: 224 KB)?
   timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
   tail -3 $OUT/mega_tests.log
-  timeout 240 python benchmarks/mega_step.py --prof --reps 20 --leads 0 --inflight 6 --mma 0 \
-    --variants "${MEGA_VARIANTS:-;-DMEGA_FETCH_GROUP=3}" --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -30
-  timeout 200 ncu --clock-control none -k regex:mega_step -c 1 --section WarpStateStats --section SchedulerStats \
-    --section InstructionStats python benchmarks/mega_step.py --reps 1 --leads 0 --mma 0 > $OUT/ncu_mega.txt 2>&1
-  grep -iE "no instruction|stall|warp cycles|issued" $OUT/ncu_mega.txt | head -16
+  timeout 300 python benchmarks/mega_step.py --prof --reps 20 --leads ${MEGA_LEADS:-0} --inflight 6 --mma ${MEGA_MMAS:-0,1} \
+    --variants "${MEGA_VARIANTS:-;-DMEGA_FETCH_GROUP=2}" --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -40
+  if [[ ${NCU:-0} == 1 ]]; then
+    timeout 200 ncu --clock-control none -k regex:mega_step -c 1 --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats python benchmarks/mega_step.py --reps 1 --leads 0 --mma 0 > $OUT/ncu_mega.txt 2>&1
+    grep -iE "no instruction|stall|warp cycles|issued" $OUT/ncu_mega.txt | head -16
+  fi
+fi
+if has megasrc; then  # where the megakernel's warps stall, per SASS instruction (ncu's source counters), ~2 min
+  timeout 240 ncu --clock-control none -k regex:mega_step -c 1 --section SourceCounters --section WarpStateStats \
+    -o $OUT/mega_src python benchmarks/mega_step.py --reps 1 --leads 0 --mma 0 > $OUT/ncu_src.log 2>&1
+  tail -3 $OUT/ncu_src.log
+  ncu --import $OUT/mega_src.ncu-rep --page source --csv --print-source sass > $OUT/mega_source.csv 2>&1
+  ncu --import $OUT/mega_src.ncu-rep --page raw --csv > $OUT/mega_raw.csv 2>&1
+  wc -c $OUT/mega_source.csv $OUT/mega_raw.csv; head -c 600 $OUT/mega_source.csv
 fi
 if has megaeng; then  # the engine with --megakernel: FP8 batch 1 decode, then the oracle (only if the tests passed)
   timeout 240 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --no-profile --megakernel \

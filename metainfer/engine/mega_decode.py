@@ -43,13 +43,14 @@ class MegaDecode:
                                            splits=splits_for(max_model_len))
         self.program = P.Program(instrs, step=self.step_vec)
         self.kernel = None
+        self.mma = os.environ.get(MMA_ENV, "0") == "1"  # the tensor-core consumers (MegaKernel.launch)
         if device.type == "cuda":
             from metainfer.kernels.mega.launch import MegaKernel
 
             self.kernel = MegaKernel(device)
+            self.kernel.load(self.mma)  # that build now, not at a first launch inside a graph capture
         self.steps = 0  # steps served
         self._table: list[int] | None = None  # the block ids now in block_table
-        self.mma = os.environ.get(MMA_ENV, "0") == "1"  # the tensor-core consumers (MegaKernel.launch)
         self.lead = int(os.environ.get(LEAD_ENV, "0") or 0)  # the L2 lead, bytes per CTA
 
     def run(self, token: int | None, position: int, block_ids: list[int], state_slot: int,

@@ -69,7 +69,7 @@ def _gemv_chain(seed=0):
         P.Gemv(w2, P.Src(0), ws=s2, out=P.OUT_F32),
         P.Gemv(_bf16(257, 2048, g=g, scale=0.05), P.Src(0), norm_w=_bf16(2048, g=g, scale=0.1)),
         P.Gemv(_bf16(2048, 2048, g=g, scale=0.05), P.Src(1), norm_w=_bf16(2048, g=g, scale=0.1),
-               add=P.Src(0, 7)),
+               add=P.Src(0, 6)),  # (staged sources are read in pairs of words: offsets even)
         P.Gemv(w5, P.Src(4), ws=s5, norm_w=_bf16(2048, g=g, scale=0.1), eps=1e-5, out=P.OUT_PLAIN_F32,
                plain_out=logits),
     ]

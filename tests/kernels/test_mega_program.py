@@ -108,10 +108,21 @@ def _bad(case):
     if case == "routing":  # Down's activations from a GateUp of another routing
         m = _moe()
         return [*m[:3], P.Down(m[3].w, m[3].ws, P.Src(2), P.Src(1), m[3].res, P.Src(0), top_k=3)]
+    if case == "odd_offset":  # x staged in pairs of words (16-byte loads) from an odd offset
+        wb, sb = _e4m3(1024, 2048)
+        w8, s8 = _e4m3(8, 512)
+        return [P.Gemv(wb, x, ws=sb), P.Gemv(w8, P.Src(0, off=1), ws=s8)]
+    if case == "kv_block":  # a KV block of 12 positions (the kernel indexes blocks by shifts)
+        wq, sq = _e4m3(2 * 2 * 256 + 2 * 256, 2048)
+        cache = torch.zeros(4, 12, 1, 256, dtype=torch.bfloat16)
+        attend = P.Attend(P.Src(0), cache, cache.clone(), _bf16(256), _bf16(256), torch.ones(32),
+                          torch.zeros(4, dtype=torch.int32), hq=2, splits=1)
+        return [P.Gemv(wq, x, ws=sq), attend]
     raise AssertionError(case)
 
 
-BAD = ["k", "row_bytes", "scales", "forward", "slice", "norm_fp32", "dtype", "plain", "routing"]
+BAD = ["k", "row_bytes", "scales", "forward", "slice", "norm_fp32", "dtype", "plain", "routing", "odd_offset",
+       "kv_block"]
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -30,6 +30,7 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 PROF_FLAGS = ("-DMEGA_PROF=1",)  # the profiling build (profile.py reads what it records)
+MMA_FLAG = "-DMEGA_MMA=1"  # the tensor-core consumers' build (launch(mma=True))
 
 
 def nvcc_command(out: Path, prof: bool = False, defines: tuple[str, ...] = ()) -> list[str]:
@@ -100,11 +101,13 @@ class _Driver:
 
 class MegaKernel:
     """mega.cu loaded on a CUDA device (sm_90); prof: its profiling build (launch(prof=buffer)); defines:
-    extra -D flags (build)."""
+    extra -D flags (build). Each consumer kind is its own build (MMA_FLAG: the tensor cores), loaded at its
+    first launch: one kernel holding both had the larger code (KB-0077)."""
 
     def __init__(self, device: torch.device | str = "cuda", prof: bool = False,
                  defines: tuple[str, ...] = ()) -> None:
         self.prof = prof
+        self.defines = tuple(defines)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report "cuda:N"
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -112,15 +115,21 @@ class MegaKernel:
             raise RuntimeError("the megakernel needs a Hopper (sm_90) GPU")
         torch.zeros(1, device=self.device)  # the primary context exists and is current
         self.drv = _Driver()
-        self._image = build(prof, tuple(defines)).read_bytes()  # kept alive with the module
-        self.module = ctypes.c_void_p()
-        self.drv("cuModuleLoadData", ctypes.byref(self.module), self._image)
-        self.step_fn, self.const_fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self.drv("cuModuleGetFunction", ctypes.byref(self.step_fn), self.module, b"mega_step")
-        self.drv("cuModuleGetFunction", ctypes.byref(self.const_fn), self.module, b"mega_constants")
-        self.drv("cuFuncSetAttribute", self.step_fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, P.SMEM)
+        self._loaded: dict[bool, tuple] = {}  # mma -> (image, module, step function): kept alive together
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.load(False)
         self._check_constants()
+
+    def load(self, mma: bool) -> ctypes.c_void_p:
+        """The step function of the build with these consumers (built and loaded once)."""
+        if mma not in self._loaded:
+            image = build(self.prof, self.defines + ((MMA_FLAG,) if mma else ())).read_bytes()
+            module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+            self.drv("cuModuleLoadData", ctypes.byref(module), image)
+            self.drv("cuModuleGetFunction", ctypes.byref(fn), module, b"mega_step")
+            self.drv("cuFuncSetAttribute", fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, P.SMEM)
+            self._loaded[mma] = (image, module, fn)
+        return self._loaded[mma][2]
 
     def _launch(self, fn, grid: int, block: int, smem: int, args: list, cooperative: bool) -> None:
         """args: ctypes values (c_void_p for pointers), in the kernel's parameter order."""
@@ -132,8 +141,11 @@ class MegaKernel:
         self.drv(name, fn, grid, 1, 1, block, 1, 1, smem, stream, params, *extra)
 
     def _check_constants(self) -> None:
+        module = self._loaded[False][1]
+        fn = ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(fn), module, b"mega_constants")
         out = torch.zeros(8, dtype=torch.int64, device=self.device)
-        self._launch(self.const_fn, 1, 1, 0, [ctypes.c_void_p(out.data_ptr())], cooperative=False)
+        self._launch(fn, 1, 1, 0, [ctypes.c_void_p(out.data_ptr())], cooperative=False)
         got = out.tolist()
         want = [P.THREADS, P.SMEM, P.SLOT, P.KMAX, P.WORDS * 8, P.SCRATCH, P.MAX_SCORES, P.SCALE_BYTES]
         if got != want:
@@ -143,7 +155,8 @@ class MegaKernel:
                prof: torch.Tensor | None = None) -> None:
         """One step: every instruction of `program`, in order, on the current stream. lead: bytes per CTA
         of the next dense chunks prefetched into L2 before each routing wait (0: off; mega.cu's l2_lead).
-        mma: the e4m3 dots of 16-row tiles (K <= 2048, the experts) on the tensor cores (tile_mma).
+        mma: the e4m3 dots of 16-row tiles (K <= 2048, the experts) on the tensor cores (tile_mma; that
+        build is loaded at its first launch, or by load(True) before a graph capture).
         Eager launches are cooperative (the driver guarantees every CTA is resident at once, which the
         CTAs' waits on each other need); inside a CUDA-graph capture a plain launch is recorded: one CTA
         per SM with this much shared memory fills each SM alone, so all of them are resident once the SMs
@@ -160,7 +173,7 @@ class MegaKernel:
                                  or prof.numel() < profile.words(len(program.instrs), self.num_sms)):
             raise ValueError("the profile buffer is not an int32 tensor of profile.words() on this device")
         args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
-                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead), ctypes.c_int(int(mma)),
-                ctypes.c_uint32(inflight), ctypes.c_void_p(0 if prof is None else prof.data_ptr())]
+                ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead), ctypes.c_uint32(inflight),
+                ctypes.c_void_p(0 if prof is None else prof.data_ptr())]
         capturing = torch.cuda.is_current_stream_capturing()
-        self._launch(self.step_fn, self.num_sms, P.THREADS, P.SMEM, args, cooperative=not capturing)
+        self._launch(self.load(bool(mma)), self.num_sms, P.THREADS, P.SMEM, args, cooperative=not capturing)

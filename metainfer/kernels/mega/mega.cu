@@ -7,8 +7,8 @@
 // mbarriers). Dense weights never wait; the experts' wait for the routing, which the producer warp
 // recomputes from the router's logits. Warps 1..NCW are consumers: per instruction they build x in
 // shared memory (sources polled, then the prologue), reduce the ring's chunks (on the CUDA cores, or on the
-// tensor cores with launch mma = 1) and store each output; the recurrent-state and attention instructions
-// read their state and cache directly.
+// tensor cores in the MEGA_MMA build: launch mma = True) and store each output; the recurrent-state and
+// attention instructions read their state and cache directly.
 //
 // The parts, in include order: mega_base.cuh (layout, watchdog, polled sources), mega_math.cuh (norms,
 // dots, routing), mega_producer.cuh (work units, ring, weight streams), mega_dense.cuh (GEMV, the
@@ -38,7 +38,7 @@
 using namespace mega;
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
-    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* state, uint32_t lead, int mma, uint32_t inflight,
+    mega_step(const Instr* __restrict__ prog, int n_instr, uint32_t* state, uint32_t lead, uint32_t inflight,
               uint32_t* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
   Smem s;
@@ -70,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (warp == 0) {
     producer(prog, n_instr, tag, lead, s, lane);
   } else {
-    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, 0, mma};
+    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, 0};
     uint32_t base = 0;
     for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
       const Instr& in = prog[i];

@@ -10,6 +10,9 @@
 #ifndef MEGA_PROF
 #define MEGA_PROF 0  // 1: the profiling build (launch.MegaKernel(prof=True)); see profile.py
 #endif
+#ifndef MEGA_MMA
+#define MEGA_MMA 0  // 1: the tensor-core consumers (tile_mma; launch(mma=True) loads that build). One kind per
+#endif              // build: both in one kernel made its code larger than the SM's instruction cache (KB-0077)
 
 namespace mega {
 constexpr int NCW = 8;              // consumer warps per CTA
@@ -23,6 +26,11 @@ constexpr int SCRATCH = 3072;       // floats of per-op scratch
 constexpr int MAX_SCORES = 1024;    // positions one attention split scores
 constexpr int MAX_EXPERTS = 256;
 constexpr int ROUTE_WORDS = 32;     // the routing: ids [16], weights [16]
+constexpr bool MMA = MEGA_MMA != 0;  // the e4m3 dots of 16-row tiles on the tensor cores (tile_mma)
+#ifndef MEGA_EVICT_FIRST
+#define MEGA_EVICT_FIRST 0  // bit 0: the weights' bulk copies evict-first in L2; bit 1: the DeltaNet state's loads and
+#endif                      // stores streaming (evict-first), so neither pushes the step's activations out of L2
+constexpr bool EVICT_WEIGHTS = (MEGA_EVICT_FIRST & 1) != 0, EVICT_STATE = (MEGA_EVICT_FIRST & 2) != 0;
 
 enum : int32_t { OP_GEMV = 1, OP_GATE_UP = 2, OP_DOWN = 3, OP_DELTA = 4, OP_ATTEND = 5, OP_COMBINE = 6 };
 enum : int32_t { W_E4M3 = 0, W_BF16 = 1 };
@@ -155,9 +163,9 @@ __device__ __forceinline__ float word_value(uint64_t w, int kind) {
 }
 
 #ifndef MEGA_FETCH_GROUP
-#define MEGA_FETCH_GROUP 9
+#define MEGA_FETCH_GROUP 3  // (9 at 2026-12-02: 2.85 ms a step; 3, with 42 KB less code: 2.60 ms; KB-0077)
 #endif
-constexpr int FETCH_GROUP = MEGA_FETCH_GROUP;  // polled elements in flight per thread (x's and add's loads: 18);
+constexpr int FETCH_GROUP = MEGA_FETCH_GROUP;  // polled elements in flight per thread (x's and add's loads: 6);
                                                // fewer: less unrolled code (launch.MegaKernel(defines=...))
 
 // word e of y polled until it carries `tag` (the slow path of Source::wait, out of line: inlined at every poll
@@ -192,9 +200,9 @@ struct Source {
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
     return word_value(wait(e, ld_relaxed_u64(y + e), tag), kind);
   }
-  // elements e0 + j * stride (j < n <= N) into v[] (ADD: bf16(v[j] + element)), FETCH_GROUP loads issued
-  // before any is waited for: a thread's words cost ceil(n / FETCH_GROUP) L2 round trips, not n
-  template <bool ADD = false, int N>
+  // elements e0 + j * stride (j < n <= N) into v[], FETCH_GROUP loads issued before any is waited for: a
+  // thread's words cost ceil(n / FETCH_GROUP) L2 round trips, not n
+  template <int N>
   __device__ __forceinline__ void fetch(int e0, int stride, int n, float (&v)[N], uint32_t tag) const {
 #pragma unroll
     for (int g0 = 0; g0 < N; g0 += FETCH_GROUP) {
@@ -204,11 +212,19 @@ struct Source {
         w[j] = g0 + j < N && g0 + j < n ? ld_relaxed_u64(y + e0 + (g0 + j) * stride) : 0ull;
 #pragma unroll
       for (int j = 0; j < FETCH_GROUP; ++j)
-        if (g0 + j < N && g0 + j < n) {
-          const float u = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
-          v[g0 + j] = ADD ? bf(v[g0 + j] + u) : u;
-        }
+        if (g0 + j < N && g0 + j < n) v[g0 + j] = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
     }
+  }
+  // the issue half of a pair fetch: elements 2q, 2q + 1 (q = q0 + j * stride, j < n <= FETCH_GROUP) in one
+  // 16-byte load each (y and the offset even: program.py), all in flight -> w[2j], w[2j + 1]
+  __device__ __forceinline__ void issue_pairs(int q0, int stride, int n, uint64_t (&w)[2 * FETCH_GROUP]) const {
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) ld_relaxed_v2(y + 2 * (q0 + j * stride), w[2 * j], w[2 * j + 1]);
+  }
+  // the wait half: element 2q + h's value (j, h: its place in w) once it carries `tag`
+  __device__ __forceinline__ float pair_value(int q0, int stride, int j, int h, uint64_t w, uint32_t tag) const {
+    return word_value(wait(2 * (q0 + j * stride) + h, w, tag), kind);
   }
 };
 
@@ -228,45 +244,46 @@ struct XIn {
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
     return kind == X_SRC ? src(e, tag) : __bfloat162float(vec[e]);
   }
-  template <int N>
-  __device__ __forceinline__ void fetch(int e0, int stride, int m, float (&v)[N], uint32_t tag) const {
-    if (kind == X_SRC) {
-      src.fetch(e0, stride, m, v, tag);
-      return;
-    }
+  // elements 2q, 2q + 1 for q = q0 + j * stride (j < n <= FETCH_GROUP) -> v[2j], v[2j + 1]: a source's in one
+  // 16-byte load each, all in flight before any is waited for; a vector's as bf16 pairs
+  __device__ __forceinline__ void fetch_pairs(int q0, int stride, int n, float (&v)[2 * FETCH_GROUP],
+                                              uint32_t tag) const {
+    uint64_t w[2 * FETCH_GROUP];
+    if (kind == X_SRC) src.issue_pairs(q0, stride, n, w);
 #pragma unroll
-    for (int j = 0; j < N; ++j)
-      if (j < m) v[j] = __bfloat162float(vec[e0 + j * stride]);
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        if (kind == X_SRC) {
+          v[2 * j] = src.pair_value(q0, stride, j, 0, w[2 * j], tag);
+          v[2 * j + 1] = src.pair_value(q0, stride, j, 1, w[2 * j + 1], tag);
+        } else {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vec + 2 * (q0 + j * stride)));
+          v[2 * j] = f.x, v[2 * j + 1] = f.y;
+        }
+      }
   }
 };
 
-// x's elements ct + j * CT (j < ceil((K - ct) / CT)), plus add's rounded to bf16 where given, FETCH_GROUP at a
-// time, every load of a group (x's and add's) issued before any is waited for -> into xs (fp32, permuted: xpos),
-// or with F16 into xh (f16, in order); returns this thread's sum of their squares
+// x's elements (pairs 2q, 2q + 1 for q = ct + j * CT, j < K / 512; K a multiple of 512: program.py), plus add's
+// rounded to bf16 where given, FETCH_GROUP pairs at a time, every load of a group (x's and add's, 16 bytes each)
+// issued before any is waited for -> into xs (fp32, permuted: xpos), or with F16 into xh (f16, in order);
+// returns this thread's sum of their squares
 template <bool F16 = false>
 __device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, uint32_t tag, int ct,
                            __half* xh = nullptr) {
   float ss = 0.f;
-  const int m = (K - ct + CT - 1) / CT;
+  const int m = K / (2 * CT);
   for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {
-    const int n = min(FETCH_GROUP, m - g0);
-    uint64_t wx[FETCH_GROUP], wa[FETCH_GROUP];
-    float v[FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0), q0 = ct + g0 * CT;
+    uint64_t wa[2 * FETCH_GROUP];
+    if (add) add->issue_pairs(q0, CT, n, wa);  // (in flight while x's are fetched)
+    float v[2 * FETCH_GROUP];
+    x.fetch_pairs(q0, CT, n, v, tag);
 #pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j) {
-      const int e = ct + (g0 + j) * CT;
-      if (j < n) {
-        if (x.kind == X_SRC) wx[j] = ld_relaxed_u64(x.src.y + e);
-        else v[j] = __bfloat162float(x.vec[e]);
-        if (add) wa[j] = ld_relaxed_u64(add->y + e);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
-      if (j < n) {
-        const int e = ct + (g0 + j) * CT;
-        if (x.kind == X_SRC) v[j] = word_value(x.src.wait(e, wx[j], tag), x.src.kind);
-        if (add) v[j] = bf(v[j] + word_value(add->wait(e, wa[j], tag), add->kind));
+    for (int j = 0; j < 2 * FETCH_GROUP; ++j)
+      if (j / 2 < n) {
+        const int e = 2 * (q0 + (j / 2) * CT) + j % 2;
+        if (add) v[j] = bf(v[j] + add->pair_value(q0, CT, j / 2, j % 2, wa[j], tag));
         if (F16) xh[e] = __float2half_rn(v[j]);
         else xs[xpos(e)] = v[j];
         ss += v[j] * v[j];

@@ -13,7 +13,6 @@ struct Ctx {
   int ct, cw, lane;
   uint32_t it;
   int first;  // this CTA's first unit of the current instruction (first_unit)
-  int mma;    // the tensor-core consumers (tile_mma) where an instruction allows them
   uint32_t waited = 0, chunks = 0;  // (the profiling build) this instruction's cycles waiting for chunks, chunks
 };
 // (the profiling build) consumer thread 0 marks x staged
@@ -22,8 +21,8 @@ __device__ __forceinline__ void prof_x_ready(const Ctx& c) {
 }
 
 // whether an instruction's e4m3 dots run on tile_mma (16-row tiles, K <= 2048)
-__device__ __forceinline__ bool mma_path(const Ctx& c, const Instr& in) {
-  return c.mma && (in.op == OP_GATE_UP || in.op == OP_DOWN || (in.i[0] == W_E4M3 && in.i[2] <= 2048));
+__device__ __forceinline__ bool mma_path(const Instr& in) {
+  return MMA && (in.op == OP_GATE_UP || in.op == OP_DOWN || (in.i[0] == W_E4M3 && in.i[2] <= 2048));
 }
 
 __device__ __forceinline__ const uint8_t* next_chunk(Ctx& c) {
@@ -108,7 +107,7 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
   consumers_sync(CT);
   prof_x_ready(c);
   const int rb = K * (wtype == W_BF16 ? 2 : 1), rpc = gemv_rpc(in);
-  if (mma_path(c, in)) {  // 16-row tiles on the tensor cores; lane r < 16 of warp (tile % NCW) stores row r
+  if (mma_path(in)) {  // 16-row tiles on the tensor cores; lane r < 16 of warp (tile % NCW) stores row r
     stage_f16(c.s, K, c.ct);
     const __half* xh = xh_of(c.s, false);
     int buf = 0;
@@ -167,7 +166,7 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
              c.lane);
   consumers_sync(CT);
   prof_x_ready(c);
-  if (c.mma) {  // each chunk one 16-row tile: gate rows 0-7, up rows 8-15; warp 0's lanes 0-7 store
+  if constexpr (MMA) {  // each chunk one 16-row tile: gate rows 0-7, up rows 8-15; warp 0's lanes 0-7 store
     stage_f16(c.s, H, c.ct);
     const __half* xh = xh_of(c.s, false);
     int buf = 0;
@@ -182,17 +181,17 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
         store_word(ptr<uint64_t>(in.p[4]), j * I + 8 * b + c.lane, v / (1.f + __expf(-v)) * u, OUT_BF16, c.tag);
       release_chunk(c);
     }
-    return;
-  }
-  for (int ch = c.first; ch < n; ch += gridDim.x) {
-    const uint8_t* chunk = next_chunk(c);
-    const int j = ch / nb, b = ch % nb, rg = 8 * b + c.cw;  // this warp's gate row (and up row I + rg) of slot j
-    const float* ws_g = slot_scales(c.s, c.it);  // the gate rows' scale row, then the up rows'
-    const float2 gu = row_dot2(chunk + (size_t)c.cw * H, chunk + (size_t)(8 + c.cw) * H, H, ws_g, ws_g + kb, c.s.xs,
-                               c.lane);
-    if (c.lane == 0)
-      store_word(ptr<uint64_t>(in.p[4]), j * I + rg, gu.x / (1.f + __expf(-gu.x)) * gu.y, OUT_BF16, c.tag);
-    release_chunk(c);
+  } else {
+    for (int ch = c.first; ch < n; ch += gridDim.x) {
+      const uint8_t* chunk = next_chunk(c);
+      const int j = ch / nb, b = ch % nb, rg = 8 * b + c.cw;  // this warp's gate row (and up row I + rg) of slot j
+      const float* ws_g = slot_scales(c.s, c.it);  // the gate rows' scale row, then the up rows'
+      const float2 gu = row_dot2(chunk + (size_t)c.cw * H, chunk + (size_t)(8 + c.cw) * H, H, ws_g, ws_g + kb, c.s.xs,
+                                 c.lane);
+      if (c.lane == 0)
+        store_word(ptr<uint64_t>(in.p[4]), j * I + rg, gu.x / (1.f + __expf(-gu.x)) * gu.y, OUT_BF16, c.tag);
+      release_chunk(c);
+    }
   }
 }
 
@@ -213,7 +212,7 @@ __device__ void op_down(Ctx& c, const Instr& in) {
     if (res.kind == X_SRC) w_res = ld_relaxed_u64(res.src.y + c.first * 16 + c.ct);
     w_add = ld_relaxed_u64(radd.y + c.first * 16 + c.ct);
   }
-  if (c.mma) {
+  if constexpr (MMA) {
     stage_raw<true>(act, nullptr, slots * I, nullptr, c.tag, c.ct, xh_of(c.s, true));  // straight into f16
   } else {
     stage_raw(act, nullptr, slots * I, c.s.xs, c.tag, c.ct);
@@ -230,7 +229,7 @@ __device__ void op_down(Ctx& c, const Instr& in) {
     return rb == c.first ? rsm[row % 16] : bf(res(row, c.tag) + radd(row, c.tag));
   };
   const float* wts = reinterpret_cast<const float*>(c.s.route_p) + 16;  // (read after a chunk's wait)
-  if (c.mma) {  // each piece one 16-row tile; warp 0's lane r < 16 keeps row r's weighted sum
+  if constexpr (MMA) {  // each piece one 16-row tile; warp 0's lane r < 16 keeps row r's weighted sum
     const __half* xh = xh_of(c.s, true);
     int buf = 0;
     for (int rb = c.first; rb < H / 16; rb += gridDim.x) {
@@ -249,25 +248,25 @@ __device__ void op_down(Ctx& c, const Instr& in) {
       if (c.cw == 0 && c.lane < 16)
         store_word(ptr<uint64_t>(in.p[4]), row, bf(acc) + residual(rb, row), OUT_BF16, c.tag);
     }
-    return;
-  }
-  for (int rb = c.first; rb < H / 16; rb += gridDim.x) {
-    const int row = rb * 16 + c.cw + 8 * c.lane;  // (lanes 0 and 1: rows cw and cw + 8)
-    float acc0 = 0.f, acc1 = 0.f;  // rows rb * 16 + cw and + 8 (every lane holds them)
-    for (int g = 0; g < down_groups(in); ++g) {
-      const uint8_t* chunk = next_chunk(c);
-      for (int j = g * per; j < min(slots, g * per + per); ++j) {
-        const uint8_t* piece = chunk + (size_t)(j - g * per) * 16 * I;
-        const float* wsr = slot_scales(c.s, c.it) + (j - g * per) * kb;  // piece j's scale row (its 16 rows)
-        const float2 y = row_dot2(piece + (size_t)c.cw * I, piece + (size_t)(8 + c.cw) * I, I, wsr, wsr,
-                                  c.s.xs + j * I, c.lane);
-        acc0 = fmaf(wts[j], y.x, acc0);
-        acc1 = fmaf(wts[j], y.y, acc1);
+  } else {
+    for (int rb = c.first; rb < H / 16; rb += gridDim.x) {
+      const int row = rb * 16 + c.cw + 8 * c.lane;  // (lanes 0 and 1: rows cw and cw + 8)
+      float acc0 = 0.f, acc1 = 0.f;  // rows rb * 16 + cw and + 8 (every lane holds them)
+      for (int g = 0; g < down_groups(in); ++g) {
+        const uint8_t* chunk = next_chunk(c);
+        for (int j = g * per; j < min(slots, g * per + per); ++j) {
+          const uint8_t* piece = chunk + (size_t)(j - g * per) * 16 * I;
+          const float* wsr = slot_scales(c.s, c.it) + (j - g * per) * kb;  // piece j's scale row (its 16 rows)
+          const float2 y = row_dot2(piece + (size_t)c.cw * I, piece + (size_t)(8 + c.cw) * I, I, wsr, wsr,
+                                    c.s.xs + j * I, c.lane);
+          acc0 = fmaf(wts[j], y.x, acc0);
+          acc1 = fmaf(wts[j], y.y, acc1);
+        }
+        release_chunk(c);
       }
-      release_chunk(c);
+      if (c.lane < 2)
+        store_word(ptr<uint64_t>(in.p[4]), row, bf(c.lane ? acc1 : acc0) + residual(rb, row), OUT_BF16, c.tag);
     }
-    if (c.lane < 2)
-      store_word(ptr<uint64_t>(in.p[4]), row, bf(c.lane ? acc1 : acc0) + residual(rb, row), OUT_BF16, c.tag);
   }
 }
 }  // namespace mega

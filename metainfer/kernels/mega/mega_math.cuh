@@ -25,29 +25,30 @@ __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16*
 }
 
 // the DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z;
-// thread ct holds elements ct + j * CT, so head h's hd values sit on hd / 32 warps (hd divides CT): their
-// sums of squares meet in red[h * (hd / 32) + w], then each head's 1 / rms in rstd[h]. hd is a power of two
-// (program.py). The norm weights [hd] go to shared memory while x is polled. (The per-element work is kept
-// small: this function was 66 KB of code, 4,100 instructions, with each head's sum and division redone
-// per element.)
+// thread ct holds the pairs 2q, 2q + 1 for q = ct + j * CT, so a warp's 64 values lie in one head (hd >= 64)
+// and head h's hd values on hd / 64 warps: their sums of squares meet in red[h * (hd / 64) + w], then each
+// head's 1 / rms in rstd[h]. hd is a power of two (program.py). The norm weights [hd] go to shared memory
+// while x is polled. (The per-element work is kept small: this function was 66 KB of code, 4,100
+// instructions, with each head's sum and division redone per element.)
 __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
                             uint32_t tag, const Smem& s, int ct, int cw, int lane) {
-  const int m = K / CT, wph = hd / 32, sh = __ffs(hd) - 1, nh = K / hd;
+  const int m = K / (2 * CT), wph = hd / 64, sh = __ffs(hd) - 1, nh = K / hd;
   float* red = s.sc;                   // [nh * wph]
   float* rstd = s.sc + 1024;           // [nh]
   float* wsm = s.sc + SCRATCH - hd;    // [hd]
-  if (ct < hd) wsm[ct] = bf_at(nw, ct);
+  for (int e = ct; e < hd; e += CT) wsm[e] = bf_at(nw, e);
   for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // the core values, and each head's sums of squares
-    float v[FETCH_GROUP];
-    const int n = min(FETCH_GROUP, m - g0);
-    x.fetch(ct + g0 * CT, CT, n, v, tag);
+    float v[2 * FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0), q0 = ct + g0 * CT;
+    x.fetch_pairs(q0, CT, n, v, tag);
     prof_mark(ct, g0 == 0 ? PF_S1 : PF_S2);
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) {
-        const int e = ct + (g0 + j) * CT;
-        s.xs[xpos(e)] = v[j];
-        const float p = warp_sum(v[j] * v[j]);
+        const int e = 2 * (q0 + j * CT);
+        s.xs[xpos(e)] = v[2 * j];
+        s.xs[xpos(e + 1)] = v[2 * j + 1];
+        const float p = warp_sum(v[2 * j] * v[2 * j] + v[2 * j + 1] * v[2 * j + 1]);
         if (lane == 0) red[(e >> sh) * wph + cw % wph] = p;
       }
   }
@@ -60,16 +61,17 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
   consumers_sync(CT);
   prof_mark(ct, PF_S3);
   for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // then z (ready: in_proj's), and the gated norm in place
-    float zz[FETCH_GROUP];
-    const int n = min(FETCH_GROUP, m - g0);
-    z.fetch(ct + g0 * CT, CT, n, zz, tag);
+    uint64_t w[2 * FETCH_GROUP];
+    const int n = min(FETCH_GROUP, m - g0), q0 = ct + g0 * CT;
+    z.issue_pairs(q0, CT, n, w);
     if (g0 == 0) prof_mark(ct, PF_S4);
 #pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
-      if (j < n) {
-        const int e = ct + (g0 + j) * CT, q = xpos(e);
+    for (int j = 0; j < 2 * FETCH_GROUP; ++j)
+      if (j / 2 < n) {
+        const int e = 2 * (q0 + (j / 2) * CT) + j % 2, q = xpos(e);
+        const float zz = z.pair_value(q0, CT, j / 2, j % 2, w[j], tag);
         const float hh = bf(bf(s.xs[q] * rstd[e >> sh]) * wsm[e & (hd - 1)]);
-        s.xs[q] = bf(hh * (zz[j] / (1.f + __expf(-zz[j]))));
+        s.xs[q] = bf(hh * (zz / (1.f + __expf(-zz))));
       }
   }
 }
@@ -119,10 +121,16 @@ __device__ __forceinline__ float row_dot(const uint8_t* row, int wtype, int K, c
   return warp_sum(acc);
 }
 
+#ifndef MEGA_DOT_UNROLL
+#define MEGA_DOT_UNROLL 1
+#endif
+constexpr int DOT_UNROLL = MEGA_DOT_UNROLL;  // row_dot2's 512-column blocks unrolled: independent FMA chains in flight
+
 // two e4m3 rows' dots with the same x, each x load serving both (whole warp; the results on every lane)
 __device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* row1, int K, const float* ws0,
                                            const float* ws1, const float* xs, int lane) {
   float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll DOT_UNROLL
   for (int base = 0; base < K; base += 512) {
     const float4* xv = reinterpret_cast<const float4*>(xs + base) + lane;
     const uint4 v0 = *reinterpret_cast<const uint4*>(row0 + base + lane * 16);
@@ -196,7 +204,7 @@ __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int
   __syncwarp();
 }
 
-// ---- the tensor-core consumers (launch mma = 1) --------------------------------------------------------
+// ---- the tensor-core consumers (the MEGA_MMA build) ------------------------------------------------------
 // e4m3 tiles of 16 rows x K (K <= 2048: GEMV chunks, GateUp's 8 + 8 rows, Down's pieces) on mma.sync: warp cw
 // takes columns [cw K / NCW, (cw + 1) K / NCW), f16 operands (e4m3 weights and bf16-valued x, both exact in
 // f16), fp32 accumulation per 64 columns times the rows' block scale (ws_lo: rows 0-7, ws_hi: rows 8-15).

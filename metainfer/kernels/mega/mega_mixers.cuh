@@ -22,7 +22,10 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
     float* S = ptr<float>(in.p[0]) + (((size_t)slot * Hv + h) * Dk) * Dv + col;
     float st[16];
 #pragma unroll
-    for (int r = 0; r < 16; ++r) st[r] = has ? S[(size_t)(c.cw * 16 + r) * Dv] : 0.f;  // before the wait
+    for (int r = 0; r < 16; ++r) {  // (loaded before the wait; streaming with EVICT_STATE: read once a step)
+      const float* q = S + (size_t)(c.cw * 16 + r) * Dv;
+      st[r] = has ? (EVICT_STATE ? __ldcs(q) : *q) : 0.f;
+    }
     consumers_sync(CT);  // the scratch is free
     if (c.cw < 2) {  // warp 0: q, warp 1: k, l2-normalised (q also scaled by Dk^-0.5)
       const int off = (c.cw == 0 ? 0 : hk * Dk) + kh * Dk;
@@ -60,7 +63,9 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
     for (int r = 0; r < 16; ++r) {
       st[r] = fmaf(kn[c.cw * 16 + r], delta, st[r]);
       o = fmaf(st[r], qn[c.cw * 16 + r], o);
-      S[(size_t)(c.cw * 16 + r) * Dv] = st[r];
+      float* q = S + (size_t)(c.cw * 16 + r) * Dv;
+      if (EVICT_STATE) __stcs(q, st[r]);
+      else *q = st[r];
     }
     consumers_sync(CT);  // every thread read red's kv
     red[c.cw * 32 + c.lane] = o;
@@ -101,9 +106,11 @@ __device__ float norm_rope(const float* raw, const __nv_bfloat16* w, float eps, 
   return xn * cs + (ct < half ? -xpn : xpn) * sn;
 }
 
-// split-KV attention of one (q head, split): warp cw scores positions lo + cw + j * NCW (lane: 8 dims)
+// split-KV attention of one (q head, split): warp cw scores positions lo + cw + j * NCW (lane: 8 dims). head_dim
+// D = CT and the KV block a power of two (program.py), so a position's cache row is shifts and masks.
 __device__ void op_attend(Ctx& c, const Instr& in) {
-  const int hq = in.i[0], hkv = in.i[1], D = in.i[2], rd = in.i[3], ns = in.i[4], bs = in.i[5];
+  constexpr int D = CT;
+  const int hq = in.i[0], hkv = in.i[1], rd = in.i[3], ns = in.i[4], bs = in.i[5], lbs = __ffs(bs) - 1;
   const Source qkv(c.prog, in.i[6], in.i[7]);
   const long long* step = ptr<const long long>(in.p[8]);
   const int L = (int)step[STEP_SEQ_LEN];
@@ -113,6 +120,11 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
   __nv_bfloat16* kc = ptr<__nv_bfloat16>(in.p[0]);
   __nv_bfloat16* vc = ptr<__nv_bfloat16>(in.p[1]);
   const float* inv_freq = ptr<const float>(in.p[5]);
+  // position t's 8 dims of lane's in the cache rows of KV head kvh (bt: the block table)
+  auto at = [&](const __nv_bfloat16* cache, int t, int kvh) {
+    const size_t row = (size_t)bt[t >> lbs] << lbs | (t & (bs - 1));
+    return cache + ((row * hkv + kvh) * D + c.lane * 8);
+  };
   const float scale = in.f[1] * 1.4426950408889634f;
   float* q = c.s.xs;          // [256] the normed, rotated query (bf16 values)
   float* kn = q + 256;        // [256] this step's key, normed and rotated (bf16 values)
@@ -161,9 +173,8 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
     float m = -INFINITY;
 #pragma unroll 4
     for (int t = lo + c.cw; t < hc; t += NCW) {  // (unrolled: several cache rows in flight per warp)
-      const long long row = (long long)bt[t / bs] * bs + t % bs;
       float k8[8], part = 0.f;
-      bf16x8(kc + (row * hkv + kvh) * D + c.lane * 8, k8);
+      bf16x8(at(kc, t, kvh), k8);
 #pragma unroll
       for (int j = 0; j < 8; ++j) part = fmaf(qr[j], k8[j], part);
       const float sc = warp_sum(part) * scale;
@@ -190,9 +201,8 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
     for (int t = lo + c.cw; t < hc; t += NCW) {
       const float p = exp2f(score[t - lo] - m), pb = bf(p);
       lsum += p;
-      const long long row = (long long)bt[t / bs] * bs + t % bs;
       float v8[8];
-      bf16x8(vc + (row * hkv + kvh) * D + c.lane * 8, v8);
+      bf16x8(at(vc, t, kvh), v8);
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = fmaf(pb, v8[j], acc[j]);
     }

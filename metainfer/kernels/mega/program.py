@@ -235,15 +235,23 @@ def _src(p: list[Instr], i: int, s: Src, n: int, where: str, bf16: bool | None =
               f"instruction {s.index} must store {'bf16' if bf16 else 'fp32'}")
 
 
+def _staged(p: list[Instr], i: int, s: Src, n: int, where: str, bf16: bool | None = True) -> None:
+    """A source that an x prologue reads in pairs of words (16-byte loads): from an even offset."""
+    _src(p, i, s, n, where, bf16)
+    _need(s.off % 2 == 0, where, f"a staged source reads pairs of words: offset {s.off} must be even")
+
+
 def _x(p: list[Instr], i: int, x: X, n: int, where: str, bf16: bool | None = True) -> None:
+    """x of a prologue, staged in pairs (so vectors 4-byte aligned), or Down's residual."""
     if isinstance(x, Src):
-        _src(p, i, x, n, where, bf16)
+        _staged(p, i, x, n, where, bf16)
     elif isinstance(x, Vec):
-        _need(x.t.dtype == torch.bfloat16 and tuple(x.t.shape) == (n,) and x.t.is_contiguous(), where,
-              f"x: contiguous bf16 [{n}]")
+        _need(x.t.dtype == torch.bfloat16 and tuple(x.t.shape) == (n,) and x.t.is_contiguous()
+              and x.t.data_ptr() % 4 == 0, where, f"x: contiguous bf16 [{n}], 4-byte aligned")
     elif isinstance(x, Embed):
         _need(x.table.dtype == torch.bfloat16 and x.table.dim() == 2 and x.table.shape[1] == n
-              and x.table.is_contiguous(), where, f"embedding table: contiguous bf16 [V, {n}]")
+              and x.table.is_contiguous() and x.table.data_ptr() % 4 == 0, where,
+              f"embedding table: contiguous bf16 [V, {n}], 4-byte aligned")
     else:
         raise ValueError(f"{where}: x must be Src, Vec or Embed")
 
@@ -290,14 +298,13 @@ def check(p: list[Instr]) -> None:
                       where, "the gated norm takes x and z from instructions, whole heads")
                 _need(g.norm_w is not None and tuple(g.norm_w.shape) == (g.head_dim,),
                       where, "norm_w [head_dim]")
-                _need(g.head_dim & (g.head_dim - 1) == 0 and 32 <= g.head_dim <= THREADS - 32
-                      and g.k % (THREADS - 32) == 0, where,
-                      "gated: head_dim a power of two in [32, 256], k a multiple of 256 (consumer threads)")
+                _need(g.head_dim & (g.head_dim - 1) == 0 and 64 <= g.head_dim <= THREADS - 32, where,
+                      "gated: head_dim a power of two in [64, 256] (a warp's 64 values in one head)")
             elif g.norm_w is not None:
                 _norm_w(g.norm_w, g.k, where)
             if g.add is not None:
                 _need(g.gated or g.norm_w is not None, where, "add goes with a norm prologue")
-                _src(p, i, g.add, g.k, where, bf16=True)
+                _staged(p, i, g.add, g.k, where)
             if g.out == OUT_PLAIN_F32:
                 _need(g.plain_out is not None and g.plain_out.dtype == torch.float32
                       and tuple(g.plain_out.shape) == (g.rows,), where, "plain_out: fp32 [rows]")
@@ -312,7 +319,7 @@ def check(p: list[Instr]) -> None:
             E1, I2, H = g.w.shape
             _need(H % 512 == 0 and H <= 4096 and I2 % 32 == 0 and (I2 // 2) % 8 == 0, where, "shapes")
             _x(p, i, g.x, H, where)
-            _src(p, i, g.add, H, where, bf16=True)
+            _staged(p, i, g.add, H, where)
             _src(p, i, g.logits, E1, where, bf16=True)
             _need(g.logits.off == 0, where, "logits: the router's outputs from 0")
             _need(1 <= g.top_k < E1 and E1 - 1 <= MAX_EXPERTS and g.top_k + 1 <= 16, where, "top_k, experts")
@@ -325,7 +332,7 @@ def check(p: list[Instr]) -> None:
             gu = p[g.act.index]
             _need(isinstance(gu, GateUp) and gu.logits == g.logits and gu.top_k == g.top_k, where,
                   "act comes from the GateUp of the same routing")
-            _src(p, i, g.act, (g.top_k + 1) * I, where, bf16=True)
+            _staged(p, i, g.act, (g.top_k + 1) * I, where)
             _need((g.top_k + 1) * I <= KMAX, where, "the slots' activations must fit x")
             _src(p, i, g.logits, E1, where, bf16=True)
             _need(g.logits.off == 0, where, "logits: the router's outputs from 0")
@@ -342,6 +349,8 @@ def check(p: list[Instr]) -> None:
         elif isinstance(g, Attend):
             _need(g.k_cache.shape == g.v_cache.shape and g.k_cache.dtype == torch.bfloat16, where, "caches")
             _need(g.d == 256 and g.hq % g.hkv == 0 and 1 <= g.splits, where, "head_dim 256, GQA")
+            bs = g.k_cache.shape[1]
+            _need(bs & (bs - 1) == 0, where, "the KV block size must be a power of two (the kernel shifts)")
             max_len = g.block_table.numel() * g.k_cache.shape[1]
             _need(-(-max_len // g.splits) <= MAX_SCORES, where,
                   f"a split may score {MAX_SCORES} positions: splits >= {-(-max_len // MAX_SCORES)}")
