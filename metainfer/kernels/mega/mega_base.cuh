@@ -27,10 +27,6 @@ constexpr int MAX_SCORES = 1024;    // positions one attention split scores
 constexpr int MAX_EXPERTS = 256;
 constexpr int ROUTE_WORDS = 32;     // the routing: ids [16], weights [16]
 constexpr bool MMA = MEGA_MMA != 0;  // the e4m3 dots of 16-row tiles on the tensor cores (tile_mma)
-#ifndef MEGA_EVICT_FIRST
-#define MEGA_EVICT_FIRST 0  // bit 0: the weights' bulk copies evict-first in L2; bit 1: the DeltaNet state's loads and
-#endif                      // stores streaming (evict-first), so neither pushes the step's activations out of L2
-constexpr bool EVICT_WEIGHTS = (MEGA_EVICT_FIRST & 1) != 0, EVICT_STATE = (MEGA_EVICT_FIRST & 2) != 0;
 
 enum : int32_t { OP_GEMV = 1, OP_GATE_UP = 2, OP_DOWN = 3, OP_DELTA = 4, OP_ATTEND = 5, OP_COMBINE = 6 };
 enum : int32_t { W_E4M3 = 0, W_BF16 = 1 };

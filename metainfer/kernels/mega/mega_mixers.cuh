@@ -22,10 +22,7 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
     float* S = ptr<float>(in.p[0]) + (((size_t)slot * Hv + h) * Dk) * Dv + col;
     float st[16];
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {  // (loaded before the wait; streaming with EVICT_STATE: read once a step)
-      const float* q = S + (size_t)(c.cw * 16 + r) * Dv;
-      st[r] = has ? (EVICT_STATE ? __ldcs(q) : *q) : 0.f;
-    }
+    for (int r = 0; r < 16; ++r) st[r] = has ? S[(size_t)(c.cw * 16 + r) * Dv] : 0.f;  // before the wait
     consumers_sync(CT);  // the scratch is free
     if (c.cw < 2) {  // warp 0: q, warp 1: k, l2-normalised (q also scaled by Dk^-0.5)
       const int off = (c.cw == 0 ? 0 : hk * Dk) + kh * Dk;
@@ -63,9 +60,7 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
     for (int r = 0; r < 16; ++r) {
       st[r] = fmaf(kn[c.cw * 16 + r], delta, st[r]);
       o = fmaf(st[r], qn[c.cw * 16 + r], o);
-      float* q = S + (size_t)(c.cw * 16 + r) * Dv;
-      if (EVICT_STATE) __stcs(q, st[r]);
-      else *q = st[r];
+      S[(size_t)(c.cw * 16 + r) * Dv] = st[r];
     }
     consumers_sync(CT);  // every thread read red's kv
     red[c.cw * 32 + c.lane] = o;

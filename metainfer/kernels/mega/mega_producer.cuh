@@ -77,15 +77,7 @@ __device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t base, ui
   }
 }
 
-// one copy of weights (or their scales) into the ring: evict-first in L2 with EVICT_WEIGHTS (read once a step,
-// they would otherwise push out the activations that every CTA polls)
-__device__ __forceinline__ void stream(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
-  if (EVICT_WEIGHTS) bulk_load_hint(dst, src, bytes, bar, policy);
-  else bulk_load(dst, src, bytes, bar);
-}
-
 __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t lead, const Smem& s, int lane) {
-  const uint64_t pol = EVICT_WEIGHTS ? evict_first_policy() : 0ull;
   uint32_t it = 0;
   int routed = -1;  // the router instruction whose routing route_p holds
   const int n_cta = gridDim.x;
@@ -114,8 +106,8 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
       for (int c = first; c < n; c += n_cta, ++it) {
         const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
         uint64_t* bar = &s.full[it % NSLOTS];
-        stream(claim(s, it, bytes + sb, waited), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes, bar, pol);
-        if (sb) stream(slot_scales(s, it), ptr<const uint8_t>(in.p[1]) + (size_t)(c * rpc / 128) * sb, sb, bar, pol);
+        bulk_load(claim(s, it, bytes + sb, waited), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes, bar);
+        if (sb) bulk_load(slot_scales(s, it), ptr<const uint8_t>(in.p[1]) + (size_t)(c * rpc / 128) * sb, sb, bar);
       }
     } else if (in.op == OP_GATE_UP) {
       const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_chunks_of(in);
@@ -126,10 +118,10 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
         const uint8_t* ws = ptr<const uint8_t>(in.p[1]) + (size_t)e * (2 * I / 128) * sb;
         uint64_t* bar = &s.full[it % NSLOTS];
         uint8_t* dst = claim(s, it, 16 * H + 2 * sb, waited);
-        stream(dst, w, 8 * H, bar, pol);
-        stream(dst + 8 * H, w + (size_t)I * H, 8 * H, bar, pol);
-        stream(slot_scales(s, it), ws + (size_t)(8 * b / 128) * sb, sb, bar, pol);
-        stream(slot_scales(s, it) + sb / 4, ws + (size_t)((I + 8 * b) / 128) * sb, sb, bar, pol);
+        bulk_load(dst, w, 8 * H, bar);
+        bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, bar);
+        bulk_load(slot_scales(s, it), ws + (size_t)(8 * b / 128) * sb, sb, bar);
+        bulk_load(slot_scales(s, it) + sb / 4, ws + (size_t)((I + 8 * b) / 128) * sb, sb, bar);
       }
     } else if (in.op == OP_DOWN) {
       const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in);
@@ -141,9 +133,9 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
           uint8_t* dst = claim(s, it, n * (16 * I + sb), waited);
           for (int j = 0; j < n; ++j) {
             const size_t e = s.route_p[g * per + j];
-            stream(dst + j * 16 * I, ptr<const uint8_t>(in.p[0]) + (e * H + rb * 16) * I, 16 * I, bar, pol);
-            stream(slot_scales(s, it) + j * sb / 4,
-                      ptr<const uint8_t>(in.p[1]) + (e * (H / 128) + rb * 16 / 128) * sb, sb, bar, pol);
+            bulk_load(dst + j * 16 * I, ptr<const uint8_t>(in.p[0]) + (e * H + rb * 16) * I, 16 * I, bar);
+            bulk_load(slot_scales(s, it) + j * sb / 4,
+                      ptr<const uint8_t>(in.p[1]) + (e * (H / 128) + rb * 16 / 128) * sb, sb, bar);
           }
         }
     }
