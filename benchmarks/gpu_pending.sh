@@ -754,6 +754,8 @@ fi
 if has megaeng; then  # the engine with --megakernel: FP8 batch 1 decode, then the oracle (only if the tests passed)
   timeout 240 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --no-profile --megakernel \
     --out $OUT/megaeng 2>&1 | grep -E "decode_tok_s|megakernel|Error|Traceback" | head -6
+  # (one sequence at a time: the megakernel serves only batch-1 decode steps)
   timeout 300 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
-    --megakernel --device cuda --suite full --json $OUT/verify_fp8_mega.json 2>&1 | grep -E "verdict" | head -1
+    --megakernel --max-num-seqs 1 --device cuda --suite full --json $OUT/verify_fp8_mega.json 2>&1 \
+    | grep -E "verdict|FAIL|Error" | head -8
 fi
