@@ -21,7 +21,7 @@ from metainfer.kernels.mega import build_step, emulate
 from metainfer.kernels.mega import program as P
 from metainfer.model.meta import CacheTensors
 
-MMA_ENV = "METAINFER_MEGA_MMA"  # "1": the megakernel's e4m3 tiles on the tensor cores (measured next)
+MMA_ENV = "METAINFER_MEGA_MMA"  # "1": the e4m3 tiles on the tensor cores (2026-12-02b: the same step time)
 LEAD_ENV = "METAINFER_MEGA_LEAD"  # bytes per CTA of L2 lead before each routing wait (0: off)
 
 
