@@ -102,7 +102,7 @@ class _Driver:
 class MegaKernel:
     """mega.cu loaded on a CUDA device (sm_90); prof: its profiling build (launch(prof=buffer)); defines:
     extra -D flags (build). Each consumer kind is its own build (MMA_FLAG: the tensor cores), loaded at its
-    first launch: one kernel holding both had the larger code (KB-0077)."""
+    first launch: one kernel holding both carries both's code (KB-0077: the step's time follows code size)."""
 
     def __init__(self, device: torch.device | str = "cuda", prof: bool = False,
                  defines: tuple[str, ...] = ()) -> None:
