@@ -158,6 +158,9 @@ def main() -> int:
                 buf = profile.record(pk, pr, mma=bool(mma), lead=best["lead"], inflight=best["inflight"])
                 key = f"mma{mma}_arena{arena}" + (f"_{name}" if len(variants) > 1 else "")
                 profiles[key] = profile.summarize(buf, pr.instrs, pk.num_sms) | {"inflight": best["inflight"]}
+                # the first DeltaNet and attention layers, instruction by instruction (the hops' costs)
+                profiles[key]["timeline"] = profile.timeline(buf, pr.instrs, pk.num_sms, 0,
+                                                             min(30, len(pr.instrs)))
                 if args.json:
                     torch.save(buf.cpu(), args.json.with_name(f"{args.json.stem}_prof_{len(profiles)}.pt"))
     restore(before)

@@ -48,3 +48,29 @@ def test_summarize_hand_built_record():
     assert g["Gemv 256x256 e4m3"]["consumer_us"] == pytest.approx(2 * 400 * us)
     assert g["Gemv 256x256 e4m3"]["chunks_per_cta"] == pytest.approx(4)
     assert "| all | 3 |" in profile.table(s)
+
+
+def test_timeline_lines_the_ctas_up_on_globaltimer():
+    """CTA 1 enters 0.5 us after CTA 0 (globaltimer) with its own cycle counter: on the common axis its
+    events land 0.5 us later, and the table gives the CTAs' median (torch's: the lower middle one) and
+    last."""
+    instrs = [_gemv(256, 256), _gemv(256, 256)]
+    grid, n = 2, 2
+    buf = torch.zeros(profile.words(n, grid), dtype=torch.int64)
+    rec = buf[: grid * n * profile.PF_N].view(grid, n, profile.PF_N)
+    for c, base in enumerate((5_000, 2**32 - 100)):  # unrelated counters, one wrapping
+        for i in range(n):
+            rec[c, i, profile.C_IN] = (base + 2000 * i) % 2**32
+            rec[c, i, profile.C_X] = (base + 2000 * i + 500) % 2**32
+            rec[c, i, profile.C_OUT] = (base + 2000 * i + 2000) % 2**32
+    t = buf[grid * n * profile.PF_N:].view(grid, 4)
+    t[0, 0], t[0, 2] = 10_000, 12_000  # 4,000 cycles in 2,000 ns: 2 GHz
+    t[1, 0], t[1, 2] = 10_500, 12_500
+    buf = ((buf + 2**31) % 2**32 - 2**31).to(torch.int32)
+    rows = profile.timeline(buf, instrs, grid)
+    assert [r["instruction"] for r in rows] == [0, 1] and rows[0]["group"] == "Gemv 256x256 e4m3"
+    assert rows[0]["in"] == pytest.approx((0.0, 0.5))
+    assert rows[1]["x"] == pytest.approx((1.25, 1.75))  # 2,500 cycles = 1.25 us after each CTA's entry
+    assert rows[1]["out"][1] == pytest.approx(2.5)
+    assert "s1" not in rows[0]  # no marks recorded
+    assert "| 1 | Gemv 256x256 e4m3 | 1.0 / 1.5 | 1.2 / 1.8 |" in profile.timeline_table(rows)

@@ -7,7 +7,9 @@ wait (with the L2 lead) and its waits for empty slots (producer lane 0). After t
 (ns) at entry and exit, which turns cycles into time and lines the CTAs up.
 
 `summarize(buf, instrs, grid)` -> per instruction group (op and shape) the CTAs' mean cycles in each
-phase, converted to microseconds, and the step's span. Only arithmetic on the buffer: it runs on the CPU
+phase, converted to microseconds, and the step's span. `timeline(buf, instrs, grid, lo, hi)` -> those
+instructions' entry, x and exit on one time axis (the CTAs' median and last), which shows each hop.
+Only arithmetic on the buffer: it runs on the CPU
 from a saved record as well (tests/kernels/test_mega_profile.py builds one by hand).
 """
 
@@ -89,6 +91,47 @@ def summarize(buf: torch.Tensor, instrs: list[P.Instr], grid: int) -> dict:
             "span_us_mean": float(span_ns.mean()) / 1e3, "span_us_all": float(t_out.max() - t_in.min()) / 1e3,
             **{k: mean_us(v, every) for k, v in phases.items()},
             "load_latency_us": float(lat.median()) * us, "groups": rows}
+
+
+def timeline(buf: torch.Tensor, instrs: list[P.Instr], grid: int, lo: int = 0,
+             hi: int | None = None) -> list[dict]:
+    """Instructions [lo, hi) on one time axis: per instruction, the CTAs' entry, x staged and exit as
+    microseconds since the first CTA entered the step (each CTA's cycles from its own entry, at the
+    step's mean clock, plus its globaltimer entry), as the CTAs' median (the lower middle one) and the
+    last CTA's; and the prologue marks S1-S4 where the op has them. The last CTA's exit of an op
+    against the next op's x shows what a dependency hop costs."""
+    n = len(instrs)
+    hi = n if hi is None else hi
+    buf = buf.detach().cpu().to(torch.int64)
+    rec = buf[: grid * n * PF_N].view(grid, n, PF_N)
+    t = _u32(buf[grid * n * PF_N : grid * n * PF_N + grid * 4].view(grid, 4))
+    t_in = (t[:, 0] | (t[:, 1] << 32)).double()
+    hz = summarize(buf, instrs, grid)["clock_ghz"] * 1e9
+    start = (t_in - t_in.min()) / 1e3  # us: each CTA's entry on the common axis
+    rows = []
+    for i in range(lo, hi):
+        row = {"instruction": i, "group": label(instrs[i])}
+        marks = (("in", C_IN), ("x", C_X), ("s1", S1), ("s2", S2), ("s3", S3), ("s4", S4), ("out", C_OUT))
+        for name, f in marks:
+            if name == "x" and not isinstance(instrs[i], (P.Gemv, P.GateUp, P.Down)):
+                continue  # (only the streaming ops stage an x)
+            ok = rec[:, i, f] != 0  # (the CTAs that recorded it)
+            if not bool(ok.any()):
+                continue
+            us = (_delta(rec[:, 0, C_IN], rec[:, i, f]).double() / hz * 1e6 + start)[ok]
+            row[name] = (float(us.median()), float(us.max()))
+        rows.append(row)
+    return rows
+
+
+def timeline_table(rows: list[dict]) -> str:
+    """timeline's rows as a markdown table (p50 / max of the CTAs, microseconds)."""
+    cols = ("in", "x", "s1", "s2", "s3", "s4", "out")
+    out = ["| # | group | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [f"{r[c][0]:.1f} / {r[c][1]:.1f}" if c in r else "" for c in cols]
+        out.append(f"| {r['instruction']} | {r['group']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def record(kernel, prog: P.Program, mma: bool = False, lead: int = 0, inflight: int = P.NSLOTS,
