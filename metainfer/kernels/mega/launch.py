@@ -42,7 +42,7 @@ def nvcc_command(out: Path, prof: bool = False, defines: tuple[str, ...] = ()) -
 
 def build(prof: bool = False, defines: tuple[str, ...] = ()) -> Path:
     """The cubin for the current sources (the profiling build with prof; extra -D flags in defines, e.g.
-    "-DMEGA_FETCH_GROUP=3" or "-DPOLL_BACKOFF=1"), compiled once per source hash and flags."""
+    "-DMEGA_FETCH_GROUP=2" or "-DPOLL_BACKOFF=1"), compiled once per source hash and flags."""
     for d in defines:
         if not d.startswith("-D") or any(c.isspace() for c in d):
             raise ValueError(f"megakernel build: {d!r} is not one -DNAME[=VALUE] flag")
