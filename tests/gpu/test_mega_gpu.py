@@ -10,7 +10,8 @@ instruction is judged alone), then whole steps against the engine:
   logits against the engine's own decode step on its Triton kernels;
 - a second launch gives the same bits under the next tag; a CUDA graph of a launch replays.
 
-The kernel checks run with the CUDA-core and the tensor-core consumers (launch mma=False / True).
+The kernel checks run with the CUDA-core and the tensor-core consumers (launch mma=False / True), on the
+default build or the one of METAINFER_MEGA_DEFINES (-D flags, space-separated: a variant under test).
 
 Tolerances (relative RMSE): outputs rounded to bf16 5e-3 (a rounding may flip against float64's); fp32
 outputs 1e-4, 1e-3 through a norm prologue; attention partials 5e-3 (bf16 probabilities); the step's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shutil
 
 import pytest
@@ -51,7 +53,7 @@ def _bf16(*shape, g, scale=1.0):
 def kernel():
     from metainfer.kernels.mega.launch import MegaKernel
 
-    return MegaKernel(DEV)
+    return MegaKernel(DEV, defines=tuple(os.environ.get("METAINFER_MEGA_DEFINES", "").split()))
 
 
 def _gemv_chain(seed=0):

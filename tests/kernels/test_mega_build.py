@@ -23,8 +23,9 @@ def test_build_caches_a_cubin(tmp_path, monkeypatch):
     assert launch.build() == out  # the same sources: the cached file
 
 
-def test_no_spills(tmp_path):
-    cmd = launch.nvcc_command(tmp_path / "m.cubin")
+@pytest.mark.parametrize("defines", [(), ("-DMEGA_BATCH_POLL=1",)])  # the default, a variant under test
+def test_no_spills(tmp_path, defines):
+    cmd = launch.nvcc_command(tmp_path / "m.cubin", defines=defines)
     res = subprocess.run([*cmd[:1], "-Xptxas", "-v", *cmd[1:]], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "warning" not in res.stderr.lower(), res.stderr[-3000:]

@@ -180,6 +180,38 @@ __device__ __noinline__ uint64_t poll_until(const uint64_t* y, int e, uint32_t t
   return w;
 }
 
+#ifndef MEGA_BATCH_POLL
+#define MEGA_BATCH_POLL 0  // 1: a group of polled words not all there at its first load is polled as a group
+#endif                     // (settle), then loaded again: one round trip once the data lands, not one per late word
+constexpr bool BATCH_POLL = MEGA_BATCH_POLL != 0;
+
+__device__ __forceinline__ bool tagged(uint64_t w, uint32_t tag) { return static_cast<uint32_t>(w >> 32) == tag; }
+
+// (BATCH_POLL) the words e0 + j * stride, or with PAIRS the word pairs at 2 (e0 + j * stride) (j < n <=
+// FETCH_GROUP), loaded together until every one carries `tag`: the path of a group that came early, out of line
+template <bool PAIRS>
+__device__ __noinline__ void settle(const uint64_t* y, int e0, int stride, int n, uint32_t tag) {
+  for (uint32_t it = 0;; ++it) {
+    uint64_t a[FETCH_GROUP], b[FETCH_GROUP];
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) {
+        if (PAIRS) ld_relaxed_v2(y + 2 * (e0 + j * stride), a[j], b[j]);
+        else a[j] = b[j] = ld_relaxed_u64(y + e0 + j * stride);
+      }
+    bool ok = true;
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) ok = ok && tagged(a[j], tag) && tagged(b[j], tag);
+    if (ok) return;
+    if ((it & 255u) == 255u && aborted()) return;
+    if (it == WAIT_LIMIT) {
+      give_up(ERR_DATA, s_instr[1], (uint32_t)(PAIRS ? 2 * e0 : e0));
+      return;
+    }
+  }
+}
+
 // one source's outputs, polled until they carry this step's tag
 struct Source {
   const uint64_t* y;
@@ -206,6 +238,18 @@ struct Source {
 #pragma unroll
       for (int j = 0; j < FETCH_GROUP; ++j)
         w[j] = g0 + j < N && g0 + j < n ? ld_relaxed_u64(y + e0 + (g0 + j) * stride) : 0ull;
+      if (BATCH_POLL) {  // a word not there yet: the group polled as one, then loaded again
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < FETCH_GROUP; ++j)
+          if (g0 + j < N && g0 + j < n) ok = ok && tagged(w[j], tag);
+        if (!ok) {
+          settle<false>(y, e0 + g0 * stride, stride, min(min(FETCH_GROUP, N - g0), n - g0), tag);
+#pragma unroll
+          for (int j = 0; j < FETCH_GROUP; ++j)
+            if (g0 + j < N && g0 + j < n) w[j] = ld_relaxed_u64(y + e0 + (g0 + j) * stride);
+        }
+      }
 #pragma unroll
       for (int j = 0; j < FETCH_GROUP; ++j)
         if (g0 + j < N && g0 + j < n) v[g0 + j] = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
@@ -217,6 +261,19 @@ struct Source {
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) ld_relaxed_v2(y + 2 * (q0 + j * stride), w[2 * j], w[2 * j + 1]);
+  }
+  // (BATCH_POLL) w as issue_pairs loaded it, or, where a word did not carry `tag` yet, the group polled as one
+  // (settle) and loaded again
+  __device__ __forceinline__ void ready_pairs(int q0, int stride, int n, uint64_t (&w)[2 * FETCH_GROUP],
+                                              uint32_t tag) const {
+    if (!BATCH_POLL) return;
+    bool ok = true;
+#pragma unroll
+    for (int j = 0; j < FETCH_GROUP; ++j)
+      if (j < n) ok = ok && tagged(w[2 * j], tag) && tagged(w[2 * j + 1], tag);
+    if (ok) return;
+    settle<true>(y, q0, stride, n, tag);
+    issue_pairs(q0, stride, n, w);
   }
   // the wait half: element 2q + h's value (j, h: its place in w) once it carries `tag`
   __device__ __forceinline__ float pair_value(int q0, int stride, int j, int h, uint64_t w, uint32_t tag) const {
@@ -245,7 +302,10 @@ struct XIn {
   __device__ __forceinline__ void fetch_pairs(int q0, int stride, int n, float (&v)[2 * FETCH_GROUP],
                                               uint32_t tag) const {
     uint64_t w[2 * FETCH_GROUP];
-    if (kind == X_SRC) src.issue_pairs(q0, stride, n, w);
+    if (kind == X_SRC) {
+      src.issue_pairs(q0, stride, n, w);
+      src.ready_pairs(q0, stride, n, w, tag);
+    }
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) {
@@ -275,6 +335,7 @@ __device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, ui
     if (add) add->issue_pairs(q0, CT, n, wa);  // (in flight while x's are fetched)
     float v[2 * FETCH_GROUP];
     x.fetch_pairs(q0, CT, n, v, tag);
+    if (add) add->ready_pairs(q0, CT, n, wa, tag);
 #pragma unroll
     for (int j = 0; j < 2 * FETCH_GROUP; ++j)
       if (j / 2 < n) {

@@ -64,6 +64,7 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
     uint64_t w[2 * FETCH_GROUP];
     const int n = min(FETCH_GROUP, m - g0), q0 = ct + g0 * CT;
     z.issue_pairs(q0, CT, n, w);
+    z.ready_pairs(q0, CT, n, w, tag);
     if (g0 == 0) prof_mark(ct, PF_S4);
 #pragma unroll
     for (int j = 0; j < 2 * FETCH_GROUP; ++j)
