@@ -64,7 +64,7 @@ def build(prof: bool = False, defines: tuple[str, ...] = ()) -> Path:
 
 def text_bytes(cubin: Path, kernel: str = "mega_step") -> int:
     """The size of a kernel's code in a cubin (its .text section, from the ELF section headers). The
-    megakernel's code is several times an SM's instruction cache; this is the figure to keep down."""
+    megakernel's step time follows it (KB-0077); this is the figure to keep down."""
     data = cubin.read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise ValueError(f"{cubin} is not a 64-bit ELF")

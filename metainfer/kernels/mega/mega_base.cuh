@@ -164,16 +164,25 @@ __device__ __forceinline__ float word_value(uint64_t w, int kind) {
 constexpr int FETCH_GROUP = MEGA_FETCH_GROUP;  // polled elements in flight per thread (x's and add's loads: 6);
                                                // fewer: less unrolled code (launch.MegaKernel(defines=...))
 
+__device__ __forceinline__ bool tagged(uint64_t w, uint32_t tag) { return static_cast<uint32_t>(w >> 32) == tag; }
+
+// the watchdog of a data poll's n-th miss: false once the step is aborted or this poll has waited `limit`
+// misses (it then gives up, with `detail`)
+__device__ __forceinline__ bool keep_polling(uint32_t n, uint32_t limit, uint32_t detail) {
+  if ((n & 255u) == 255u && aborted()) return false;
+  if (n == limit) {
+    give_up(ERR_DATA, s_instr[1], detail);
+    return false;
+  }
+  return true;
+}
+
 // word e of y polled until it carries `tag` (the slow path of Source::wait, out of line: inlined at every poll
-// site it made the kernel's code several times the SM's instruction cache)
+// site it made the kernel's code several times larger)
 __device__ __noinline__ uint64_t poll_until(const uint64_t* y, int e, uint32_t tag) {
   uint64_t w = ld_relaxed_u64(y + e);
-  for (uint32_t n = 0; static_cast<uint32_t>(w >> 32) != tag; ++n) {
-    if ((n & 255u) == 255u && aborted()) break;
-    if (n == (POLL_BACKOFF ? WAIT_LIMIT / 64 : WAIT_LIMIT)) {  // (with the back-off: about as long as the others)
-      give_up(ERR_DATA, s_instr[1], (uint32_t)e);
-      break;
-    }
+  // (with the back-off: a limit about as long as the others)
+  for (uint32_t n = 0; !tagged(w, tag) && keep_polling(n, POLL_BACKOFF ? WAIT_LIMIT / 64 : WAIT_LIMIT, e); ++n) {
     if (POLL_BACKOFF) __nanosleep(32u << min(n, 3u));
     w = ld_relaxed_u64(y + e);
   }
@@ -184,8 +193,6 @@ __device__ __noinline__ uint64_t poll_until(const uint64_t* y, int e, uint32_t t
 #define MEGA_BATCH_POLL 0  // 1: a group of polled words not all there at its first load is polled as a group
 #endif                     // (settle), then loaded again: one round trip once the data lands, not one per late word
 constexpr bool BATCH_POLL = MEGA_BATCH_POLL != 0;
-
-__device__ __forceinline__ bool tagged(uint64_t w, uint32_t tag) { return static_cast<uint32_t>(w >> 32) == tag; }
 
 // (BATCH_POLL) the words e0 + j * stride, or with PAIRS the word pairs at 2 (e0 + j * stride) (j < n <=
 // FETCH_GROUP), loaded together until every one carries `tag`: the path of a group that came early, out of line
@@ -203,12 +210,7 @@ __device__ __noinline__ void settle(const uint64_t* y, int e0, int stride, int n
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) ok = ok && tagged(a[j], tag) && tagged(b[j], tag);
-    if (ok) return;
-    if ((it & 255u) == 255u && aborted()) return;
-    if (it == WAIT_LIMIT) {
-      give_up(ERR_DATA, s_instr[1], (uint32_t)(PAIRS ? 2 * e0 : e0));
-      return;
-    }
+    if (ok || !keep_polling(it, WAIT_LIMIT, PAIRS ? 2 * e0 : e0)) return;
   }
 }
 
@@ -223,7 +225,7 @@ struct Source {
   // spinning on the same few L2 lines (the router's logits, a hop's outputs) queued up everyone else's loads;
   // measured, it did not shorten the step.
   __device__ __forceinline__ uint64_t wait(int e, uint64_t w, uint32_t tag) const {
-    return static_cast<uint32_t>(w >> 32) == tag ? w : poll_until(y, e, tag);  // (a miss: out of line)
+    return tagged(w, tag) ? w : poll_until(y, e, tag);  // (a miss: out of line)
   }
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
     return word_value(wait(e, ld_relaxed_u64(y + e), tag), kind);
