@@ -23,7 +23,7 @@ def test_build_caches_a_cubin(tmp_path, monkeypatch):
     assert launch.build() == out  # the same sources: the cached file
 
 
-@pytest.mark.parametrize("defines", [(), ("-DMEGA_BATCH_POLL=1",)])  # the default, a variant under test
+@pytest.mark.parametrize("defines", [(), (launch.MMA_FLAG,)])  # both builds
 def test_no_spills(tmp_path, defines):
     cmd = launch.nvcc_command(tmp_path / "m.cubin", defines=defines)
     res = subprocess.run([*cmd[:1], "-Xptxas", "-v", *cmd[1:]], capture_output=True, text=True, timeout=600)

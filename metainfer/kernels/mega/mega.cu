@@ -32,6 +32,7 @@
 //   ATTEND    i: hq hkv D rd splits block qkv qkv_off   f: eps scale
 //             p: k_cache v_cache q_norm_w k_norm_w y inv_freq block_table - step
 //   COMBINE   i: hq D splits parts parts_off qkv qkv_off   p: - - - - y
+//   every op  p[10]: units | base << 32, p[11]: the chunking word (program.units; mega_producer.cuh)
 
 #include "mega_mixers.cuh"  // (and, through it, every part)
 
@@ -71,10 +72,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     producer(prog, n_instr, tag, lead, s, lane);
   } else {
     Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, 0};
-    uint32_t base = 0;
-    for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
+    for (int i = 0; i < n_instr; ++i) {
       const Instr& in = prog[i];
-      c.first = first_unit(base);
+      c.first = first_unit(in);
       if (threadIdx.x == 32) s_instr[1] = i;  // (read only by a thread that gives up; and the profile)
       if (MEGA_PROF && threadIdx.x == 32) {
         prof_set(i, PF_LAT, probe_latency());

@@ -189,31 +189,6 @@ __device__ __noinline__ uint64_t poll_until(const uint64_t* y, int e, uint32_t t
   return w;
 }
 
-#ifndef MEGA_BATCH_POLL
-#define MEGA_BATCH_POLL 0  // 1: a group of polled words not all there at its first load is polled as a group
-#endif                     // (settle), then loaded again: one round trip once the data lands, not one per late word
-constexpr bool BATCH_POLL = MEGA_BATCH_POLL != 0;
-
-// (BATCH_POLL) the words e0 + j * stride, or with PAIRS the word pairs at 2 (e0 + j * stride) (j < n <=
-// FETCH_GROUP), loaded together until every one carries `tag`: the path of a group that came early, out of line
-template <bool PAIRS>
-__device__ __noinline__ void settle(const uint64_t* y, int e0, int stride, int n, uint32_t tag) {
-  for (uint32_t it = 0;; ++it) {
-    uint64_t a[FETCH_GROUP], b[FETCH_GROUP];
-#pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
-      if (j < n) {
-        if (PAIRS) ld_relaxed_v2(y + 2 * (e0 + j * stride), a[j], b[j]);
-        else a[j] = b[j] = ld_relaxed_u64(y + e0 + j * stride);
-      }
-    bool ok = true;
-#pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
-      if (j < n) ok = ok && tagged(a[j], tag) && tagged(b[j], tag);
-    if (ok || !keep_polling(it, WAIT_LIMIT, PAIRS ? 2 * e0 : e0)) return;
-  }
-}
-
 // one source's outputs, polled until they carry this step's tag
 struct Source {
   const uint64_t* y;
@@ -240,18 +215,6 @@ struct Source {
 #pragma unroll
       for (int j = 0; j < FETCH_GROUP; ++j)
         w[j] = g0 + j < N && g0 + j < n ? ld_relaxed_u64(y + e0 + (g0 + j) * stride) : 0ull;
-      if (BATCH_POLL) {  // a word not there yet: the group polled as one, then loaded again
-        bool ok = true;
-#pragma unroll
-        for (int j = 0; j < FETCH_GROUP; ++j)
-          if (g0 + j < N && g0 + j < n) ok = ok && tagged(w[j], tag);
-        if (!ok) {
-          settle<false>(y, e0 + g0 * stride, stride, min(min(FETCH_GROUP, N - g0), n - g0), tag);
-#pragma unroll
-          for (int j = 0; j < FETCH_GROUP; ++j)
-            if (g0 + j < N && g0 + j < n) w[j] = ld_relaxed_u64(y + e0 + (g0 + j) * stride);
-        }
-      }
 #pragma unroll
       for (int j = 0; j < FETCH_GROUP; ++j)
         if (g0 + j < N && g0 + j < n) v[g0 + j] = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
@@ -264,18 +227,21 @@ struct Source {
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) ld_relaxed_v2(y + 2 * (q0 + j * stride), w[2 * j], w[2 * j + 1]);
   }
-  // (BATCH_POLL) w as issue_pairs loaded it, or, where a word did not carry `tag` yet, the group polled as one
-  // (settle) and loaded again
-  __device__ __forceinline__ void ready_pairs(int q0, int stride, int n, uint64_t (&w)[2 * FETCH_GROUP],
-                                              uint32_t tag) const {
-    if (!BATCH_POLL) return;
-    bool ok = true;
+  // pairs 2q, 2q + 1 (q = q0 + j * stride, j < n <= N) loaded, all in flight, and loaded again until every
+  // word carries `tag`: for words that are ready in practice (no out-of-line wait per word, so no registers
+  // saved around calls; a late word costs the whole group's reload)
+  template <int N>
+  __device__ __forceinline__ void ready_pairs(int q0, int stride, int n, uint64_t (&w)[2 * N], uint32_t tag) const {
+    for (uint32_t it = 0;; ++it) {
 #pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
-      if (j < n) ok = ok && tagged(w[2 * j], tag) && tagged(w[2 * j + 1], tag);
-    if (ok) return;
-    settle<true>(y, q0, stride, n, tag);
-    issue_pairs(q0, stride, n, w);
+      for (int j = 0; j < N; ++j)
+        if (j < n) ld_relaxed_v2(y + 2 * (q0 + j * stride), w[2 * j], w[2 * j + 1]);
+      bool ok = true;
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        if (j < n) ok = ok && tagged(w[2 * j], tag) && tagged(w[2 * j + 1], tag);
+      if (ok || !keep_polling(it, WAIT_LIMIT, 2 * q0)) return;
+    }
   }
   // the wait half: element 2q + h's value (j, h: its place in w) once it carries `tag`
   __device__ __forceinline__ float pair_value(int q0, int stride, int j, int h, uint64_t w, uint32_t tag) const {
@@ -306,7 +272,6 @@ struct XIn {
     uint64_t w[2 * FETCH_GROUP];
     if (kind == X_SRC) {
       src.issue_pairs(q0, stride, n, w);
-      src.ready_pairs(q0, stride, n, w, tag);
     }
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
@@ -337,7 +302,6 @@ __device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, ui
     if (add) add->issue_pairs(q0, CT, n, wa);  // (in flight while x's are fetched)
     float v[2 * FETCH_GROUP];
     x.fetch_pairs(q0, CT, n, v, tag);
-    if (add) add->ready_pairs(q0, CT, n, wa, tag);
 #pragma unroll
     for (int j = 0; j < 2 * FETCH_GROUP; ++j)
       if (j / 2 < n) {

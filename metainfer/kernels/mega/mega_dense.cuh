@@ -87,12 +87,28 @@ __device__ __forceinline__ long long conv_slot(const Instr& in) {
   return step[STEP_HAS_STATE] != 0 ? slot : -slot - 1;
 }
 
+// (EPI_CONV) the conv taps and the state rows of this CTA's chunks prefetched into L2 while x is polled, 4
+// threads per chunk: the state is the last step's (back in DRAM by now), and ConvRow::issue loads it only a
+// row's dot ahead of its use
+__device__ void conv_prefetch(const Ctx& c, const Instr& in, long long slot) {
+  if (in.i[10] != EPI_CONV) return;
+  const int C = in.i[11], rpc = gemv_rpc(in), ch = c.first + (c.ct / 4) * (int)gridDim.x, part = c.ct % 4;
+  if (ch * rpc >= C) return;  // (C <= rows: past this CTA's chunks too)
+  const int rows = min(rpc, C - ch * rpc);
+  const uint8_t* p = part == 0 ? ptr<const uint8_t>(in.p[7]) + (size_t)ch * rpc * 8  // taps: 4 bf16 a row
+                               : ptr<const uint8_t>(in.p[6]) + ((slot < 0 ? -slot - 1 : slot) * 3 * C +
+                                                                (long long)(part - 1) * C + ch * rpc) * 2;
+  const uint32_t bytes = (part == 0 ? rows * 8 : rows * 2) & ~15u;
+  if ((part == 0 || slot >= 0) && bytes > 0 && (reinterpret_cast<uintptr_t>(p) & 15) == 0) l2_prefetch(p, bytes);
+}
+
 __device__ void op_gemv(Ctx& c, const Instr& in) {
-  const int n = n_chunks_of(in);
+  const int n = n_units(in);
   if (c.first >= n) return;
   const int wtype = in.i[0], rows_all = in.i[1], K = in.i[2], pro = in.i[3];
   consumers_sync(CT);  // every warp is done with the previous instruction's x and scratch
   const long long slot = conv_slot(in);  // (its loads in flight while x is polled)
+  conv_prefetch(c, in, slot);
   const XIn x(c.prog, in, 5, K);
   if (pro == PRO_NONE) {
     stage_raw(x, nullptr, K, c.s.xs, c.tag, c.ct);
@@ -157,7 +173,7 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
 }
 
 __device__ void op_gate_up(Ctx& c, const Instr& in) {
-  const int n = n_chunks_of(in);
+  const int n = n_units(in);
   if (c.first >= n) return;
   const int I = in.i[1], H = in.i[2], nb = I / 8, kb = H / 128;
   consumers_sync(CT);  // (no routing here: the producer picked the experts' rows; chunk c is slot c / nb's)

@@ -6,74 +6,82 @@
 
 namespace mega {
 // ---- the x prologues ------------------------------------------------------------------------------
-// the scratch's norm-weight copy (bf16, K <= 4096: floats [256, 2304) of the scratch)
-__device__ __forceinline__ __nv_bfloat16* norm_w_smem(const Smem& s) {
-  return reinterpret_cast<__nv_bfloat16*>(s.sc + 256);
-}
+constexpr int MAX_PAIRS = 8;  // pairs of x per consumer thread: K <= 4096 (program.py)
 
-// RMSNorm of v[e] = x(e) (+ add(e), rounded to bf16) into xs: bf16(v / rms(v) * (1 + w))
+// RMSNorm of v[e] = x(e) (+ add(e), rounded to bf16) into xs: bf16(v / rms(v) * (1 + w)). A thread's norm
+// weights (its pairs' bf16 pairs) are loaded while x is polled; the scaling pass reads back only what the
+// thread staged, in registers' reach (no per-element index math: its pairs sit 512 floats apart in xs).
 __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16* nw, float eps, int K, uint32_t tag,
                            const Smem& s, int ct, int cw, int lane) {
-  __nv_bfloat16* wsm = norm_w_smem(s);
-  for (int e = ct * 8; e < K; e += CT * 8)  // the weights to shared memory, one 16-byte load per 8 (in flight
-    *reinterpret_cast<uint4*>(wsm + e) = *reinterpret_cast<const uint4*>(nw + e);  // while x is polled)
+  const int m = K / (2 * CT);
+  uint32_t w2[MAX_PAIRS];
+#pragma unroll
+  for (int j = 0; j < MAX_PAIRS; ++j)
+    if (j < m) w2[j] = *reinterpret_cast<const uint32_t*>(nw + 2 * (ct + j * CT));
   const float ss = stage_raw(x, add, K, s.xs, tag, ct);
   prof_mark(ct, PF_S1);
-  const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);  // (its barriers: wsm is complete)
+  const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);
   prof_mark(ct, PF_S2);
-  for (int e = ct; e < K; e += CT) s.xs[xpos(e)] = bf(s.xs[xpos(e)] * r * (1.f + __bfloat162float(wsm[e])));
+  float2* xp = reinterpret_cast<float2*>(s.xs + xpos(2 * ct));  // pair j at xp[256 j] (xpos: + 512 j)
+#pragma unroll
+  for (int j = 0; j < MAX_PAIRS; ++j)
+    if (j < m) {
+      const float2 w = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w2[j]));
+      const float2 v = xp[256 * j];
+      xp[256 * j] = make_float2(bf(v.x * r * (1.f + w.x)), bf(v.y * r * (1.f + w.y)));
+    }
 }
 
-// the DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z;
-// thread ct holds the pairs 2q, 2q + 1 for q = ct + j * CT, so a warp's 64 values lie in one head (hd >= 64)
-// and head h's hd values on hd / 64 warps: their sums of squares meet in red[h * (hd / 64) + w], then each
-// head's 1 / rms in rstd[h]. hd is a power of two (program.py). The norm weights [hd] go to shared memory
-// while x is polled. (The per-element work is kept small: this function was 66 KB of code, 4,100
-// instructions, with each head's sum and division redone per element.)
+// The DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z.
+// Warp cw holds elements [cw K / NCW, (cw + 1) K / NCW), whole heads (program.py: hd divides K / NCW), as the
+// pairs q0 + 32 j (j < m = K / 512): a head is hd / 64 consecutive j, its sum of squares a sum of warp sums
+// in the warp's own scratch row, so no block barrier. First z (ready: in_proj's), while the core outputs
+// are still being made: silu(z) into xs at x's places. Then x, polled: its bf16 pairs into scratch, each
+// pair's sum of squares into the row. Then the norm from shared memory alone. hd: a power of two in
+// [64, 256] (program.py).
 __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
                             uint32_t tag, const Smem& s, int ct, int cw, int lane) {
-  const int m = K / (2 * CT), wph = hd / 64, sh = __ffs(hd) - 1, nh = K / hd;
-  float* red = s.sc;                   // [nh * wph]
-  float* rstd = s.sc + 1024;           // [nh]
-  float* wsm = s.sc + SCRATCH - hd;    // [hd]
-  for (int e = ct; e < hd; e += CT) wsm[e] = bf_at(nw, e);
-  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // the core values, and each head's sums of squares
+  constexpr int ZG = 4;  // z's pairs in flight
+  const int m = K / (2 * CT), wph = hd / 64, q0 = cw * 32 * m + lane;
+  float* red = s.sc + cw * MAX_PAIRS;                          // [m]: pair j's sum over the warp
+  uint32_t* xb = reinterpret_cast<uint32_t*>(s.sc + 256);      // [K / 2]: x's bf16 pair q at xb[q]
+  for (int g0 = 0; g0 < m; g0 += ZG) {
+    uint64_t zw[2 * ZG];
+    const int n = min(ZG, m - g0);
+    z.ready_pairs<ZG>(q0 + 32 * g0, 32, n, zw, tag);
+#pragma unroll
+    for (int j = 0; j < ZG; ++j)
+      if (j < n) {
+        const float z0 = word_value(zw[2 * j], z.kind), z1 = word_value(zw[2 * j + 1], z.kind);
+        *reinterpret_cast<float2*>(s.xs + xpos(2 * (q0 + 32 * (g0 + j)))) =
+            make_float2(z0 / (1.f + __expf(-z0)), z1 / (1.f + __expf(-z1)));
+      }
+  }
+  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {
     float v[2 * FETCH_GROUP];
-    const int n = min(FETCH_GROUP, m - g0), q0 = ct + g0 * CT;
-    x.fetch_pairs(q0, CT, n, v, tag);
-    prof_mark(ct, g0 == 0 ? PF_S1 : PF_S2);
+    const int n = min(FETCH_GROUP, m - g0);
+    x.fetch_pairs(q0 + 32 * g0, 32, n, v, tag);
 #pragma unroll
     for (int j = 0; j < FETCH_GROUP; ++j)
       if (j < n) {
-        const int e = 2 * (q0 + j * CT);
-        s.xs[xpos(e)] = v[2 * j];
-        s.xs[xpos(e + 1)] = v[2 * j + 1];
+        const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);  // (exact: bf16 outputs)
+        xb[q0 + 32 * (g0 + j)] = *reinterpret_cast<const uint32_t*>(&b);
         const float p = warp_sum(v[2 * j] * v[2 * j] + v[2 * j + 1] * v[2 * j + 1]);
-        if (lane == 0) red[(e >> sh) * wph + cw % wph] = p;
+        if (lane == 0) red[g0 + j] = p;
       }
   }
-  consumers_sync(CT);
-  if (ct < nh) {  // each head's 1 / rms, its warps' sums in warp order
-    float t = 0.f;
-    for (int u = 0; u < wph; ++u) t += red[ct * wph + u];
-    rstd[ct] = rsqrtf(t / hd + eps);
-  }
-  consumers_sync(CT);
-  prof_mark(ct, PF_S3);
-  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {  // then z (ready: in_proj's), and the gated norm in place
-    uint64_t w[2 * FETCH_GROUP];
-    const int n = min(FETCH_GROUP, m - g0), q0 = ct + g0 * CT;
-    z.issue_pairs(q0, CT, n, w);
-    z.ready_pairs(q0, CT, n, w, tag);
-    if (g0 == 0) prof_mark(ct, PF_S4);
-#pragma unroll
-    for (int j = 0; j < 2 * FETCH_GROUP; ++j)
-      if (j / 2 < n) {
-        const int e = 2 * (q0 + (j / 2) * CT) + j % 2, q = xpos(e);
-        const float zz = z.pair_value(q0, CT, j / 2, j % 2, w[j], tag);
-        const float hh = bf(bf(s.xs[q] * rstd[e >> sh]) * wsm[e & (hd - 1)]);
-        s.xs[q] = bf(hh * (zz / (1.f + __expf(-zz))));
-      }
+  prof_mark(ct, PF_S1);
+  __syncwarp();
+  for (int j = 0; j < m; ++j) {
+    const int q = q0 + 32 * j;
+    float t = 0.f;  // the head's sum of squares, its pairs in order
+    for (int u = j & ~(wph - 1); u <= (j | (wph - 1)); ++u) t += red[u];
+    const float r = rsqrtf(t / hd + eps);
+    const float2 w = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(nw + ((2 * q) & (hd - 1)))));
+    const float2 xv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xb + q));
+    float2* xp = reinterpret_cast<float2*>(s.xs + xpos(2 * q));
+    const float2 g = *xp;
+    *xp = make_float2(bf(bf(bf(xv.x * r) * w.x) * g.x), bf(bf(bf(xv.y * r) * w.y) * g.y));
   }
 }
 

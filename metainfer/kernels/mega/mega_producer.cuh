@@ -5,39 +5,23 @@
 #include "mega_math.cuh"
 
 namespace mega {
-// ---- chunk enumeration, shared by the producer and the consumers -------------------------------------
-__device__ __forceinline__ int gemv_rpc(const Instr& in) { return SLOT / (in.i[2] * (in.i[0] == W_BF16 ? 2 : 1)); }
-__device__ __forceinline__ int n_chunks_of(const Instr& in) {
-  if (in.op == OP_GEMV) return (in.i[1] + gemv_rpc(in) - 1) / gemv_rpc(in);
-  if (in.op == OP_GATE_UP) return (in.i[3] + 1) * (in.i[1] / 8);
-  return 0;
-}
-// DOWN: row blocks of 16 outputs, each in groups of SLOT / (16 I) experts' pieces
-__device__ __forceinline__ int down_per_group(const Instr& in) { return SLOT / (16 * in.i[1]); }
-__device__ __forceinline__ int down_groups(const Instr& in) {
-  return (in.i[3] + 1 + down_per_group(in) - 1) / down_per_group(in);
-}
-
+// ---- work units, shared by the producer and the consumers (program.py's units(): p[10], p[11]) ------------
 // Work units of an instruction (chunks, row blocks, items), dealt to the CTAs round robin, each instruction
 // starting where the one before it ended: unit u of an instruction whose units start at `base` (the units of
 // the instructions before it) belongs to CTA (base + u) mod gridDim.x. So every CTA gets an equal share of
-// the whole step, not the first CTAs one unit more of every instruction. Producer and consumers walk the
-// same bases.
-__device__ __forceinline__ int n_units(const Instr& in) {
-  switch (in.op) {
-    case OP_GEMV:
-    case OP_GATE_UP: return n_chunks_of(in);
-    case OP_DOWN: return in.i[2] / 16;
-    case OP_DELTA: return in.i[1] * (in.i[3] / 32);
-    case OP_ATTEND: return in.i[0] * in.i[4];
-    case OP_COMBINE: return in.i[0];
-    default: return 0;
-  }
-}
-// this CTA's first unit of an instruction starting at base (>= the units' count: none)
-__device__ __forceinline__ int first_unit(uint32_t base) {
+// the whole step, not the first CTAs one unit more of every instruction. program.py counts them (no
+// divisions here): p[10] = units | base << 32, p[11] = the chunking word.
+__device__ __forceinline__ int n_units(const Instr& in) { return static_cast<int>(in.p[10] & 0xffffffffu); }
+// this CTA's first unit of the instruction (>= n_units: none)
+__device__ __forceinline__ int first_unit(const Instr& in) {
+  const uint32_t base = static_cast<uint32_t>(in.p[10] >> 32);
   return (int)((blockIdx.x + gridDim.x - base % gridDim.x) % gridDim.x);
 }
+// GEMV: rows per chunk (a chunk: the rows of one ring slot)
+__device__ __forceinline__ int gemv_rpc(const Instr& in) { return static_cast<int>(in.p[11] & 0xffffu); }
+// DOWN: row blocks of 16 outputs, each in groups of SLOT / (16 I) experts' pieces
+__device__ __forceinline__ int down_per_group(const Instr& in) { return static_cast<int>(in.p[11] & 0xffffu); }
+__device__ __forceinline__ int down_groups(const Instr& in) { return static_cast<int>((in.p[11] >> 16) & 0xffffu); }
 
 // ring slot it's block scales (the producer copies a chunk's scale rows there with it)
 __device__ __forceinline__ float* slot_scales(const Smem& s, uint32_t it) {
@@ -62,14 +46,13 @@ __device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t b
 // chunks of the GEMV instructions after instruction i (the dense weights the routing does not decide:
 // the next layer's projections), up to `lead` bytes, so the DRAM streams through the routing bubble and
 // those chunks later load from L2. (The skeleton's v2 measures the idea: benchmarks/stream_chain.cu.)
-__device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t base, uint32_t lead) {
+__device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t lead) {
   uint32_t done = 0;
-  base += n_units(prog[i]);
-  for (int j = i + 1; j < n_instr && done < lead; base += n_units(prog[j]), ++j) {
+  for (int j = i + 1; j < n_instr && done < lead; ++j) {
     const Instr& in = prog[j];
     if (in.op != OP_GEMV) continue;
-    const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
-    for (int c = first_unit(base); c < n && done < lead; c += gridDim.x) {
+    const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_units(in);
+    for (int c = first_unit(in); c < n && done < lead; c += gridDim.x) {
       const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
       l2_prefetch(ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes);
       done += bytes;
@@ -81,10 +64,9 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
   uint32_t it = 0;
   int routed = -1;  // the router instruction whose routing route_p holds
   const int n_cta = gridDim.x;
-  uint32_t base = 0;  // the units of the instructions before (first_unit)
-  for (int i = 0; i < n_instr; base += n_units(prog[i]), ++i) {
+  for (int i = 0; i < n_instr; ++i) {
     const Instr& in = prog[i];
-    const int first = first_unit(base);
+    const int first = first_unit(in);
     uint32_t waited = 0;  // (the profiling build) cycles waiting for empty slots
     if (lane == 0) s_instr[0] = i;
     if (MEGA_PROF && lane == 0) prof_set(i, PF_P_IN, cycles());
@@ -92,7 +74,7 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
       if (first >= n_units(in)) continue;  // none of its units here
       if (routed != in.i[4]) {
         const uint32_t t0 = MEGA_PROF ? cycles() : 0u;
-        if (lead && lane == 0) l2_lead(prog, n_instr, i, base, lead);
+        if (lead && lane == 0) l2_lead(prog, n_instr, i, lead);
         __syncwarp();
         route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane);
         routed = in.i[4];
@@ -101,7 +83,7 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
     }
     if (lane != 0) continue;
     if (in.op == OP_GEMV) {
-      const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_chunks_of(in);
+      const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_units(in);
       const uint32_t sb = in.i[0] == W_E4M3 ? in.i[2] / 128 * 4 : 0u;  // the chunk's scale row (one 128-row block)
       for (int c = first; c < n; c += n_cta, ++it) {
         const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
@@ -110,7 +92,7 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
         if (sb) bulk_load(slot_scales(s, it), ptr<const uint8_t>(in.p[1]) + (size_t)(c * rpc / 128) * sb, sb, bar);
       }
     } else if (in.op == OP_GATE_UP) {
-      const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_chunks_of(in);
+      const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_units(in);
       const uint32_t sb = H / 128 * 4;  // one scale row of the gate rows, one of the up rows
       for (int c = first; c < n; c += n_cta, ++it) {  // 8 gate rows, then the 8 up rows beside them
         const int j = c / nb, b = c % nb, e = s.route_p[j];

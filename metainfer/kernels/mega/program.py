@@ -298,8 +298,9 @@ def check(p: list[Instr]) -> None:
                       where, "the gated norm takes x and z from instructions, whole heads")
                 _need(g.norm_w is not None and tuple(g.norm_w.shape) == (g.head_dim,),
                       where, "norm_w [head_dim]")
-                _need(g.head_dim & (g.head_dim - 1) == 0 and 64 <= g.head_dim <= THREADS - 32, where,
-                      "gated: head_dim a power of two in [64, 256] (a warp's 64 values in one head)")
+                _need(g.head_dim & (g.head_dim - 1) == 0 and 64 <= g.head_dim <= THREADS - 32
+                      and (g.k // NCW) % g.head_dim == 0, where,
+                      "gated: head_dim a power of two in [64, 256] dividing k / 8 (whole heads per warp)")
             elif g.norm_w is not None:
                 _norm_w(g.norm_w, g.k, where)
             if g.add is not None:
@@ -400,10 +401,33 @@ def _x_fields(f: _Fields, x: X, base: int) -> None:
         f.ptrs[3] = x.table.data_ptr()
 
 
-def fields(g: Instr, y: torch.Tensor, step: torch.Tensor) -> _Fields:
-    """The kernel's view of g: mega.cu documents each op's use of ints[], floats[] and ptrs[]."""
+def units(g: Instr) -> tuple[int, int]:
+    """g's work units (dealt to the CTAs round robin: GEMV and GateUp chunks, Down's 16-row blocks,
+    DeltaState's (head, 32 columns), Attend's (head, split), Combine's heads) and its chunking word: a GEMV's
+    rows per chunk, Down's pieces per chunk | chunks per row block << 16 (0 otherwise)."""
+    if isinstance(g, Gemv):
+        rpc = SLOT // (g.k * g.w.element_size())
+        return -(-g.rows // rpc), rpc
+    if isinstance(g, GateUp):
+        return (g.top_k + 1) * (g.w.shape[1] // 2 // 8), 0
+    if isinstance(g, Down):
+        E1, H, I = g.w.shape
+        per = SLOT // (16 * I)
+        return H // 16, per | (-(-(g.top_k + 1) // per) << 16)
+    if isinstance(g, DeltaState):
+        return g.state.shape[1] * (g.state.shape[3] // 32), 0
+    if isinstance(g, Attend):
+        return g.hq * g.splits, 0
+    return g.hq, 0
+
+
+def fields(g: Instr, y: torch.Tensor, step: torch.Tensor, base: int = 0) -> _Fields:
+    """The kernel's view of g: mega.cu documents each op's use of ints[], floats[] and ptrs[]; base: the
+    units of the instructions before g (ptrs[10]: units | base << 32; ptrs[11]: the chunking word)."""
     f = _op_fields(g, y, step)
     f.out = out_dtype(g)
+    n, chunking = units(g)
+    f.ptrs[10:12] = [n | (base << 32), chunking]
     return f
 
 
@@ -496,7 +520,10 @@ class Program:
             self.y = [self.arena[o:o + g.rows] for o, g in zip(offs, instrs)]
         else:  # (one allocation per output: the layout before the arena, kept to measure it)
             self.y = [torch.zeros(g.rows, dtype=torch.int64, device=dev) for g in instrs]
-        rows = [pack(fields(g, y, self.step_inputs)) for g, y in zip(instrs, self.y)]
+        rows, base = [], 0
+        for g, y in zip(instrs, self.y):
+            rows.append(pack(fields(g, y, self.step_inputs, base)))
+            base += units(g)[0]
         self.table = torch.tensor(rows, dtype=torch.int64).to(dev)  # [n, WORDS]
         # the kernel's words: the last step's tag, the CTAs finished, the watchdog (code, CTA, instruction,
         # detail: mega.cu's give_up)
