@@ -149,8 +149,6 @@
 #   megacode - (KB-0076/77) the GPU tests; mega_step.py --prof for the default build and MEGA_VARIANTS (less
 #            unrolled code: -DMEGA_FETCH_GROUP=2), both consumer kinds (MEGA_MMAS); with NCU=1 then ncu's warp
 #            stall reasons on one step ("no instruction": the SM waiting for code), ~4 min
-#   megapoll - (KB-0077 next) the GPU tests on the MEGA_BATCH_POLL build, then mega_step.py --prof on the default
-#            build and it (one round trip per late group of polled words instead of one per late word), ~3 min
 #   megasrc - ncu's source counters on one megakernel step: warp stalls and instructions per SASS address
 #            ($OUT/mega_source.csv; map addresses to ops with the same build's nvdisasm), ~2 min
 #   megaeng - the engine with --megakernel (after `mega` passes): FP8 batch-1 decode (decode_bench), then
@@ -744,14 +742,6 @@ if has megacode; then  # KB-0076's next step: is the megakernel bound by instruc
       --section InstructionStats python benchmarks/mega_step.py --reps 1 --leads 0 --mma 0 > $OUT/ncu_mega.txt 2>&1
     grep -iE "no instruction|stall|warp cycles|issued" $OUT/ncu_mega.txt | head -16
   fi
-fi
-if has megapoll; then  # KB-0077's next step (not yet run): MEGA_BATCH_POLL, a late group of polled words polled
-  # as one, then loaded again (one round trip once the data lands, not one per late word); +17 KB of code
-  METAINFER_MEGA_DEFINES="-DMEGA_BATCH_POLL=1" timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py \
-    -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests_poll.log
-  tail -3 $OUT/mega_tests_poll.log
-  timeout 300 python benchmarks/mega_step.py --prof --reps 30 --leads 0 --inflight 6 --mma 0 \
-    --variants ";-DMEGA_BATCH_POLL=1" --json $OUT/mega_step_poll.json 2>&1 | grep -v Warn | tail -32
 fi
 if has megasrc; then  # where the megakernel's warps stall, per SASS instruction (ncu's source counters), ~2 min
   timeout 240 ncu --clock-control none -k regex:mega_step -c 1 --section SourceCounters --section WarpStateStats \
