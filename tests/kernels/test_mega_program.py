@@ -118,17 +118,33 @@ def _bad(case):
         attend = P.Attend(P.Src(0), cache, cache.clone(), _bf16(256), _bf16(256), torch.ones(32),
                           torch.zeros(4, dtype=torch.int32), hq=2, splits=1)
         return [P.Gemv(wq, x, ws=sq), attend]
+    if case == "gated_head":  # a gated norm's head of 256 (the kernel keeps 2 pairs of norm weights a thread)
+        return _gated(256)
     raise AssertionError(case)
 
 
+def _gated(head_dim: int) -> list:
+    """A DeltaNet out_proj: the gated norm of 4,096 core outputs (x) with z (add), heads of head_dim."""
+    wz, sz = _e4m3(8192, 2048)
+    wo, so = _e4m3(16, 4096)
+    core = P.Gemv(wz, P.Vec(_bf16(2048)), ws=sz)
+    return [core, P.Gemv(wo, P.Src(0), ws=so, add=P.Src(0, off=4096), gated=True, head_dim=head_dim,
+                         norm_w=_bf16(head_dim))]
+
+
 BAD = ["k", "row_bytes", "scales", "forward", "slice", "norm_fp32", "dtype", "plain", "routing", "odd_offset",
-       "kv_block"]
+       "kv_block", "gated_head"]
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_check_refuses_what_the_kernel_cannot_run(case):
     with pytest.raises(ValueError):
         P.Program(_bad(case))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gated_heads_of_64_and_128_are_accepted(head_dim):
+    assert len(P.Program(_gated(head_dim)).instrs) == 2
 
 
 def test_tagged_words_round_trip():

@@ -38,6 +38,9 @@ __device__ __forceinline__ void release_chunk(Ctx& c) {
   ++c.it;
 }
 
+// the state slot's index from conv_slot's word (< 0 where the sequence has no state yet: -slot - 1)
+__device__ __forceinline__ long long conv_index(long long slot) { return slot < 0 ? -slot - 1 : slot; }
+
 // The DeltaNet decode conv + SiLU of a GEMV row < nconv (EPI_CONV): its state and weights loaded ahead of the
 // row's dot (issue), then the conv of the dot's value with them, the state shifted ([s0, s1, s2] -> [s1, s2, y]).
 struct ConvRow {
@@ -47,7 +50,7 @@ struct ConvRow {
   __device__ void issue(const Instr& in, int row, long long slot) {
     if (in.i[10] != EPI_CONV || row >= in.i[11]) return;
     const int C = in.i[11];
-    st = ptr<__nv_bfloat16>(in.p[6]) + (slot < 0 ? -slot - 1 : slot) * 3 * C + row;
+    st = ptr<__nv_bfloat16>(in.p[6]) + conv_index(slot) * 3 * C + row;
     const __nv_bfloat16* cwt = ptr<const __nv_bfloat16>(in.p[7]) + (size_t)row * 4;
     const uint2 wv = *reinterpret_cast<const uint2*>(cwt);  // the row's 4 taps (8 bytes)
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv.x));
@@ -96,8 +99,8 @@ __device__ void conv_prefetch(const Ctx& c, const Instr& in, long long slot) {
   if (ch * rpc >= C) return;  // (C <= rows: past this CTA's chunks too)
   const int rows = min(rpc, C - ch * rpc);
   const uint8_t* p = part == 0 ? ptr<const uint8_t>(in.p[7]) + (size_t)ch * rpc * 8  // taps: 4 bf16 a row
-                               : ptr<const uint8_t>(in.p[6]) + ((slot < 0 ? -slot - 1 : slot) * 3 * C +
-                                                                (long long)(part - 1) * C + ch * rpc) * 2;
+                               : ptr<const uint8_t>(in.p[6]) +
+                                     (conv_index(slot) * 3 * C + (long long)(part - 1) * C + ch * rpc) * 2;
   const uint32_t bytes = (part == 0 ? rows * 8 : rows * 2) & ~15u;
   if ((part == 0 || slot >= 0) && bytes > 0 && (reinterpret_cast<uintptr_t>(p) & 15) == 0) l2_prefetch(p, bytes);
 }

@@ -34,17 +34,21 @@ __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16*
 
 // The DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z.
 // Warp cw holds elements [cw K / NCW, (cw + 1) K / NCW), whole heads (program.py: hd divides K / NCW), as the
-// pairs q0 + 32 j (j < m = K / 512): a head is hd / 64 consecutive j, its sum of squares a sum of warp sums
-// in the warp's own scratch row, so no block barrier. First z (ready: in_proj's), while the core outputs
-// are still being made: silu(z) into xs at x's places. Then x, polled: its bf16 pairs into scratch, each
-// pair's sum of squares into the row. Then the norm from shared memory alone. hd: a power of two in
-// [64, 256] (program.py).
+// pairs q0 + 32 j (j < m = K / 512): a head is wph = hd / 64 consecutive j, its sum of squares a sum of warp
+// sums in the warp's own scratch row, so no block barrier. First the thread's norm weights (wph pairs, the same
+// places in every head) and z (ready: in_proj's), while the core outputs are still being made: silu(z) into
+// xs at x's places. Then x, polled: its bf16 pairs into scratch, each pair's sum of squares into the row. Then
+// the norm from registers and shared memory alone. hd: 64 or 128 (program.py).
 __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
                             uint32_t tag, const Smem& s, int ct, int cw, int lane) {
   constexpr int ZG = 4;  // z's pairs in flight
   const int m = K / (2 * CT), wph = hd / 64, q0 = cw * 32 * m + lane;
   float* red = s.sc + cw * MAX_PAIRS;                          // [m]: pair j's sum over the warp
   uint32_t* xb = reinterpret_cast<uint32_t*>(s.sc + 256);      // [K / 2]: x's bf16 pair q at xb[q]
+  uint32_t wn[2];  // pair j's norm weights: wn[j % wph]
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+    wn[u] = u < wph ? __ldg(reinterpret_cast<const uint32_t*>(nw + ((2 * (q0 + 32 * u)) & (hd - 1)))) : 0u;
   for (int g0 = 0; g0 < m; g0 += ZG) {
     uint64_t zw[2 * ZG];
     const int n = min(ZG, m - g0);
@@ -72,16 +76,20 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
   }
   prof_mark(ct, PF_S1);
   __syncwarp();
-  for (int j = 0; j < m; ++j) {
-    const int q = q0 + 32 * j;
+  for (int j0 = 0; j0 < m; j0 += wph) {  // one head: its pairs j0 .. j0 + wph - 1
     float t = 0.f;  // the head's sum of squares, its pairs in order
-    for (int u = j & ~(wph - 1); u <= (j | (wph - 1)); ++u) t += red[u];
+    for (int u = 0; u < wph; ++u) t += red[j0 + u];
     const float r = rsqrtf(t / hd + eps);
-    const float2 w = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(nw + ((2 * q) & (hd - 1)))));
-    const float2 xv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xb + q));
-    float2* xp = reinterpret_cast<float2*>(s.xs + xpos(2 * q));
-    const float2 g = *xp;
-    *xp = make_float2(bf(bf(bf(xv.x * r) * w.x) * g.x), bf(bf(bf(xv.y * r) * w.y) * g.y));
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+      if (u < wph) {
+        const int q = q0 + 32 * (j0 + u);
+        const float2 w = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wn[u]));
+        const float2 xv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xb + q));
+        float2* xp = reinterpret_cast<float2*>(s.xs + xpos(2 * q));
+        const float2 g = *xp;
+        *xp = make_float2(bf(bf(bf(xv.x * r) * w.x) * g.x), bf(bf(bf(xv.y * r) * w.y) * g.y));
+      }
   }
 }
 

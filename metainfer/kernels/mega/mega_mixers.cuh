@@ -17,7 +17,7 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
   float* kn = qn + 128;         // [128]
   float* red = kn + 128;        // [NCW][32]
   float* gates = red + NCW * 32;  // decay, beta
-  for (int item = c.first; item < Hv * nblk; item += gridDim.x) {
+  for (int item = c.first, n = n_units(in); item < n; item += gridDim.x) {
     const int h = item / nblk, cb = item % nblk, kh = h / (Hv / hk), col = cb * 32 + c.lane;
     float* S = ptr<float>(in.p[0]) + (((size_t)slot * Hv + h) * Dk) * Dv + col;
     float st[16];
@@ -128,7 +128,7 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
   float* score = raw + 256;   // [MAX_SCORES]
   float* red = c.s.sc;        // [NCW] sums; then [NCW][D] partial outputs
   const int per = (L + ns - 1) / ns;
-  for (int item = c.first; item < hq * ns; item += gridDim.x) {
+  for (int item = c.first, n = n_units(in); item < n; item += gridDim.x) {
     const int h = item / ns, sp = item % ns, kvh = h / (hq / hkv);
     const int lo = sp * per, hi = min(lo + per, L);
     uint64_t* y = ptr<uint64_t>(in.p[4]) + (size_t)(h * ns + sp) * (D + 2);
@@ -227,10 +227,10 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
 
 // the splits merged per head (consumer thread t: dim t), times sigmoid(gate), each rounded to bf16 first
 __device__ void op_combine(Ctx& c, const Instr& in) {
-  const int hq = in.i[0], D = in.i[1], ns = in.i[2];
+  const int D = in.i[1], ns = in.i[2];  // (i[0]: hq, the units)
   const Source parts(c.prog, in.i[3], in.i[4]), qkv(c.prog, in.i[5], in.i[6]);
   constexpr int G = 8;  // splits fetched at once
-  for (int h = c.first; h < hq; h += gridDim.x) {
+  for (int h = c.first, n = n_units(in); h < n; h += gridDim.x) {
     float m = -INFINITY, lse[G], o[G];
     for (int s0 = 0; s0 < ns; s0 += G) {
       parts.fetch((h * ns + s0) * (D + 2) + D, D + 2, min(G, ns - s0), lse, c.tag);

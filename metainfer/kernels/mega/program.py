@@ -298,9 +298,8 @@ def check(p: list[Instr]) -> None:
                       where, "the gated norm takes x and z from instructions, whole heads")
                 _need(g.norm_w is not None and tuple(g.norm_w.shape) == (g.head_dim,),
                       where, "norm_w [head_dim]")
-                _need(g.head_dim & (g.head_dim - 1) == 0 and 64 <= g.head_dim <= THREADS - 32
-                      and (g.k // NCW) % g.head_dim == 0, where,
-                      "gated: head_dim a power of two in [64, 256] dividing k / 8 (whole heads per warp)")
+                _need(g.head_dim in (64, 128) and (g.k // NCW) % g.head_dim == 0, where,
+                      "gated: head_dim 64 or 128, dividing k / 8 (whole heads per warp)")
             elif g.norm_w is not None:
                 _norm_w(g.norm_w, g.k, where)
             if g.add is not None:
