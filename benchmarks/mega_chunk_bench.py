@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 import json
 import subprocess
 import sys
@@ -31,7 +30,8 @@ from metainfer.kernels.mega import program as P  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODES = {0: "compute only, CUDA cores (row_dot2)", 1: "compute only, tensor cores (tile_mma)",
-         2: "ring from DRAM + CUDA-core consumers", 3: "ring from DRAM, consumers only release"}
+         2: "ring from DRAM + CUDA-core consumers", 3: "ring from DRAM, consumers only release",
+         4: "compute only, FP8 wgmma (x as two e4m3 terms)", 5: "ring from DRAM by TMA + FP8 wgmma"}
 
 
 def build(defines: tuple[str, ...] = ()) -> bytes:
@@ -44,24 +44,53 @@ def build(defines: tuple[str, ...] = ()) -> bytes:
     return out.read_bytes()
 
 
+def tensor_map(drv: launch._Driver, w: torch.Tensor, rows: int) -> ctypes.Array:
+    """The 2-D TMA map of w ([rows, 2048] bytes) for chunk_bench_wgmma: boxes of 128 bytes x 16 rows, 128-byte
+    swizzle (CUtensorMap: 128 opaque bytes, passed by value)."""
+    tmap = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(2048, rows)
+    strides = (ctypes.c_uint64 * 1)(2048)
+    box = (ctypes.c_uint32 * 2)(128, 16)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # uint8, rank 2, no interleave, SWIZZLE_128B (3), L2 promotion 128B (2), no OOB fill
+    drv("cuTensorMapEncodeTiled", tmap, 0, 2, ctypes.c_void_p(w.data_ptr()), dims, strides, box, elem,
+        0, 3, 2, 0)
+    return tmap
+
+
+def reference(w: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """Each output row's dot: chunk [ctas, chunks] -> [ctas, chunks, 16] fp32 (e4m3 x fp32 x block scale)."""
+    wc = w.view(-1, 16, 2048)[chunk.flatten()].float()  # [n, 16, 2048]
+    xs = x * scales.repeat_interleave(128)
+    return (wc @ xs).view(*chunk.shape, 16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=48, help="chunks per CTA per launch")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default="", help="-D flag lists, ';' between builds, ',' within one")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also modes 4, 5: chunk_bench_wgmma (built 2026-12-02d, not yet run)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.zeros(1, device=dev)
     drv = launch._Driver()
     smem = P.NSLOTS * P.SLOT + 256 + 2 * P.NSLOTS * 8 + P.KMAX * 4 + 256 * 4
-    fns = {}
+    smem_wgmma = 1024 + P.NSLOTS * P.SLOT + 2048 * 8 + (16 + 16 + 16) * 4 + 2 * P.NSLOTS * 8  # (+ alignment)
+    kernels = []  # (build, mode, what, function, shared bytes)
     for v in args.variants.split(";"):
-        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        module = ctypes.c_void_p()
         drv("cuModuleLoadData", ctypes.byref(module), build(tuple(d for d in v.split(",") if d)))
-        drv("cuModuleGetFunction", ctypes.byref(fn), module, b"chunk_bench")
-        drv("cuFuncSetAttribute", fn, 8, smem)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        fns[v or "base"] = (module, fn)
+        names = [(b"chunk_bench", smem, [m for m in MODES if m < 4])]
+        if args.wgmma:
+            names.append((b"chunk_bench_wgmma", smem_wgmma, [4, 5]))
+        for name, nbytes, modes in names:
+            fn = ctypes.c_void_p()
+            drv("cuModuleGetFunction", ctypes.byref(fn), module, name)
+            drv("cuFuncSetAttribute", fn, 8, nbytes)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            kernels += [(v or "base", m, MODES[m], fn, nbytes, module) for m in modes]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     w_chunks = sms * 64  # 276 MB on 132 SMs: past L2, so the ring streams from DRAM
     torch.manual_seed(0)
@@ -71,39 +100,52 @@ def main() -> None:
     y = torch.zeros(sms * args.chunks * 16 + 16, dtype=torch.int64, device=dev)
     out = torch.zeros(sms * 2, dtype=torch.int64, device=dev)
     err = torch.zeros(4, dtype=torch.int32, device=dev)
+    tmap = tensor_map(drv, w, w_chunks * 16) if args.wgmma else None
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
+    cta = torch.arange(sms, device=dev)[:, None]
+    it = torch.arange(args.chunks, device=dev)[None, :]
+    chunk_of = {0: (cta + 0 * it) % w_chunks, 1: (cta + 0 * it) % w_chunks, 2: (cta + it * sms) % w_chunks,
+                4: (cta + (it % P.NSLOTS) * sms) % w_chunks, 5: (cta + it * sms) % w_chunks}
     rows = []
-    for (variant, (_, fn)), (mode, what) in itertools.product(fns.items(), MODES.items()):
+    for variant, mode, what, fn, nbytes, _ in kernels:
         per_chunk_us, rate = [], []
         for _ in range(args.reps):
-            vals = [ctypes.c_void_p(w.data_ptr()), ctypes.c_size_t(w_chunks), ctypes.c_void_p(x.data_ptr()),
+            head = [tmap] if mode >= 4 else [ctypes.c_void_p(w.data_ptr())]
+            vals = [*head, ctypes.c_size_t(w_chunks), ctypes.c_void_p(x.data_ptr()),
                     ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(y.data_ptr()),
                     ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(err.data_ptr()),
                     ctypes.c_int(args.chunks), ctypes.c_int(mode)]
             ptrs = [ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals]
             params = (ctypes.c_void_p * len(vals))(*ptrs)
-            drv("cuLaunchKernel", fn, sms, 1, 1, P.THREADS, 1, 1, smem, stream, params, None)
+            y.zero_()
+            drv("cuLaunchKernel", fn, sms, 1, 1, P.THREADS, 1, 1, nbytes, stream, params, None)
             torch.cuda.synchronize()
             ns = out.view(sms, 2)[:, 1].double()
             per_chunk_us.append(float(ns.median()) / args.chunks / 1e3)
             rate.append(sms * args.chunks * P.SLOT / float(ns.max()))  # bytes per ns = GB/s
+        row = {"variant": variant, "mode": mode, "what": what}
+        if mode in chunk_of:  # the outputs (bf16 in the tagged words' low half) against the reference
+            got = (y[: sms * args.chunks * 16] & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()
+            want = reference(w, x, scales, chunk_of[mode]).flatten()
+            row["rel_rmse_vs_fp32"] = float(((got - want).pow(2).mean() / want.pow(2).mean()).sqrt())
         per_chunk_us.sort()
         rate.sort()
-        rows.append({"variant": variant, "mode": mode, "what": what,
-                     "us_per_chunk_median": per_chunk_us[len(per_chunk_us) // 2],
-                     "aggregate_gb_s": rate[len(rate) // 2],
-                     "pct_of_4300_gb_s": rate[len(rate) // 2] / 4300 * 100})
-    print("| build | mode | what | µs per 32 KB chunk (CTAs' median) | aggregate GB/s | % of 4.3 TB/s |")
-    print("|---|---|---|---|---|---|")
+        rows.append(row | {"us_per_chunk_median": per_chunk_us[len(per_chunk_us) // 2],
+                           "aggregate_gb_s": rate[len(rate) // 2],
+                           "pct_of_4300_gb_s": rate[len(rate) // 2] / 4300 * 100})
+    print("| build | mode | what | µs per 32 KB chunk (CTAs' median) | aggregate GB/s | % of 4.3 TB/s "
+          "| outputs' rel RMSE |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['mode']} | {r['what']} | {r['us_per_chunk_median']:.3f} "
-              f"| {r['aggregate_gb_s']:.0f} | {r['pct_of_4300_gb_s']:.0f} |")
+              f"| {r['aggregate_gb_s']:.0f} | {r['pct_of_4300_gb_s']:.0f} "
+              f"| {r.get('rel_rmse_vs_fp32', '-')} |")
     if args.json:
         env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev),
                "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                         cwd=HERE).stdout.strip()}
         args.json.write_text(json.dumps({"env": env, "args": {"chunks": args.chunks, "reps": args.reps,
-                                                              "variants": args.variants},
+                                                              "variants": args.variants, "wgmma": args.wgmma},
                                          "results": rows}, indent=1))
 
 
