@@ -7,6 +7,7 @@ sums the warp-stall samples and executed instructions by the kernel's call site 
 switch), with the stall reasons of each. Run it on the commit that produced the CSV.
 
   python benchmarks/mega_ncu_source.py mega_source.csv [-D...] [--cubin a -lineinfo build of those sources]
+      [--lines 30 [--op gemv]]   (also the source lines, inlining undone, with the most samples)
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ def op_lines() -> dict[int, str]:
 
 
 def address_owners(defines: tuple[str, ...], tmp: Path, cubin: Path | None = None
-                   ) -> tuple[dict[int, str], dict[int, str]]:
+                   ) -> tuple[dict[int, str], dict[int, str], dict[int, str]]:
     """mega_step's SASS offset -> the op whose call site in mega.cu the line info names (or file:line),
-    and -> the instruction's opcode (to check the build against the profiled one)."""
+    -> the instruction's opcode (to check the build against the profiled one), and -> its innermost
+    source line (file:line: the first of the line-info comments before it)."""
     if cubin is None:
         cubin = tmp / "mega_lineinfo.cubin"
         cmd = launch.nvcc_command(cubin, defines=defines)
         subprocess.run([*cmd[:1], "-lineinfo", *cmd[1:]], check=True, capture_output=True, timeout=600)
     sass = subprocess.run([nvdisasm(), "-gi", str(cubin)], check=True, capture_output=True, text=True).stdout
-    ops, owners, opcodes, cur, inside = op_lines(), {}, {}, "?", False
+    ops, owners, opcodes, inner = op_lines(), {}, {}, {}
+    cur, here, inside, in_block = "?", "?", False, False
     for line in sass.splitlines():
         if line.startswith(".text."):
             inside = line.startswith(".text.mega_step:")
@@ -66,12 +69,27 @@ def address_owners(defines: tuple[str, ...], tmp: Path, cubin: Path | None = Non
             f, n = (m.group(3), m.group(4)) if m.group(3) else (m.group(1), m.group(2))
             name = Path(f).name
             cur = ops.get(int(n), f"mega.cu:{n}") if name == "mega.cu" else f"{name}:{n}"
+            if not in_block:  # (the first comment of a run names the innermost line)
+                here = f"{Path(m.group(1)).name}:{m.group(2)}"
+            in_block = True
             continue
+        in_block = False
         a = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(\S+)", line)
         if inside and a:
             owners[int(a.group(1), 16)] = cur
             opcodes[int(a.group(1), 16)] = a.group(2)
-    return owners, opcodes
+            inner[int(a.group(1), 16)] = here
+    return owners, opcodes, inner
+
+
+def source_text(where: str) -> str:
+    """The source line `file:line` names (a header of this tree, or a CUDA header's line number alone)."""
+    name, _, n = where.rpartition(":")
+    path = launch.HERE / name
+    if not path.is_file():
+        return ""
+    lines = path.read_text().splitlines()
+    return lines[int(n) - 1].strip()[:80] if 0 < int(n) <= len(lines) else ""
 
 
 def main() -> None:
@@ -80,19 +98,24 @@ def main() -> None:
     ap.add_argument("defines", nargs="*", help="the build's -D flags, as MegaKernel(defines=...) had them")
     ap.add_argument("--cubin", type=Path, default=None,
                     help="a -lineinfo build of the profiled sources made earlier (default: build the tree's)")
+    ap.add_argument("--lines", type=int, default=0,
+                    help="also the N source lines (innermost, inlining undone) with the most samples")
+    ap.add_argument("--op", default=None,
+                    help="with --lines: only the addresses of this op (gemv, gate_up, ...)")
     args = ap.parse_args()
     rows = list(csv.reader(open(args.csv)))
     head = rows.index(next(r for r in rows if r and r[0] == "Address"))
     hdr, data = rows[head], rows[head + 1 :]
     ix = {h: i for i, h in enumerate(hdr)}
     reasons = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
-    owners, opcodes = address_owners(tuple(args.defines), Path("/tmp"), args.cubin)
+    owners, opcodes, inner = address_owners(tuple(args.defines), Path("/tmp"), args.cubin)
     base = int(data[0][0], 16)
     same = sum(opcodes.get(int(r[0], 16) - base) == (r[1].split() or ["?"])[0] for r in data)
     if same < 0.99 * len(data):
         raise SystemExit(f"this build is not the profiled one: {same} of {len(data)} opcodes agree "
                          "(check out the commit, and pass its -D flags)")
     by_op: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    by_line: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     total: collections.Counter = collections.Counter()
     for r in data:
         op = owners.get(int(r[0], 16) - base, "?")
@@ -100,6 +123,8 @@ def main() -> None:
             v = float(r[ix[h]] or 0)
             by_op[op][h] += v
             total[h] += v
+            if args.op is None or op == args.op:
+                by_line[inner.get(int(r[0], 16) - base, "?")][h] += v
     print(f"{total[SAMPLES]:.0f} warp-stall samples, {total[EXECUTED]:.0f} warp instructions executed")
     print("stall reasons: " + ", ".join(f"{h[6:]} {total[h] / total[SAMPLES] * 100:.1f}%"
                                          for h in sorted(reasons, key=lambda h: -total[h])
@@ -111,6 +136,15 @@ def main() -> None:
                         for h in sorted(reasons, key=lambda h: -c[h])[:4])
         print(f"| {op} | {c[SAMPLES] / total[SAMPLES] * 100:.1f} | {c[EXECUTED] / total[EXECUTED] * 100:.1f} "
               f"| {top} |")
+    if args.lines:
+        scope = sum(c[SAMPLES] for c in by_line.values())
+        print(f"\n{args.op or 'all ops'}: {scope:.0f} samples, by source line (% of these samples)")
+        print("| line | samples % | top stall reasons | source |")
+        print("|---|---|---|---|")
+        for where, c in sorted(by_line.items(), key=lambda kv: -kv[1][SAMPLES])[: args.lines]:
+            top = ", ".join(f"{h[6:]} {c[h] / max(c[SAMPLES], 1) * 100:.0f}%"
+                            for h in sorted(reasons, key=lambda h: -c[h])[:3])
+            print(f"| {where} | {c[SAMPLES] / max(scope, 1) * 100:.1f} | {top} | `{source_text(where)}` |")
 
 
 if __name__ == "__main__":
