@@ -153,6 +153,9 @@
 #            ($OUT/mega_source.csv; map addresses to ops with the same build's nvdisasm), ~2 min
 #   megaeng - the engine with --megakernel (after `mega` passes): FP8 batch-1 decode (decode_bench), then
 #            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
+#   chunkbench - (KB-0079) the megakernel's consumers apart from the step: benchmarks/mega_chunk_bench.py with
+#            --wgmma (modes 4, 5: FP8 wgmma on TMA-swizzled chunks, built 2026-12-02d, not yet run; its outputs
+#            checked against fp32), CHUNK_VARIANTS (-D lists for mega_math.cuh), ~1 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -750,6 +753,10 @@ if has megasrc; then  # where the megakernel's warps stall, per SASS instruction
   ncu --import $OUT/mega_src.ncu-rep --page source --csv --print-source sass > $OUT/mega_source.csv 2>&1
   ncu --import $OUT/mega_src.ncu-rep --page raw --csv > $OUT/mega_raw.csv 2>&1
   wc -c $OUT/mega_source.csv $OUT/mega_raw.csv; head -c 600 $OUT/mega_source.csv
+fi
+if has chunkbench; then  # the consumers' rate on one ring slot: CUDA cores, tensor cores, the ring, FP8 wgmma
+  timeout 240 python benchmarks/mega_chunk_bench.py --wgmma --variants "${CHUNK_VARIANTS:-}" \
+    --json $OUT/chunk_bench.json 2>&1 | grep -v Warn | tail -12
 fi
 if has megaeng; then  # the engine with --megakernel: FP8 batch 1 decode, then the oracle (only if the tests passed)
   timeout 240 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --no-profile --megakernel \
