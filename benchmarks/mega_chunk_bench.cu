@@ -17,11 +17,6 @@ namespace {
 constexpr int K = 2048, ROWS = SLOT / K;  // 16 rows of 2048 e4m3 per chunk
 static_assert(ROWS == 16, "one row pair per consumer warp");
 
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
@@ -64,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     for (int e = ct; e < K; e += CT) xh[e] = __float2half_rn(xs[xpos(e)]);
     consumers_sync(CT);
   }
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = global_ns();
   const uint32_t c0 = static_cast<uint32_t>(clock64());
   int buf = 0;
   for (int it = 0; it < n_chunks; ++it) {
@@ -85,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     }
   }
   const uint32_t c1 = static_cast<uint32_t>(clock64());
-  const uint64_t t1 = now_ns();
+  const uint64_t t1 = global_ns();
   if (ct == 0) out[blockIdx.x * 2] = c1 - c0, out[blockIdx.x * 2 + 1] = t1 - t0;
 }
 
@@ -192,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (mode == 4)
     for (int s = 0; s < NSLOTS; ++s) mbar_wait(&full[s], 0);
   const uint32_t a_base = smem_u32(a8);
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = global_ns();
   const uint32_t c0 = static_cast<uint32_t>(clock64());
   for (int it = 0; it < n_chunks; ++it) {
     const int slot = it % NSLOTS;
@@ -244,6 +239,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     }
   }
   const uint32_t c1 = static_cast<uint32_t>(clock64());
-  const uint64_t t1 = now_ns();
+  const uint64_t t1 = global_ns();
   if (threadIdx.x == 0) out[blockIdx.x * 2] = c1 - c0, out[blockIdx.x * 2 + 1] = t1 - t0;
 }

@@ -118,8 +118,7 @@ def main() -> None:
                     ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(y.data_ptr()),
                     ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(err.data_ptr()),
                     ctypes.c_int(args.chunks), ctypes.c_int(mode)]
-            ptrs = [ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals]
-            params = (ctypes.c_void_p * len(vals))(*ptrs)
+            params = launch.kernel_params(vals)
             y.zero_()
             drv("cuLaunchKernel", fn, sms, 1, 1, P.THREADS, 1, 1, nbytes, stream, params, None)
             torch.cuda.synchronize()

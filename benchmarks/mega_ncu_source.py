@@ -92,6 +92,12 @@ def source_text(where: str) -> str:
     return lines[int(n) - 1].strip()[:80] if 0 < int(n) <= len(lines) else ""
 
 
+def top_reasons(c: collections.Counter, reasons: list[str], k: int) -> str:
+    """The k stall reasons with the most of c's samples, each as its share of them."""
+    return ", ".join(f"{h[6:]} {c[h] / max(c[SAMPLES], 1) * 100:.0f}%"
+                     for h in sorted(reasons, key=lambda h: -c[h])[:k])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output of one mega_step")
@@ -132,8 +138,7 @@ def main() -> None:
     print("| where | samples % | instructions % | top stall reasons |")
     print("|---|---|---|---|")
     for op, c in sorted(by_op.items(), key=lambda kv: -kv[1][SAMPLES])[:16]:
-        top = ", ".join(f"{h[6:]} {c[h] / max(c[SAMPLES], 1) * 100:.0f}%"
-                        for h in sorted(reasons, key=lambda h: -c[h])[:4])
+        top = top_reasons(c, reasons, 4)
         print(f"| {op} | {c[SAMPLES] / total[SAMPLES] * 100:.1f} | {c[EXECUTED] / total[EXECUTED] * 100:.1f} "
               f"| {top} |")
     if args.lines:
@@ -142,8 +147,7 @@ def main() -> None:
         print("| line | samples % | top stall reasons | source |")
         print("|---|---|---|---|")
         for where, c in sorted(by_line.items(), key=lambda kv: -kv[1][SAMPLES])[: args.lines]:
-            top = ", ".join(f"{h[6:]} {c[h] / max(c[SAMPLES], 1) * 100:.0f}%"
-                            for h in sorted(reasons, key=lambda h: -c[h])[:3])
+            top = top_reasons(c, reasons, 3)
             print(f"| {where} | {c[SAMPLES] / max(scope, 1) * 100:.1f} | {top} | `{source_text(where)}` |")
 
 

@@ -85,6 +85,13 @@ def text_bytes(cubin: Path, kernel: str = "mega_step") -> int:
     raise ValueError(f"{cubin} has no {want.decode()} section")
 
 
+def kernel_params(args: list) -> ctypes.Array:
+    """cuLaunchKernel's kernelParams for ctypes values (c_void_p for pointers; any ctypes object passed by
+    value, e.g. a CUtensorMap's 128 bytes), in the kernel's parameter order. Keep `args` alive until the
+    launch."""
+    return (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+
+
 class _Driver:
     """The few libcuda entry points used here, each call checked."""
 
@@ -133,8 +140,7 @@ class MegaKernel:
 
     def _launch(self, fn, grid: int, block: int, smem: int, args: list, cooperative: bool) -> None:
         """args: ctypes values (c_void_p for pointers), in the kernel's parameter order."""
-        ptrs = [ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args]
-        params = (ctypes.c_void_p * len(args))(*ptrs)
+        params = kernel_params(args)
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         name = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
         extra = () if cooperative else (None,)
