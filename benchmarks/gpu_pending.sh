@@ -153,6 +153,8 @@
 #            ($OUT/mega_source.csv; map addresses to ops with the same build's nvdisasm), ~2 min
 #   megaeng - the engine with --megakernel (after `mega` passes): FP8 batch-1 decode (decode_bench), then
 #            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
+#   megawg   - (2026-12-02e) the K = 2048 e4m3 GEMVs and gate/up on FP8 wgmma (the default; -DMEGA_WGMMA=0: CUDA
+#            cores): GPU tests of both builds, then mega_step.py --prof of both (MEGA_VARIANTS), ~2 min
 #   chunkbench - (KB-0079) the megakernel's consumers apart from the step: benchmarks/mega_chunk_bench.py with
 #            --wgmma (modes 4, 5: FP8 wgmma on TMA-swizzled chunks, built 2026-12-02d, not yet run; its outputs
 #            checked against fp32), CHUNK_VARIANTS (-D lists for mega_math.cuh), ~1 min
@@ -745,6 +747,15 @@ if has megacode; then  # KB-0076's next step: is the megakernel bound by instruc
       --section InstructionStats python benchmarks/mega_step.py --reps 1 --leads 0 --mma 0 > $OUT/ncu_mega.txt 2>&1
     grep -iE "no instruction|stall|warp cycles|issued" $OUT/ncu_mega.txt | head -16
   fi
+fi
+if has megawg; then  # (2026-12-02e) the K = 2048 GEMVs on FP8 wgmma: GPU tests of both builds, then the step's time
+  timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
+  tail -3 $OUT/mega_tests.log
+  METAINFER_MEGA_DEFINES="-DMEGA_WGMMA=0" timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py \
+    -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests_wg.log
+  tail -3 $OUT/mega_tests_wg.log
+  timeout 300 python benchmarks/mega_step.py --prof --reps 20 --leads 0 --inflight 6 --mma 0 \
+    --variants="${MEGA_VARIANTS:--DMEGA_WGMMA=0;}" --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -40
 fi
 if has megasrc; then  # where the megakernel's warps stall, per SASS instruction (ncu's source counters), ~2 min
   timeout 240 ncu --clock-control none -k regex:mega_step -c 1 --section SourceCounters --section WarpStateStats \

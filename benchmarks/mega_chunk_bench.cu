@@ -96,16 +96,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 namespace {
 constexpr int A8_BYTES = K * 8;  // 128 core matrices of 8 rows x 16 bytes
 
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint32_t swizzle) {
-  return (uint64_t)((addr & 0x3ffff) >> 4) | ((uint64_t)((lbo & 0x3ffff) >> 4) << 16) |
-         ((uint64_t)((sbo & 0x3ffff) >> 4) << 32) | ((uint64_t)swizzle << 62);
-}
-__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
-          "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
-      : "memory");
-}
 // this CTA's chunk `it` (16 rows x K) into a slot: one tensor copy per 128-byte K block
 __device__ __forceinline__ void load_chunk(uint8_t* slot, const CUtensorMap* map, size_t chunk, uint64_t* bar) {
   mbar_expect_tx(bar, SLOT);
@@ -236,6 +226,135 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     if (mode == 5) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+  }
+  const uint32_t c1 = static_cast<uint32_t>(clock64());
+  const uint64_t t1 = global_ns();
+  if (threadIdx.x == 0) out[blockIdx.x * 2] = c1 - c0, out[blockIdx.x * 2 + 1] = t1 - t0;
+}
+
+// ---- wgmma with the operands swapped (2026-12-02e): W is A, x is B ---------------------------------------------
+// Modes 4-5 read A (x, 64 rows of which 2 are used) from shared memory at every wgmma: 2 KB per 512 weight bytes.
+// Here the weights are A instead, so each wgmma reads each weight byte once plus 256 bytes of x. A 16-row chunk
+// is viewed as 64 rows of 512 bytes (W's row-major [rows, 2048] is exactly [4 rows, 512]: view row m = 4 r + s,
+// W row r's K segment s). TMA lands it as 4 K blocks of [64 view rows][128 B], 128-byte swizzled (4 copies, box
+// 128 B x 64 rows): the canonical K-major A of m64nNk32. B is x with N = 8 columns, n = 2 s + h: segment s of x's
+// hi (h = 0) or lo (h = 1) term, no swizzle, [512 / 16][8][16]. D[m][n] is useful where n / 2 = m % 4 (the
+// diagonal: a quarter of D). One warpgroup reduces a chunk (16 wgmma, 4 accumulator chains = the 4 K blocks of
+// 128 per segment); the two warpgroups take alternate chunks, so no barrier between them.
+//   mode 6: compute only; mode 7: the ring from DRAM by TMA (one slot released by the warpgroup's 4 warps).
+namespace {
+constexpr int SEG = 512, B8_BYTES = SEG * 8;  // B: 32 core matrices of 8 columns x 16 bytes
+
+__device__ __forceinline__ void load_chunk_t(uint8_t* slot, const CUtensorMap* map, size_t chunk, uint64_t* bar) {
+  mbar_expect_tx(bar, SLOT);
+  for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(slot + kb * 8192, map, kb * 128, (int)(chunk * 64), bar);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+    chunk_bench_wgmma_t(const __grid_constant__ CUtensorMap wmap, size_t w_chunks, const float* xg,
+                        const float* scales, uint64_t* y, uint64_t* out, uint32_t* err, int n_chunks, int mode) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  uint8_t* ring = smem;                                 // NSLOTS x 32 KB
+  uint8_t* b8 = smem + NSLOTS * SLOT;                   // [SEG / 16][8][16]: x's terms, column n = 2 s + h
+  float* xf = reinterpret_cast<float*>(b8 + B8_BYTES);  // [K / 128] 2^-s
+  float* ws = xf + K / 128;                             // [K / 128] the chunk's weight block scales
+  uint64_t* full = reinterpret_cast<uint64_t*>(ws + K / 128);
+  uint64_t* empty = full + NSLOTS;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+  if (threadIdx.x == 0) {
+    g_err = err;
+    for (int i = 0; i < NSLOTS; ++i) mbar_init(&full[i], 1), mbar_init(&empty[i], 4);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < K / 128) ws[threadIdx.x] = scales[threadIdx.x];
+  if (warp < NCW) {  // x's two e4m3 terms: warp w takes blocks w and w + 8, lane 4 columns of each
+    for (int b = warp; b < K / 128; b += NCW) {
+      const int c0 = b * 128 + lane * 4;
+      float v[4], m = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = xg[c0 + i], m = fmaxf(m, fabsf(v[i]));
+      m = warp_max(m);
+      const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;
+      const int sh = m > 0.f ? min(max(7 - e, -120), 120) : 0;
+      const float up = __uint_as_float(static_cast<uint32_t>(127 + sh) << 23);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int k = c0 + i, s = k / SEG, kk = k % SEG, at = (kk / 16) * 128 + (2 * s) * 16 + kk % 16;
+        const float xv = v[i] * up;
+        const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(xv, __NV_SATFINITE, __NV_E4M3);
+        const float hv = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
+        b8[at] = h;
+        b8[at + 16] = __nv_cvt_float_to_fp8(xv - hv, __NV_SATFINITE, __NV_E4M3);
+      }
+      if (lane == 0) xf[b] = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  const uint32_t tag = 1;
+  if (warp == NCW) {
+    if (lane == 0) {
+      if (mode == 6) {
+        for (int s = 0; s < NSLOTS; ++s)
+          load_chunk_t(ring + s * SLOT, &wmap, ((size_t)blockIdx.x + (size_t)s * gridDim.x) % w_chunks, &full[s]);
+      } else {
+        for (int it = 0; it < n_chunks; ++it) {
+          const int slot = it % NSLOTS;
+          mbar_wait(&empty[slot], ((it / NSLOTS) & 1) ^ 1);
+          load_chunk_t(ring + slot * SLOT, &wmap, ((size_t)blockIdx.x + (size_t)it * gridDim.x) % w_chunks,
+                       &full[slot]);
+        }
+      }
+    }
+    return;
+  }
+  if (mode == 6)
+    for (int s = 0; s < NSLOTS; ++s) mbar_wait(&full[s], 0);
+  const uint32_t b_base = smem_u32(b8);
+  const int g = lane >> 2, t = lane & 3, w4 = warp & 3;
+  // this lane's useful accumulators: view rows 16 w4 + g and + 8 (segment g % 4), columns 2 t, 2 t + 1 (segment t)
+  const bool mine = (g & 3) == t;
+  const uint64_t t0 = global_ns();
+  const uint32_t c0 = static_cast<uint32_t>(clock64());
+  for (int it = wg; it < n_chunks; it += 2) {
+    const int slot = it % NSLOTS;
+    if (mode == 7) mbar_wait(&full[slot], (it / NSLOTS) & 1);
+    const uint32_t a_base = smem_u32(ring + slot * SLOT);
+    float acc[4][4];  // the 4 K blocks of 128 within a segment
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // 32 columns: A at +32 bytes in the swizzled rows, B's next 2 core matrices
+        const uint64_t da = smem_desc(a_base + kb * 8192 + j * 32, 16, 1024, 1);
+        const uint64_t db = smem_desc(b_base + (kb * 8 + j * 2) * 128, 128, 0, 0);
+        if (j == 0) wgmma_m64n8k32<0>(acc[kb], da, db);
+        else wgmma_m64n8k32<1>(acc[kb], da, db);
+      }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    if (mode == 7) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+    float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+      const float f = ws[t * 4 + kb] * xf[t * 4 + kb];
+      v0 = fmaf(acc[kb][0] + acc[kb][1], f, v0);
+      v1 = fmaf(acc[kb][2] + acc[kb][3], f, v1);
+    }
+    v0 = mine ? v0 : 0.f, v1 = mine ? v1 : 0.f;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1)
+      v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+    if ((lane & 15) == 0) {  // W rows 4 w4 + lane / 16 (view rows 16 w4 + g) and + 2 (view rows + 8)
+      const int row = (blockIdx.x * n_chunks + it) * ROWS + 4 * w4 + lane / 16;
+      store_word(y, row, v0, OUT_BF16, tag);
+      store_word(y, row + 2, v1, OUT_BF16, tag);
     }
   }
   const uint32_t c1 = static_cast<uint32_t>(clock64());

@@ -31,7 +31,8 @@ from metainfer.kernels.mega import program as P  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MODES = {0: "compute only, CUDA cores (row_dot2)", 1: "compute only, tensor cores (tile_mma)",
          2: "ring from DRAM + CUDA-core consumers", 3: "ring from DRAM, consumers only release",
-         4: "compute only, FP8 wgmma (x as two e4m3 terms)", 5: "ring from DRAM by TMA + FP8 wgmma"}
+         4: "compute only, FP8 wgmma (x as two e4m3 terms)", 5: "ring from DRAM by TMA + FP8 wgmma",
+         6: "compute only, FP8 wgmma, W as A (m64n8k32)", 7: "ring from DRAM by TMA + FP8 wgmma, W as A"}
 
 
 def build(defines: tuple[str, ...] = ()) -> bytes:
@@ -44,13 +45,15 @@ def build(defines: tuple[str, ...] = ()) -> bytes:
     return out.read_bytes()
 
 
-def tensor_map(drv: launch._Driver, w: torch.Tensor, rows: int) -> ctypes.Array:
-    """The 2-D TMA map of w ([rows, 2048] bytes) for chunk_bench_wgmma: boxes of 128 bytes x 16 rows, 128-byte
-    swizzle (CUtensorMap: 128 opaque bytes, passed by value)."""
+def tensor_map(drv: launch._Driver, w: torch.Tensor, rows: int, width: int = 2048,
+               box_rows: int = 16) -> ctypes.Array:
+    """The 2-D TMA map of w viewed as [rows, width] bytes: boxes of 128 bytes x box_rows, 128-byte swizzle
+    (CUtensorMap: 128 opaque bytes, passed by value). chunk_bench_wgmma: [rows, 2048], 16-row boxes;
+    chunk_bench_wgmma_t: [4 rows, 512], 64-row boxes."""
     tmap = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 2)(2048, rows)
-    strides = (ctypes.c_uint64 * 1)(2048)
-    box = (ctypes.c_uint32 * 2)(128, 16)
+    dims = (ctypes.c_uint64 * 2)(width, rows)
+    strides = (ctypes.c_uint64 * 1)(width)
+    box = (ctypes.c_uint32 * 2)(128, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
     # uint8, rank 2, no interleave, SWIZZLE_128B (3), L2 promotion 128B (2), no OOB fill
     drv("cuTensorMapEncodeTiled", tmap, 0, 2, ctypes.c_void_p(w.data_ptr()), dims, strides, box, elem,
@@ -71,7 +74,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default="", help="-D flag lists, ';' between builds, ',' within one")
     ap.add_argument("--wgmma", action="store_true",
-                    help="also modes 4, 5: chunk_bench_wgmma (built 2026-12-02d, not yet run)")
+                    help="also modes 4-7: FP8 wgmma (x as A: chunk_bench_wgmma; W as A: chunk_bench_wgmma_t)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -86,6 +89,7 @@ def main() -> None:
         names = [(b"chunk_bench", smem, [m for m in MODES if m < 4])]
         if args.wgmma:
             names.append((b"chunk_bench_wgmma", smem_wgmma, [4, 5]))
+            names.append((b"chunk_bench_wgmma_t", smem_wgmma, [6, 7]))
         for name, nbytes, modes in names:
             fn = ctypes.c_void_p()
             drv("cuModuleGetFunction", ctypes.byref(fn), module, name)
@@ -101,11 +105,13 @@ def main() -> None:
     out = torch.zeros(sms * 2, dtype=torch.int64, device=dev)
     err = torch.zeros(4, dtype=torch.int32, device=dev)
     tmap = tensor_map(drv, w, w_chunks * 16) if args.wgmma else None
+    tmap_t = tensor_map(drv, w, w_chunks * 64, 512, 64) if args.wgmma else None
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     cta = torch.arange(sms, device=dev)[:, None]
     it = torch.arange(args.chunks, device=dev)[None, :]
     chunk_of = {0: (cta + 0 * it) % w_chunks, 1: (cta + 0 * it) % w_chunks, 2: (cta + it * sms) % w_chunks,
-                4: (cta + (it % P.NSLOTS) * sms) % w_chunks, 5: (cta + it * sms) % w_chunks}
+                4: (cta + (it % P.NSLOTS) * sms) % w_chunks, 5: (cta + it * sms) % w_chunks,
+                6: (cta + (it % P.NSLOTS) * sms) % w_chunks, 7: (cta + it * sms) % w_chunks}
     rows = []
     print("| build | mode | what | µs per 32 KB chunk (CTAs' median) | aggregate GB/s | % of 4.3 TB/s "
           "| outputs' rel RMSE |")
@@ -113,7 +119,7 @@ def main() -> None:
     for variant, mode, what, fn, nbytes, _ in kernels:  # (each row printed once measured: a fault ends it)
         per_chunk_us, rate = [], []
         for _ in range(args.reps):
-            head = [tmap] if mode >= 4 else [ctypes.c_void_p(w.data_ptr())]
+            head = [tmap_t] if mode >= 6 else [tmap] if mode >= 4 else [ctypes.c_void_p(w.data_ptr())]
             vals = [*head, ctypes.c_size_t(w_chunks), ctypes.c_void_p(x.data_ptr()),
                     ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(y.data_ptr()),
                     ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(err.data_ptr()),

@@ -49,6 +49,7 @@ class MegaDecode:
 
             self.kernel = MegaKernel(device)
             self.kernel.load(self.mma)  # that build now, not at a first launch inside a graph capture
+            self.kernel.prepare(self.program)  # (its TMA maps too)
         self.steps = 0  # steps served
         self._table: list[int] | None = None  # the block ids now in block_table
         self.lead = int(os.environ.get(LEAD_ENV, "0") or 0)  # the L2 lead, bytes per CTA

@@ -92,6 +92,34 @@ def kernel_params(args: list) -> ctypes.Array:
     return (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
 
 
+TMAP_WORD = 8 + 9  # the table word of an instruction's p[9]: its TMA tensor map (mega_producer.cuh: wg_gemv)
+
+
+def wgmma_box_rows(g: P.Instr) -> int:
+    """The rows of the TMA boxes that g's chunks land by for wgmma in the MEGA_WGMMA build (0: none; mega.cu
+    decides with the same rule and p[9] != 0): an e4m3 GEMV of K = 2048 (16-row chunks: boxes of 64 rows of
+    its [4 rows, 512] view), the experts' gate/up of H = 2048 (8 gate and 8 up rows: boxes of 32 rows)."""
+    if isinstance(g, P.Gemv) and g.w.dtype == torch.float8_e4m3fn and g.k == 2048 and P.SLOT // g.k == 16:
+        return 64 if g.w.is_contiguous() else 0
+    if isinstance(g, P.GateUp) and g.w.shape[2] == 2048:
+        return 32 if g.w.is_contiguous() else 0
+    return 0
+
+
+def encode_tensor_map(drv: _Driver, w: torch.Tensor, width: int, box_rows: int) -> bytes:
+    """The 2-D TMA map (CUtensorMap, 128 opaque bytes) of w's bytes viewed as [w.nbytes / width, width]: boxes
+    of 128 bytes x box_rows, 128-byte swizzle."""
+    tmap = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(width, w.numel() * w.element_size() // width)
+    strides = (ctypes.c_uint64 * 1)(width)
+    box = (ctypes.c_uint32 * 2)(128, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # uint8, rank 2, no interleave, SWIZZLE_128B (3), L2 promotion 128B (2), no OOB fill (zeros)
+    drv("cuTensorMapEncodeTiled", tmap, 0, 2, ctypes.c_void_p(w.data_ptr()), dims, strides, box, elem,
+        0, 3, 2, 0)
+    return bytes(tmap)
+
+
 class _Driver:
     """The few libcuda entry points used here, each call checked."""
 
@@ -146,6 +174,25 @@ class MegaKernel:
         extra = () if cooperative else (None,)
         self.drv(name, fn, grid, 1, 1, block, 1, 1, smem, stream, params, *extra)
 
+    def prepare(self, program: P.Program) -> None:
+        """The tensor map of each instruction whose chunks land by TMA (wgmma_box_rows) into device memory,
+        its address into the instruction's p[9]. Once per program, before a graph capture (launch calls it);
+        every build may run the program (only MEGA_WGMMA reads p[9])."""
+        if program.tensor_maps is not None:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MegaKernel.prepare(program) must run before a graph capture")
+        idx = [i for i, g in enumerate(program.instrs) if wgmma_box_rows(g)]
+        host = torch.zeros(max(len(idx), 1), 128, dtype=torch.uint8)
+        for j, i in enumerate(idx):
+            g = program.instrs[i]
+            raw = encode_tensor_map(self.drv, g.w, 512, wgmma_box_rows(g))
+            host[j] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        maps = host.to(self.device)  # (128-byte rows: each map 64-byte aligned, as TMA needs)
+        for j, i in enumerate(idx):
+            program.table[i, TMAP_WORD] = maps.data_ptr() + 128 * j
+        program.tensor_maps = maps
+
     def _check_constants(self) -> None:
         module = self._loaded[False][1]
         fn = ctypes.c_void_p()
@@ -181,5 +228,6 @@ class MegaKernel:
         args = [ctypes.c_void_p(program.table.data_ptr()), ctypes.c_int(len(program.instrs)),
                 ctypes.c_void_p(program.state.data_ptr()), ctypes.c_uint32(lead), ctypes.c_uint32(inflight),
                 ctypes.c_void_p(0 if prof is None else prof.data_ptr())]
+        self.prepare(program)
         capturing = torch.cuda.is_current_stream_capturing()
         self._launch(self.load(bool(mma)), self.num_sms, P.THREADS, P.SMEM, args, cooperative=not capturing)

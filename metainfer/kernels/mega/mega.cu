@@ -2,13 +2,14 @@
 // checked by program.py; emulate.py is each instruction's ground truth) runs in one cooperative launch of
 // one CTA per SM.
 //
-// Roles per CTA: warp 0 is the producer. It walks the program and streams its CTA's chunks of every
-// instruction's weights through a ring of NSLOTS shared-memory slots (1-D bulk copies completing on
-// mbarriers). Dense weights never wait; the experts' wait for the routing, which the producer warp
-// recomputes from the router's logits. Warps 1..NCW are consumers: per instruction they build x in
-// shared memory (sources polled, then the prologue), reduce the ring's chunks (on the CUDA cores, or on the
-// tensor cores in the MEGA_MMA build: launch mma = True) and store each output; the recurrent-state and
-// attention instructions read their state and cache directly.
+// Roles per CTA: warp NCW (the last) is the producer. It walks the program and streams its CTA's chunks of
+// every instruction's weights through a ring of NSLOTS shared-memory slots (1-D bulk copies, or 2-D tensor
+// copies for wgmma, completing on mbarriers). Dense weights never wait; the experts' wait for the routing,
+// which the producer warp recomputes from the router's logits. Warps 0..NCW - 1 (two warpgroups, as wgmma
+// needs) are consumers: per instruction they build x in shared memory (sources polled, then the prologue),
+// reduce the ring's chunks (on the CUDA cores, on mma.sync in the MEGA_MMA build: launch mma = True, or the
+// K = 2048 GEMVs on wgmma in the MEGA_WGMMA build) and store each output; the recurrent-state and attention
+// instructions read their state and cache directly.
 //
 // The parts, in include order: mega_base.cuh (layout, watchdog, polled sources), mega_math.cuh (norms,
 // dots, routing), mega_producer.cuh (work units, ring, weight streams), mega_dense.cuh (GEMV, the
@@ -43,10 +44,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
               uint32_t* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
   Smem s;
-  s.ring = smem;
+  s.ring = smem + ((RING_ALIGN - (smem_u32(smem) & (RING_ALIGN - 1))) & (RING_ALIGN - 1));
   s.inflight = inflight >= 1 && inflight < NSLOTS ? inflight : NSLOTS;
-  s.scales = reinterpret_cast<float*>(smem + NSLOTS * SLOT);
-  s.full = reinterpret_cast<uint64_t*>(smem + NSLOTS * SLOT + NSLOTS * SCALE_BYTES);
+  s.scales = reinterpret_cast<float*>(s.ring + NSLOTS * SLOT);
+  s.full = reinterpret_cast<uint64_t*>(s.ring + NSLOTS * SLOT + NSLOTS * SCALE_BYTES);
   s.empty = s.full + NSLOTS;
   s.xs = reinterpret_cast<float*>(s.empty + NSLOTS);
   s.sc = s.xs + KMAX;
@@ -68,15 +69,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == 0) {
+  if (warp == NCW) {
     producer(prog, n_instr, tag, lead, s, lane);
   } else {
-    Ctx c{prog, tag, s, (int)threadIdx.x - 32, warp - 1, lane, 0u, 0};
+    Ctx c{prog, tag, s, (int)threadIdx.x, warp, lane, 0u, 0};
     for (int i = 0; i < n_instr; ++i) {
       const Instr& in = prog[i];
       c.first = first_unit(in);
-      if (threadIdx.x == 32) s_instr[1] = i;  // (read only by a thread that gives up; and the profile)
-      if (MEGA_PROF && threadIdx.x == 32) {
+      if (threadIdx.x == 0) s_instr[1] = i;  // (read only by a thread that gives up; and the profile)
+      if (MEGA_PROF && threadIdx.x == 0) {
         prof_set(i, PF_LAT, probe_latency());
         prof_set(i, PF_C_IN, cycles()), c.waited = c.chunks = 0;
       }
@@ -89,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         case OP_COMBINE: op_combine(c, in); break;
         default: break;
       }
-      if (MEGA_PROF && threadIdx.x == 32) {
+      if (MEGA_PROF && threadIdx.x == 0) {
         prof_set(i, PF_C_OUT, cycles());
         prof_set(i, PF_C_WAIT, c.waited);
         prof_set(i, PF_CHUNKS, c.chunks);

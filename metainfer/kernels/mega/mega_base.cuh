@@ -13,6 +13,9 @@
 #ifndef MEGA_MMA
 #define MEGA_MMA 0  // 1: the tensor-core consumers (tile_mma; launch(mma=True) loads that build). One kind per
 #endif              // build: both in one kernel cost 5 KB more code, and the step's time follows code (KB-0077)
+#ifndef MEGA_WGMMA
+#define MEGA_WGMMA 1  // the e4m3 GEMVs of K = 2048 and the experts' gate/up on FP8 wgmma (W as A, x as two e4m3
+#endif                // terms: mega_math.cuh's wg_dot16); 0: on the CUDA cores (or mma.sync: MEGA_MMA)
 
 namespace mega {
 constexpr int NCW = 8;              // consumer warps per CTA
@@ -27,6 +30,8 @@ constexpr int MAX_SCORES = 1024;    // positions one attention split scores
 constexpr int MAX_EXPERTS = 256;
 constexpr int ROUTE_WORDS = 32;     // the routing: ids [16], weights [16]
 constexpr bool MMA = MEGA_MMA != 0;  // the e4m3 dots of 16-row tiles on the tensor cores (tile_mma)
+constexpr bool WGMMA = MEGA_WGMMA != 0;
+constexpr int RING_ALIGN = 1024;    // the ring starts 1024-byte aligned (the 128-byte swizzle's atoms: TMA, wgmma)
 
 enum : int32_t { OP_GEMV = 1, OP_GATE_UP = 2, OP_DOWN = 3, OP_DELTA = 4, OP_ATTEND = 5, OP_COMBINE = 6 };
 enum : int32_t { W_E4M3 = 0, W_BF16 = 1 };
@@ -45,7 +50,7 @@ struct Instr {  // 160 bytes, program.py's 20 words
 };
 static_assert(sizeof(Instr) == 160, "program.py packs 20 words");
 
-constexpr size_t SMEM = (size_t)NSLOTS * SLOT + NSLOTS * SCALE_BYTES + 2 * NSLOTS * sizeof(uint64_t) +
+constexpr size_t SMEM = RING_ALIGN + (size_t)NSLOTS * SLOT + NSLOTS * SCALE_BYTES + 2 * NSLOTS * sizeof(uint64_t) +
                         KMAX * sizeof(float) + SCRATCH * sizeof(float) + ROUTE_WORDS * 4;
 
 // The watchdog. Every wait is bounded: past WAIT_LIMIT polls the first thread to give up records what it
@@ -134,7 +139,7 @@ struct Smem {
   float* scales;   // [NSLOTS][SCALE_BYTES / 4]: slot i's chunk's block scales
   uint64_t* full;
   uint64_t* empty;
-  float* xs;       // [KMAX] x, permuted per 512 (xpos)
+  float* xs;       // [KMAX] x, permuted per 512 (xpos); past K: x's other forms (xh_of, x8_of)
   float* sc;       // [SCRATCH]
   uint32_t inflight;  // the most chunks the producer keeps on their way (1..NSLOTS; the rest of the ring: landed)
   int* route_p;    // the producer's routing: ids [16], weights [16] (as int bits); Down's consumers read it

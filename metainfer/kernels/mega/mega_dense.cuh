@@ -126,6 +126,31 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
   consumers_sync(CT);
   prof_x_ready(c);
   const int rb = K * (wtype == W_BF16 ? 2 : 1), rpc = gemv_rpc(in);
+  if (wg_gemv(in)) {  // the warpgroups take alternate chunks; lanes 0 and 16 of each warp store 2 rows each
+    stage_x8(c.s, c.cw, c.lane);
+    consumers_sync(CT);
+    const int wg = c.cw / 4, r0 = 4 * (c.cw % 4) + c.lane / 16;  // this lane's rows r0, r0 + 2
+    const bool st = (c.lane & 15) == 0;
+    const uint32_t it0 = c.it;
+    int j = 0;
+    for (int ch = c.first; ch < n; ch += gridDim.x, ++j) {
+      if ((j & 1) != wg) continue;
+      c.it = it0 + j;
+      const uint8_t* chunk = next_chunk(c);
+      const int rows = min(rpc, rows_all - ch * rpc), row = ch * rpc + r0;
+      ConvRow cv0, cv1;
+      if (st && r0 < rows) cv0.issue(in, row, slot);
+      if (st && r0 + 2 < rows) cv1.issue(in, row + 2, slot);
+      __syncwarp();
+      const float2 v = wg_dot16(chunk, slot_scales(c.s, c.it), c.s, c.lane);
+      __syncwarp();
+      if (c.lane == 0) mbar_arrive_n(&c.s.empty[c.it % NSLOTS], NCW / 4);  // (the slot's 4 warps)
+      if (st && r0 < rows) gemv_store(in, row, v.x, cv0, c.tag);
+      if (st && r0 + 2 < rows) gemv_store(in, row + 2, v.y, cv1, c.tag);
+    }
+    c.it = it0 + j;
+    return;
+  }
   if (mma_path(in)) {  // 16-row tiles on the tensor cores; lane r < 16 of warp (tile % NCW) stores row r
     stage_f16(c.s, K, c.ct);
     const __half* xh = xh_of(c.s, false);
@@ -185,6 +210,36 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
              c.lane);
   consumers_sync(CT);
   prof_x_ready(c);
+  if (wg_gate_up(in)) {  // the warpgroups take alternate chunks: warps 0, 1 hold gate rows 0-7, warps 2, 3 up rows
+    stage_x8(c.s, c.cw, c.lane);
+    consumers_sync(CT);
+    const int wg = c.cw / 4, w4 = c.cw % 4, r = 4 * (w4 % 2) + c.lane / 16;  // this lane's rows r, r + 2 of 8
+    const bool st = (c.lane & 15) == 0;
+    float* ups = c.s.sc + 64 + wg * 16;  // [2][8]: the up rows' dots, by chunk parity (a barrier between uses)
+    const uint32_t it0 = c.it;
+    int j = 0, par = 0;
+    for (int ch = c.first; ch < n; ch += gridDim.x, ++j) {
+      if ((j & 1) != wg) continue;
+      c.it = it0 + j;
+      const uint8_t* chunk = next_chunk(c);
+      const int sj = ch / nb, b = ch % nb;
+      __syncwarp();
+      const float2 v = wg_dot16(chunk, slot_scales(c.s, c.it) + (w4 >= 2 ? kb : 0), c.s, c.lane);
+      __syncwarp();
+      if (c.lane == 0) mbar_arrive_n(&c.s.empty[c.it % NSLOTS], NCW / 4);
+      float* u = ups + par * 8;
+      if (w4 >= 2 && st) u[r] = v.x, u[r + 2] = v.y;
+      warpgroup_sync(wg);
+      if (w4 < 2 && st) {
+        uint64_t* y = ptr<uint64_t>(in.p[4]) + sj * I + 8 * b;
+        store_word(y, r, v.x / (1.f + __expf(-v.x)) * u[r], OUT_BF16, c.tag);
+        store_word(y, r + 2, v.y / (1.f + __expf(-v.y)) * u[r + 2], OUT_BF16, c.tag);
+      }
+      par ^= 1;
+    }
+    c.it = it0 + j;
+    return;
+  }
   if constexpr (MMA) {  // each chunk one 16-row tile: gate rows 0-7, up rows 8-15; warp 0's lanes 0-7 store
     stage_f16(c.s, H, c.ct);
     const __half* xh = xh_of(c.s, false);

@@ -262,4 +262,77 @@ __device__ __forceinline__ float tile_sum(float2 part, float* red, int& buf, int
   buf ^= 1;
   return t;
 }
+
+// ---- GEMV chunks on FP8 wgmma (the MEGA_WGMMA build; benchmarks/mega_chunk_bench.cu modes 6, 7 measured it) ------
+// A 16-row chunk of K = 2048 e4m3 is A of m64n8k32: W's row-major [16, 2048] viewed as [64, 512] (view row
+// m = 4 r + s: W row r's K segment s), landed by TMA as 4 K blocks of [64][128 B], 128-byte swizzled (the
+// canonical K-major A). B is x as two e4m3 terms in 8 columns, n = 2 s + h (segment s, hi h = 0 or lo h = 1;
+// no swizzle, [512 / 16][8][16 B]): hi = e4m3(x 2^e), lo = e4m3(x 2^e - hi), with one power of two 2^e per 128
+// columns setting the block's largest into [128, 256). hi + lo is exact for bf16 x down to 2^-9 of the block's
+// largest (smaller ones lose bits in e4m3's subnormals). D[m][n] is used where n / 2 = m % 4.
+constexpr int X8_K = 2048, X8_OFF = 2560, X8F_OFF = 3584;  // (floats into xs, past x's 2048)
+__device__ __forceinline__ uint8_t* x8_of(const Smem& s) { return reinterpret_cast<uint8_t*>(s.xs + X8_OFF); }
+__device__ __forceinline__ float* x8f_of(const Smem& s) { return s.xs + X8F_OFF; }  // [16] 2^-e per block
+
+// xs (fp32, permuted) -> B's two terms and the blocks' 2^-e (warp cw: blocks cw and cw + 8, lane 4 columns of
+// each); made visible to wgmma (the caller's barrier follows)
+__device__ void stage_x8(const Smem& s, int cw, int lane) {
+  uint8_t* b8 = x8_of(s);
+  for (int b = cw; b < X8_K / 128; b += NCW) {
+    const int c0 = b * 128 + lane * 4;
+    const float4 v4 = *reinterpret_cast<const float4*>(s.xs + xpos(c0));  // (xpos keeps 4 columns together)
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+    const float m = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+    const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;
+    const int sh = m > 0.f ? min(max(7 - e, -120), 120) : 0;
+    const float up = __uint_as_float(static_cast<uint32_t>(127 + sh) << 23);
+    uint32_t hi = 0, lo = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float xv = v[i] * up;
+      const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(xv, __NV_SATFINITE, __NV_E4M3);
+      const float hv = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
+      hi |= static_cast<uint32_t>(h) << (8 * i);
+      lo |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(xv - hv, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+    }
+    const int sg = c0 / 512, kk = c0 % 512, at = (kk / 16) * 128 + 2 * sg * 16 + kk % 16;
+    *reinterpret_cast<uint32_t*>(b8 + at) = hi;
+    *reinterpret_cast<uint32_t*>(b8 + at + 16) = lo;
+    if (lane == 0) x8f_of(s)[b] = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+  }
+  fence_proxy_async();
+}
+
+// One chunk's 16 dots on the calling warpgroup (warps w4 = 0..3 of it, all converged): ws the chunk's 16 block
+// scales. -> on lanes 0 and 16 of warp w4: rows 4 w4 + lane / 16 (.x) and that + 2 (.y)
+__device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const Smem& s, int lane) {
+  const uint32_t a = smem_u32(chunk), b = smem_u32(x8_of(s));
+  float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
+  wgmma_fence();
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // 32 columns: +32 bytes within A's swizzled rows, B's next 2 core matrices
+      const uint64_t da = smem_desc(a + kb * 8192 + j * 32, 16, 1024, 1);
+      const uint64_t db = smem_desc(b + (kb * 8 + j * 2) * 128, 128, 0, 0);
+      if (j == 0) wgmma_m64n8k32<0>(acc[kb], da, db);
+      else wgmma_m64n8k32<1>(acc[kb], da, db);
+    }
+  wgmma_commit_wait();
+  // this lane's D: view rows 16 w4 + g and + 8 (segment g % 4), columns 2 t, 2 t + 1 (segment t's hi, lo)
+  const int g = lane >> 2, t = lane & 3;
+  const float* xf = x8f_of(s);
+  float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    const float f = ws[t * 4 + kb] * xf[t * 4 + kb];
+    v0 = fmaf(acc[kb][0] + acc[kb][1], f, v0);
+    v1 = fmaf(acc[kb][2] + acc[kb][3], f, v1);
+  }
+  if ((g & 3) != t) v0 = v1 = 0.f;
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1)  // the 4 segments of rows 4 w4 + lane / 16 (and + 2) in each half-warp
+    v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+  return make_float2(v0, v1);
+}
 }  // namespace mega

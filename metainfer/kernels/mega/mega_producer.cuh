@@ -23,6 +23,18 @@ __device__ __forceinline__ int gemv_rpc(const Instr& in) { return static_cast<in
 __device__ __forceinline__ int down_per_group(const Instr& in) { return static_cast<int>(in.p[11] & 0xffffu); }
 __device__ __forceinline__ int down_groups(const Instr& in) { return static_cast<int>((in.p[11] >> 16) & 0xffffu); }
 
+// (MEGA_WGMMA) a GEMV whose chunks land by TMA for wgmma (wg_dot16): e4m3, K = 2048, 16 rows a chunk, its
+// tensor map at p[9] (launch.py: W viewed as [4 rows, 512] bytes, boxes of 128 bytes x 64, 128-byte swizzle)
+__device__ __forceinline__ bool wg_gemv(const Instr& in) {
+  return WGMMA && in.op == OP_GEMV && in.i[0] == W_E4M3 && in.i[2] == X8_K && gemv_rpc(in) == 16 && in.p[9] != 0;
+}
+
+// (MEGA_WGMMA) experts' gate/up chunks by TMA for wgmma: H = 2048, the map at p[9] over w as [4 rows, 512]
+// bytes, boxes of 128 bytes x 32 (8 gate rows, then 8 up rows: a chunk's two halves)
+__device__ __forceinline__ bool wg_gate_up(const Instr& in) {
+  return WGMMA && in.op == OP_GATE_UP && in.i[2] == X8_K && in.p[9] != 0;
+}
+
 // ring slot it's block scales (the producer copies a chunk's scale rows there with it)
 __device__ __forceinline__ float* slot_scales(const Smem& s, uint32_t it) {
   return s.scales + (it % NSLOTS) * (SCALE_BYTES / 4);
@@ -85,10 +97,16 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
     if (in.op == OP_GEMV) {
       const int rb = in.i[2] * (in.i[0] == W_BF16 ? 2 : 1), rpc = gemv_rpc(in), n = n_units(in);
       const uint32_t sb = in.i[0] == W_E4M3 ? in.i[2] / 128 * 4 : 0u;  // the chunk's scale row (one 128-row block)
+      const bool tma = wg_gemv(in);
       for (int c = first; c < n; c += n_cta, ++it) {
-        const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
         uint64_t* bar = &s.full[it % NSLOTS];
-        bulk_load(claim(s, it, bytes + sb, waited), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes, bar);
+        if (tma) {  // 4 boxes of [64 view rows][128 B] (a last chunk's rows past W: zeros, still counted)
+          uint8_t* dst = claim(s, it, SLOT + sb, waited);
+          for (int kb = 0; kb < 4; ++kb) tma_2d(dst + kb * 8192, ptr<const void>(in.p[9]), kb * 128, c * 64, bar);
+        } else {
+          const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
+          bulk_load(claim(s, it, bytes + sb, waited), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes, bar);
+        }
         if (sb) bulk_load(slot_scales(s, it), ptr<const uint8_t>(in.p[1]) + (size_t)(c * rpc / 128) * sb, sb, bar);
       }
     } else if (in.op == OP_GATE_UP) {
@@ -100,8 +118,16 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
         const uint8_t* ws = ptr<const uint8_t>(in.p[1]) + (size_t)e * (2 * I / 128) * sb;
         uint64_t* bar = &s.full[it % NSLOTS];
         uint8_t* dst = claim(s, it, 16 * H + 2 * sb, waited);
-        bulk_load(dst, w, 8 * H, bar);
-        bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, bar);
+        if (wg_gate_up(in)) {  // per K block: the gate rows' 32 view rows, then the up rows'
+          const int vg = (e * 2 * I + 8 * b) * 4, vu = vg + I * 4;
+          for (int kb = 0; kb < 4; ++kb) {
+            tma_2d(dst + kb * 8192, ptr<const void>(in.p[9]), kb * 128, vg, bar);
+            tma_2d(dst + kb * 8192 + 4096, ptr<const void>(in.p[9]), kb * 128, vu, bar);
+          }
+        } else {
+          bulk_load(dst, w, 8 * H, bar);
+          bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, bar);
+        }
         bulk_load(slot_scales(s, it), ws + (size_t)(8 * b / 128) * sb, sb, bar);
         bulk_load(slot_scales(s, it) + sb / 4, ws + (size_t)((I + 8 * b) / 128) * sb, sb, bar);
       }

@@ -39,7 +39,9 @@ ROUTE_WORDS = 32  # the producer's routing: up to 16 (id, weight) slots (Down's 
 N_INTS, N_PTRS = 12, 12
 WORDS = 1 + N_INTS // 2 + 1 + N_PTRS  # 20 words, 160 bytes
 SCALE_BYTES = 256  # per slot: the block scales of the slot's chunk (the producer copies them with it)
-SMEM = NSLOTS * SLOT + NSLOTS * SCALE_BYTES + 2 * NSLOTS * 8 + KMAX * 4 + SCRATCH * 4 + ROUTE_WORDS * 4
+RING_ALIGN = 1024  # mega_base.cuh: the ring's alignment (slack in the shared memory)
+SMEM = (RING_ALIGN + NSLOTS * SLOT + NSLOTS * SCALE_BYTES + 2 * NSLOTS * 8 + KMAX * 4 + SCRATCH * 4
+        + ROUTE_WORDS * 4)
 
 STATE_WORDS = 8  # the kernel's state: step tag, CTAs finished, watchdog code / CTA / instruction / detail
 ERR_DATA, ERR_FULL, ERR_EMPTY = 1, 2, 3  # mega.cu's watchdog codes
@@ -524,6 +526,7 @@ class Program:
             rows.append(pack(fields(g, y, self.step_inputs, base)))
             base += units(g)[0]
         self.table = torch.tensor(rows, dtype=torch.int64).to(dev)  # [n, WORDS]
+        self.tensor_maps: torch.Tensor | None = None  # launch.MegaKernel.prepare: the wgmma GEMVs' TMA maps
         # the kernel's words: the last step's tag, the CTAs finished, the watchdog (code, CTA, instruction,
         # detail: mega.cu's give_up)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=dev)

@@ -1,5 +1,6 @@
 // PTX helpers shared by the batch-1 megakernel (mega.cu) and its skeleton (benchmarks/stream_chain.cu):
-// mbarriers, 1-D bulk copies and L2 prefetches (sm_90), gpu-scope loads and stores, the e4m3 convert.
+// mbarriers, 1-D bulk and 2-D tensor copies and L2 prefetches (sm_90), gpu-scope loads and stores, the e4m3
+// convert, wgmma's descriptors and its m64n8k32 e4m3 instruction (sm_90a).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -20,6 +21,9 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive_n(uint64_t* bar, uint32_t n) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(n) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t ok = 0;
   while (!ok) {
@@ -35,6 +39,14 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+// a 2-D TMA tensor copy: the box at (c0, c1) of the tensor map at `map` (a kernel parameter, or global memory,
+// 64-byte aligned) into dst, completing on bar
+__device__ __forceinline__ void tma_2d(void* dst, const void* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+          "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
 }
 __device__ __forceinline__ void l2_prefetch(const void* src, uint32_t bytes) {
@@ -62,6 +74,11 @@ __device__ __forceinline__ void wait_count(const uint32_t* p, uint32_t n) {
 }
 __device__ __forceinline__ void consumers_sync(int n_threads) {  // named barrier 1: the consumer warps only
   asm volatile("bar.sync 1, %0;" ::"r"(n_threads) : "memory");
+}
+// named barrier 2 + wg: the 4 warps of consumer warpgroup wg (constant ids: ptxas reserves all 16 for a variable one)
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  if (wg == 0) asm volatile("bar.sync 2, 128;" ::: "memory");
+  else asm volatile("bar.sync 3, 128;" ::: "memory");
 }
 // two e4m3 values (the low 16 bits of v) -> f16x2 (one packed convert; e4m3 is exact in f16)
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
@@ -93,3 +110,25 @@ __device__ __forceinline__ void mma_k64(float (&d)[4][4], const uint8_t* ra, con
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
+
+// ---- wgmma (sm_90a) ----------------------------------------------------------------------------------------
+// a shared-memory matrix descriptor: start address, leading and stride byte offsets, swizzle (0 none, 1 128 B)
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint32_t swizzle) {
+  return (uint64_t)((addr & 0x3ffff) >> 4) | ((uint64_t)((lbo & 0x3ffff) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3ffff) >> 4) << 32) | ((uint64_t)swizzle << 62);
+}
+// D (64 x 8, fp32: 4 per thread) (+)= A . B, K = 32, both e4m3 from descriptors; SCALE_D 0: D = A . B
+template <int SCALE_D>
+__device__ __forceinline__ void wgmma_m64n8k32(float (&d)[4], uint64_t da, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, %4, %5, %6, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(da), "l"(db), "n"(SCALE_D));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit_wait() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+// shared-memory writes by threads, made visible to the async proxy (wgmma's and TMA's reads)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
