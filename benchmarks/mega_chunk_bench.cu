@@ -270,29 +270,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < K / 128) ws[threadIdx.x] = scales[threadIdx.x];
-  if (warp < NCW) {  // x's two e4m3 terms: warp w takes blocks w and w + 8, lane 4 columns of each
-    for (int b = warp; b < K / 128; b += NCW) {
-      const int c0 = b * 128 + lane * 4;
-      float v[4], m = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = xg[c0 + i], m = fmaxf(m, fabsf(v[i]));
-      m = warp_max(m);
-      const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;
-      const int sh = m > 0.f ? min(max(7 - e, -120), 120) : 0;
-      const float up = __uint_as_float(static_cast<uint32_t>(127 + sh) << 23);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int k = c0 + i, s = k / SEG, kk = k % SEG, at = (kk / 16) * 128 + (2 * s) * 16 + kk % 16;
-        const float xv = v[i] * up;
-        const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(xv, __NV_SATFINITE, __NV_E4M3);
-        const float hv = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
-        b8[at] = h;
-        b8[at + 16] = __nv_cvt_float_to_fp8(xv - hv, __NV_SATFINITE, __NV_E4M3);
-      }
-      if (lane == 0) xf[b] = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
-    }
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  float* xs = reinterpret_cast<float*>(empty + NSLOTS);  // [K] x, permuted (xpos) as in the megakernel
+  for (int e = threadIdx.x; e < K; e += NT) xs[xpos(e)] = xg[e];
+  __syncthreads();
+  if (warp < NCW) stage_x8(xs, b8, xf, warp, lane);  // (mega_math.cuh: the megakernel's own staging)
   __syncthreads();
   const uint32_t tag = 1;
   if (warp == NCW) {
@@ -313,48 +294,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   }
   if (mode == 6)
     for (int s = 0; s < NSLOTS; ++s) mbar_wait(&full[s], 0);
-  const uint32_t b_base = smem_u32(b8);
-  const int g = lane >> 2, t = lane & 3, w4 = warp & 3;
-  // this lane's useful accumulators: view rows 16 w4 + g and + 8 (segment g % 4), columns 2 t, 2 t + 1 (segment t)
-  const bool mine = (g & 3) == t;
+  const int w4 = warp & 3;
   const uint64_t t0 = global_ns();
   const uint32_t c0 = static_cast<uint32_t>(clock64());
   for (int it = wg; it < n_chunks; it += 2) {
     const int slot = it % NSLOTS;
     if (mode == 7) mbar_wait(&full[slot], (it / NSLOTS) & 1);
-    const uint32_t a_base = smem_u32(ring + slot * SLOT);
-    float acc[4][4];  // the 4 K blocks of 128 within a segment
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // 32 columns: A at +32 bytes in the swizzled rows, B's next 2 core matrices
-        const uint64_t da = smem_desc(a_base + kb * 8192 + j * 32, 16, 1024, 1);
-        const uint64_t db = smem_desc(b_base + (kb * 8 + j * 2) * 128, 128, 0, 0);
-        if (j == 0) wgmma_m64n8k32<0>(acc[kb], da, db);
-        else wgmma_m64n8k32<1>(acc[kb], da, db);
-      }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    const float2 v = wg_dot16(ring + slot * SLOT, ws, b8, xf, lane);
     if (mode == 7) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[slot]);
     }
-    float v0 = 0.f, v1 = 0.f;
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) {
-      const float f = ws[t * 4 + kb] * xf[t * 4 + kb];
-      v0 = fmaf(acc[kb][0] + acc[kb][1], f, v0);
-      v1 = fmaf(acc[kb][2] + acc[kb][3], f, v1);
-    }
-    v0 = mine ? v0 : 0.f, v1 = mine ? v1 : 0.f;
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1)
-      v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
     if ((lane & 15) == 0) {  // W rows 4 w4 + lane / 16 (view rows 16 w4 + g) and + 2 (view rows + 8)
       const int row = (blockIdx.x * n_chunks + it) * ROWS + 4 * w4 + lane / 16;
-      store_word(y, row, v0, OUT_BF16, tag);
-      store_word(y, row + 2, v1, OUT_BF16, tag);
+      store_word(y, row, v.x, OUT_BF16, tag);
+      store_word(y, row + 2, v.y, OUT_BF16, tag);
     }
   }
   const uint32_t c1 = static_cast<uint32_t>(clock64());

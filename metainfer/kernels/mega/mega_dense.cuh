@@ -127,7 +127,7 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
   prof_x_ready(c);
   const int rb = K * (wtype == W_BF16 ? 2 : 1), rpc = gemv_rpc(in);
   if (wg_gemv(in)) {  // the warpgroups take alternate chunks; lanes 0 and 16 of each warp store 2 rows each
-    stage_x8(c.s, c.cw, c.lane);
+    stage_x8(c.s.xs, x8_of(c.s), x8f_of(c.s), c.cw, c.lane);
     consumers_sync(CT);
     const int wg = c.cw / 4, r0 = 4 * (c.cw % 4) + c.lane / 16;  // this lane's rows r0, r0 + 2
     const bool st = (c.lane & 15) == 0;
@@ -142,7 +142,7 @@ __device__ void op_gemv(Ctx& c, const Instr& in) {
       if (st && r0 < rows) cv0.issue(in, row, slot);
       if (st && r0 + 2 < rows) cv1.issue(in, row + 2, slot);
       __syncwarp();
-      const float2 v = wg_dot16(chunk, slot_scales(c.s, c.it), c.s, c.lane);
+      const float2 v = wg_dot16(chunk, slot_scales(c.s, c.it), x8_of(c.s), x8f_of(c.s), c.lane);
       __syncwarp();
       if (c.lane == 0) mbar_arrive_n(&c.s.empty[c.it % NSLOTS], NCW / 4);  // (the slot's 4 warps)
       if (st && r0 < rows) gemv_store(in, row, v.x, cv0, c.tag);
@@ -211,7 +211,7 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
   consumers_sync(CT);
   prof_x_ready(c);
   if (wg_gate_up(in)) {  // the warpgroups take alternate chunks: warps 0, 1 hold gate rows 0-7, warps 2, 3 up rows
-    stage_x8(c.s, c.cw, c.lane);
+    stage_x8(c.s.xs, x8_of(c.s), x8f_of(c.s), c.cw, c.lane);
     consumers_sync(CT);
     const int wg = c.cw / 4, w4 = c.cw % 4, r = 4 * (w4 % 2) + c.lane / 16;  // this lane's rows r, r + 2 of 8
     const bool st = (c.lane & 15) == 0;
@@ -224,7 +224,8 @@ __device__ void op_gate_up(Ctx& c, const Instr& in) {
       const uint8_t* chunk = next_chunk(c);
       const int sj = ch / nb, b = ch % nb;
       __syncwarp();
-      const float2 v = wg_dot16(chunk, slot_scales(c.s, c.it) + (w4 >= 2 ? kb : 0), c.s, c.lane);
+      const float2 v = wg_dot16(chunk, slot_scales(c.s, c.it) + (w4 >= 2 ? kb : 0), x8_of(c.s), x8f_of(c.s),
+                                      c.lane);
       __syncwarp();
       if (c.lane == 0) mbar_arrive_n(&c.s.empty[c.it % NSLOTS], NCW / 4);
       float* u = ups + par * 8;

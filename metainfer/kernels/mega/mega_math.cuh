@@ -274,13 +274,12 @@ constexpr int X8_K = 2048, X8_OFF = 2560, X8F_OFF = 3584;  // (floats into xs, p
 __device__ __forceinline__ uint8_t* x8_of(const Smem& s) { return reinterpret_cast<uint8_t*>(s.xs + X8_OFF); }
 __device__ __forceinline__ float* x8f_of(const Smem& s) { return s.xs + X8F_OFF; }  // [16] 2^-e per block
 
-// xs (fp32, permuted) -> B's two terms and the blocks' 2^-e (warp cw: blocks cw and cw + 8, lane 4 columns of
-// each); made visible to wgmma (the caller's barrier follows)
-__device__ void stage_x8(const Smem& s, int cw, int lane) {
-  uint8_t* b8 = x8_of(s);
+// xs (fp32, permuted: xpos) -> B's two terms b8 and the blocks' 2^-e xf (warp cw: blocks cw and cw + 8, lane 4
+// columns of each); made visible to wgmma (the caller's barrier follows)
+__device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int lane) {
   for (int b = cw; b < X8_K / 128; b += NCW) {
     const int c0 = b * 128 + lane * 4;
-    const float4 v4 = *reinterpret_cast<const float4*>(s.xs + xpos(c0));  // (xpos keeps 4 columns together)
+    const float4 v4 = *reinterpret_cast<const float4*>(xs + xpos(c0));  // (xpos keeps 4 columns together)
     const float v[4] = {v4.x, v4.y, v4.z, v4.w};
     const float m = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
     const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;
@@ -298,15 +297,17 @@ __device__ void stage_x8(const Smem& s, int cw, int lane) {
     const int sg = c0 / 512, kk = c0 % 512, at = (kk / 16) * 128 + 2 * sg * 16 + kk % 16;
     *reinterpret_cast<uint32_t*>(b8 + at) = hi;
     *reinterpret_cast<uint32_t*>(b8 + at + 16) = lo;
-    if (lane == 0) x8f_of(s)[b] = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+    if (lane == 0) xf[b] = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
   }
   fence_proxy_async();
 }
 
 // One chunk's 16 dots on the calling warpgroup (warps w4 = 0..3 of it, all converged): ws the chunk's 16 block
-// scales. -> on lanes 0 and 16 of warp w4: rows 4 w4 + lane / 16 (.x) and that + 2 (.y)
-__device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const Smem& s, int lane) {
-  const uint32_t a = smem_u32(chunk), b = smem_u32(x8_of(s));
+// scales, b8 and xf x's terms and powers of two (stage_x8). -> on lanes 0 and 16 of warp w4: rows 4 w4 + lane / 16
+// (.x) and that + 2 (.y)
+__device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf,
+                                          int lane) {
+  const uint32_t a = smem_u32(chunk), b = smem_u32(b8);
   float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
   wgmma_fence();
 #pragma unroll
@@ -321,7 +322,6 @@ __device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws
   wgmma_commit_wait();
   // this lane's D: view rows 16 w4 + g and + 8 (segment g % 4), columns 2 t, 2 t + 1 (segment t's hi, lo)
   const int g = lane >> 2, t = lane & 3;
-  const float* xf = x8f_of(s);
   float v0 = 0.f, v1 = 0.f;
 #pragma unroll
   for (int kb = 0; kb < 4; ++kb) {
