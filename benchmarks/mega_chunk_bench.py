@@ -45,20 +45,11 @@ def build(defines: tuple[str, ...] = ()) -> bytes:
     return out.read_bytes()
 
 
-def tensor_map(drv: launch._Driver, w: torch.Tensor, rows: int, width: int = 2048,
-               box_rows: int = 16) -> ctypes.Array:
-    """The 2-D TMA map of w viewed as [rows, width] bytes: boxes of 128 bytes x box_rows, 128-byte swizzle
-    (CUtensorMap: 128 opaque bytes, passed by value). chunk_bench_wgmma: [rows, 2048], 16-row boxes;
-    chunk_bench_wgmma_t: [4 rows, 512], 64-row boxes."""
-    tmap = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 2)(width, rows)
-    strides = (ctypes.c_uint64 * 1)(width)
-    box = (ctypes.c_uint32 * 2)(128, box_rows)
-    elem = (ctypes.c_uint32 * 2)(1, 1)
-    # uint8, rank 2, no interleave, SWIZZLE_128B (3), L2 promotion 128B (2), no OOB fill
-    drv("cuTensorMapEncodeTiled", tmap, 0, 2, ctypes.c_void_p(w.data_ptr()), dims, strides, box, elem,
-        0, 3, 2, 0)
-    return tmap
+def tensor_map(drv: launch._Driver, w: torch.Tensor, width: int, box_rows: int) -> ctypes.Array:
+    """launch.encode_tensor_map's map of w ([w bytes / width, width], 128-byte boxes of box_rows, 128-byte
+    swizzle) as a ctypes value, passed by value: chunk_bench_wgmma [rows, 2048], 16-row boxes;
+    chunk_bench_wgmma_t [4 rows, 512], 64-row boxes."""
+    return (ctypes.c_uint64 * 16).from_buffer_copy(launch.encode_tensor_map(drv, w, width, box_rows))
 
 
 def reference(w: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
@@ -104,8 +95,8 @@ def main() -> None:
     y = torch.zeros(sms * args.chunks * 16 + 16, dtype=torch.int64, device=dev)
     out = torch.zeros(sms * 2, dtype=torch.int64, device=dev)
     err = torch.zeros(4, dtype=torch.int32, device=dev)
-    tmap = tensor_map(drv, w, w_chunks * 16) if args.wgmma else None
-    tmap_t = tensor_map(drv, w, w_chunks * 64, 512, 64) if args.wgmma else None
+    tmap = tensor_map(drv, w, 2048, 16) if args.wgmma else None
+    tmap_t = tensor_map(drv, w, 512, 64) if args.wgmma else None
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     cta = torch.arange(sms, device=dev)[:, None]
     it = torch.arange(args.chunks, device=dev)[None, :]
