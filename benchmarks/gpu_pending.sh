@@ -155,6 +155,10 @@
 #            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
 #   megawg   - (2026-12-02e) the K = 2048 e4m3 GEMVs and gate/up on FP8 wgmma (the default; -DMEGA_WGMMA=0: CUDA
 #            cores): GPU tests of both builds, then mega_step.py --prof of both (MEGA_VARIANTS), ~2 min
+#   megapoll - (2026-12-03) the x prologues' polls (MEGA_SETTLE; before: Attend's L2 prefetch, the routing by
+#            warp reductions, both measured and dropped, KB-0081): GPU tests, then the step against REF_SRC's
+#            sources (mega_step.py --ref-src), MEGA_VARIANTS, MEGA_LEADS; then benchmarks/l2_broadcast_bench.py
+#            (132 CTAs reading the same L2 words: the hops' cost apart from the step), ~5 min
 #   chunkbench - (KB-0079) the megakernel's consumers apart from the step: benchmarks/mega_chunk_bench.py with
 #            --wgmma (modes 4, 5: FP8 wgmma on TMA-swizzled chunks, built 2026-12-02d, not yet run; its outputs
 #            checked against fp32), CHUNK_VARIANTS (-D lists for mega_math.cuh), ~1 min
@@ -756,6 +760,20 @@ if has megawg; then  # (2026-12-02e) the K = 2048 GEMVs on FP8 wgmma: GPU tests 
   tail -3 $OUT/mega_tests_wg.log
   timeout 300 python benchmarks/mega_step.py --prof --reps 20 --leads 0 --inflight 6 --mma 0 \
     --variants="${MEGA_VARIANTS:--DMEGA_WGMMA=0;}" --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -40
+fi
+if has megapoll; then  # (2026-12-03) the x prologues' polls: the megakernel's GPU tests, then mega_step.py --prof
+  # of MEGA_VARIANTS against REF_SRC (an older tree's sources: `git archive <rev> metainfer/kernels/mega | tar -x
+  # -C out/refsrc`, carried), L2 leads MEGA_LEADS, MEGA_ROUNDS interleaved rounds; MEGA_TESTS=0: no tests,
+  # MEGA_PROF_FLAG=: no profiles, ~3 min
+  if [ "${MEGA_TESTS:-1}" != 0 ]; then
+    timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
+    tail -3 $OUT/mega_tests.log
+  fi
+  timeout 420 python benchmarks/mega_step.py ${MEGA_PROF_FLAG---prof} --reps 20 --rounds "${MEGA_ROUNDS:-1}" \
+    --leads "${MEGA_LEADS:-0}" --inflight 6 --mma 0 \
+    --variants="${MEGA_VARIANTS:-}" --ref-src "${REF_SRC:-out/refsrc/metainfer/kernels/mega}" \
+    --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -45
+  [ "${L2_BENCH:-1}" = 0 ] || timeout 120 python benchmarks/l2_broadcast_bench.py --json $OUT/l2_broadcast.json 2>&1 | tail -12
 fi
 if has megasrc; then  # where the megakernel's warps stall, per SASS instruction (ncu's source counters), ~2 min
   timeout 240 ncu --clock-control none -k regex:mega_step -c 1 --section SourceCounters --section WarpStateStats \

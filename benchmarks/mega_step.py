@@ -61,12 +61,16 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=1, help="timing rounds, interleaving the configurations")
     ap.add_argument("--splits", type=int, default=8)
     ap.add_argument("--fp8-lm-head", action="store_true")
     ap.add_argument("--leads", default="0,131072,262144",
                     help="L2 leads to time (bytes per CTA prefetched before each routing wait; 0: off)")
     ap.add_argument("--variants", default="",
                     help="kernel builds to compare: ';'-separated, each ','-separated -D flags ('': default)")
+    ap.add_argument("--ref-src", type=Path,
+                    help="a folder with another tree's megakernel sources (mega.cu and its parts), timed as "
+                         "variant 'ref' beside the others (an A/B of sources in one process)")
     ap.add_argument("--arena", default="1", help="output layouts to time: 1 one arena, 0 one allocation each")
     ap.add_argument("--inflight", default="6",
                     help="the producer's chunks in flight to time (MegaKernel.launch)")
@@ -111,7 +115,10 @@ def main() -> int:
 
     # the kernel builds compared: name -> -D flags ("base": none)
     variants = {(v or "base"): tuple(d for d in v.split(",") if d) for v in args.variants.split(";")}
-    kernels = {v: MegaKernel("cuda", defines=d) for v, d in variants.items()}
+    srcs = {v: launch.HERE for v in variants}
+    if args.ref_src:
+        variants["ref"], srcs["ref"] = (), args.ref_src
+    kernels = {v: MegaKernel("cuda", defines=d, src=srcs[v]) for v, d in variants.items()}
     bt = torch.zeros(runner.blocks_per_seq, dtype=torch.int32, device="cuda")
     bt[: len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
     logits = torch.zeros(model.cfg.vocab_size, device="cuda")
@@ -130,10 +137,14 @@ def main() -> int:
             raise SystemExit(f"megakernel ({name}, mma {mma}): {prog.error()}")
         key = f"mma{mma}" + (f"_{name}" if len(kernels) > 1 else "")
         check[key] = compare(after_engine, snapshot(), logits, want)
-    timings = []
-    for (name, kernel), (arena, pr), mma in [(kv, ap, m) for kv in kernels.items() for ap in progs.items()
-                                             for m in mmas]:
-        for lead, infl in [(int(a), int(b)) for a in args.leads.split(",") for b in args.inflight.split(",")]:
+    # every configuration timed `reps` launches (after 3 warm-ups) per round, the rounds interleaving them (a
+    # drift of the GPU's clocks or temperature falls on all alike); the median over all rounds' launches
+    cases = [(name, kernel, arena, pr, mma, int(a), int(b)) for name, kernel in kernels.items()
+             for arena, pr in progs.items() for mma in mmas
+             for a in args.leads.split(",") for b in args.inflight.split(",")]
+    runs: dict[int, list[list[float]]] = {k: [] for k in range(len(cases))}
+    for _ in range(args.rounds):
+        for k, (_, kernel, _, pr, mma, lead, infl) in enumerate(cases):
             ms = []
             for i in range(args.reps + 3):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -143,15 +154,19 @@ def main() -> int:
                 b.synchronize()
                 if i >= 3:
                     ms.append(a.elapsed_time(b))
-            ms.sort()
-            med = ms[len(ms) // 2]
-            timings.append({"variant": name, "mma": mma, "arena": arena, "lead": lead, "inflight": infl,
-                            "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1], "tok_s": 1e3 / med,
-                            "pct_of_floor": 100 * pr.bytes / HBM / (med * 1e-3)})
+            runs[k].append(ms)
+    timings = []
+    for k, (name, _, arena, pr, mma, lead, infl) in enumerate(cases):
+        ms = sorted(v for r in runs[k] for v in r)
+        med = ms[len(ms) // 2]
+        rounds = [sorted(r)[len(r) // 2] for r in runs[k]]
+        timings.append({"variant": name, "mma": mma, "arena": arena, "lead": lead, "inflight": infl,
+                        "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1], "round_medians": rounds,
+                        "tok_s": 1e3 / med, "pct_of_floor": 100 * pr.bytes / HBM / (med * 1e-3)})
     profiles = {}
     if args.prof:
         for name, defines in variants.items():
-            pk = MegaKernel("cuda", prof=True, defines=defines)
+            pk = MegaKernel("cuda", prof=True, defines=defines, src=srcs[name])
             for (arena, pr), mma in [(ap, m) for ap in progs.items() for m in mmas]:
                 mine = [t for t in timings if (t["mma"], t["arena"], t["variant"]) == (mma, arena, name)]
                 best = min(mine, key=lambda t: t["ms_median"])
@@ -167,7 +182,7 @@ def main() -> int:
     for pr in progs.values():
         if pr.error():
             raise SystemExit(f"megakernel: {pr.error()}")
-    code = {name: launch.text_bytes(launch.build(defines=d))  # (the cached cubins)
+    code = {name: launch.text_bytes(launch.build(defines=d, src=srcs[name]))  # (the cached cubins)
             for name, d in variants.items()}
     res = {"instructions": len(prog.instrs), "weight_bytes": prog.bytes, "code_bytes": code,
            "timings": timings, "check": check, "profiles": profiles}
@@ -176,19 +191,20 @@ def main() -> int:
           f"{len(prog.instrs)} instructions, {prog.bytes / 1e9:.3f} GB")
     print("check:", json.dumps(check))
     print("code bytes:", json.dumps(code))
+    for k, sm in profiles.items():
+        print(f"\n{k} (profiling build, at its fastest lead and chunks in flight)\n" + profile.table(sm))
     print("| variant | consumers | output arena | L2 lead (bytes per CTA) | chunks in flight | ms (median) "
-          "| tok/s | % of 4.3 TB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| rounds' medians | tok/s | % of 4.3 TB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in timings:
         kind = "tensor cores" if t["mma"] else "CUDA cores"
         print(f"| {t['variant']} | {kind} | {t['arena']} | {t['lead']} | {t['inflight']} | "
-              f"{t['ms_median']:.3f} | "
+              f"{t['ms_median']:.3f} | {' '.join(f'{v:.3f}' for v in t['round_medians'])} | "
               f"{t['tok_s']:.0f} | {t['pct_of_floor']:.1f} |")
-    for k, sm in profiles.items():
-        print(f"\n{k} (profiling build, at its fastest lead and chunks in flight)\n" + profile.table(sm))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"env": env_info(), "args": vars(args) | {"json": str(args.json)},
+        argv = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"env": env_info(), "args": argv,
                                          "results": res}, indent=1))
     return 0
 

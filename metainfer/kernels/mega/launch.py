@@ -33,29 +33,31 @@ PROF_FLAGS = ("-DMEGA_PROF=1",)  # the profiling build (profile.py reads what it
 MMA_FLAG = "-DMEGA_MMA=1"  # the tensor-core consumers' build (launch(mma=True))
 
 
-def nvcc_command(out: Path, prof: bool = False, defines: tuple[str, ...] = ()) -> list[str]:
+def nvcc_command(out: Path, prof: bool = False, defines: tuple[str, ...] = (), src: Path = HERE) -> list[str]:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("the megakernel needs nvcc (CUDA 12.4+) on PATH to build mega.cu")
-    return [nvcc, *NVCC_FLAGS, *(PROF_FLAGS if prof else ()), *defines, "-o", str(out), str(HERE / "mega.cu")]
+    return [nvcc, *NVCC_FLAGS, *(PROF_FLAGS if prof else ()), *defines, "-o", str(out), str(src / "mega.cu")]
 
 
-def build(prof: bool = False, defines: tuple[str, ...] = ()) -> Path:
-    """The cubin for the current sources (the profiling build with prof; extra -D flags in defines, e.g.
-    "-DMEGA_FETCH_GROUP=2" or "-DPOLL_BACKOFF=1"), compiled once per source hash and flags."""
+def build(prof: bool = False, defines: tuple[str, ...] = (), src: Path = HERE) -> Path:
+    """The cubin for the sources in src (default: this package's; another folder holds an older tree's
+    copy for an A/B in one process), the profiling build with prof, extra -D flags in defines (e.g.
+    "-DMEGA_WGMMA=0"), compiled once per source hash and flags."""
     for d in defines:
         if not d.startswith("-D") or any(c.isspace() for c in d):
             raise ValueError(f"megakernel build: {d!r} is not one -DNAME[=VALUE] flag")
     h = hashlib.sha256()
     for name in SOURCES:
-        h.update((HERE / name).read_bytes())
+        h.update((src / name).read_bytes())
     h.update(" ".join(NVCC_FLAGS + (PROF_FLAGS if prof else ()) + tuple(defines)).encode())
     root = Path(os.environ.get(CACHE_ENV, "") or Path.home() / ".cache" / "metainfer") / "mega"
     out = root / f"mega-{h.hexdigest()[:16]}.cubin"
     if not out.is_file():
         root.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run(nvcc_command(tmp, prof, defines), capture_output=True, text=True, timeout=600)
+        res = subprocess.run(nvcc_command(tmp, prof, defines, src), capture_output=True, text=True,
+                             timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed on mega.cu:\n{res.stderr[-4000:]}")
         tmp.replace(out)
@@ -136,13 +138,15 @@ class _Driver:
 
 class MegaKernel:
     """mega.cu loaded on a CUDA device (sm_90); prof: its profiling build (launch(prof=buffer)); defines:
-    extra -D flags (build). Each consumer kind is its own build (MMA_FLAG: the tensor cores), loaded at its
-    first launch: one kernel holding both carries both's code (KB-0077: the step's time follows code size)."""
+    extra -D flags, src: the sources' folder (build). Each consumer kind is its own build (MMA_FLAG: the
+    tensor cores), loaded at its first launch: one kernel holding both carries both's code (KB-0077: the
+    step's time follows code size)."""
 
     def __init__(self, device: torch.device | str = "cuda", prof: bool = False,
-                 defines: tuple[str, ...] = ()) -> None:
+                 defines: tuple[str, ...] = (), src: Path = HERE) -> None:
         self.prof = prof
         self.defines = tuple(defines)
+        self.src = Path(src)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report "cuda:N"
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -158,7 +162,7 @@ class MegaKernel:
     def load(self, mma: bool) -> ctypes.c_void_p:
         """The step function of the build with these consumers (built and loaded once)."""
         if mma not in self._loaded:
-            image = build(self.prof, self.defines + ((MMA_FLAG,) if mma else ())).read_bytes()
+            image = build(self.prof, self.defines + ((MMA_FLAG,) if mma else ()), self.src).read_bytes()
             module, fn = ctypes.c_void_p(), ctypes.c_void_p()
             self.drv("cuModuleLoadData", ctypes.byref(module), image)
             self.drv("cuModuleGetFunction", ctypes.byref(fn), module, b"mega_step")
