@@ -16,6 +16,9 @@
 #ifndef MEGA_WGMMA
 #define MEGA_WGMMA 1  // the e4m3 GEMVs of K = 2048 and the experts' gate/up on FP8 wgmma (W as A, x as two e4m3
 #endif                // terms: mega_math.cuh's wg_dot16); 0: on the CUDA cores (or mma.sync: MEGA_MMA)
+#ifndef MEGA_EVICT_FIRST
+#define MEGA_EVICT_FIRST 1  // 1: the weight stream (the producer's copies, read once a step) evict-first in L2, so
+#endif                      // that what the hops reuse stays (KB-0081: 2.259 vs 2.308 ms); 0: evict-normal
 
 namespace mega {
 constexpr int NCW = 8;              // consumer warps per CTA
@@ -168,6 +171,13 @@ __device__ __forceinline__ float word_value(uint64_t w, int kind) {
 #endif
 constexpr int FETCH_GROUP = MEGA_FETCH_GROUP;  // polled elements in flight per thread (x's and add's loads: 6);
                                                // fewer: less unrolled code (launch.MegaKernel(defines=...))
+#ifndef MEGA_NORM_GROUP
+#define MEGA_NORM_GROUP 4  // the same for the RMSNorm prologues (K = 2048: all 4 of a thread's pairs at once)
+#endif
+#ifndef MEGA_GATED_GROUP
+#define MEGA_GATED_GROUP 4  // and for the gated norm's x and z (K = 4096: 2 groups; 8: 20 KB more code, spills)
+#endif
+constexpr int NORM_GROUP = MEGA_NORM_GROUP, GATED_GROUP = MEGA_GATED_GROUP;
 
 __device__ __forceinline__ bool tagged(uint64_t w, uint32_t tag) { return static_cast<uint32_t>(w >> 32) == tag; }
 
@@ -225,32 +235,29 @@ struct Source {
         if (g0 + j < N && g0 + j < n) v[g0 + j] = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
     }
   }
-  // the issue half of a pair fetch: elements 2q, 2q + 1 (q = q0 + j * stride, j < n <= FETCH_GROUP) in one
-  // 16-byte load each (y and the offset even: program.py), all in flight -> w[2j], w[2j + 1]
-  __device__ __forceinline__ void issue_pairs(int q0, int stride, int n, uint64_t (&w)[2 * FETCH_GROUP]) const {
+  // the issue half of a pair fetch: elements 2q, 2q + 1 (q = q0 + j * stride, j < n <= M / 2) in one 16-byte
+  // load each (y and the offset even: program.py), all in flight -> w[2j], w[2j + 1]
+  template <int M>
+  __device__ __forceinline__ void issue_pairs(int q0, int stride, int n, uint64_t (&w)[M]) const {
 #pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
+    for (int j = 0; j < M / 2; ++j)
       if (j < n) ld_relaxed_v2(y + 2 * (q0 + j * stride), w[2 * j], w[2 * j + 1]);
   }
-  // pairs 2q, 2q + 1 (q = q0 + j * stride, j < n <= N) loaded, all in flight, and loaded again until every
-  // word carries `tag`: for words that are ready in practice (no out-of-line wait per word, so no registers
-  // saved around calls; a late word costs the whole group's reload)
-  template <int N>
-  __device__ __forceinline__ void ready_pairs(int q0, int stride, int n, uint64_t (&w)[2 * N], uint32_t tag) const {
-    for (uint32_t it = 0;; ++it) {
+  // the settle half of a pair fetch (w: issue_pairs' loads): while a word lacks `tag`, wait on the first such
+  // (out of line: one load in flight), then load the whole group again. A thread's pairs come from several
+  // writers (other CTAs); waited for one word at a time, a group first loaded too early cost one serial round
+  // trip per late word (up to 2 per pair); settled, about one after its last writer. Once the step is aborted
+  // the words are left as they are.
+  template <int M>
+  __device__ __forceinline__ void settle_pairs(int q0, int stride, int n, uint64_t (&w)[M], uint32_t tag) const {
+    for (;;) {
+      int late = -1;
 #pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (j < n) ld_relaxed_v2(y + 2 * (q0 + j * stride), w[2 * j], w[2 * j + 1]);
-      bool ok = true;
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (j < n) ok = ok && tagged(w[2 * j], tag) && tagged(w[2 * j + 1], tag);
-      if (ok || !keep_polling(it, WAIT_LIMIT, 2 * q0)) return;
+      for (int j = M - 1; j >= 0; --j)
+        if (j / 2 < n && !tagged(w[j], tag)) late = j;
+      if (late < 0 || !tagged(poll_until(y, 2 * (q0 + (late / 2) * stride) + late % 2, tag), tag)) return;
+      issue_pairs(q0, stride, n, w);
     }
-  }
-  // the wait half: element 2q + h's value (j, h: its place in w) once it carries `tag`
-  __device__ __forceinline__ float pair_value(int q0, int stride, int j, int h, uint64_t w, uint32_t tag) const {
-    return word_value(wait(2 * (q0 + j * stride) + h, w, tag), kind);
   }
 };
 
@@ -270,20 +277,21 @@ struct XIn {
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
     return kind == X_SRC ? src(e, tag) : __bfloat162float(vec[e]);
   }
-  // elements 2q, 2q + 1 for q = q0 + j * stride (j < n <= FETCH_GROUP) -> v[2j], v[2j + 1]: a source's in one
-  // 16-byte load each, all in flight before any is waited for; a vector's as bf16 pairs
-  __device__ __forceinline__ void fetch_pairs(int q0, int stride, int n, float (&v)[2 * FETCH_GROUP],
-                                              uint32_t tag) const {
-    uint64_t w[2 * FETCH_GROUP];
+  // elements 2q, 2q + 1 for q = q0 + j * stride (j < n <= G) -> v[2j], v[2j + 1]: a source's in one 16-byte
+  // load each, all in flight before any is waited for, then settled (Source::settle_pairs); a vector's as bf16
+  // pairs
+  template <int G>
+  __device__ __forceinline__ void fetch_pairs(int q0, int stride, int n, float (&v)[2 * G], uint32_t tag) const {
+    uint64_t w[2 * G];
     if (kind == X_SRC) {
       src.issue_pairs(q0, stride, n, w);
+      src.settle_pairs(q0, stride, n, w, tag);
     }
 #pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
+    for (int j = 0; j < G; ++j)
       if (j < n) {
         if (kind == X_SRC) {
-          v[2 * j] = src.pair_value(q0, stride, j, 0, w[2 * j], tag);
-          v[2 * j + 1] = src.pair_value(q0, stride, j, 1, w[2 * j + 1], tag);
+          v[2 * j] = word_value(w[2 * j], src.kind), v[2 * j + 1] = word_value(w[2 * j + 1], src.kind);
         } else {
           const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vec + 2 * (q0 + j * stride)));
           v[2 * j] = f.x, v[2 * j + 1] = f.y;
@@ -293,29 +301,31 @@ struct XIn {
 };
 
 // x's elements (pairs 2q, 2q + 1 for q = ct + j * CT, j < K / 512; K a multiple of 512: program.py), plus add's
-// rounded to bf16 where given, FETCH_GROUP pairs at a time, every load of a group (x's and add's, 16 bytes each)
+// rounded to bf16 where given, G pairs at a time, every load of a group (x's and add's, 16 bytes each)
 // issued before any is waited for -> into xs (fp32, permuted: xpos), or with F16 into xh (f16, in order);
 // returns this thread's sum of their squares
-template <bool F16 = false>
+template <int G = FETCH_GROUP, bool F16 = false>
 __device__ float stage_raw(const XIn& x, const Source* add, int K, float* xs, uint32_t tag, int ct,
                            __half* xh = nullptr) {
   float ss = 0.f;
   const int m = K / (2 * CT);
-  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {
-    const int n = min(FETCH_GROUP, m - g0), q0 = ct + g0 * CT;
-    uint64_t wa[2 * FETCH_GROUP];
+  for (int g0 = 0; g0 < m; g0 += G) {
+    const int n = min(G, m - g0), q0 = ct + g0 * CT;
+    uint64_t wa[2 * G];
     if (add) add->issue_pairs(q0, CT, n, wa);  // (in flight while x's are fetched)
-    float v[2 * FETCH_GROUP];
-    x.fetch_pairs(q0, CT, n, v, tag);
+    float v[2 * G];
+    x.fetch_pairs<G>(q0, CT, n, v, tag);
+    if (add) add->settle_pairs(q0, CT, n, wa, tag);
 #pragma unroll
-    for (int j = 0; j < 2 * FETCH_GROUP; ++j)
+    for (int j = 0; j < 2 * G; ++j)
       if (j / 2 < n) {
         const int e = 2 * (q0 + (j / 2) * CT) + j % 2;
-        if (add) v[j] = bf(v[j] + add->pair_value(q0, CT, j / 2, j % 2, wa[j], tag));
+        if (add) v[j] = bf(v[j] + word_value(wa[j], add->kind));
         if (F16) xh[e] = __float2half_rn(v[j]);
         else xs[xpos(e)] = v[j];
         ss += v[j] * v[j];
       }
+    if (g0 == 0) prof_mark(ct, PF_S3);  // (x's first group)
   }
   return ss;
 }

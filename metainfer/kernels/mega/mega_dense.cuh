@@ -288,7 +288,7 @@ __device__ void op_down(Ctx& c, const Instr& in) {
     w_add = ld_relaxed_u64(radd.y + c.first * 16 + c.ct);
   }
   if constexpr (MMA) {
-    stage_raw<true>(act, nullptr, slots * I, nullptr, c.tag, c.ct, xh_of(c.s, true));  // straight into f16
+    stage_raw<FETCH_GROUP, true>(act, nullptr, slots * I, nullptr, c.tag, c.ct, xh_of(c.s, true));  // into f16
   } else {
     stage_raw(act, nullptr, slots * I, c.s.xs, c.tag, c.ct);
   }

@@ -18,7 +18,7 @@ __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16*
 #pragma unroll
   for (int j = 0; j < MAX_PAIRS; ++j)
     if (j < m) w2[j] = *reinterpret_cast<const uint32_t*>(nw + 2 * (ct + j * CT));
-  const float ss = stage_raw(x, add, K, s.xs, tag, ct);
+  const float ss = stage_raw<NORM_GROUP>(x, add, K, s.xs, tag, ct);
   prof_mark(ct, PF_S1);
   const float r = rsqrtf(block_sum(ss, s.sc, cw, lane) / K + eps);
   prof_mark(ct, PF_S2);
@@ -30,18 +30,19 @@ __device__ void stage_norm(const XIn& x, const Source* add, const __nv_bfloat16*
       const float2 v = xp[256 * j];
       xp[256 * j] = make_float2(bf(v.x * r * (1.f + w.x)), bf(v.y * r * (1.f + w.y)));
     }
+  prof_mark(ct, PF_S4);
 }
 
 // The DeltaNet gated RMSNorm per head of hd values (reference.gated_rms_norm) of x (the core output) with z.
 // Warp cw holds elements [cw K / NCW, (cw + 1) K / NCW), whole heads (program.py: hd divides K / NCW), as the
 // pairs q0 + 32 j (j < m = K / 512): a head is wph = hd / 64 consecutive j, its sum of squares a sum of warp
 // sums in the warp's own scratch row, so no block barrier. First the thread's norm weights (wph pairs, the same
-// places in every head) and z (ready: in_proj's), while the core outputs are still being made: silu(z) into
-// xs at x's places. Then x, polled: its bf16 pairs into scratch, each pair's sum of squares into the row. Then
-// the norm from registers and shared memory alone. hd: 64 or 128 (program.py).
+// places in every head); then, GATED_GROUP pairs at a time, z's loads and x's (the core outputs, polled) all in
+// flight: silu(z) into xs at x's places (z is ready: in_proj's), x's bf16 pairs into scratch once settled,
+// each pair's sum of squares into the row. Then the norm from registers and shared memory alone. hd: 64 or 128
+// (program.py).
 __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* nw, float eps, int K, int hd,
                             uint32_t tag, const Smem& s, int ct, int cw, int lane) {
-  constexpr int ZG = 4;  // z's pairs in flight
   const int m = K / (2 * CT), wph = hd / 64, q0 = cw * 32 * m + lane;
   float* red = s.sc + cw * MAX_PAIRS;                          // [m]: pair j's sum over the warp
   uint32_t* xb = reinterpret_cast<uint32_t*>(s.sc + 256);      // [K / 2]: x's bf16 pair q at xb[q]
@@ -49,30 +50,31 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
 #pragma unroll
   for (int u = 0; u < 2; ++u)
     wn[u] = u < wph ? __ldg(reinterpret_cast<const uint32_t*>(nw + ((2 * (q0 + 32 * u)) & (hd - 1)))) : 0u;
-  for (int g0 = 0; g0 < m; g0 += ZG) {
-    uint64_t zw[2 * ZG];
-    const int n = min(ZG, m - g0);
-    z.ready_pairs<ZG>(q0 + 32 * g0, 32, n, zw, tag);
+  for (int g0 = 0; g0 < m; g0 += GATED_GROUP) {
+    const int n = min(GATED_GROUP, m - g0), qg = q0 + 32 * g0;
+    uint64_t zw[2 * GATED_GROUP], xw[2 * GATED_GROUP];
+    z.issue_pairs(qg, 32, n, zw);
+    x.src.issue_pairs(qg, 32, n, xw);  // (x: a source, program.py)
+    z.settle_pairs(qg, 32, n, zw, tag);
 #pragma unroll
-    for (int j = 0; j < ZG; ++j)
+    for (int j = 0; j < GATED_GROUP; ++j)
       if (j < n) {
         const float z0 = word_value(zw[2 * j], z.kind), z1 = word_value(zw[2 * j + 1], z.kind);
-        *reinterpret_cast<float2*>(s.xs + xpos(2 * (q0 + 32 * (g0 + j)))) =
+        *reinterpret_cast<float2*>(s.xs + xpos(2 * (qg + 32 * j))) =
             make_float2(z0 / (1.f + __expf(-z0)), z1 / (1.f + __expf(-z1)));
       }
-  }
-  for (int g0 = 0; g0 < m; g0 += FETCH_GROUP) {
-    float v[2 * FETCH_GROUP];
-    const int n = min(FETCH_GROUP, m - g0);
-    x.fetch_pairs(q0 + 32 * g0, 32, n, v, tag);
+    if (g0 == 0) prof_mark(ct, PF_S2);  // (z's first group staged)
+    x.src.settle_pairs(qg, 32, n, xw, tag);
 #pragma unroll
-    for (int j = 0; j < FETCH_GROUP; ++j)
+    for (int j = 0; j < GATED_GROUP; ++j)
       if (j < n) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);  // (exact: bf16 outputs)
-        xb[q0 + 32 * (g0 + j)] = *reinterpret_cast<const uint32_t*>(&b);
-        const float p = warp_sum(v[2 * j] * v[2 * j] + v[2 * j + 1] * v[2 * j + 1]);
+        const float v0 = word_value(xw[2 * j], x.src.kind), v1 = word_value(xw[2 * j + 1], x.src.kind);
+        const __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);  // (exact: bf16 outputs)
+        xb[qg + 32 * j] = *reinterpret_cast<const uint32_t*>(&b);
+        const float p = warp_sum(v0 * v0 + v1 * v1);
         if (lane == 0) red[g0 + j] = p;
       }
+    if (g0 == 0) prof_mark(ct, PF_S3);  // (x's first group)
   }
   prof_mark(ct, PF_S1);
   __syncwarp();
@@ -91,6 +93,7 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
         *xp = make_float2(bf(bf(bf(xv.x * r) * w.x) * g.x), bf(bf(bf(xv.y * r) * w.y) * g.y));
       }
   }
+  prof_mark(ct, PF_S4);
 }
 
 // ---- one row's dot with x (whole warp; the result on every lane) -------------------------------------

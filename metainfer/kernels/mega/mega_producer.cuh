@@ -76,6 +76,7 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
   uint32_t it = 0;
   int routed = -1;  // the router instruction whose routing route_p holds
   const int n_cta = gridDim.x;
+  const uint64_t pol = l2_policy<MEGA_EVICT_FIRST != 0>();  // the weights' (read once a step)
   for (int i = 0; i < n_instr; ++i) {
     const Instr& in = prog[i];
     const int first = first_unit(in);
@@ -102,12 +103,13 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
         uint64_t* bar = &s.full[it % NSLOTS];
         if (tma) {  // 4 boxes of [64 view rows][128 B] (a last chunk's rows past W: zeros, still counted)
           uint8_t* dst = claim(s, it, SLOT + sb, waited);
-          for (int kb = 0; kb < 4; ++kb) tma_2d(dst + kb * 8192, ptr<const void>(in.p[9]), kb * 128, c * 64, bar);
+          for (int kb = 0; kb < 4; ++kb) tma_2d(dst + kb * 8192, ptr<const void>(in.p[9]), kb * 128, c * 64, bar, pol);
         } else {
           const uint32_t bytes = min(rpc, in.i[1] - c * rpc) * rb;
-          bulk_load(claim(s, it, bytes + sb, waited), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes, bar);
+          bulk_load(claim(s, it, bytes + sb, waited), ptr<const uint8_t>(in.p[0]) + (size_t)c * rpc * rb, bytes, bar,
+                    pol);
         }
-        if (sb) bulk_load(slot_scales(s, it), ptr<const uint8_t>(in.p[1]) + (size_t)(c * rpc / 128) * sb, sb, bar);
+        if (sb) bulk_load(slot_scales(s, it), ptr<const uint8_t>(in.p[1]) + (size_t)(c * rpc / 128) * sb, sb, bar, pol);
       }
     } else if (in.op == OP_GATE_UP) {
       const int I = in.i[1], H = in.i[2], nb = I / 8, n = n_units(in);
@@ -121,15 +123,15 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
         if (wg_gate_up(in)) {  // per K block: the gate rows' 32 view rows, then the up rows'
           const int vg = (e * 2 * I + 8 * b) * 4, vu = vg + I * 4;
           for (int kb = 0; kb < 4; ++kb) {
-            tma_2d(dst + kb * 8192, ptr<const void>(in.p[9]), kb * 128, vg, bar);
-            tma_2d(dst + kb * 8192 + 4096, ptr<const void>(in.p[9]), kb * 128, vu, bar);
+            tma_2d(dst + kb * 8192, ptr<const void>(in.p[9]), kb * 128, vg, bar, pol);
+            tma_2d(dst + kb * 8192 + 4096, ptr<const void>(in.p[9]), kb * 128, vu, bar, pol);
           }
         } else {
-          bulk_load(dst, w, 8 * H, bar);
-          bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, bar);
+          bulk_load(dst, w, 8 * H, bar, pol);
+          bulk_load(dst + 8 * H, w + (size_t)I * H, 8 * H, bar, pol);
         }
-        bulk_load(slot_scales(s, it), ws + (size_t)(8 * b / 128) * sb, sb, bar);
-        bulk_load(slot_scales(s, it) + sb / 4, ws + (size_t)((I + 8 * b) / 128) * sb, sb, bar);
+        bulk_load(slot_scales(s, it), ws + (size_t)(8 * b / 128) * sb, sb, bar, pol);
+        bulk_load(slot_scales(s, it) + sb / 4, ws + (size_t)((I + 8 * b) / 128) * sb, sb, bar, pol);
       }
     } else if (in.op == OP_DOWN) {
       const int I = in.i[1], H = in.i[2], slots = in.i[3] + 1, per = down_per_group(in);
@@ -141,9 +143,9 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
           uint8_t* dst = claim(s, it, n * (16 * I + sb), waited);
           for (int j = 0; j < n; ++j) {
             const size_t e = s.route_p[g * per + j];
-            bulk_load(dst + j * 16 * I, ptr<const uint8_t>(in.p[0]) + (e * H + rb * 16) * I, 16 * I, bar);
+            bulk_load(dst + j * 16 * I, ptr<const uint8_t>(in.p[0]) + (e * H + rb * 16) * I, 16 * I, bar, pol);
             bulk_load(slot_scales(s, it) + j * sb / 4,
-                      ptr<const uint8_t>(in.p[1]) + (e * (H / 128) + rb * 16 / 128) * sb, sb, bar);
+                      ptr<const uint8_t>(in.p[1]) + (e * (H / 128) + rb * 16 / 128) * sb, sb, bar, pol);
           }
         }
     }
