@@ -155,8 +155,9 @@
 #            `metainfer verify --suite full --megakernel` (the oracle on the megakernel's steps), ~6 min
 #   megawg   - (2026-12-02e) the K = 2048 e4m3 GEMVs and gate/up on FP8 wgmma (the default; -DMEGA_WGMMA=0: CUDA
 #            cores): GPU tests of both builds, then mega_step.py --prof of both (MEGA_VARIANTS), ~2 min
-#   megapoll - (2026-12-03) the x prologues' polls (MEGA_SETTLE; before: Attend's L2 prefetch, the routing by
-#            warp reductions, both measured and dropped, KB-0081): GPU tests, then the step against REF_SRC's
+#   megapoll - (2026-12-03) the x prologues' polls (settled polls, the norms' groups, evict-first weights:
+#            KB-0081; Attend's L2 prefetch, the routing by warp reductions: measured and dropped, KB-0082):
+#            GPU tests, then the step against REF_SRC's
 #            sources (mega_step.py --ref-src), MEGA_VARIANTS, MEGA_LEADS; then benchmarks/l2_broadcast_bench.py
 #            (132 CTAs reading the same L2 words: the hops' cost apart from the step), ~5 min
 #   megaroute - (built 2026-12-03, not yet run) the routing bubble: the GPU tests of the -DMEGA_ROUTE_ALL=1
