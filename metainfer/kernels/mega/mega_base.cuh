@@ -207,6 +207,16 @@ __device__ __noinline__ uint64_t poll_until(const uint64_t* y, int e, uint32_t t
   return w;
 }
 
+// the first of w's words j < n that lacks `tag` (-1: none)
+template <int M>
+__device__ __forceinline__ int first_late(const uint64_t (&w)[M], int n, uint32_t tag) {
+  int late = -1;
+#pragma unroll
+  for (int j = M - 1; j >= 0; --j)
+    if (j < n && !tagged(w[j], tag)) late = j;
+  return late;
+}
+
 // one source's outputs, polled until they carry this step's tag
 struct Source {
   const uint64_t* y;
@@ -248,10 +258,7 @@ struct Source {
 #pragma unroll
       for (int j = 0; j < N; ++j)
         if (j < n) w[j] = ld_relaxed_u64(y + e0 + j * stride);
-      int late = -1;
-#pragma unroll
-      for (int j = N - 1; j >= 0; --j)
-        if (j < n && !tagged(w[j], tag)) late = j;
+      const int late = first_late(w, n, tag);
       if (late < 0 || !tagged(poll_until(y, e0 + late * stride, tag), tag)) break;
     }
 #pragma unroll
@@ -274,10 +281,7 @@ struct Source {
   template <int M>
   __device__ __forceinline__ void settle_pairs(int q0, int stride, int n, uint64_t (&w)[M], uint32_t tag) const {
     for (;;) {
-      int late = -1;
-#pragma unroll
-      for (int j = M - 1; j >= 0; --j)
-        if (j / 2 < n && !tagged(w[j], tag)) late = j;
+      const int late = first_late(w, 2 * n, tag);
       if (late < 0 || !tagged(poll_until(y, 2 * (q0 + (late / 2) * stride) + late % 2, tag), tag)) return;
       issue_pairs(q0, stride, n, w);
     }
