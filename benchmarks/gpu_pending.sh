@@ -160,9 +160,9 @@
 #            GPU tests, then the step against REF_SRC's
 #            sources (mega_step.py --ref-src), MEGA_VARIANTS, MEGA_LEADS; then benchmarks/l2_broadcast_bench.py
 #            (132 CTAs reading the same L2 words: the hops' cost apart from the step), ~5 min
-#   megaroute - (built 2026-12-03, not yet run) the routing bubble: the GPU tests of the -DMEGA_ROUTE_ALL=1
-#            build (the router's logits in one settled group), then mega_step.py --rounds 4 of it against the
-#            default, each at L2 leads 0 and 128 KB (the lead again, now that the weights are evict-first), ~3 min
+#   megaroute - (run 2026-12-03c, KB-0083; the variant since removed) the GPU tests of a -D build, then
+#            mega_step.py --rounds 4 of it against the default at L2 leads 0 and 128 KB: MEGA_ROUTE_DEFINES
+#            (-DMEGA_ROUTE_ALL=1 was the routing's logits in one settled group: 2.372 vs 2.305 ms), ~3 min
 #   chunkbench - (KB-0079) the megakernel's consumers apart from the step: benchmarks/mega_chunk_bench.py with
 #            --wgmma (modes 4, 5: FP8 wgmma on TMA-swizzled chunks, built 2026-12-02d, not yet run; its outputs
 #            checked against fp32), CHUNK_VARIANTS (-D lists for mega_math.cuh), ~1 min
@@ -779,12 +779,12 @@ if has megapoll; then  # (2026-12-03) the x prologues' polls: the megakernel's G
     --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -45
   [ "${L2_BENCH:-1}" = 0 ] || timeout 120 python benchmarks/l2_broadcast_bench.py --json $OUT/l2_broadcast.json 2>&1 | tail -12
 fi
-if has megaroute; then  # (2026-12-03) the routing's logits in one settled group; the L2 lead under evict-first
-  METAINFER_MEGA_DEFINES="-DMEGA_ROUTE_ALL=1" timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py \
+if has megaroute; then  # (2026-12-03c) a -D variant of the routing against the default; the L2 lead too
+  METAINFER_MEGA_DEFINES="${MEGA_ROUTE_DEFINES:?a -D list}" timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py \
     -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests_route_all.log
   tail -3 $OUT/mega_tests_route_all.log
   timeout 420 python benchmarks/mega_step.py --reps 20 --rounds 4 --leads 0,131072 --inflight 6 --mma 0 \
-    --variants=";-DMEGA_ROUTE_ALL=1" --json $OUT/mega_step_route.json 2>&1 | grep -v Warn | tail -12
+    --variants=";$MEGA_ROUTE_DEFINES" --json $OUT/mega_step_route.json 2>&1 | grep -v Warn | tail -12
 fi
 if has megasrc; then  # where the megakernel's warps stall, per SASS instruction (ncu's source counters), ~2 min
   timeout 240 ncu --clock-control none -k regex:mega_step -c 1 --section SourceCounters --section WarpStateStats \

@@ -177,9 +177,6 @@ constexpr int FETCH_GROUP = MEGA_FETCH_GROUP;  // polled elements in flight per 
 #ifndef MEGA_GATED_GROUP
 #define MEGA_GATED_GROUP 4  // and for the gated norm's x and z (K = 4096: 2 groups; 8: 20 KB more code, spills)
 #endif
-#ifndef MEGA_ROUTE_ALL
-#define MEGA_ROUTE_ALL 0  // 1: the routing's logits (8 a lane, and the shared expert's gate) in one settled group
-#endif                    // (Source::fetch_all), not 3 groups and then the gate: built 2026-12-03, not yet measured
 constexpr int NORM_GROUP = MEGA_NORM_GROUP, GATED_GROUP = MEGA_GATED_GROUP;
 
 __device__ __forceinline__ bool tagged(uint64_t w, uint32_t tag) { return static_cast<uint32_t>(w >> 32) == tag; }
@@ -247,23 +244,6 @@ struct Source {
       for (int j = 0; j < FETCH_GROUP; ++j)
         if (g0 + j < N && g0 + j < n) v[g0 + j] = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
     }
-  }
-  // elements e0 + j * stride (j < n <= N) into v[], all N loads in flight at once and then settled: while a
-  // word lacks `tag`, wait on the first such (out of line), then load them all again. One round trip when
-  // they are ready, where fetch takes ceil(n / FETCH_GROUP).
-  template <int N>
-  __device__ __forceinline__ void fetch_all(int e0, int stride, int n, float (&v)[N], uint32_t tag) const {
-    uint64_t w[N];
-    for (;;) {
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (j < n) w[j] = ld_relaxed_u64(y + e0 + j * stride);
-      const int late = first_late(w, n, tag);
-      if (late < 0 || !tagged(poll_until(y, e0 + late * stride, tag), tag)) break;
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      if (j < n) v[j] = word_value(w[j], kind);
   }
   // the issue half of a pair fetch: elements 2q, 2q + 1 (q = q0 + j * stride, j < n <= M / 2) in one 16-byte
   // load each (y and the offset even: program.py), all in flight -> w[2j], w[2j + 1]

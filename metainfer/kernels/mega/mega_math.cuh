@@ -169,18 +169,8 @@ __device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* r
 // the shared expert E) and weights (renormalised picks, then sigmoid of logit E), into r[0..15], r[16..31]
 __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int* r, int lane) {
   constexpr int PER = MAX_EXPERTS / 32;
-#if MEGA_ROUTE_ALL
-  float num[PER + 1];  // logit j * 32 + lane, up to E: the shared expert's gate too
-  lg.fetch_all(lane, 32, (E + 1 - lane + 31) / 32, num, tag);
-  float mine = 0.f;
-#pragma unroll
-  for (int j = 0; j <= PER; ++j)
-    if (j == E / 32) mine = num[j];
-  const float g_all = __shfl_sync(0xffffffffu, mine, E % 32);  // (on every lane)
-#else
   float num[PER];  // logit j * 32 + lane
   lg.fetch(lane, 32, (E - lane + 31) / 32, num, tag);
-#endif
   float m = -INFINITY;
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
@@ -221,11 +211,7 @@ __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int
   __syncwarp();
   if (lane < top_k) reinterpret_cast<float*>(r)[16 + lane] /= picked;
   if (lane == 0) {
-#if MEGA_ROUTE_ALL
-    const float g = g_all;
-#else
     const float g = lg(E, tag);
-#endif
     r[top_k] = E;
     reinterpret_cast<float*>(r)[16 + top_k] = 1.f / (1.f + expf(-g));
   }
