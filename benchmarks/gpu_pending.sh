@@ -163,6 +163,8 @@
 #   megaroute - (run 2026-12-03c, KB-0083; the variant since removed) the GPU tests of a -D build, then
 #            mega_step.py --rounds 4 of it against the default at L2 leads 0 and 128 KB: MEGA_ROUTE_DEFINES
 #            (-DMEGA_ROUTE_ALL=1 was the routing's logits in one settled group: 2.372 vs 2.305 ms), ~3 min
+#   (megarouter, run 2026-12-03c and removed with its knob, KB-0083: the router's bf16 rows 2 a chunk, 2.348 vs
+#            2.277-2.310 ms; the knob: benchmarks/results/2026-12-03c/small_rpc_removed.patch)
 #   chunkbench - (KB-0079) the megakernel's consumers apart from the step: benchmarks/mega_chunk_bench.py with
 #            --wgmma (modes 4, 5: FP8 wgmma on TMA-swizzled chunks, built 2026-12-02d, not yet run; its outputs
 #            checked against fp32), CHUNK_VARIANTS (-D lists for mega_math.cuh), ~1 min
