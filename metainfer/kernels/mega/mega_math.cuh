@@ -78,10 +78,12 @@ __device__ void stage_gated(const XIn& x, const Source& z, const __nv_bfloat16* 
   }
   prof_mark(ct, PF_S1);
   __syncwarp();
-  for (int j0 = 0; j0 < m; j0 += wph) {  // one head: its pairs j0 .. j0 + wph - 1
-    float t = 0.f;  // the head's sum of squares, its pairs in order
-    for (int u = 0; u < wph; ++u) t += red[j0 + u];
-    const float r = rsqrtf(t / hd + eps);
+  // The norm, a head at a time: its (at most 2) warp sums loaded together, summed in order, times 1 / hd
+  // (exact: a power of two), then its pairs.
+  const float ihd = 1.f / hd;
+  for (int j0 = 0; j0 < m; j0 += wph) {
+    const float t = wph == 2 ? red[j0] + red[j0 + 1] : red[j0];
+    const float r = rsqrtf(t * ihd + eps);
 #pragma unroll
     for (int u = 0; u < 2; ++u)
       if (u < wph) {
