@@ -171,12 +171,26 @@ __device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* r
 // the shared expert E) and weights (renormalised picks, then sigmoid of logit E), into r[0..15], r[16..31]
 __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int* r, int lane) {
   constexpr int PER = MAX_EXPERTS / 32;
-  float num[PER];  // logit j * 32 + lane
-  lg.fetch(lane, 32, (E - lane + 31) / 32, num, tag);
+  // The lane's logits j * 32 + lane (j < nl) and, on lane 0, the shared expert's gate logit (row E): all their
+  // loads in flight at once, then settled (wait on the first late word, then load them all again), so the
+  // routing costs about one L2 round trip after the router's last writer, not one per group of FETCH_GROUP
+  // and one more for the gate.
+  const int nl = (E - lane + 31) / 32;
+  uint64_t w[PER], wg = 0;
+  for (;;) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (j < nl) w[j] = ld_relaxed_u64(lg.y + j * 32 + lane);
+    if (lane == 0) wg = ld_relaxed_u64(lg.y + E);
+    const int late = first_late(w, nl, tag);
+    const int e = late >= 0 ? late * 32 + lane : lane == 0 && !tagged(wg, tag) ? E : -1;
+    if (e < 0 || !tagged(poll_until(lg.y, e, tag), tag)) break;  // (settled, or the step aborted)
+  }
+  float num[PER];
   float m = -INFINITY;
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
-    if (j * 32 + lane >= E) num[j] = -INFINITY;
+    num[j] = j < nl ? word_value(w[j], lg.kind) : -INFINITY;
     m = fmaxf(m, num[j]);
   }
   m = warp_max(m);
@@ -213,7 +227,7 @@ __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int
   __syncwarp();
   if (lane < top_k) reinterpret_cast<float*>(r)[16 + lane] /= picked;
   if (lane == 0) {
-    const float g = lg(E, tag);
+    const float g = word_value(wg, lg.kind);
     r[top_k] = E;
     reinterpret_cast<float*>(r)[16 + top_k] = 1.f / (1.f + expf(-g));
   }
