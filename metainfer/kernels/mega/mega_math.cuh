@@ -326,15 +326,15 @@ __device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int la
 // (.x) and that + 2 (.y)
 __device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf,
                                           int lane) {
-  const uint32_t a = smem_u32(chunk), b = smem_u32(b8);
+  // (the descriptors' start address field is addr >> 4, and shared addresses stay below 2^18: offsets add there)
+  const uint64_t da0 = smem_desc(smem_u32(chunk), 16, 1024, 1), db0 = smem_desc(smem_u32(b8), 128, 0, 0);
   float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
   wgmma_fence();
 #pragma unroll
   for (int kb = 0; kb < 4; ++kb)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // 32 columns: +32 bytes within A's swizzled rows, B's next 2 core matrices
-      const uint64_t da = smem_desc(a + kb * 8192 + j * 32, 16, 1024, 1);
-      const uint64_t db = smem_desc(b + (kb * 8 + j * 2) * 128, 128, 0, 0);
+      const uint64_t da = da0 + ((kb * 8192 + j * 32) >> 4), db = db0 + ((kb * 8 + j * 2) * 128 >> 4);
       if (j == 0) wgmma_m64n8k32<0>(acc[kb], da, db);
       else wgmma_m64n8k32<1>(acc[kb], da, db);
     }
