@@ -176,6 +176,7 @@ def main() -> int:
                 # the first DeltaNet and attention layers, instruction by instruction (the hops' costs)
                 profiles[key]["timeline"] = profile.timeline(buf, pr.instrs, pk.num_sms, 0,
                                                              min(30, len(pr.instrs)))
+                profiles[key]["routing"] = profile.routing(buf, pr.instrs, pk.num_sms)
                 if args.json:
                     torch.save(buf.cpu(), args.json.with_name(f"{args.json.stem}_prof_{len(profiles)}.pt"))
     restore(before)
@@ -193,6 +194,8 @@ def main() -> int:
     print("code bytes:", json.dumps(code))
     for k, sm in profiles.items():
         print(f"\n{k} (profiling build, at its fastest lead and chunks in flight)\n" + profile.table(sm))
+        print("routing, us after the router's last CTA out (medians over the layers):",
+              json.dumps({a: round(b, 2) for a, b in sm["routing"].items()}))
     print("| variant | consumers | output arena | L2 lead (bytes per CTA) | chunks in flight | ms (median) "
           "| rounds' medians | tok/s | % of 4.3 TB/s |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -3,6 +3,8 @@ of the cycle words modulo 2^32, the clock out of globaltimer, and the groups sum
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -74,3 +76,36 @@ def test_timeline_lines_the_ctas_up_on_globaltimer():
     assert rows[1]["out"][1] == pytest.approx(2.5)
     assert "s1" not in rows[0]  # no marks recorded
     assert "| 1 | Gemv 256x256 e4m3 | 1.0 / 1.5 | 1.2 / 1.8 |" in profile.timeline_table(rows)
+
+
+def test_routing_marks_against_the_routers_last_exit():
+    """One router (instruction 0, run by CTA 0 only) and its GateUp (instruction 1, routed by both CTAs'
+    producers): the producers' marks come out as microseconds after the router's last CTA out, their
+    medians (torch's lower middle) and the slowest, on the common axis; no marks -> nan."""
+    router = P.Gemv(torch.zeros(9, 256, dtype=torch.bfloat16), P.Vec(torch.zeros(256, dtype=torch.bfloat16)))
+    gu = P.GateUp(torch.zeros(9, 32, 256, dtype=torch.float8_e4m3fn), torch.ones(9, 1, 2),
+                  P.Vec(torch.zeros(256, dtype=torch.bfloat16)), P.Src(0), torch.zeros(256), P.Src(0), 2)
+    instrs = [router, gu]
+    grid, n = 2, 2
+    buf = torch.zeros(profile.words(n, grid), dtype=torch.int64)
+    rec = buf[: grid * n * profile.PF_N].view(grid, n, profile.PF_N)
+    for c in range(grid):  # both counters from 0 at entry; 2 GHz (below)
+        rec[c, 0, profile.C_IN] = 0
+        rec[c, 1, profile.C_OUT] = 8000
+    rec[0, 0, profile.C_OUT], rec[0, 0, profile.CHUNKS] = 2000, 1  # the router's one CTA out at 1 us
+    rec[1, 0, profile.C_OUT] = 100  # (CTA 1: no router chunk)
+    for c, (settled, end) in enumerate(((3000, 4000), (3400, 5000))):
+        rec[c, 1, profile.P_IN] = 1000
+        rec[c, 1, profile.P_ROUTE] = end - 1000  # (the routing's cycles from the producer's entry)
+        rec[c, 1, profile.P_SETTLED] = settled
+    t = buf[grid * n * profile.PF_N:].view(grid, 4)
+    t[:, 0], t[:, 2] = 0, 4000  # 8,000 cycles in 4,000 ns: 2 GHz
+    buf = ((buf + 2**31) % 2**32 - 2**31).to(torch.int32)
+    r = profile.routing(buf, instrs, grid)
+    assert r["layers"] == 1
+    assert r["settled_us"] == pytest.approx(0.5)
+    assert r["routed_us"] == pytest.approx(1.0) and r["routed_slowest_us"] == pytest.approx(1.5)
+    assert r["router_exit_spread_us"] == pytest.approx(0.0)
+    rec = buf[: grid * n * profile.PF_N].view(grid, n, profile.PF_N)
+    rec[:, 1, profile.P_SETTLED] = 0  # (a build without the mark)
+    assert math.isnan(profile.routing(buf, instrs, grid)["settled_us"])

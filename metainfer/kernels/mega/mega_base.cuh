@@ -82,8 +82,9 @@ __device__ __shared__ int s_instr[2];  // the instruction the producer [0] and t
 // 32 bits): the consumers' entry, x staged, exit and chunk waits (consumer thread 0); the producer's entry,
 // routing (with the L2 lead) and empty-slot waits (producer lane 0). profile.py reads them.
 enum : int { PF_C_IN, PF_C_X, PF_C_OUT, PF_C_WAIT, PF_P_IN, PF_P_ROUTE, PF_P_EMPTY, PF_CHUNKS,
-             PF_S1, PF_S2, PF_S3, PF_S4, PF_LAT, PF_N };  // S1-S4: marks inside the x prologues (prof_mark);
-                                                           // LAT: one L2 load's round trip at the op's entry
+             PF_S1, PF_S2, PF_S3, PF_S4, PF_LAT, PF_P_SETTLED, PF_N };
+// S1-S4: marks inside the x prologues (prof_mark); LAT: one L2 load's round trip at the op's entry; P_SETTLED:
+// when a routing's logits were all loaded (producer lane 0)
 __device__ uint32_t* g_prof;  // [gridDim.x][n_instr][PF_N], then [gridDim.x][4] (globaltimer at entry and exit)
 __device__ int g_nin;
 __device__ __forceinline__ uint32_t cycles() { return static_cast<uint32_t>(clock64()); }

@@ -167,9 +167,12 @@ __device__ __forceinline__ float2 row_dot2(const uint8_t* row0, const uint8_t* r
 }
 
 // ---- routing (one whole warp) ----------------------------------------------------------------------
+#ifndef MEGA_TOPK_REDUX
+#define MEGA_TOPK_REDUX 1  // each top-k round's warp pick by redux.sync (max value, then min index); 0: shuffles
+#endif
 // logits [E + 1] (bf16 words) -> ids[0..top_k] (the picks of an fp32 softmax, ties to the lower index, then
 // the shared expert E) and weights (renormalised picks, then sigmoid of logit E), into r[0..15], r[16..31]
-__device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int* r, int lane) {
+__device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int* r, int lane, int instr) {
   constexpr int PER = MAX_EXPERTS / 32;
   // The lane's logits j * 32 + lane (j < nl) and, on lane 0, the shared expert's gate logit (row E): all their
   // loads in flight at once, then settled (wait on the first late word, then load them all again), so the
@@ -185,6 +188,10 @@ __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int
     const int late = first_late(w, nl, tag);
     const int e = late >= 0 ? late * 32 + lane : lane == 0 && !tagged(wg, tag) ? E : -1;
     if (e < 0 || !tagged(poll_until(lg.y, e, tag), tag)) break;  // (settled, or the step aborted)
+  }
+  if (MEGA_PROF) {
+    __syncwarp();
+    if (lane == 0) prof_set(instr, PF_P_SETTLED, cycles());
   }
   float num[PER];
   float m = -INFINITY;
@@ -208,12 +215,22 @@ __device__ void route_warp(const Source& lg, int E, int top_k, uint32_t tag, int
 #pragma unroll
     for (int j = 0; j < PER; ++j)
       if (num[j] > bv) bv = num[j], bi = j * 32 + lane;  // ascending index: the first of ties stays
+#if MEGA_TOPK_REDUX
+    {  // the warp's largest value (a value >= 0 orders as its bits; none: -1, key 0), then the lowest index of
+       // the lanes that hold it: the butterfly's pick in two redux.sync
+      const uint32_t key = bv > 0.f ? __float_as_uint(bv) : 0u;
+      const uint32_t best = __reduce_max_sync(0xffffffffu, key);
+      bi = static_cast<int>(__reduce_min_sync(0xffffffffu, key == best ? static_cast<uint32_t>(bi) : 0xffffffffu));
+      bv = best != 0u ? __uint_as_float(best) : 0.f;
+    }
+#else
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
       const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
       if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
     }
+#endif
 #pragma unroll
     for (int j = 0; j < PER; ++j)
       if (j * 32 + lane == bi) num[j] = -1.f;

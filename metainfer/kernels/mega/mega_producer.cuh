@@ -89,7 +89,7 @@ __device__ void producer(const Instr* prog, int n_instr, uint32_t tag, uint32_t 
         const uint32_t t0 = MEGA_PROF ? cycles() : 0u;
         if (lead && lane == 0) l2_lead(prog, n_instr, i, lead);
         __syncwarp();
-        route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane);
+        route_warp(Source(prog, in.i[4], 0), in.i[0], in.i[3], tag, s.route_p, lane, i);
         routed = in.i[4];
         if (MEGA_PROF && lane == 0) prof_set(i, PF_P_ROUTE, cycles() - t0);
       }

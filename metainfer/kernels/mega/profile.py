@@ -15,12 +15,15 @@ from a saved record as well (tests/kernels/test_mega_profile.py builds one by ha
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from metainfer.kernels.mega import program as P
 
 C_IN, C_X, C_OUT, C_WAIT, P_IN, P_ROUTE, P_EMPTY, CHUNKS, S1, S2, S3, S4, LAT = range(13)
-PF_N = 13
+P_SETTLED = 13  # (a routing's producer: its logits all loaded)
+PF_N = 14
 
 
 def words(n_instr: int, grid: int) -> int:
@@ -122,6 +125,46 @@ def timeline(buf: torch.Tensor, instrs: list[P.Instr], grid: int, lo: int = 0,
             row[name] = (float(us.median()), float(us.max()))
         rows.append(row)
     return rows
+
+
+def _axis_us(rec: torch.Tensor, t: torch.Tensor, hz: float, i: int, f: int) -> torch.Tensor:
+    """Field f (absolute cycles) of instruction i per CTA, as microseconds on the step's common axis."""
+    t_in = (t[:, 0] | (t[:, 1] << 32)).double()
+    return _delta(rec[:, 0, C_IN], rec[:, i, f]).double() / hz * 1e6 + (t_in - t_in.min()) / 1e3
+
+
+def routing(buf: torch.Tensor, instrs: list[P.Instr], grid: int) -> dict:
+    """The routings' latency: per GateUp, its producers' marks against the last exit of its router's CTAs
+    (the last logits stored), on the common time axis; the medians over the layers (us): the logits all
+    loaded (nan where no producer marked it), the routing done (median and slowest producer), and how far
+    apart the router's CTAs finished."""
+    n = len(instrs)
+    buf = buf.detach().cpu().to(torch.int64)
+    rec = buf[: grid * n * PF_N].view(grid, n, PF_N)
+    t = _u32(buf[grid * n * PF_N : grid * n * PF_N + grid * 4].view(grid, 4))
+    hz = summarize(buf, instrs, grid)["clock_ghz"] * 1e9
+    rows = []
+    for i, g in enumerate(instrs):
+        if not isinstance(g, P.GateUp):
+            continue
+        r = g.logits.index
+        routed = rec[:, i, P_ROUTE] != 0  # (the producers that routed here)
+        wrote = rec[:, r, CHUNKS] != 0  # (the router's CTAs)
+        if not bool(routed.any()) or not bool(wrote.any()):
+            continue
+        exit_ = _axis_us(rec, t, hz, r, C_OUT)[wrote]
+        last = float(exit_.max())
+        end = (_axis_us(rec, t, hz, i, P_IN) + _u32(rec[:, i, P_ROUTE]).double() / hz * 1e6)[routed] - last
+
+        ok = routed & (rec[:, i, P_SETTLED] != 0)
+        at = _axis_us(rec, t, hz, i, P_SETTLED)[ok] - last
+        settled = float(at.median()) if bool(ok.any()) else math.nan
+        rows.append([settled, float(end.median()), float(end.max()), float(exit_.max() - exit_.min())])
+    if not rows:
+        return {}
+    med = torch.tensor(rows).nanmedian(0).values.tolist()
+    keys = ("settled_us", "routed_us", "routed_slowest_us", "router_exit_spread_us")
+    return {"layers": len(rows), **dict(zip(keys, med))}
 
 
 def timeline_table(rows: list[dict]) -> str:
