@@ -231,18 +231,18 @@ struct Source {
   __device__ __forceinline__ float operator()(int e, uint32_t tag) const {
     return word_value(wait(e, ld_relaxed_u64(y + e), tag), kind);
   }
-  // elements e0 + j * stride (j < n <= N) into v[], FETCH_GROUP loads issued before any is waited for: a
-  // thread's words cost ceil(n / FETCH_GROUP) L2 round trips, not n
-  template <int N>
+  // elements e0 + j * stride (j < n <= N) into v[], G loads issued before any is waited for: a thread's words
+  // cost ceil(n / G) L2 round trips, not n
+  template <int G = FETCH_GROUP, int N>
   __device__ __forceinline__ void fetch(int e0, int stride, int n, float (&v)[N], uint32_t tag) const {
 #pragma unroll
-    for (int g0 = 0; g0 < N; g0 += FETCH_GROUP) {
-      uint64_t w[FETCH_GROUP];
+    for (int g0 = 0; g0 < N; g0 += G) {
+      uint64_t w[G];
 #pragma unroll
-      for (int j = 0; j < FETCH_GROUP; ++j)
+      for (int j = 0; j < G; ++j)
         w[j] = g0 + j < N && g0 + j < n ? ld_relaxed_u64(y + e0 + (g0 + j) * stride) : 0ull;
 #pragma unroll
-      for (int j = 0; j < FETCH_GROUP; ++j)
+      for (int j = 0; j < G; ++j)
         if (g0 + j < N && g0 + j < n) v[g0 + j] = word_value(wait(e0 + (g0 + j) * stride, w[j], tag), kind);
     }
   }
