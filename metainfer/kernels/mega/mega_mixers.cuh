@@ -190,12 +190,16 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
     // the cache's positions [lo, hc); this step's (L - 1, from kn and vn) after them, on warp w_last
     const int hc = last ? L - 1 : hi, t_first = lo + c.cw;
     const bool w_last = last && (L - 1 - lo) % NCW == c.cw;
+    // a round's ATT_R cache rows of this warp, all loaded before any is used: positions t0 + j NCW, the lane's
+    // 8 dims (past hc: the last row again, unused)
+    auto load_round = [&](const __nv_bfloat16* cache, int t0, uint4 (&r)[ATT_R]) {
+#pragma unroll
+      for (int j = 0; j < ATT_R; ++j) r[j] = ld_row(row_of(cache, min(t0 + j * NCW, hc - 1), kvh) + c.lane * 8);
+    };
     float m = -INFINITY;
     for (int t0 = t_first; t0 < hc; t0 += ATT_R * NCW) {
-      uint4 kr[ATT_R];  // this warp's key rows of the round: positions t0 + j NCW, lane's 8 dims
-#pragma unroll
-      for (int j = 0; j < ATT_R; ++j)
-        kr[j] = ld_row(row_of(kc, min(t0 + j * NCW, hc - 1), kvh) + c.lane * 8);  // (past hc: unused)
+      uint4 kr[ATT_R];
+      load_round(kc, t0, kr);
 #pragma unroll
       for (int j = 0; j < ATT_R; ++j) {
         const int t = t0 + j * NCW;
@@ -229,9 +233,7 @@ __device__ void op_attend(Ctx& c, const Instr& in) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, lsum = 0.f;
     for (int t0 = t_first; t0 < hc; t0 += ATT_R * NCW) {
       uint4 vr[ATT_R];
-#pragma unroll
-      for (int j = 0; j < ATT_R; ++j)
-        vr[j] = ld_row(row_of(vc, min(t0 + j * NCW, hc - 1), kvh) + c.lane * 8);  // (past hc: unused)
+      load_round(vc, t0, vr);
 #pragma unroll
       for (int j = 0; j < ATT_R; ++j) {
         const int t = t0 + j * NCW;
