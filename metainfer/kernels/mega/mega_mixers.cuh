@@ -5,11 +5,6 @@
 #include "mega_dense.cuh"
 
 namespace mega {
-#ifndef MEGA_DELTA_GROUP
-#define MEGA_DELTA_GROUP 4  // a lane's q or k words in flight (4: all), and a, b together (1: one at a time)
-#endif
-constexpr int DELTA_GROUP = MEGA_DELTA_GROUP;
-
 // the gated delta rule on one (value head, 32-column block) of the state: thread (cw, lane) holds column lane,
 // rows cw * 16 .. + 15 (Dk = 128)
 __device__ void op_delta(Ctx& c, const Instr& in) {
@@ -32,20 +27,15 @@ __device__ void op_delta(Ctx& c, const Instr& in) {
     if (c.cw < 2) {  // warp 0: q, warp 1: k, l2-normalised (q also scaled by Dk^-0.5)
       const int off = (c.cw == 0 ? 0 : hk * Dk) + kh * Dk;
       float v[4], ss = 0.f;
-      proj.fetch<DELTA_GROUP>(off + c.lane, 32, 4, v, c.tag);
+      proj.fetch<4>(off + c.lane, 32, 4, v, c.tag);  // (all 4 in flight: KB-0090)
 #pragma unroll
       for (int j = 0; j < 4; ++j) ss += v[j] * v[j];
       const float r = rsqrtf(warp_sum(ss) + 1e-6f) * (c.cw == 0 ? rsqrtf((float)Dk) : 1.f);
 #pragma unroll
       for (int j = 0; j < 4; ++j) (c.cw == 0 ? qn : kn)[j * 32 + c.lane] = v[j] * r;
     } else if (c.cw == 2 && c.lane == 0) {
-      float ab[2];  // a, b: both loads in flight (a at i[5] + h, b at i[4] + h)
-      if (DELTA_GROUP >= 2) {
-        proj.fetch<2>(in.i[5] + h, in.i[4] - in.i[5], 2, ab, c.tag);
-      } else {
-        ab[0] = proj(in.i[5] + h, c.tag);
-        ab[1] = proj(in.i[4] + h, c.tag);
-      }
+      float ab[2];  // a (at i[5] + h) and b (at i[4] + h), both loads in flight
+      proj.fetch<2>(in.i[5] + h, in.i[4] - in.i[5], 2, ab, c.tag);
       const float a = ab[0] + bf_at(ptr<const __nv_bfloat16>(in.p[2]), h), b = ab[1];
       const float sp = a > 20.f ? a : log1pf(expf(a));
       gates[0] = expf(-expf(bf_at(ptr<const __nv_bfloat16>(in.p[1]), h)) * sp);
