@@ -138,6 +138,9 @@
 #            `v2` variant sets; v3: COMPUTE 4 (the FP8 model's W8A16 arithmetic: bf16 x, 128 x 128 block scales, fresh
 #            accumulators per block) and XCH (outputs tagged in their 64-bit word: consumers poll the data, not a
 #            counter, then the data), with and without the lead, ~3 min
+#   pdlchain - stream_chain.cu `pdl` (KB-0092): the same 241 stages as one launch each, chained by programmatic
+#            dependent launch in a CUDA graph (weights loaded before griddepcontrol.wait, dependents released late or
+#            early, rings small enough for the next stage's CTA to be resident), against the persistent kernel, ~2 min
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -729,6 +732,15 @@ if has chain3; then
   timeout 90 /tmp/stream_chain $OUT/stream_chain_single.json single 2>&1 | tee $OUT/stream_chain_single.log
   timeout 200 /tmp/stream_chain $OUT/stream_chain_v2.json v2 2>&1 | tee $OUT/stream_chain_v2.log
   timeout 200 /tmp/stream_chain $OUT/stream_chain_v3.json v3 2>&1 | tee $OUT/stream_chain_v3.log
+fi
+if has pdlchain; then
+  build_chain || exit 1
+  [[ ${PDL_FULL:-1} == 1 ]] && timeout 200 /tmp/stream_chain $OUT/stream_chain_pdl.json pdl 2>&1 | tee $OUT/stream_chain_pdl.log
+  [[ ${PDL_WG:-0} == 1 ]] && { timeout 60 /tmp/stream_chain /tmp/wgdebug.json wgdebug 2>&1 | tail -3
+    timeout 200 /tmp/stream_chain $OUT/stream_chain_pdlwg.json pdlwg 2>&1 | tee $OUT/stream_chain_pdlwg.log; }
+  for r in ${PDL_ROWS:-}; do  # e.g. "12352 9216 4608 4096": in_proj, qkv, the 9 downs, a K = 4096 projection's bytes
+    timeout 60 /tmp/stream_chain $OUT/stream_chain_pdl_$r.json pdlsize $r 2>&1 | grep " us per " | tee -a $OUT/stream_chain_pdlsize.log
+  done
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \

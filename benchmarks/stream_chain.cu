@@ -45,6 +45,17 @@
 //   ./stream_chain json_out one        one mode-0 launch (for ncu)
 //   ./stream_chain json_out v2         the lead and COMPUTE 3 variants only
 //   ./stream_chain json_out v3         COMPUTE 4 and XCH variants
+//   ./stream_chain json_out pdlsize R  40 x (a 16-row launch, an R-row launch): one projection's cost, PDL chained
+//   ./stream_chain json_out pdl        the same stages as one launch each, chained by programmatic dependent
+//                                      launch (PDL) in a CUDA graph, against the persistent kernel's v3 runs
+//
+// PDL chain (`stage_kernel`, KB-0092): stage s is its own grid of one CTA per SM (chunks as above), launched with
+// the programmatic-serialization attribute, so it may start while stage s - 1 runs. Its producer loads its first
+// ring slots' weights before `griddepcontrol.wait` (PRE: the weights are never written), its consumers wait, stage
+// x from stage s - 1's output and reduce. `griddepcontrol.launch_dependents` is issued after the consumers' wait
+// (late: at most one stage ahead, the contract of metainfer/kernels/pdl.py) or at entry (EARLY: stages run ahead as
+// far as the SMs' resources allow; a data-dependent stage then polls its router stage's counter). The ring is kept
+// small enough (MINB CTAs per SM) for the next stage's CTA to be resident, and loading, while this one computes.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -61,7 +72,7 @@
 #include <string>
 #include <vector>
 
-#include "../metainfer/kernels/mega/ptx.cuh"
+#include "../metainfer/kernels/mega/mega_math.cuh"  // (ptx.cuh; the megakernel's wgmma GEMV: stage_kernel_wg)
 
 #define CK(x)                                                                                  \
   do {                                                                                         \
@@ -136,6 +147,53 @@ __device__ __forceinline__ float2 mma_scaled_chunk(const uint8_t* chunk, const _
 }
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// COMPUTE 3, 4: a warp's row partials of a 16-row chunk (r: rows g, g + 8 on the lanes with tig == 0) into
+// shared memory (red: [slot][NCW][16]); the chunk's last warp to arrive sums them in warp order (the same bits
+// on every run) -> true on that warp, with row `lane`'s sum in acc (lanes < rows), its slot counter reset
+template <int NCW>
+__device__ __forceinline__ bool sum_chunk_rows(float2 r, float* red, uint32_t* red_cnt, int slot, int cw, int lane,
+                                               int rows, float& acc) {
+  const int g = lane >> 2;
+  float* rp = red + (slot * NCW + cw) * 16;
+  if ((lane & 3) == 0) {
+    rp[g] = r.x;
+    rp[g + 8] = r.y;
+  }
+  __threadfence_block();
+  __syncwarp();
+  uint32_t last = 0;
+  if (lane == 0) last = atomicAdd(&red_cnt[slot], 1u) == NCW - 1;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return false;
+  __threadfence_block();
+  acc = 0.f;
+  if (lane < rows) {
+    const float* rs = red + slot * NCW * 16 + lane;
+#pragma unroll
+    for (int w = 0; w < NCW; ++w) acc += rs[w * 16];
+  }
+  if (lane == 0) red_cnt[slot] = 0;
+  __syncwarp();
+  return true;
+}
+
+// stage s's x (f16, for the dots): bf16(softsign(y_{s-1} / 20)), rows past stage s - 1's as 0; 1/2 at s = 0.
+// Consumer threads ct = 0 .. nct - 1 (the caller synchronises them afterwards).
+__device__ __forceinline__ void stage_x_f16(__half* xh, const Stage& pv, int s, int ct, int nct) {
+  for (int i0 = ct * 4; i0 < K; i0 += nct * 4) {
+    float v[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    if (s > 0 && i0 < pv.rows) {  // (y buffers are padded with zeros to >= K floats)
+      const float4 f = __ldcg(reinterpret_cast<const float4*>(pv.y + i0));
+      v[0] = squash(f.x), v[1] = squash(f.y), v[2] = squash(f.z), v[3] = squash(f.w);
+    } else if (s > 0) {
+      v[0] = v[1] = v[2] = v[3] = 0.f;
+    }
+    __half2* xh2 = reinterpret_cast<__half2*>(xh + i0);
+    xh2[0] = __floats2half2_rn(bf16_round(v[0]), bf16_round(v[1]));
+    xh2[1] = __floats2half2_rn(bf16_round(v[2]), bf16_round(v[3]));
+  }
+}
 
 // chunk c of a stage (CH_ROWS rows) belongs to CTA c % gridDim.x
 template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE, int XS, int XCH>
@@ -223,23 +281,19 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
       const Stage pv = c_stages[s > 0 ? s - 1 : 0];
       if (!XCH && s > 0 && mode != 1 && threadIdx.x == 32) wait_count(&done[(s - 1) * PAD], n_cta);
       consumers_sync(NCW * 32);
-      for (int i0 = (threadIdx.x - 32) * 4; i0 < K; i0 += NCW * 32 * 4) {
+      if (!XCH) stage_x_f16(xh, pv, s, threadIdx.x - 32, NCW * 32);
+      for (int i0 = (threadIdx.x - 32) * 4; XCH && i0 < K; i0 += NCW * 32 * 4) {  // the tagged words, polled
         float v[4] = {0.5f, 0.5f, 0.5f, 0.5f};
         if (s > 0 && i0 < pv.rows) {  // rows past pv.rows: 0 (padding)
-          if (XCH) {
-            const uint32_t want = tag + s - 1;
+          const uint32_t want = tag + s - 1;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              uint64_t w = 0;  // past pv.rows (514 router rows): never written, 0
-              if (i0 + j < pv.rows) {
-                do w = ld_relaxed_u64(reinterpret_cast<const uint64_t*>(pv.y) + i0 + j);
-                while (static_cast<uint32_t>(w >> 32) != want);
-              }
-              v[j] = squash(__uint_as_float(static_cast<uint32_t>(w)));
+          for (int j = 0; j < 4; ++j) {
+            uint64_t w = 0;  // past pv.rows (514 router rows): never written, 0
+            if (i0 + j < pv.rows) {
+              do w = ld_relaxed_u64(reinterpret_cast<const uint64_t*>(pv.y) + i0 + j);
+              while (static_cast<uint32_t>(w >> 32) != want);
             }
-          } else {
-            const float4 f = __ldcg(reinterpret_cast<const float4*>(pv.y + i0));
-            v[0] = squash(f.x), v[1] = squash(f.y), v[2] = squash(f.z), v[3] = squash(f.w);
+            v[j] = squash(__uint_as_float(static_cast<uint32_t>(w)));
           }
         } else if (s > 0) {
           v[0] = v[1] = v[2] = v[3] = 0.f;
@@ -298,33 +352,13 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
           if (g < rows) atomicAdd(y + g, r.x);
           if (g + 8 < rows) atomicAdd(y + g + 8, r.y);
         }
-        if (SUMS) {  // partials to shared memory; the chunk's last warp sums them in warp order
-          float* rp = red + (slot * NCW + cw) * 16;
-          if ((lane & 3) == 0) {
-            rp[g] = r.x;
-            rp[g + 8] = r.y;
-          }
-          __threadfence_block();
-          __syncwarp();
-          uint32_t last = 0;
-          if (lane == 0) last = atomicAdd(&red_cnt[slot], 1u) == NCW - 1;
-          last = __shfl_sync(0xffffffffu, last, 0);
-          if (last) {
-            __threadfence_block();
-            if (lane < rows) {
-              const float* rs = red + slot * NCW * 16 + lane;
-              float acc = 0.f;
-#pragma unroll
-              for (int w = 0; w < NCW; ++w) acc += rs[w * 16];
-              if (XCH)
-                st_relaxed_u64(reinterpret_cast<uint64_t*>(st.y) + c * CH_ROWS + lane,
-                               (static_cast<uint64_t>(tag + s) << 32) | __float_as_uint(acc));
-              else
-                y[lane] = acc;
-            }
-            if (lane == 0) red_cnt[slot] = 0;
-            __syncwarp();
-          }
+        float acc;
+        if (SUMS && sum_chunk_rows<NCW>(r, red, red_cnt, slot, cw, lane, rows, acc) && lane < rows) {
+          if (XCH)
+            st_relaxed_u64(reinterpret_cast<uint64_t*>(st.y) + c * CH_ROWS + lane,
+                           (static_cast<uint64_t>(tag + s) << 32) | __float_as_uint(acc));
+          else
+            y[lane] = acc;
         }
       }
       for (int r = cw; COMPUTE == 1 && r < rows; r += NCW) {
@@ -354,6 +388,176 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
     }
     consumers_sync(NCW * 32);
     if (threadIdx.x == 32) {
+      __threadfence();
+      atomicAdd(&done[s * PAD], 1u);
+    }
+  }
+}
+
+// ---- the same stages as one launch each, chained by PDL (see the header) -------------------------------------
+__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void gdc_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+constexpr int PDL_PRE = 1;    // flags: the producer loads before griddepcontrol.wait (else after it)
+constexpr int PDL_EARLY = 2;  // flags: dependents released at entry (else after the consumers' wait)
+
+// stage s: 16-row chunks, chunk c on CTA c % gridDim.x; COMPUTE 0 (the consumers stage x, then only wait for
+// each chunk and release it) or 4 (the W8A16 dots of chain_kernel's COMPUTE 4, rows summed in shared memory)
+template <int NSLOTS, int NCW, int COMPUTE, int MINB>
+__global__ void __launch_bounds__(32 * (NCW + 1), MINB) stage_kernel(int s, uint32_t* done, int flags) {
+  constexpr int CH_ROWS = 16, CHUNK = CH_ROWS * K;
+  static_assert(COMPUTE == 0 || COMPUTE == 4, "COMPUTE 0 or 4");
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + NSLOTS * CHUNK);
+  uint64_t* empty = full + NSLOTS;
+  __half* xh = reinterpret_cast<__half*>(empty + NSLOTS);
+  float* red = reinterpret_cast<float*>(xh + K);  // [NSLOTS][NCW][16] row partials
+  uint32_t* red_cnt = reinterpret_cast<uint32_t*>(red + NSLOTS * NCW * 16);
+  const bool early = flags & PDL_EARLY;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t n_cta = gridDim.x;
+  const Stage st = c_stages[s];
+  const int n_chunks = (st.rows + CH_ROWS - 1) / CH_ROWS;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSLOTS; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], NCW);
+      red_cnt[i] = 0;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (early) gdc_launch_dependents();
+  }
+  __syncthreads();
+  if (warp == 0) {  // producer
+    if (lane == 0) {
+      // Weights are never written, so they may load before the wait; not a data-dependent stage's, whose router
+      // stage is the one before (gate/up). The down stage's router is two back: launched late, this grid
+      // started after stage s - 1 passed its wait, so that router had completed; launched early, poll its count.
+      if (!(flags & PDL_PRE) || st.dep == s - 1) gdc_wait();
+      else if (st.dep >= 0 && early) wait_count(&done[st.dep * PAD], n_cta);
+      uint32_t it = 0;
+      for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
+        const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+        mbar_wait(&empty[slot], (rnd & 1) ^ 1);
+        const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
+        mbar_expect_tx(&full[slot], rows * K);
+        bulk_load(ring + slot * CHUNK, st.w + (size_t)c * CHUNK, rows * K, &full[slot]);
+      }
+    }
+    return;
+  }
+  const int cw = warp - 1;
+  gdc_wait();  // stage s - 1 complete, its outputs visible
+  if (!early && threadIdx.x == 32) gdc_launch_dependents();
+  stage_x_f16(xh, c_stages[s > 0 ? s - 1 : 0], s, threadIdx.x - 32, NCW * 32);
+  consumers_sync(NCW * 32);
+  uint32_t it = 0;
+  for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
+    const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+    mbar_wait(&full[slot], rnd & 1);
+    if (COMPUTE == 4) {
+      const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
+      const float2 r = mma_scaled_chunk<NCW>(ring + slot * CHUNK, xh, st.ws + (c * CH_ROWS / 128) * (K / 128), cw,
+                                             lane);
+      float acc;
+      if (sum_chunk_rows<NCW>(r, red, red_cnt, slot, cw, lane, rows, acc) && lane < rows)
+        st.y[c * CH_ROWS + lane] = acc;
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+  if (early) {  // the count a later data-dependent stage polls (launched early, it may run while this one does)
+    consumers_sync(NCW * 32);
+    if (threadIdx.x == 32) {
+      __threadfence();
+      atomicAdd(&done[s * PAD], 1u);
+    }
+  }
+}
+
+// The same stage on FP8 wgmma (the megakernel's consumers: mega_math.cuh's stage_x8 and wg_dot16, W as A of
+// m64n8k32 landed by TMA with a 128-byte swizzle, x as two e4m3 terms): warps 0-7 are two consumer warpgroups
+// taking alternate chunks, warp 8 the producer, which lands each chunk's 16 block scales with it.
+template <int NSLOTS, int MINB>
+__global__ void __launch_bounds__(mega::NT, MINB) stage_kernel_wg(const CUtensorMap* maps, int s, uint32_t* done,
+                                                                  int flags) {
+  constexpr int CHUNK = 16 * K, SEG = 512;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
+  float* wsc = reinterpret_cast<float*>(ring + NSLOTS * CHUNK);  // [NSLOTS][16] each chunk's block scales
+  uint8_t* b8 = reinterpret_cast<uint8_t*>(wsc + NSLOTS * 16);   // [SEG / 16][8][16] x's two e4m3 terms
+  float* xf = reinterpret_cast<float*>(b8 + SEG * 8);            // [K / 128] 2^-e per block
+  float* xs = xf + K / 128;                                      // [K] x (fp32, permuted: mega::xpos)
+  uint64_t* full = reinterpret_cast<uint64_t*>(xs + K);
+  uint64_t* empty = full + NSLOTS;
+  const bool early = flags & PDL_EARLY;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t n_cta = gridDim.x;
+  const Stage st = c_stages[s];
+  const int n_chunks = (st.rows + 15) / 16;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSLOTS; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], 4);  // a chunk's warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (early) gdc_launch_dependents();
+  }
+  __syncthreads();
+  if (warp == mega::NCW) {  // producer (stage_kernel's rules for loading before the wait)
+    if (lane == 0) {
+      if (!(flags & PDL_PRE) || st.dep == s - 1) gdc_wait();
+      else if (st.dep >= 0 && early) wait_count(&done[st.dep * PAD], n_cta);
+      uint32_t it = 0;
+      for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
+        const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
+        mbar_wait(&empty[slot], (rnd & 1) ^ 1);
+        mbar_expect_tx(&full[slot], CHUNK + 64);  // (a last chunk's box past the rows lands zeros, counted)
+        for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, &maps[s], kb * 128, c * 64,
+                                                      &full[slot]);
+        bulk_load(wsc + slot * 16, st.ws + (c * 16 / 128) * (K / 128), 64, &full[slot]);
+      }
+    }
+    return;
+  }
+  gdc_wait();
+  if (!early && threadIdx.x == 0) gdc_launch_dependents();
+  const Stage pv = c_stages[s > 0 ? s - 1 : 0];
+  {  // bf16(softsign(y / 20)), as stage_x_f16: each thread's two float4 loaded before any is stored
+    constexpr int NV = K / 4 / mega::CT;
+    float4 v[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int e = (threadIdx.x + j * mega::CT) * 4;
+      v[j] = s > 0 && e < pv.rows ? __ldcg(reinterpret_cast<const float4*>(pv.y + e)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int e = (threadIdx.x + j * mega::CT) * 4;
+      const float f[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xs[mega::xpos(e + i)] = s == 0 ? 0.5f : bf16_round(squash(f[i]));
+    }
+  }
+  consumers_sync(mega::CT);
+  mega::stage_x8(xs, b8, xf, warp, lane);
+  consumers_sync(mega::CT);
+  const int wg = warp / 4, w4 = warp & 3;
+  uint32_t it = wg;
+  for (int c = blockIdx.x + wg * n_cta; c < n_chunks; c += 2 * n_cta, it += 2) {
+    const uint32_t slot = it % NSLOTS;
+    mbar_wait(&full[slot], (it / NSLOTS) & 1);
+    const float2 v = mega::wg_dot16(ring + slot * CHUNK, wsc + slot * 16, b8, xf, lane);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+    const int row = c * 16 + 4 * w4 + lane / 16;
+    if ((lane & 15) == 0 && row < st.rows) st.y[row] = v.x;
+    if ((lane & 15) == 0 && row + 2 < st.rows) st.y[row + 2] = v.y;
+  }
+  if (early) {
+    consumers_sync(mega::CT);
+    if (threadIdx.x == 0) {
       __threadfence();
       atomicAdd(&done[s * PAD], 1u);
     }
@@ -408,6 +612,45 @@ static std::vector<float> read_y(const Stage& st, int n, bool xch) {
   return y;
 }
 
+// the relative error of the last layer's down stage (before the head), recomputed on the host from its gate/up
+// stage's output (COMPUTE 4: the block scales and x's bf16 rounding as the device does them)
+static double check_down(const std::vector<Stage>& stages, int n_stages, int COMPUTE, bool XCH) {
+  const int s = n_stages - 2;
+  const Stage st = stages[s], pv = stages[s - 1];
+  const std::vector<float> y = read_y(st, st.rows, XCH), yp = read_y(pv, K, XCH);  // pv.rows >= K here
+  std::vector<uint8_t> w((size_t)st.rows * K);
+  CK(cudaMemcpy(w.data(), st.w, w.size(), cudaMemcpyDeviceToHost));
+  std::vector<float> ws(((st.rows + 127) / 128) * (K / 128), 1.f);
+  if (COMPUTE == 4) CK(cudaMemcpy(ws.data(), st.ws, ws.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<double> xs(K);
+  for (int k = 0; k < K; ++k) {
+    if (COMPUTE == 4) {  // the device's float softsign, rounded to bf16 (round to nearest even)
+      const float v = 0.05f * yp[k], q = v / (1.f + std::fabs(v));
+      uint32_t u;
+      memcpy(&u, &q, 4);
+      u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+      float r;
+      memcpy(&r, &u, 4);
+      xs[k] = r;
+    } else {
+      xs[k] = 0.05 * yp[k] / (1.0 + std::fabs(0.05 * yp[k]));
+    }
+  }
+  double num = 0, den = 0;
+  for (int r = 0; r < st.rows; ++r) {
+    double acc = 0;
+    for (int k = 0; k < K; ++k)
+      acc += (double)ws[(r / 128) * (K / 128) + k / 128] * e4m3_to_float(w[(size_t)r * K + k]) * xs[k];
+    num += (acc - y[r]) * (acc - y[r]);
+    den += acc * acc;
+  }
+  if (den == 0) {  // pdlsize's chains decay (16 inputs a big stage): x falls below f16's range, all zeros
+    printf("  (check: no signal left in x at stage %d: not checked)\n", s);
+    return -1;
+  }
+  return std::sqrt(num / den);
+}
+
 template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1, int XS = 1, int XCH = 0>
 Result run(const char* name, int mode, int n_stages, uint32_t* done, double total_bytes, int n_sm,
            const std::vector<Stage>& stages, uint32_t lead = 0, uint32_t lead_wait = 0) {
@@ -441,40 +684,103 @@ Result run(const char* name, int mode, int n_stages, uint32_t* done, double tota
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
-  double err = -1;
-  if (mode != 1 && COMPUTE) {  // the last layer's down stage (before the head) from its gate/up stage's output
-    const int s = n_stages - 2;
-    const Stage st = stages[s], pv = stages[s - 1];
-    const std::vector<float> y = read_y(st, st.rows, XCH), yp = read_y(pv, K, XCH);  // pv.rows >= K here
-    std::vector<uint8_t> w((size_t)st.rows * K);
-    CK(cudaMemcpy(w.data(), st.w, w.size(), cudaMemcpyDeviceToHost));
-    std::vector<float> ws(((st.rows + 127) / 128) * (K / 128), 1.f);
-    if (COMPUTE == 4) CK(cudaMemcpy(ws.data(), st.ws, ws.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    std::vector<double> xs(K);
-    for (int k = 0; k < K; ++k) {
-      if (COMPUTE == 4) {  // the device's float softsign, rounded to bf16 (round to nearest even)
-        const float v = 0.05f * yp[k], q = v / (1.f + std::fabs(v));
-        uint32_t u;
-        memcpy(&u, &q, 4);
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-        float r;
-        memcpy(&r, &u, 4);
-        xs[k] = r;
-      } else {
-        xs[k] = 0.05 * yp[k] / (1.0 + std::fabs(0.05 * yp[k]));
-      }
-    }
-    double num = 0, den = 0;
-    for (int r = 0; r < st.rows; ++r) {
-      double acc = 0;
-      for (int k = 0; k < K; ++k)
-        acc += (double)ws[(r / 128) * (K / 128) + k / 128] * e4m3_to_float(w[(size_t)r * K + k]) * xs[k];
-      num += (acc - y[r]) * (acc - y[r]);
-      den += acc * acc;
-    }
-    err = std::sqrt(num / den);
-  }
+  const double err = mode != 1 && COMPUTE ? check_down(stages, n_stages, COMPUTE, XCH) : -1;
   return Result{name, mode, CH_ROWS, NSLOTS, NCW, COMPUTE, med, total_bytes / (med * 1e-3) / 1e9, err};
+}
+
+// the stages as one launch each (PDL when pdl, flags as stage_kernel's), captured once in a CUDA graph after a
+// memset of the counters; the median of g_reps replays
+static CUtensorMap* g_maps = nullptr;  // stage_kernel_wg: one TMA map per stage (device memory)
+
+// each stage's weights as [rows * 4, 512] bytes: boxes of 128 bytes x 64 rows, 128-byte swizzle (launch.py's
+// encode_tensor_map for a K = 2048 GEMV's 16-row chunks); the driver's entry point found through the runtime
+static void make_maps(const std::vector<Stage>& stages) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+  if (!fn) {
+    fprintf(stderr, "no cuTensorMapEncodeTiled\n");
+    exit(1);
+  }
+  std::vector<CUtensorMap> maps(stages.size());
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const cuuint64_t dims[2] = {512, (cuuint64_t)stages[i].rows * (K / 512)}, strides[1] = {512};
+    const cuuint32_t box[2] = {128, 64}, elem[2] = {1, 1};
+    const CUresult r = reinterpret_cast<Encode>(fn)(
+        &maps[i], CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(stages[i].w), dims, strides, box, elem,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+      fprintf(stderr, "cuTensorMapEncodeTiled failed (%d) at stage %zu\n", (int)r, i);
+      exit(1);
+    }
+  }
+  CK(cudaMalloc(&g_maps, maps.size() * sizeof(CUtensorMap)));
+  CK(cudaMemcpy(g_maps, maps.data(), maps.size() * sizeof(CUtensorMap), cudaMemcpyHostToDevice));
+}
+
+template <int NSLOTS, int NCW, int COMPUTE, int MINB>
+Result run_pdl(const char* name, int pdl, int flags, int n_stages, uint32_t* done, double total_bytes, int n_sm,
+               const std::vector<Stage>& stages) {
+  constexpr bool WG = COMPUTE == 5;  // stage_kernel_wg (FP8 wgmma), NCW 8
+  static_assert(!WG || NCW == 8, "the wgmma consumers are two warpgroups");
+  void* kern = WG ? (void*)stage_kernel_wg<NSLOTS, MINB> : (void*)stage_kernel<NSLOTS, NCW, WG ? 0 : COMPUTE, MINB>;
+  const size_t smem = WG ? 1024 + (size_t)NSLOTS * (16 * K + 64) + 512 * 8 + (K / 128 + K) * sizeof(float) +
+                               2 * NSLOTS * sizeof(uint64_t)
+                         : (size_t)NSLOTS * 16 * K + 2 * NSLOTS * sizeof(uint64_t) + K * sizeof(__half) +
+                               NSLOTS * NCW * 16 * sizeof(float) + NSLOTS * sizeof(uint32_t);
+  if (WG && !g_maps) make_maps(stages);
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * (NCW + 1), smem));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CK(cudaMemsetAsync(done, 0, MAX_STAGES * PAD * sizeof(uint32_t), stream));
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  for (int s = 0; s < n_stages; ++s) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(n_sm);
+    cfg.blockDim = dim3(32 * (NCW + 1));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    if (WG) CK(cudaLaunchKernelEx(&cfg, stage_kernel_wg<NSLOTS, MINB>, (const CUtensorMap*)g_maps, s, done, flags));
+    else CK(cudaLaunchKernelEx(&cfg, stage_kernel<NSLOTS, NCW, WG ? 0 : COMPUTE, MINB>, s, done, flags));
+  }
+  CK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < g_reps; ++rep) {
+    CK(cudaEventRecord(a, stream));
+    CK(cudaGraphLaunch(exec, stream));
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (rep >= 2 || g_reps < 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  const double err = COMPUTE ? check_down(stages, n_stages, 4, false) : -1;  // (5: the same sums, x in two terms)
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(stream));
+  printf("  %-44s %d CTAs/SM fit, %.3f ms, check rel err %.1e\n", name, per_sm, med, err);
+  // mode column: 10 + flags with PDL, 9 without (the persistent kernel's modes are 0-2)
+  return Result{name, pdl ? 10 + flags : 9, 16, NSLOTS, NCW, COMPUTE, med, total_bytes / (med * 1e-3) / 1e9, err};
 }
 
 int main(int argc, char** argv) {
@@ -504,6 +810,19 @@ int main(int argc, char** argv) {
     stages.push_back(Stage{nullptr, nullptr, nullptr, 16, -1});  // (the check reads stage n - 2)
     stages.push_back(Stage{nullptr, nullptr, nullptr, 16, -1});
     total += 32 * K;
+  }
+  const bool pdlsize = argc > 3 && std::string(argv[2]) == "pdlsize";
+  if (pdlsize) {  // 40 x (a 16-row stage, then one of argv[3] rows), then a 16-row stage: one projection's cost
+    const int rows = atoi(argv[3]);  // with a small launch before it, as a norm before a projection
+    stages.clear();
+    total = 0;
+    for (int l = 0; l < 40; ++l) {
+      stages.push_back(Stage{nullptr, nullptr, nullptr, 16, -1});
+      stages.push_back(Stage{nullptr, nullptr, nullptr, rows, -1});
+      total += (size_t)(16 + rows) * K;
+    }
+    stages.push_back(Stage{nullptr, nullptr, nullptr, 16, -1});
+    total += 16 * K;
   }
   const int n_stages = (int)stages.size();
   uint8_t* wbuf;
@@ -570,6 +889,80 @@ int main(int argc, char** argv) {
                                          stages, 128 * KB_, 1024 * KB_));
     res.push_back(run<16, 6, 8, 4, 1, 1>("w8a16 8cw tagged lead 32K/512K", 0, n_stages, done, total_b, n_sm,
                                          stages, 32 * KB_, 512 * KB_));
+  } else if (argc > 2 && std::string(argv[2]) == "wgdebug") {  // stage_kernel_wg one stage at a time, synchronised
+    make_maps(stages);
+    const size_t smem = 1024 + (size_t)6 * (16 * K + 64) + 512 * 8 + (K / 128 + K) * sizeof(float) + 12 * 8;
+    CK(cudaFuncSetAttribute(stage_kernel_wg<6, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    for (int s = 0; s < n_stages; ++s) {
+      stage_kernel_wg<6, 1><<<n_sm, mega::NT, smem>>>(g_maps, s, done, PDL_PRE);
+      const cudaError_t e = cudaDeviceSynchronize();
+      if (e != cudaSuccess) {
+        printf("wgdebug: stage %d (%d rows, dep %d) failed: %s\n", s, stages[s].rows, stages[s].dep,
+               cudaGetErrorString(e));
+        return 1;
+      }
+    }
+    printf("wgdebug: all %d stages ran; check rel err %.1e\n", n_stages, check_down(stages, n_stages, 4, false));
+    return 0;
+  } else if (pdlsize) {
+    const int P = PDL_PRE;
+    res.push_back(run_pdl<3, 8, 0, 2>("pdlsize no-compute 3 slots, late, preload", 1, P, n_stages, done, total_b,
+                                      n_sm, stages));
+    res.push_back(run_pdl<6, 8, 4, 1>("pdlsize w8a16 6 slots, no PDL", 0, 0, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run_pdl<3, 8, 4, 2>("pdlsize w8a16 3 slots, late, wait first", 1, 0, n_stages, done, total_b, n_sm,
+                                      stages));
+    res.push_back(run_pdl<3, 8, 4, 2>("pdlsize w8a16 3 slots, late, preload", 1, P, n_stages, done, total_b, n_sm,
+                                      stages));
+    res.push_back(run_pdl<3, 16, 4, 1>("pdlsize w8a16 3 slots 16cw, late, preload", 1, P, n_stages, done, total_b,
+                                       n_sm, stages));
+    res.push_back(run_pdl<6, 16, 4, 1>("pdlsize w8a16 6 slots 16cw, late, preload", 1, P, n_stages, done, total_b,
+                                       n_sm, stages));
+    res.push_back(run_pdl<3, 8, 5, 2>("pdlsize wgmma 3 slots, late, preload", 1, P, n_stages, done, total_b, n_sm,
+                                      stages));
+    res.push_back(run_pdl<6, 8, 5, 1>("pdlsize wgmma 6 slots, late, preload", 1, P, n_stages, done, total_b, n_sm,
+                                      stages));
+    for (auto& r : res)
+      printf("  %-44s %.2f us per (16-row launch + %s-row launch), check %.1e\n", r.name.c_str(), r.ms * 25.0, argv[3],
+             r.err);
+  } else if (argc > 2 && std::string(argv[2]) == "pdlwg") {  // the full chain's wgmma variants
+    const int P = PDL_PRE, E = PDL_EARLY;
+    res.push_back(run_pdl<6, 8, 5, 1>("pdl wgmma 6 slots, late, preload", 1, P, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run_pdl<6, 8, 5, 1>("pdl wgmma 6 slots, no PDL", 0, 0, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run_pdl<3, 8, 5, 2>("pdl wgmma 3 slots, late, preload", 1, P, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run_pdl<3, 8, 5, 2>("pdl wgmma 3 slots, late, wait first", 1, 0, n_stages, done, total_b, n_sm,
+                                      stages));
+    res.push_back(run_pdl<3, 8, 5, 2>("pdl wgmma 3 slots, early, preload", 1, P | E, n_stages, done, total_b, n_sm,
+                                      stages));
+  } else if (argc > 2 && std::string(argv[2]) == "pdl") {  // the PDL chain, then the persistent kernel's v3 runs
+    const int P = PDL_PRE, E = PDL_EARLY;
+    for (int c = 0; c < 2; ++c) {
+      auto add = [&](Result r) { res.push_back(r); };
+      if (c == 0) {  // no arithmetic: the chain's transitions and the stream
+        add(run_pdl<6, 8, 0, 1>("pdl no-compute 6 slots, no PDL", 0, 0, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<3, 8, 0, 2>("pdl no-compute 3 slots, late, wait first", 1, 0, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<3, 8, 0, 2>("pdl no-compute 3 slots, late, preload", 1, P, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<3, 8, 0, 2>("pdl no-compute 3 slots, early, preload", 1, P | E, n_stages, done, total_b, n_sm,
+                                stages));
+        add(run_pdl<2, 4, 0, 3>("pdl no-compute 2 slots 4cw, early, preload", 1, P | E, n_stages, done, total_b, n_sm,
+                                stages));
+        add(run_pdl<6, 8, 0, 1>("pdl no-compute 6 slots, late, preload", 1, P, n_stages, done, total_b, n_sm, stages));
+      } else {  // chain_kernel's COMPUTE 4 dots (W8A16 on mma.sync)
+        add(run_pdl<6, 8, 4, 1>("pdl w8a16 6 slots, no PDL", 0, 0, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<3, 8, 4, 2>("pdl w8a16 3 slots, late, wait first", 1, 0, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<3, 8, 4, 2>("pdl w8a16 3 slots, late, preload", 1, P, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<3, 8, 4, 2>("pdl w8a16 3 slots, early, preload", 1, P | E, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<2, 4, 4, 3>("pdl w8a16 2 slots 4cw, early, preload", 1, P | E, n_stages, done, total_b, n_sm,
+                                stages));
+        add(run_pdl<3, 16, 4, 1>("pdl w8a16 3 slots 16cw, late, preload", 1, P, n_stages, done, total_b, n_sm,
+                                 stages));
+        add(run_pdl<6, 8, 4, 1>("pdl w8a16 6 slots, late, preload", 1, P, n_stages, done, total_b, n_sm, stages));
+      }
+    }
+    // the persistent kernel on the same machine (v3's runs without the lead)
+    res.push_back(run<8, 12, 4, 0>("persistent no-compute", 0, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 8, 4>("persistent w8a16 8cw", 0, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 16, 4>("persistent w8a16 16cw", 0, n_stages, done, total_b, n_sm, stages));
+    res.push_back(run<16, 6, 8, 4>("persistent w8a16 8cw, no dependencies", 1, n_stages, done, total_b, n_sm, stages));
   } else if (argc > 2 && std::string(argv[2]) == "v2") {  // the L2 lead and COMPUTE 3 (KB-0075)
     const uint32_t KB_ = 1024;
     for (int mode : {0, 1}) {
