@@ -31,6 +31,7 @@ from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa:
 from metainfer.engine.request import SamplingParams  # noqa: E402
 from metainfer.kernels import norm  # noqa: E402
 from metainfer.kernels import weight_stream as ws  # noqa: E402
+from metainfer.kernels.mega import gemv  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 from metainfer.model.fp8 import LM_HEAD_ENV  # noqa: E402
 
@@ -167,10 +168,15 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
     kv = batch * context * hkv * d * 2 * 2  # K and V, bf16
     fused = batch <= norm.router_max_t()  # the router in the post-attention norm's launch (else a projection)
     gnorm = batch <= ws.gnorm_max_t()  # the DeltaNet out_proj with its gated norm (else a projection)
+    wg = fp8 and batch == 1 and gemv.enabled()  # the qkv on mega/gemv.cu (KB-0094)
+    wg_conv = wg and os.environ.get(gemv.CONV_ENV, "0") == "1"  # and the DeltaNet in_proj
     return {
         "_skinny_kernel": ("dense projections" + ("" if fused else " + router"),
-                           w * (n_lin * (in_proj + (not gnorm) * out_proj) + n_full * (qkv + o_proj))
+                           w * (n_lin * ((not wg_conv) * in_proj + (not gnorm) * out_proj)
+                                + n_full * ((not wg) * qkv + o_proj))
                            + (not fused) * L * router),
+        "gemv_e4m3": ("FP8 wgmma projections: qkv" + (" + in_proj" if wg_conv else ""),
+                      w * (wg * n_full * qkv + wg_conv * n_lin * in_proj)),
         "_add_rms_norm_router_kernel": ("add + RMSNorm + MoE router", L * router),
         "_gnorm_gemv_kernel": ("DeltaNet gated RMSNorm + out_proj", w * n_lin * out_proj),
         "_pair_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from metainfer.kernels import pdl
 from metainfer.kernels.common import interpreting, mma
+from metainfer.kernels.mega import gemv
 from metainfer.kernels.weight_stream import fp8_stream_max_t, stream_linear
 
 FP8_MAX = 448.0
@@ -229,6 +230,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     if T > fp8_stream_max_t():
         return _w8a8(x2, weight, scale_inv, xq=xq).reshape(*lead, N)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
+    if T == 1 and gemv.wanted(x2, weight, scale_inv):  # one token on the FP8 wgmma kernel (KB-0094)
+        gemv.project(x2, weight, scale_inv, y)
+        return y.reshape(*lead, N)
     if T:
         stream_linear(x2, weight, scale_inv, y)
     return y.reshape(*lead, N)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from metainfer.kernels import pdl, routing
 from metainfer.kernels.common import TL_DTYPE, env_int, gated_norm, load_tuned, num_sms, upcast_dots, wdot
+from metainfer.kernels.mega import gemv
 
 SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_linear's GEMM)
 FP8_STREAM_MAX_T_ENV = "METAINFER_FP8_STREAM_MAX_T"  # FP8 projections of more tokens: the W8A8 GEMM
@@ -582,6 +583,10 @@ def linear_conv_update(
     T, K = x.shape
     N = weight.shape[0]
     fp8 = scale_inv is not None
+    if fp8 and T == 1 and gemv.wanted_conv(x, weight, scale_inv, conv_weight, conv_state, slots):  # KB-0094
+        y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+        gemv.project(x, weight, scale_inv, y, conv=(conv_weight, conv_state, slots, has_state))
+        return y
     cfg = None
     max_t = fp8_stream_max_t() if fp8 else SKINNY_MAX_T
     if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= max_t and x.stride(1) == 1:

@@ -601,3 +601,21 @@ def test_aligned_linear_on_an_inference_tensor():
     x = torch.randn(3, 16)
     torch.testing.assert_close(ws.aligned_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert ws.aligned_linear(x, w).stride(0) == 16
+
+
+def test_wgmma_gemv_switch(monkeypatch):
+    """mega/gemv.cu serves one CUDA token only (tests/gpu/test_gemv_gpu.py runs it): on the CPU, and with the
+    switch off, fp8_linear keeps its Triton path; the conv epilogue variant is off by default."""
+    from metainfer.kernels.mega import gemv
+
+    x = torch.zeros(1, gemv.K, dtype=torch.bfloat16)
+    w = torch.zeros(144, gemv.K, dtype=torch.float8_e4m3fn)
+    s = torch.ones(2, gemv.K // 128)
+    monkeypatch.delenv(gemv.ENV, raising=False)
+    assert gemv.enabled() and not gemv.wanted(x, w, s)  # on by default, not on the CPU
+    monkeypatch.setenv(gemv.ENV, "0")
+    assert not gemv.enabled()
+    monkeypatch.delenv(gemv.CONV_ENV, raising=False)
+    cw = torch.zeros(128, gemv.CONV_K, dtype=torch.bfloat16)
+    state = torch.zeros(2, gemv.CONV_K - 1, 128, dtype=torch.bfloat16)
+    assert not gemv.wanted_conv(x, w, s, cw, state, torch.zeros(1, dtype=torch.int64))

@@ -33,33 +33,35 @@ PROF_FLAGS = ("-DMEGA_PROF=1",)  # the profiling build (profile.py reads what it
 MMA_FLAG = "-DMEGA_MMA=1"  # the tensor-core consumers' build (launch(mma=True))
 
 
-def nvcc_command(out: Path, prof: bool = False, defines: tuple[str, ...] = (), src: Path = HERE) -> list[str]:
+def nvcc_command(out: Path, prof: bool = False, defines: tuple[str, ...] = (), src: Path = HERE,
+                 main: str = "mega.cu") -> list[str]:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        raise RuntimeError("the megakernel needs nvcc (CUDA 12.4+) on PATH to build mega.cu")
-    return [nvcc, *NVCC_FLAGS, *(PROF_FLAGS if prof else ()), *defines, "-o", str(out), str(src / "mega.cu")]
+        raise RuntimeError(f"the megakernel needs nvcc (CUDA 12.4+) on PATH to build {main}")
+    return [nvcc, *NVCC_FLAGS, *(PROF_FLAGS if prof else ()), *defines, "-o", str(out), str(src / main)]
 
 
-def build(prof: bool = False, defines: tuple[str, ...] = (), src: Path = HERE) -> Path:
+def build(prof: bool = False, defines: tuple[str, ...] = (), src: Path = HERE, main: str = "mega.cu") -> Path:
     """The cubin for the sources in src (default: this package's; another folder holds an older tree's
     copy for an A/B in one process), the profiling build with prof, extra -D flags in defines (e.g.
-    "-DMEGA_WGMMA=0"), compiled once per source hash and flags."""
+    "-DMEGA_WGMMA=0"), compiled once per source hash and flags. main: the translation unit (mega.cu, or
+    gemv.cu: the standalone projection on the same consumers)."""
     for d in defines:
         if not d.startswith("-D") or any(c.isspace() for c in d):
             raise ValueError(f"megakernel build: {d!r} is not one -DNAME[=VALUE] flag")
-    h = hashlib.sha256()
-    for name in SOURCES:
+    h = hashlib.sha256(main.encode())
+    for name in dict.fromkeys((main, *SOURCES)):
         h.update((src / name).read_bytes())
     h.update(" ".join(NVCC_FLAGS + (PROF_FLAGS if prof else ()) + tuple(defines)).encode())
     root = Path(os.environ.get(CACHE_ENV, "") or Path.home() / ".cache" / "metainfer") / "mega"
-    out = root / f"mega-{h.hexdigest()[:16]}.cubin"
+    out = root / f"{Path(main).stem}-{h.hexdigest()[:16]}.cubin"
     if not out.is_file():
         root.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run(nvcc_command(tmp, prof, defines, src), capture_output=True, text=True,
+        res = subprocess.run(nvcc_command(tmp, prof, defines, src, main), capture_output=True, text=True,
                              timeout=600)
         if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed on mega.cu:\n{res.stderr[-4000:]}")
+            raise RuntimeError(f"nvcc failed on {main}:\n{res.stderr[-4000:]}")
         tmp.replace(out)
     return out
 

@@ -1,0 +1,165 @@
+"""One decode token's FP8 projection on wgmma, a kernel of its own (`gemv.cu`, KB-0094): the megakernel's
+consumers (W as A of m64n8k32 landed by TMA, x as two e4m3 terms) in a launch that joins the step's
+programmatic-dependent-launch chain. Its producer streams the weights before `griddepcontrol.wait`, so they
+load while the previous kernel runs. KB-0092 measured the form on the step's skeleton: a small launch plus
+in_proj's 25 MB in 10.0 us, qkv's 19 MB in 8.8 us (the Triton path: 11.3-12.6 / 9.5-12.3 us).
+
+`fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps the
+Triton kernels): an sm_90 GPU with nvcc on PATH (built once like the megakernel: `launch.build(main="gemv.cu")`),
+K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8 batch 1 +2 %, KB-0094).
+`linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with its decode conv as the
+epilogue, only with METAINFER_WGMMA_GEMV_CONV=1 (measured no faster than the Triton kernel). Launched through
+the driver on the current torch stream with the programmatic-stream-serialization attribute when
+`pdl.enabled()`; CUDA graphs record it like any kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import warnings
+
+import torch
+
+from metainfer.kernels import pdl
+from metainfer.kernels.common import env_int
+
+ENV = "METAINFER_WGMMA_GEMV"  # "0": the FP8 projections of one token stay on the Triton kernels
+CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "1": the DeltaNet in_proj (conv epilogue) too (measured no faster: off)
+SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 6): the same outputs, other smem
+K = 2048
+MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
+_PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("val", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _Conv(ctypes.Structure):  # gemv.cu's Conv: the DeltaNet decode conv epilogue's operands
+    _fields_ = [("w", ctypes.c_void_p), ("state", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("has", ctypes.c_void_p), ("s_slot", ctypes.c_longlong), ("s_k", ctypes.c_longlong),
+                ("n_conv", ctypes.c_int)]
+
+
+CONV_K = 4  # gemv.cu's conv kernel size
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether `project` serves x [1, K] @ dequant(w [N, K] e4m3, s [N / 128, K / 128])^T (the caller has
+    checked the dtypes and shapes fp8_linear asserts)."""
+    if not enabled() or not x.is_cuda or x.shape[0] != 1 or x.dtype != torch.bfloat16:
+        return False
+    N, k = w.shape
+    return (k == K and N % 16 == 0 and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0 and s.is_contiguous() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and _kernel(x.device) is not None)
+
+
+def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: torch.Tensor,
+                conv_state: torch.Tensor, slots: torch.Tensor) -> bool:
+    """`wanted`, with the DeltaNet decode conv of one decoding row as the epilogue (`project`'s conv)."""
+    C, ck = conv_weight.shape
+    return (os.environ.get(CONV_ENV, "0") == "1" and wanted(x, w, s) and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
+            and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
+            and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
+
+
+class _Kernel:
+    """gemv.cu loaded on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        from metainfer.kernels.mega import launch
+        from metainfer.kernels.mega import program as P
+
+        self.launch_mod = launch
+        torch.zeros(1, device=device)  # the primary context exists and is current
+        self.drv = launch._Driver()
+        slots = env_int(SLOTS_ENV, 6, 2, 6)
+        self.image = launch.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={slots}",)).read_bytes()
+        self.module = ctypes.c_void_p()
+        self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
+        self.fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
+        self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
+        out = torch.zeros(4, dtype=torch.int64, device=device)
+        args = [ctypes.c_void_p(out.data_ptr())]
+        self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
+                 ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args), None)
+        self.threads, self.smem, k, conv = out.tolist()
+        if self.threads != P.THREADS or k != K or conv != ctypes.sizeof(_Conv) * 100 + CONV_K:
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from "
+                               f"({P.THREADS}, ?, {K}, {ctypes.sizeof(_Conv) * 100 + CONV_K})")
+        self.drv("cuFuncSetAttribute", self.fn, 8, self.smem)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
+                 conv: tuple | None) -> None:
+        N = w.shape[0]
+        tmap = (ctypes.c_uint64 * 16).from_buffer_copy(self.launch_mod.encode_tensor_map(self.drv, w, 512, 64))
+        cv = _Conv()
+        if conv is not None:
+            cw, cstate, slots, has = conv
+            cv = _Conv(cw.data_ptr(), cstate.data_ptr(), slots.data_ptr(), has.data_ptr(), cstate.stride(0),
+                       cstate.stride(1), cw.shape[0])
+        args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                ctypes.c_int(N), cv]
+        params = self.launch_mod.kernel_params(args)
+        cfg = _Config()
+        cfg.grid[:] = (min(self.sms, N // 16), 1, 1)
+        cfg.block[:] = (self.threads, 1, 1)
+        cfg.smem = self.smem
+        cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
+        attr = _Attr(id=_PDL_ATTR)
+        attr.value.val = 1
+        cfg.attrs = ctypes.pointer(attr)
+        cfg.n_attrs = int(pdl.enabled())  # without PDL: stream order, as the kernel's wait then returns at once
+        self.drv("cuLaunchKernelEx", ctypes.byref(cfg), self.fn, params, None)
+
+
+_KERNELS: dict[torch.device, _Kernel | None] = {}
+
+
+def _kernel(device: torch.device) -> _Kernel | None:
+    """The device's loaded kernel, built at the first call (outside a graph capture: one that finds it unbuilt
+    runs the Triton kernel this time); None where it cannot run (before sm_90, no nvcc, a failed build: then
+    the Triton kernels serve, with one warning)."""
+    dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev in _KERNELS:
+        return _KERNELS[dev]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    kernel = None
+    if torch.cuda.get_device_capability(dev) >= (9, 0) and shutil.which("nvcc") is not None:
+        try:
+            kernel = _Kernel(dev)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            warnings.warn(f"mega/gemv.cu unavailable, the Triton projections serve: {e}", stacklevel=2)
+    _KERNELS[dev] = kernel
+    return kernel
+
+
+def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, conv: tuple | None = None) -> None:
+    """y [1, N] bf16 = x [1, K] bf16 @ dequant(w, s)^T on gemv.cu (the caller checked `wanted`). conv =
+    (conv_weight [C, 4], conv_state [S, 3, C], slots [1] int64, has_state [1] bool), checked by `wanted_conv`:
+    y[:, :C] becomes the decode conv + SiLU of itself, the slot's conv state updated in place
+    (`weight_stream.linear_conv_update`'s epilogue)."""
+    assert y.is_contiguous() and y.shape == (1, w.shape[0]) and y.dtype == torch.bfloat16, (y.shape, y.dtype)
+    kernel = _kernel(x.device)
+    assert kernel is not None, "project() without wanted()"
+    kernel(x, w, s, y, conv)
