@@ -24,6 +24,7 @@ from metainfer.kernels.mega import program as P
 HERE = Path(__file__).resolve().parent
 SOURCES = ("mega.cu", "ptx.cuh", "mega_base.cuh", "mega_math.cuh", "mega_producer.cuh", "mega_dense.cuh",
            "mega_mixers.cuh")  # mega.cu and the parts it includes (the cubin cache's key)
+MAINS = ("mega.cu", "gemv.cu")  # the translation units built here (build(main=...)); each hashes SOURCES too
 CACHE_ENV = "METAINFER_CACHE"  # cubin cache folder (default ~/.cache/metainfer)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin")
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -46,6 +47,8 @@ def build(prof: bool = False, defines: tuple[str, ...] = (), src: Path = HERE, m
     copy for an A/B in one process), the profiling build with prof, extra -D flags in defines (e.g.
     "-DMEGA_WGMMA=0"), compiled once per source hash and flags. main: the translation unit (mega.cu, or
     gemv.cu: the standalone projection on the same consumers)."""
+    if main not in MAINS:
+        raise ValueError(f"megakernel build: {main!r} is not one of {MAINS}")
     for d in defines:
         if not d.startswith("-D") or any(c.isspace() for c in d):
             raise ValueError(f"megakernel build: {d!r} is not one -DNAME[=VALUE] flag")
