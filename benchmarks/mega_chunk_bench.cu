@@ -101,14 +101,6 @@ __device__ __forceinline__ void load_chunk(uint8_t* slot, const CUtensorMap* map
   mbar_expect_tx(bar, SLOT);
   for (int kb = 0; kb < K / 128; ++kb) tma_2d(slot + kb * 2048, map, kb * 128, (int)(chunk * ROWS), bar);
 }
-// D (64 x 16, fp32) += A (descriptor) . B (descriptor), K = 32; scale_d 0: D = A . B
-template <int SCALE_D>
-__device__ __forceinline__ void wgmma_k32(float (&d)[8], uint64_t da, uint64_t db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, %10, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(da), "l"(db), "n"(SCALE_D));
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
@@ -192,8 +184,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
       for (int s = 0; s < 4; ++s) {  // 32 columns each: A's 2 core matrices (256 bytes), B's 32 bytes of the row
         const uint64_t da = smem_desc(a_base + (kb * 8 + s * 2) * 128, 128, 0, 0);
         const uint64_t db = smem_desc(b_base + kb * 2048 + s * 32, 16, 1024, 1);
-        if (s == 0) wgmma_k32<0>(acc[j], da, db);
-        else wgmma_k32<1>(acc[j], da, db);
+        if (s == 0) wgmma_m64n16k32<0>(acc[j], da, db);
+        else wgmma_m64n16k32<1>(acc[j], da, db);
       }
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");

@@ -401,6 +401,31 @@ __device__ __forceinline__ void gdc_launch_dependents() { asm volatile("griddepc
 constexpr int PDL_PRE = 1;    // flags: the producer loads before griddepcontrol.wait (else after it)
 constexpr int PDL_EARLY = 2;  // flags: dependents released at entry (else after the consumers' wait)
 
+// the PDL stage kernels' start: the ring's mbarriers (empty ones counting `releasers` arrivals), red_cnt zeroed when
+// given, dependents released here when early; then the block barrier
+__device__ __forceinline__ void stage_start(uint64_t* full, uint64_t* empty, int nslots, uint32_t releasers,
+                                            uint32_t* red_cnt, bool early) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < nslots; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], releasers);
+      if (red_cnt) red_cnt[i] = 0;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (early) gdc_launch_dependents();
+  }
+  __syncthreads();
+}
+
+// the producer's gate before its first load: weights are never written, so they may load before the wait; not a
+// data-dependent stage's, whose router stage is the one before (gate/up). The down stage's router is two back:
+// launched late, this grid started after stage s - 1 passed its wait, so that router had completed; launched
+// early, poll its count.
+__device__ __forceinline__ void producer_gate(const Stage& st, int s, int flags, const uint32_t* done, uint32_t n_cta) {
+  if (!(flags & PDL_PRE) || st.dep == s - 1) gdc_wait();
+  else if (st.dep >= 0 && (flags & PDL_EARLY)) wait_count(&done[st.dep * PAD], n_cta);
+}
+
 // stage s: 16-row chunks, chunk c on CTA c % gridDim.x; COMPUTE 0 (the consumers stage x, then only wait for
 // each chunk and release it) or 4 (the W8A16 dots of chain_kernel's COMPUTE 4, rows summed in shared memory)
 template <int NSLOTS, int NCW, int COMPUTE, int MINB>
@@ -419,23 +444,10 @@ __global__ void __launch_bounds__(32 * (NCW + 1), MINB) stage_kernel(int s, uint
   const uint32_t n_cta = gridDim.x;
   const Stage st = c_stages[s];
   const int n_chunks = (st.rows + CH_ROWS - 1) / CH_ROWS;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < NSLOTS; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], NCW);
-      red_cnt[i] = 0;
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    if (early) gdc_launch_dependents();
-  }
-  __syncthreads();
+  stage_start(full, empty, NSLOTS, NCW, red_cnt, early);
   if (warp == 0) {  // producer
     if (lane == 0) {
-      // Weights are never written, so they may load before the wait; not a data-dependent stage's, whose router
-      // stage is the one before (gate/up). The down stage's router is two back: launched late, this grid
-      // started after stage s - 1 passed its wait, so that router had completed; launched early, poll its count.
-      if (!(flags & PDL_PRE) || st.dep == s - 1) gdc_wait();
-      else if (st.dep >= 0 && early) wait_count(&done[st.dep * PAD], n_cta);
+      producer_gate(st, s, flags, done, n_cta);
       uint32_t it = 0;
       for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
         const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
@@ -496,19 +508,10 @@ __global__ void __launch_bounds__(mega::NT, MINB) stage_kernel_wg(const CUtensor
   const uint32_t n_cta = gridDim.x;
   const Stage st = c_stages[s];
   const int n_chunks = (st.rows + 15) / 16;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < NSLOTS; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], 4);  // a chunk's warpgroup
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    if (early) gdc_launch_dependents();
-  }
-  __syncthreads();
-  if (warp == mega::NCW) {  // producer (stage_kernel's rules for loading before the wait)
+  stage_start(full, empty, NSLOTS, 4, nullptr, early);  // (a chunk's warpgroup releases it)
+  if (warp == mega::NCW) {  // producer
     if (lane == 0) {
-      if (!(flags & PDL_PRE) || st.dep == s - 1) gdc_wait();
-      else if (st.dep >= 0 && early) wait_count(&done[st.dep * PAD], n_cta);
+      producer_gate(st, s, flags, done, n_cta);
       uint32_t it = 0;
       for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
         const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;

@@ -310,30 +310,39 @@ constexpr int X8_K = 2048, X8_OFF = 2560, X8F_OFF = 3584;  // (floats into xs, p
 __device__ __forceinline__ uint8_t* x8_of(const Smem& s) { return reinterpret_cast<uint8_t*>(s.xs + X8_OFF); }
 __device__ __forceinline__ float* x8f_of(const Smem& s) { return s.xs + X8F_OFF; }  // [16] 2^-e per block
 
+// A lane's 4 columns (c0..c0 + 3) of a 128-column block of x (fp32, permuted: xpos keeps them together) as two e4m3
+// terms, 4 bytes each (hi, lo), scaled by the block's power of two (its largest into [128, 256): a warp max, so the
+// whole warp calls it for one block) -> 2^-e, the factor that undoes it
+__device__ __forceinline__ float x8_terms(const float* xs, int c0, uint32_t& hi, uint32_t& lo) {
+  const float4 v4 = *reinterpret_cast<const float4*>(xs + xpos(c0));
+  const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+  const float m = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;
+  const int sh = m > 0.f ? min(max(7 - e, -120), 120) : 0;
+  const float up = __uint_as_float(static_cast<uint32_t>(127 + sh) << 23);
+  hi = 0, lo = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float xv = v[i] * up;
+    const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(xv, __NV_SATFINITE, __NV_E4M3);
+    const float hv = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
+    hi |= static_cast<uint32_t>(h) << (8 * i);
+    lo |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(xv - hv, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+  }
+  return __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+}
+
 // xs (fp32, permuted: xpos) -> B's two terms b8 and the blocks' 2^-e xf (warp cw: blocks cw and cw + 8, lane 4
 // columns of each); made visible to wgmma (the caller's barrier follows)
 __device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int lane) {
   for (int b = cw; b < X8_K / 128; b += NCW) {
     const int c0 = b * 128 + lane * 4;
-    const float4 v4 = *reinterpret_cast<const float4*>(xs + xpos(c0));  // (xpos keeps 4 columns together)
-    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-    const float m = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-    const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;
-    const int sh = m > 0.f ? min(max(7 - e, -120), 120) : 0;
-    const float up = __uint_as_float(static_cast<uint32_t>(127 + sh) << 23);
-    uint32_t hi = 0, lo = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float xv = v[i] * up;
-      const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(xv, __NV_SATFINITE, __NV_E4M3);
-      const float hv = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
-      hi |= static_cast<uint32_t>(h) << (8 * i);
-      lo |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(xv - hv, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-    }
+    uint32_t hi, lo;
+    const float f = x8_terms(xs, c0, hi, lo);
     const int sg = c0 / 512, kk = c0 % 512, at = (kk / 16) * 128 + 2 * sg * 16 + kk % 16;
     *reinterpret_cast<uint32_t*>(b8 + at) = hi;
     *reinterpret_cast<uint32_t*>(b8 + at + 16) = lo;
-    if (lane == 0) xf[b] = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+    if (lane == 0) xf[b] = f;
   }
   fence_proxy_async();
 }
