@@ -141,6 +141,12 @@
 #   pdlchain - stream_chain.cu `pdl` (KB-0092): the same 241 stages as one launch each, chained by programmatic
 #            dependent launch in a CUDA graph (weights loaded before griddepcontrol.wait, dependents released late or
 #            early, rings small enough for the next stage's CTA to be resident), against the persistent kernel, ~2 min
+#   wgslots - (KB-0094's next step, built 2026-12-04d) mega/gemv.cu: its GPU tests, then FP8 batch-1 decode with the
+#            qkv only (the default), + in_proj (METAINFER_WGMMA_GEMV_CONV=1) at 6 and 4 slots, and off, alternating
+#            in fresh processes x REPS (3), then the oracle with WG_VERIFY's switches (default: in_proj at 4 slots), ~8 min
+#   wgwide - (built 2026-12-04d, not run) mega/gemv.cu at K = 4,096 (the attention o_proj, wgmma m64n16k32): its GPU
+#            tests, FP8 batch-1 decode with METAINFER_WGMMA_GEMV_K4096=0|1 alternating x REPS (3), then the oracle with
+#            it on, ~6 min
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -741,6 +747,31 @@ if has pdlchain; then
   for r in ${PDL_ROWS:-}; do  # e.g. "12352 9216 4608 4096": in_proj, qkv, the 9 downs, a K = 4096 projection's bytes
     timeout 60 /tmp/stream_chain $OUT/stream_chain_pdl_$r.json pdlsize $r 2>&1 | grep " us per " | tee -a $OUT/stream_chain_pdlsize.log
   done
+fi
+if has wgslots; then
+  timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -2
+  for r in $(seq ${REPS:-3}); do
+    for m in off qkv c6 c4; do
+      case $m in off) e="METAINFER_WGMMA_GEMV=0";; qkv) e="METAINFER_WGMMA_GEMV=1";;
+        c6) e="METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=6";; c4) e="METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4";; esac
+      env $e timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
+        --out $OUT/wgslots_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$m $r] /"
+    done
+  done
+  env ${WG_VERIFY:-METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4} timeout 200 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+    --json $OUT/verify_fp8_wgslots.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has wgwide; then
+  timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
+  for r in $(seq ${REPS:-3}); do
+    for m in 0 1; do
+      METAINFER_WGMMA_GEMV_K4096=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+        --no-profile --out $OUT/wgwide_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[k4096 $m $r] /"
+    done
+  done
+  METAINFER_WGMMA_GEMV_K4096=1 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgwide.json 2>&1 | grep -E "verdict" | head -1
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \

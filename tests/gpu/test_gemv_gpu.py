@@ -25,11 +25,11 @@ pytestmark = [
 ]
 
 
-def _problem(n: int, seed: int = 0):
+def _problem(n: int, seed: int = 0, k: int = gemv.K):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    w32 = torch.randn(n, gemv.K, generator=g, device="cuda") * 0.05
+    w32 = torch.randn(n, k, generator=g, device="cuda") * 0.05
     w, s = quantize_fp8_block(w32)
-    x = (torch.randn(1, gemv.K, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    x = (torch.randn(1, k, generator=g, device="cuda") * 2).to(torch.bfloat16)
     return x, w, s
 
 
@@ -49,6 +49,22 @@ def test_matches_float64_and_the_triton_path(n, monkeypatch):
     want = _reference(x, w, s)
     assert got.shape == (1, n) and got.dtype == torch.bfloat16
     assert rel_rmse(got.float(), want) < 5e-3
+    assert rel_rmse(got.float(), triton_y.float()) < 8e-3
+
+
+@pytest.mark.parametrize("n", [8, 136, 2048])
+def test_k4096_matches_float64_and_the_triton_path(n, monkeypatch):
+    """K = 4,096 (8-row chunks, wgmma m64n16k32; the attention o_proj), served with METAINFER_WGMMA_GEMV_K4096=1."""
+    x, w, s = _problem(n, seed=3, k=gemv.K_WIDE)
+    monkeypatch.setenv(gemv.ENV, "1")
+    monkeypatch.delenv(gemv.K4096_ENV, raising=False)
+    assert not gemv.wanted(x, w, s)  # off by default
+    monkeypatch.setenv(gemv.K4096_ENV, "1")
+    assert gemv.wanted(x, w, s)
+    got = fp8_linear.fp8_linear(x, w, s)
+    monkeypatch.setenv(gemv.ENV, "0")
+    triton_y = fp8_linear.fp8_linear(x, w, s)
+    assert rel_rmse(got.float(), _reference(x, w, s)) < 5e-3
     assert rel_rmse(got.float(), triton_y.float()) < 8e-3
 
 

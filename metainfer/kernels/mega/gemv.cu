@@ -1,18 +1,20 @@
 // One decode token's FP8 projection on the megakernel's wgmma consumers, as a kernel of its own (KB-0092, KB-0094):
-//   y[n] = bf16( sum_b scale[n / 128][b] * (W[n, 128 b : 128 b + 128] . x[128 b : 128 b + 128]) ),  K = 2048,
-// W [N, 2048] e4m3 (N a multiple of 16), scale [ceil(N / 128), 16] fp32, x [2048] bf16, y [N] bf16.
+//   y[n] = bf16( sum_b scale[n / 128][b] * (W[n, 128 b : 128 b + 128] . x[128 b : 128 b + 128]) ),
+// W [N, K] e4m3 with K = 2048 (N a multiple of 16) or 4096 (N a multiple of 8), scale [ceil(N / 128), K / 128] fp32,
+// x [K] bf16, y [N] bf16.
 //
-// One CTA per SM (grid <= the 16-row chunks). Warp 8 lands the CTA's chunks (chunk c on CTA c % grid) by TMA into a
-// ring of GEMV_SLOTS x 32 KB, each chunk as the [64, 512] view wg_dot16 takes (W's rows as [N * 4, 512], boxes of
-// 64 rows, 128-byte swizzle: launch.encode_tensor_map(w, 512, 64)), with its 16 block scales (64 bytes) on the same
-// mbarrier. It starts before griddepcontrol.wait: weights and scales are never written during a step, so they
-// stream while the previous kernel runs (programmatic dependent launch; metainfer/kernels/pdl.py's contract).
-// Warps 0-7 (two warpgroups, alternate chunks) wait for the previous kernel, release the next one, read x, split it
-// into two e4m3 terms per 128-column block (mega::stage_x8: exact for bf16 down to 2^-9 of the block's largest) and
-// reduce each chunk with 16 wgmma m64n8k32 (mega::wg_dot16), fp32 per block times its scale.
-// n_conv > 0: the DeltaNet in_proj's decode conv as the epilogue (weight_stream._conv_epilogue's steps): columns
-// n < n_conv become silu(bf16(y[n] w[n][3] + sum_j state[j][n] w[n][j])) of the bf16 output y, the conv state of
-// slots[0] (zeros where !has[0]) shifted in place with y[n] last (state [S, 3, C] bf16, strides s_slot, s_k).
+// One CTA per SM (grid <= the chunks). A chunk is 32 KB of W: 16 rows of K = 2048 or 8 of 4096, the [64, 512] view
+// of W's rows as [N * K / 512, 512] (row r's 512-byte segment s at view row (K / 512) r + s). Warp 8 lands the
+// CTA's chunks (chunk c on CTA c % grid) by TMA (boxes of 64 rows, 128-byte swizzle: launch.encode_tensor_map(w,
+// 512, 64)) into a ring of GEMV_SLOTS x 32 KB, each with its K / 128 block scales on the same mbarrier. It starts
+// before griddepcontrol.wait: weights and scales are never written during a step, so they stream while the previous
+// kernel runs (programmatic dependent launch; metainfer/kernels/pdl.py's contract). Warps 0-7 (two warpgroups,
+// alternate chunks) wait for the previous kernel, release the next one, read x, split it into two e4m3 terms per
+// 128-column block (exact for bf16 down to 2^-9 of the block's largest) and reduce each chunk on wgmma:
+//   K = 2048: mega::stage_x8 and mega::wg_dot16 (m64n8k32: B = the 4 segments' hi and lo terms);
+//   K = 4096: stage_x8_wide and wg_dot_wide below (m64n16k32: B = the 8 segments' terms; built 2026-12-04d, not
+//   yet run on a GPU: gemv.py serves it only with METAINFER_WGMMA_GEMV_K4096=1).
+// Each 128-column block's product (its own accumulator chain) times the weight and x block scales, summed in fp32.
 #include <cuda.h>  // CUtensorMap
 
 #include "mega_math.cuh"
@@ -22,11 +24,17 @@
 #endif
 
 namespace {
-constexpr int GK = 2048, CHUNK = 16 * GK, SEG = 512, NS = GEMV_SLOTS;
+constexpr int CHUNK = 32768, SEG = 512, NS = GEMV_SLOTS;
 static_assert(NS >= 2 && NS <= 6, "2-6 ring slots");
-constexpr size_t GEMV_SMEM = 1024 + (size_t)NS * (CHUNK + 64) + SEG * 8 + (GK / 128 + GK) * sizeof(float) +
-                             2 * NS * sizeof(uint64_t);
-static_assert(GEMV_SMEM <= 227 * 1024, "one CTA per SM");
+// shared memory for K: 1024 (alignment) + the ring and each slot's scales + B's terms (K / 2048 x 4 KB) + x's block
+// powers of two and x (fp32) + the mbarriers
+template <int KK>
+constexpr size_t gemv_smem() {
+  return 1024 + (size_t)NS * (CHUNK + KK / 128 * 4) + KK * 2 + (KK / 128 + KK) * sizeof(float) +
+         2 * NS * sizeof(uint64_t);
+}
+constexpr size_t SMEM_2048 = gemv_smem<2048>(), SMEM_4096 = gemv_smem<4096>();
+static_assert(SMEM_4096 <= 227 * 1024, "one CTA per SM");
 constexpr int CONV_K = 4;  // the DeltaNet conv's kernel size (the launcher checks it)
 
 struct Conv {  // the conv epilogue's operands (n_conv == 0: none)
@@ -68,21 +76,74 @@ __device__ __forceinline__ __nv_bfloat16 conv_row(__nv_bfloat16 yb, int n, const
   c = __bfloat162float(__float2bfloat16_rn(c));  // the conv weight's dtype
   return __float2bfloat16_rn(c / (1.f + __expf(-c)));
 }
+// ---- K = 4096: 8-row chunks, B as the 8 segments' two terms (16 columns) --------------------------------------
+// x (fp32, permuted: mega::xpos) of K = 4096 -> B's terms b8 and the blocks' 2^-e xf, as mega::stage_x8 per 128-column
+// block (warp cw: blocks cw + 8 i, lane 4 columns of each), B laid out K-major without swizzle as
+// [K 512 / 16][2 column groups][8 columns][16 bytes], column n = 2 s + h (segment s, hi h = 0 or lo h = 1)
+__device__ void stage_x8_wide(const float* xs, uint8_t* b8, float* xf, int cw, int lane) {
+  for (int b = cw; b < 4096 / 128; b += mega::NCW) {
+    const int c0 = b * 128 + lane * 4;
+    uint32_t hi, lo;
+    const float f = mega::x8_terms(xs, c0, hi, lo);
+    const int sg = c0 / SEG, kk = c0 % SEG, n = 2 * sg;
+    const int at = (kk / 16) * 256 + (n / 8) * 128 + (n % 8) * 16 + kk % 16;
+    *reinterpret_cast<uint32_t*>(b8 + at) = hi;
+    *reinterpret_cast<uint32_t*>(b8 + at + 16) = lo;  // (column n + 1: the same group, n even)
+    if (lane == 0) xf[b] = f;
+  }
+  fence_proxy_async();
+}
+
+// One 8-row chunk of K = 4096 on the calling warpgroup (16 wgmma m64n16k32): ws the chunk's 32 block scales, b8 and
+// xf from stage_x8_wide. D[m][n] (m = 8 r + s: row r's segment s) is used where n / 2 = s. A thread holds D's rows
+// 16 w4 + g and + 8 (r = 2 w4 and 2 w4 + 1, s = g), columns 8 j + 2 t + {0, 1}: its segment's terms where
+// t = g % 4, in column group j = g / 4. -> on lane 0 of warp w4: rows 2 w4 (.x) and 2 w4 + 1 (.y)
+__device__ __forceinline__ float2 wg_dot_wide(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf,
+                                             int lane) {
+  const uint64_t da0 = smem_desc(smem_u32(chunk), 16, 1024, 1), db0 = smem_desc(smem_u32(b8), 256, 128, 0);
+  float acc[4][8];  // one chain per 128-column block of a segment
+  wgmma_fence();
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // 32 columns: +32 bytes within A's swizzled rows, B's next 2 K-steps of 256 bytes
+      const uint64_t da = da0 + ((kb * 8192 + j * 32) >> 4), db = db0 + (((kb * 8 + j * 2) * 256) >> 4);
+      if (j == 0) wgmma_m64n16k32<0>(acc[kb], da, db);
+      else wgmma_m64n16k32<1>(acc[kb], da, db);
+    }
+  wgmma_commit_wait();
+  const int g = lane >> 2, t = lane & 3;
+  float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    const float f = ws[g * 4 + kb] * xf[g * 4 + kb];  // segment g's block kb
+    const float a0 = g < 4 ? acc[kb][0] + acc[kb][1] : acc[kb][4] + acc[kb][5];  // row g: hi + lo
+    const float a1 = g < 4 ? acc[kb][2] + acc[kb][3] : acc[kb][6] + acc[kb][7];  // row g + 8
+    v0 = fmaf(a0, f, v0);
+    v1 = fmaf(a1, f, v1);
+  }
+  if ((g & 3) != t) v0 = v1 = 0.f;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1)  // the 8 segments of each row
+    v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+  return make_float2(v0, v1);
+}
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(mega::NT, 1)
-    gemv_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
-              __nv_bfloat16* y, int n_rows, const Conv conv) {
+template <int KK>
+__device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
+                                          const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv) {
+  constexpr int ROWS = CHUNK / KK, NB = KK / 128;  // rows a chunk, blocks a row
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
-  float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NSLOTS][16] each chunk's block scales
-  uint8_t* b8 = reinterpret_cast<uint8_t*>(wsc + NS * 16);   // [SEG / 16][8][16] x's two e4m3 terms
-  float* xf = reinterpret_cast<float*>(b8 + SEG * 8);                  // [GK / 128] 2^-e per block
-  float* xs = xf + GK / 128;                                           // [GK] x (fp32, permuted: mega::xpos)
-  uint64_t* full = reinterpret_cast<uint64_t*>(xs + GK);
+  float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
+  uint8_t* b8 = reinterpret_cast<uint8_t*>(wsc + NS * NB);   // x's two e4m3 terms (KK * 2 bytes)
+  float* xf = reinterpret_cast<float*>(b8 + KK * 2);         // [NB] 2^-e per block
+  float* xs = xf + NB;                                       // [KK] x (fp32, permuted: mega::xpos)
+  uint64_t* full = reinterpret_cast<uint64_t*>(xs + KK);
   uint64_t* empty = full + NS;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n_chunks = n_rows / 16, grid = gridDim.x;
+  const int n_chunks = n_rows / ROWS, grid = gridDim.x;
   if (threadIdx.x == 0) {
     for (int i = 0; i < NS; ++i) {
       mbar_init(&full[i], 1);
@@ -97,28 +158,33 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
       for (int c = blockIdx.x; c < n_chunks; c += grid, ++it) {
         const uint32_t slot = it % NS;
         mbar_wait(&empty[slot], ((it / NS) & 1) ^ 1);
-        mbar_expect_tx(&full[slot], CHUNK + 64);
-        for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, &wmap, kb * 128, c * 64, &full[slot]);
-        bulk_load(wsc + slot * 16, ws + (size_t)(c / 8) * (GK / 128), 64, &full[slot]);
+        mbar_expect_tx(&full[slot], CHUNK + NB * 4);
+        for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, c * 64, &full[slot]);
+        bulk_load(wsc + slot * NB, ws + (size_t)(c * ROWS / 128) * NB, NB * 4, &full[slot]);
       }
     }
     return;
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  {  // x: one 16-byte load of 8 bf16 per thread, then fp32 into xs at xpos
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  static_assert(KK % (8 * mega::CT) == 0, "whole 16-byte loads of x per consumer thread");
+  constexpr int NV = KK / (8 * mega::CT);
+  uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
+#pragma unroll
+  for (int j = 0; j < NV; ++j) xv[j] = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x + j * mega::CT);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const uint32_t w[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int e = threadIdx.x * 8 + 2 * i;
+      const int e = (threadIdx.x + j * mega::CT) * 8 + 2 * i;
       xs[mega::xpos(e)] = __uint_as_float(w[i] << 16);
       xs[mega::xpos(e + 1)] = __uint_as_float(w[i] & 0xffff0000u);
     }
   }
-  static_assert(GK == 8 * mega::CT, "one 16-byte load of x per consumer thread");
   consumers_sync(mega::CT);
-  mega::stage_x8(xs, b8, xf, warp, lane);
+  if (KK == 2048) mega::stage_x8(xs, b8, xf, warp, lane);
+  else stage_x8_wide(xs, b8, xf, warp, lane);
   consumers_sync(mega::CT);
   const int wg = warp / 4, w4 = warp & 3;
   const long long slot = conv.n_conv ? conv.slots[0] : 0;  // (after the wait: the step's inputs)
@@ -126,27 +192,53 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
   uint32_t it = wg;
   for (int c = blockIdx.x + wg * grid; c < n_chunks; c += 2 * grid, it += 2) {
     const uint32_t slot_i = it % NS;
-    const int row = c * 16 + 4 * w4 + (lane & 3);  // lanes 0-3 store the warp's 4 rows
-    const bool is_conv = lane < 4 && row < conv.n_conv;
-    ConvRow cr;
-    if (is_conv) cr = conv_loads(row, conv, slot, has);
-    mbar_wait(&full[slot_i], (it / NS) & 1);
-    const float2 v = mega::wg_dot16(ring + slot_i * CHUNK, wsc + slot_i * 16, b8, xf, lane);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[slot_i]);
-    // wg_dot16: rows 4 w4 + {0, 1} (.x on lanes 0, 16) and 4 w4 + {2, 3} (.y on lanes 0, 16)
-    const float r01 = __shfl_sync(0xffffffffu, v.x, (lane & 1) * 16), r23 = __shfl_sync(0xffffffffu, v.y, (lane & 1) * 16);
-    if (lane < 4) {
-      const __nv_bfloat16 yb = __float2bfloat16_rn(lane < 2 ? r01 : r23);
-      y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
+    if (KK == 2048) {
+      const int row = c * 16 + 4 * w4 + (lane & 3);  // lanes 0-3 store the warp's 4 rows
+      const bool is_conv = lane < 4 && row < conv.n_conv;
+      ConvRow cr;
+      if (is_conv) cr = conv_loads(row, conv, slot, has);
+      mbar_wait(&full[slot_i], (it / NS) & 1);
+      const float2 v = mega::wg_dot16(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf, lane);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot_i]);
+      // wg_dot16: rows 4 w4 + {0, 1} (.x on lanes 0, 16) and 4 w4 + {2, 3} (.y on lanes 0, 16)
+      const float r01 = __shfl_sync(0xffffffffu, v.x, (lane & 1) * 16);
+      const float r23 = __shfl_sync(0xffffffffu, v.y, (lane & 1) * 16);
+      if (lane < 4) {
+        const __nv_bfloat16 yb = __float2bfloat16_rn(lane < 2 ? r01 : r23);
+        y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
+      }
+    } else {
+      mbar_wait(&full[slot_i], (it / NS) & 1);
+      const float2 v = wg_dot_wide(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf, lane);
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(&empty[slot_i]);
+        y[c * 8 + 2 * w4] = __float2bfloat16_rn(v.x);
+        y[c * 8 + 2 * w4 + 1] = __float2bfloat16_rn(v.y);
+      }
     }
   }
+}
+
+// K = 2048 (with the conv epilogue where conv.n_conv > 0)
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    gemv_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
+              __nv_bfloat16* y, int n_rows, const Conv conv) {
+  gemv_body<2048>(&wmap, ws, x, y, n_rows, conv);
+}
+
+// K = 4096 (conv unused: pass n_conv = 0)
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    gemv_e4m3_k4096(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
+                    __nv_bfloat16* y, int n_rows, const Conv conv) {
+  gemv_body<4096>(&wmap, ws, x, y, n_rows, conv);
 }
 
 // the layout constants the launcher (gemv.py) must agree with
 extern "C" __global__ void gemv_constants(long long* out) {
   out[0] = mega::NT;
-  out[1] = static_cast<long long>(GEMV_SMEM);
-  out[2] = GK;
+  out[1] = static_cast<long long>(SMEM_2048);
+  out[2] = static_cast<long long>(SMEM_4096);
   out[3] = static_cast<long long>(sizeof(Conv)) * 100 + CONV_K;
 }

@@ -6,7 +6,8 @@ in_proj's 25 MB in 10.0 us, qkv's 19 MB in 8.8 us (the Triton path: 11.3-12.6 / 
 
 `fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps the
 Triton kernels): an sm_90 GPU with nvcc on PATH (built once like the megakernel: `launch.build(main="gemv.cu")`),
-K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8 batch 1 +2 %, KB-0094).
+K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8 batch 1 +2 %, KB-0094); K = 4096 (the
+attention o_proj) only with METAINFER_WGMMA_GEMV_K4096=1 (built, not yet run on a GPU).
 `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with its decode conv as the
 epilogue, only with METAINFER_WGMMA_GEMV_CONV=1 (measured no faster than the Triton kernel). Launched through
 the driver on the current torch stream with the programmatic-stream-serialization attribute when
@@ -29,7 +30,9 @@ from metainfer.kernels.common import env_int
 ENV = "METAINFER_WGMMA_GEMV"  # "0": the FP8 projections of one token stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "1": the DeltaNet in_proj (conv epilogue) too (measured no faster: off)
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 6): the same outputs, other smem
-K = 2048
+K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; built 2026-12-04d, not yet run on a GPU)
+K = 2048  # the K served by default; K_WIDE with K4096_ENV
+K_WIDE = 4096
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -66,7 +69,8 @@ def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
     if not enabled() or not x.is_cuda or x.shape[0] != 1 or x.dtype != torch.bfloat16:
         return False
     N, k = w.shape
-    return (k == K and N % 16 == 0 and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
+    k_ok = (k == K and N % 16 == 0) or (k == K_WIDE and N % 8 == 0 and os.environ.get(K4096_ENV, "0") == "1")
+    return (k_ok and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
             and w.data_ptr() % 16 == 0 and s.is_contiguous() and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and _kernel(x.device) is not None)
 
@@ -75,7 +79,7 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
                 conv_state: torch.Tensor, slots: torch.Tensor) -> bool:
     """`wanted`, with the DeltaNet decode conv of one decoding row as the epilogue (`project`'s conv)."""
     C, ck = conv_weight.shape
-    return (os.environ.get(CONV_ENV, "0") == "1" and wanted(x, w, s) and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
+    return (os.environ.get(CONV_ENV, "0") == "1" and w.shape[1] == K and wanted(x, w, s) and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
             and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
 
@@ -94,18 +98,22 @@ class _Kernel:
         self.image = launch.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={slots}",)).read_bytes()
         self.module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
-        self.fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
+        self.fns = {K: ctypes.c_void_p(), K_WIDE: ctypes.c_void_p()}
+        const_fn = ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K]), self.module, b"gemv_e4m3")
+        self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K_WIDE]), self.module, b"gemv_e4m3_k4096")
         self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
         out = torch.zeros(4, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
                  ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args), None)
-        self.threads, self.smem, k, conv = out.tolist()
-        if self.threads != P.THREADS or k != K or conv != ctypes.sizeof(_Conv) * 100 + CONV_K:
+        self.threads, smem, smem_wide, conv = out.tolist()
+        if self.threads != P.THREADS or conv != ctypes.sizeof(_Conv) * 100 + CONV_K:
             raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from "
-                               f"({P.THREADS}, ?, {K}, {ctypes.sizeof(_Conv) * 100 + CONV_K})")
-        self.drv("cuFuncSetAttribute", self.fn, 8, self.smem)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                               f"({P.THREADS}, ?, ?, {ctypes.sizeof(_Conv) * 100 + CONV_K})")
+        self.smem = {K: smem, K_WIDE: smem_wide}
+        for k, fn in self.fns.items():  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            self.drv("cuFuncSetAttribute", fn, 8, self.smem[k])
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
@@ -121,15 +129,16 @@ class _Kernel:
                 ctypes.c_int(N), cv]
         params = self.launch_mod.kernel_params(args)
         cfg = _Config()
-        cfg.grid[:] = (min(self.sms, N // 16), 1, 1)
+        k = w.shape[1]
+        cfg.grid[:] = (min(self.sms, N * k // 32768), 1, 1)  # 32 KB chunks: 16 rows of K = 2048, 8 of 4096
         cfg.block[:] = (self.threads, 1, 1)
-        cfg.smem = self.smem
+        cfg.smem = self.smem[k]
         cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
         attr = _Attr(id=_PDL_ATTR)
         attr.value.val = 1
         cfg.attrs = ctypes.pointer(attr)
         cfg.n_attrs = int(pdl.enabled())  # without PDL: stream order, as the kernel's wait then returns at once
-        self.drv("cuLaunchKernelEx", ctypes.byref(cfg), self.fn, params, None)
+        self.drv("cuLaunchKernelEx", ctypes.byref(cfg), self.fns[k], params, None)
 
 
 _KERNELS: dict[torch.device, _Kernel | None] = {}
@@ -155,7 +164,8 @@ def _kernel(device: torch.device) -> _Kernel | None:
 
 
 def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, conv: tuple | None = None) -> None:
-    """y [1, N] bf16 = x [1, K] bf16 @ dequant(w, s)^T on gemv.cu (the caller checked `wanted`). conv =
+    """y [1, N] bf16 = x [1, k] bf16 @ dequant(w [N, k], s)^T on gemv.cu, k = K or K_WIDE (the caller checked
+    `wanted`). conv (K only) =
     (conv_weight [C, 4], conv_state [S, 3, C], slots [1] int64, has_state [1] bool), checked by `wanted_conv`:
     y[:, :C] becomes the decode conv + SiLU of itself, the slot's conv state updated in place
     (`weight_stream.linear_conv_update`'s epilogue)."""

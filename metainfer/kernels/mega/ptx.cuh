@@ -148,6 +148,14 @@ __device__ __forceinline__ void wgmma_m64n8k32(float (&d)[4], uint64_t da, uint6
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "l"(da), "l"(db), "n"(SCALE_D));
 }
+// D (64 x 16, fp32: 8 per thread) (+)= A . B, K = 32, both e4m3 from descriptors (gemv.cu's K = 4096 chunks)
+template <int SCALE_D>
+__device__ __forceinline__ void wgmma_m64n16k32(float (&d)[8], uint64_t da, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, %10, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(da), "l"(db), "n"(SCALE_D));
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit_wait() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
