@@ -115,11 +115,22 @@ class _Kernel:
         for k, fn in self.fns.items():  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             self.drv("cuFuncSetAttribute", fn, 8, self.smem[k])
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address with the
+        # same shape gets the same bytes back (the launch copies them into its parameters)
+        self.maps: dict[tuple[int, int, int], ctypes.Array] = {}
+
+    def tensor_map(self, w: torch.Tensor) -> ctypes.Array:
+        key = (w.data_ptr(), *w.shape)
+        tmap = self.maps.get(key)
+        if tmap is None:
+            raw = self.launch_mod.encode_tensor_map(self.drv, w, 512, 64)
+            tmap = self.maps[key] = (ctypes.c_uint64 * 16).from_buffer_copy(raw)
+        return tmap
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
                  conv: tuple | None) -> None:
         N = w.shape[0]
-        tmap = (ctypes.c_uint64 * 16).from_buffer_copy(self.launch_mod.encode_tensor_map(self.drv, w, 512, 64))
+        tmap = self.tensor_map(w)
         cv = _Conv()
         if conv is not None:
             cw, cstate, slots, has = conv
