@@ -144,9 +144,9 @@
 #   wgslots - (KB-0094's next step, built 2026-12-04d) mega/gemv.cu: its GPU tests, then FP8 batch-1 decode with the
 #            qkv only (the default), + in_proj (METAINFER_WGMMA_GEMV_CONV=1) at 6 and 4 slots, and off, alternating
 #            in fresh processes x REPS (3), then the oracle with WG_VERIFY's switches (default: in_proj at 4 slots), ~8 min
-#   wgwide - (built 2026-12-04d, not run) mega/gemv.cu at K = 4,096 (the attention o_proj, wgmma m64n16k32): its GPU
-#            tests, FP8 batch-1 decode with METAINFER_WGMMA_GEMV_K4096=0|1 alternating x REPS (3), then the oracle with
-#            it on, ~6 min
+#   wgwide - (built 2026-12-04d, not run) mega/gemv.cu at K = 4,096 (wgmma m64n16k32): the attention o_proj
+#            (METAINFER_WGMMA_GEMV_K4096=1) and the DeltaNet out_proj with its gated norm (METAINFER_WGMMA_GEMV_GNORM=1):
+#            its GPU tests, FP8 batch-1 decode off / o_proj / both alternating x REPS (3), then the oracle with both, ~8 min
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -765,12 +765,15 @@ fi
 if has wgwide; then
   timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
   for r in $(seq ${REPS:-3}); do
-    for m in 0 1; do
-      METAINFER_WGMMA_GEMV_K4096=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
-        --no-profile --out $OUT/wgwide_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[k4096 $m $r] /"
+    for m in off oproj both; do
+      case $m in off) e="METAINFER_WGMMA_GEMV_K4096=0";; oproj) e="METAINFER_WGMMA_GEMV_K4096=1";;
+        both) e="METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1";; esac
+      env $e timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+        --no-profile --out $OUT/wgwide_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$m $r] /"
     done
   done
-  METAINFER_WGMMA_GEMV_K4096=1 timeout 200 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+  METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1 timeout 200 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgwide.json 2>&1 | grep -E "verdict" | head -1
 fi
 if has mega; then

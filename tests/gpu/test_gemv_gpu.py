@@ -68,6 +68,27 @@ def test_k4096_matches_float64_and_the_triton_path(n, monkeypatch):
     assert rel_rmse(got.float(), triton_y.float()) < 8e-3
 
 
+def test_gated_norm_out_proj(monkeypatch):
+    """The DeltaNet out_proj with its gated RMSNorm as the K = 4,096 form's x prologue (METAINFER_WGMMA_GEMV_GNORM=1),
+    against float64 (the bf16 norm from reference.gated_rms_norm) and the Triton `gated_norm_linear`."""
+    from metainfer.kernels import reference, weight_stream
+
+    _, w, s = _problem(2048, seed=4, k=gemv.K_WIDE)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    proj = torch.randn(1, 40, 128, generator=g, device="cuda").to(torch.bfloat16)
+    core, z = torch.randn(1, 32, 128, generator=g, device="cuda").to(torch.bfloat16), proj[:, 8:]  # z: a view
+    nw = (1 + 0.1 * torch.randn(128, generator=g, device="cuda")).to(torch.bfloat16)
+    monkeypatch.setenv(gemv.ENV, "1")
+    monkeypatch.setenv(gemv.GNORM_ENV, "0")
+    triton_y = weight_stream.gated_norm_linear(core, z, nw, 1e-6, w, s)
+    monkeypatch.setenv(gemv.GNORM_ENV, "1")
+    assert gemv.wanted_gnorm(core, z, nw, w, s)
+    got = weight_stream.gated_norm_linear(core, z, nw, 1e-6, w, s)
+    x = reference.gated_rms_norm(core, z, nw, 1e-6).reshape(1, gemv.K_WIDE)
+    assert rel_rmse(got.float(), _reference(x, w, s)) < 8e-3
+    assert rel_rmse(got.float(), triton_y.float()) < 8e-3
+
+
 def test_not_wanted_off_its_shapes(monkeypatch):
     monkeypatch.setenv(gemv.ENV, "1")
     x, w, s = _problem(144)

@@ -619,3 +619,10 @@ def test_wgmma_gemv_switch(monkeypatch):
     cw = torch.zeros(128, gemv.CONV_K, dtype=torch.bfloat16)
     state = torch.zeros(2, gemv.CONV_K - 1, 128, dtype=torch.bfloat16)
     assert not gemv.wanted_conv(x, w, s, cw, state, torch.zeros(1, dtype=torch.int64))
+    core = torch.zeros(1, 32, 128, dtype=torch.bfloat16)  # the K = 4,096 forms: off by default, and CUDA only
+    w4, s4 = torch.zeros(144, gemv.K_WIDE, dtype=torch.float8_e4m3fn), torch.ones(2, gemv.K_WIDE // 128)
+    monkeypatch.setenv(gemv.ENV, "1")
+    monkeypatch.setenv(gemv.GNORM_ENV, "1")
+    monkeypatch.setenv(gemv.K4096_ENV, "1")
+    assert not gemv.wanted_gnorm(core, core, core[0, 0], w4, s4)
+    assert not gemv.wanted(torch.zeros(1, gemv.K_WIDE, dtype=torch.bfloat16), w4, s4)

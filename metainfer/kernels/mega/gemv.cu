@@ -13,7 +13,8 @@
 // 128-column block (exact for bf16 down to 2^-9 of the block's largest) and reduce each chunk on wgmma:
 //   K = 2048: mega::stage_x8 and mega::wg_dot16 (m64n8k32: B = the 4 segments' hi and lo terms);
 //   K = 4096: stage_x8_wide and wg_dot_wide below (m64n16k32: B = the 8 segments' terms; built 2026-12-04d, not
-//   yet run on a GPU: gemv.py serves it only with METAINFER_WGMMA_GEMV_K4096=1).
+//   yet run on a GPU: gemv.py serves it only with METAINFER_WGMMA_GEMV_K4096=1), x as given (the attention o_proj) or
+//   the DeltaNet gated RMSNorm of core and z computed here (the out_proj: stage_gated_x, METAINFER_WGMMA_GEMV_GNORM=1).
 // Each 128-column block's product (its own accumulator chain) times the weight and x block scales, summed in fp32.
 #include <cuda.h>  // CUtensorMap
 
@@ -45,6 +46,44 @@ struct Conv {  // the conv epilogue's operands (n_conv == 0: none)
   long long s_slot, s_k;
   int n_conv;
 };
+
+struct Gnorm {  // K = 4096's optional x prologue: the DeltaNet gated RMSNorm of 32 heads of 128 (on == 0: x as given)
+  const __nv_bfloat16* core;  // [32 heads, 128] (head stride s_core)
+  const __nv_bfloat16* z;     // [32 heads, 128] (head stride s_z)
+  const __nv_bfloat16* w;     // [128] the norm weight
+  long long s_core, s_z;
+  float eps;
+  int on;
+};
+
+// x = gated_rms_norm(core, z) (reference.gated_rms_norm, common.gated_norm's roundings) into xs (fp32 of the bf16
+// values, at mega::xpos): warp cw takes heads cw + 8 i, lane 4 of a head's 128 values
+__device__ void stage_gated_x(const Gnorm& gn, float* xs, int cw, int lane) {
+  for (int h = cw; h < 32; h += mega::NCW) {
+    const int d0 = lane * 4;
+    const uint2 cv = *reinterpret_cast<const uint2*>(gn.core + h * gn.s_core + d0);
+    const uint2 zv = *reinterpret_cast<const uint2*>(gn.z + h * gn.s_z + d0);
+    const uint2 wv = *reinterpret_cast<const uint2*>(gn.w + d0);
+    const uint32_t cw4[2] = {cv.x, cv.y}, zw4[2] = {zv.x, zv.y}, ww4[2] = {wv.x, wv.y};
+    float c[4], z[4], w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t sh = (i & 1) ? 0u : 16u;
+      c[i] = __uint_as_float((cw4[i / 2] << sh) & 0xffff0000u);
+      z[i] = __uint_as_float((zw4[i / 2] << sh) & 0xffff0000u);
+      w[i] = __uint_as_float((ww4[i / 2] << sh) & 0xffff0000u);
+    }
+    const float ss = mega::warp_sum(c[0] * c[0] + c[1] * c[1] + c[2] * c[2] + c[3] * c[3]);
+    const float rstd = rsqrtf(ss / 128.f + gn.eps);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // (bf16 weight and core: the weight's product rounded to bf16, common.gated_norm's MID)
+      const float hv = __bfloat162float(__float2bfloat16_rn(__bfloat162float(__float2bfloat16_rn(c[i] * rstd)) * w[i]));
+      const float g = z[i] / (1.f + __expf(-z[i]));
+      xs[mega::xpos(h * 128 + d0 + i)] = __bfloat162float(__float2bfloat16_rn(hv * g));
+    }
+  }
+}
 
 // The conv epilogue's loads for row n (a row < n_conv), issued before the chunk's dots so that their latency
 // hides behind them: the row's conv weights and its slot's state (zeros without one)
@@ -132,7 +171,8 @@ __device__ __forceinline__ float2 wg_dot_wide(const uint8_t* chunk, const float*
 
 template <int KK>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
-                                          const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv) {
+                                          const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
+                                          const Gnorm& gnorm) {
   constexpr int ROWS = CHUNK / KK, NB = KK / 128;  // rows a chunk, blocks a row
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
@@ -169,17 +209,21 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   static_assert(KK % (8 * mega::CT) == 0, "whole 16-byte loads of x per consumer thread");
   constexpr int NV = KK / (8 * mega::CT);
-  uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
+  if (KK == 4096 && gnorm.on) {
+    stage_gated_x(gnorm, xs, warp, lane);
+  } else {
+    uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
 #pragma unroll
-  for (int j = 0; j < NV; ++j) xv[j] = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x + j * mega::CT);
+    for (int j = 0; j < NV; ++j) xv[j] = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x + j * mega::CT);
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const uint32_t w[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
+    for (int j = 0; j < NV; ++j) {
+      const uint32_t w[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int e = (threadIdx.x + j * mega::CT) * 8 + 2 * i;
-      xs[mega::xpos(e)] = __uint_as_float(w[i] << 16);
-      xs[mega::xpos(e + 1)] = __uint_as_float(w[i] & 0xffff0000u);
+      for (int i = 0; i < 4; ++i) {
+        const int e = (threadIdx.x + j * mega::CT) * 8 + 2 * i;
+        xs[mega::xpos(e)] = __uint_as_float(w[i] << 16);
+        xs[mega::xpos(e + 1)] = __uint_as_float(w[i] & 0xffff0000u);
+      }
     }
   }
   consumers_sync(mega::CT);
@@ -225,14 +269,14 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     gemv_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
               __nv_bfloat16* y, int n_rows, const Conv conv) {
-  gemv_body<2048>(&wmap, ws, x, y, n_rows, conv);
+  gemv_body<2048>(&wmap, ws, x, y, n_rows, conv, Gnorm{});
 }
 
-// K = 4096 (conv unused: pass n_conv = 0)
+// K = 4096 (conv unused: pass n_conv = 0), x given or (gnorm.on) the gated RMSNorm of core and z
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     gemv_e4m3_k4096(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
-                    __nv_bfloat16* y, int n_rows, const Conv conv) {
-  gemv_body<4096>(&wmap, ws, x, y, n_rows, conv);
+                    __nv_bfloat16* y, int n_rows, const Conv conv, const Gnorm gnorm) {
+  gemv_body<4096>(&wmap, ws, x, y, n_rows, conv, gnorm);
 }
 
 // the layout constants the launcher (gemv.py) must agree with
@@ -241,4 +285,5 @@ extern "C" __global__ void gemv_constants(long long* out) {
   out[1] = static_cast<long long>(SMEM_2048);
   out[2] = static_cast<long long>(SMEM_4096);
   out[3] = static_cast<long long>(sizeof(Conv)) * 100 + CONV_K;
+  out[4] = static_cast<long long>(sizeof(Gnorm));
 }

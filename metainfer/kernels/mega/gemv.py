@@ -31,6 +31,7 @@ ENV = "METAINFER_WGMMA_GEMV"  # "0": the FP8 projections of one token stay on th
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "1": the DeltaNet in_proj (conv epilogue) too (measured no faster: off)
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 6): the same outputs, other smem
 K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; built 2026-12-04d, not yet run on a GPU)
+GNORM_ENV = "METAINFER_WGMMA_GEMV_GNORM"  # "1": the DeltaNet out_proj with its gated norm (K = 4,096; not yet run)
 K = 2048  # the K served by default; K_WIDE with K4096_ENV
 K_WIDE = 4096
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
@@ -52,6 +53,12 @@ class _Conv(ctypes.Structure):  # gemv.cu's Conv: the DeltaNet decode conv epilo
 
 
 CONV_K = 4  # gemv.cu's conv kernel size
+
+
+class _Gnorm(ctypes.Structure):  # gemv.cu's Gnorm: K = 4,096's gated RMSNorm prologue (on = 0: x as given)
+    _fields_ = [("core", ctypes.c_void_p), ("z", ctypes.c_void_p), ("w", ctypes.c_void_p),
+                ("s_core", ctypes.c_longlong), ("s_z", ctypes.c_longlong), ("eps", ctypes.c_float),
+                ("on", ctypes.c_int)]
 
 
 class _Config(ctypes.Structure):  # CUlaunchConfig
@@ -84,6 +91,20 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
 
 
+def wanted_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor,
+                 s: torch.Tensor) -> bool:
+    """Whether `project` serves gated_rms_norm(core, z) @ dequant(w, s)^T for one token (`gated_norm_linear`): its
+    switch, 32 heads of 128 in bf16 (norm weight too), w [N, 4096] e4m3 with N a multiple of 8."""
+    if os.environ.get(GNORM_ENV, "0") != "1" or not enabled() or not core.is_cuda or core.shape != (1, 32, 128):
+        return False
+    N, k = w.shape
+    return (k == K_WIDE and N % 8 == 0 and N <= MAX_N and z.shape == core.shape
+            and core.dtype == z.dtype == norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous()
+            and core.stride(2) == z.stride(2) == 1 and core.stride(1) % 4 == 0 and z.stride(1) % 4 == 0
+            and all(t.data_ptr() % 8 == 0 for t in (core, z, norm_weight)) and w.data_ptr() % 16 == 0
+            and s.is_contiguous() and os.environ.get("TRITON_INTERPRET", "0") != "1" and _kernel(core.device) is not None)
+
+
 class _Kernel:
     """gemv.cu loaded on one device."""
 
@@ -103,14 +124,14 @@ class _Kernel:
         self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K]), self.module, b"gemv_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K_WIDE]), self.module, b"gemv_e4m3_k4096")
         self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
-        out = torch.zeros(4, dtype=torch.int64, device=device)
+        out = torch.zeros(5, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
                  ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args), None)
-        self.threads, smem, smem_wide, conv = out.tolist()
-        if self.threads != P.THREADS or conv != ctypes.sizeof(_Conv) * 100 + CONV_K:
-            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from "
-                               f"({P.THREADS}, ?, ?, {ctypes.sizeof(_Conv) * 100 + CONV_K})")
+        self.threads, smem, smem_wide, conv, gnorm = out.tolist()
+        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Gnorm))
+        if (self.threads, conv, gnorm) != want:
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, gnorm) = {want}")
         self.smem = {K: smem, K_WIDE: smem_wide}
         for k, fn in self.fns.items():  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             self.drv("cuFuncSetAttribute", fn, 8, self.smem[k])
@@ -128,7 +149,7 @@ class _Kernel:
         return tmap
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
-                 conv: tuple | None) -> None:
+                 conv: tuple | None, gnorm: tuple | None = None) -> None:
         N = w.shape[0]
         tmap = self.tensor_map(w)
         cv = _Conv()
@@ -136,11 +157,17 @@ class _Kernel:
             cw, cstate, slots, has = conv
             cv = _Conv(cw.data_ptr(), cstate.data_ptr(), slots.data_ptr(), has.data_ptr(), cstate.stride(0),
                        cstate.stride(1), cw.shape[0])
+        k = w.shape[1]
         args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()),
                 ctypes.c_int(N), cv]
+        if k == K_WIDE:
+            gn = _Gnorm()
+            if gnorm is not None:
+                core, z, nw, eps = gnorm
+                gn = _Gnorm(core.data_ptr(), z.data_ptr(), nw.data_ptr(), core.stride(1), z.stride(1), eps, 1)
+            args.append(gn)
         params = self.launch_mod.kernel_params(args)
         cfg = _Config()
-        k = w.shape[1]
         cfg.grid[:] = (min(self.sms, N * k // 32768), 1, 1)  # 32 KB chunks: 16 rows of K = 2048, 8 of 4096
         cfg.block[:] = (self.threads, 1, 1)
         cfg.smem = self.smem[k]
@@ -184,3 +211,13 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, 
     kernel = _kernel(x.device)
     assert kernel is not None, "project() without wanted()"
     kernel(x, w, s, y, conv)
+
+
+def project_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                  s: torch.Tensor, y: torch.Tensor) -> None:
+    """y [1, N] = gated_rms_norm(core, z, norm_weight, eps) @ dequant(w, s)^T on gemv.cu's K = 4,096 form, the norm
+    computed in its x prologue (the caller checked `wanted_gnorm`)."""
+    assert y.is_contiguous() and y.shape == (1, w.shape[0]) and y.dtype == torch.bfloat16, (y.shape, y.dtype)
+    kernel = _kernel(core.device)
+    assert kernel is not None, "project_gnorm() without wanted_gnorm()"
+    kernel(core, w, s, y, None, (core, z, norm_weight, eps))
