@@ -177,9 +177,10 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
                            w * (n_lin * ((not wg_conv) * in_proj + (not gnorm) * out_proj)
                                 + n_full * ((not wg) * qkv + (not wg_wide) * o_proj))
                            + (not fused) * L * router),
+        # (before "gemv_e4m3", its name's prefix: floor_table takes the first key found in a kernel's name)
         "gemv_e4m3_k4096": ("FP8 wgmma projections at K = 4,096: " + "o_proj" * wg_wide
                             + " + " * (wg_wide and wg_gnorm) + "gated norm + out_proj" * wg_gnorm,
-                            w * (wg_wide * n_full * o_proj + wg_gnorm * n_lin * out_proj)),  # (before its prefix)
+                            w * (wg_wide * n_full * o_proj + wg_gnorm * n_lin * out_proj)),
         "gemv_e4m3": ("FP8 wgmma projections: qkv" + (" + in_proj" if wg_conv else ""),
                       w * (wg * n_full * qkv + wg_conv * n_lin * in_proj)),
         "_add_rms_norm_router_kernel": ("add + RMSNorm + MoE router", L * router),

@@ -1,6 +1,6 @@
-"""mega/gemv.cu's outputs do not depend on its ring's slot count (METAINFER_WGMMA_GEMV_SLOTS): run once per count in
-fresh processes, each saving the attention-qkv-shaped projection, the in_proj with its conv epilogue and the
-updated conv state; --compare checks that the saved files are bit-identical.
+"""mega/gemv.cu's outputs do not depend on its ring's slot count (METAINFER_WGMMA_GEMV_SLOTS): run once per
+count in fresh processes, each saving the attention-qkv-shaped projection, the in_proj with its conv epilogue
+and the updated conv state; --compare checks that the saved files are bit-identical.
 
     METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=6 python benchmarks/gemv_slots_check.py $OUT/y6.pt
     python benchmarks/gemv_slots_check.py --compare $OUT/y6.pt $OUT/y4.pt

@@ -396,7 +396,9 @@ __global__ void __launch_bounds__(32 * (NCW + 1), 1)
 
 // ---- the same stages as one launch each, chained by PDL (see the header) -------------------------------------
 __device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void gdc_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void gdc_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 constexpr int PDL_PRE = 1;    // flags: the producer loads before griddepcontrol.wait (else after it)
 constexpr int PDL_EARLY = 2;  // flags: dependents released at entry (else after the consumers' wait)
@@ -942,7 +944,8 @@ int main(int argc, char** argv) {
       auto add = [&](Result r) { res.push_back(r); };
       if (c == 0) {  // no arithmetic: the chain's transitions and the stream
         add(run_pdl<6, 8, 0, 1>("pdl no-compute 6 slots, no PDL", 0, 0, n_stages, done, total_b, n_sm, stages));
-        add(run_pdl<3, 8, 0, 2>("pdl no-compute 3 slots, late, wait first", 1, 0, n_stages, done, total_b, n_sm, stages));
+        add(run_pdl<3, 8, 0, 2>("pdl no-compute 3 slots, late, wait first", 1, 0, n_stages, done, total_b, n_sm,
+                                stages));
         add(run_pdl<3, 8, 0, 2>("pdl no-compute 3 slots, late, preload", 1, P, n_stages, done, total_b, n_sm, stages));
         add(run_pdl<3, 8, 0, 2>("pdl no-compute 3 slots, early, preload", 1, P | E, n_stages, done, total_b, n_sm,
                                 stages));

@@ -675,7 +675,7 @@ def gated_norm_linear(
     T, Hv, D = core.shape
     N, K = weight.shape
     fp8 = scale_inv is not None
-    if fp8 and gemv.wanted_gnorm(core, z, norm_weight, weight, scale_inv):  # one token on gemv.cu (not yet run)
+    if fp8 and gemv.wanted_gnorm(core, z, norm_weight, weight, scale_inv):  # on gemv.cu (off; not yet run)
         y = torch.empty(T, N, dtype=core.dtype, device=core.device)
         gemv.project_gnorm(core, z, norm_weight, eps, weight, scale_inv, y)
         return y

@@ -1,10 +1,10 @@
-"""The FP8 wgmma projection of one token (metainfer/kernels/mega/gemv.cu, KB-0094) on the H200 (skipped without an
-sm_90 GPU and nvcc): against a float64 reference of the dequantised weights, against the Triton path it replaces
-(`fp8_linear` with the switch off), inside a CUDA graph, and in a PDL chain after a Triton kernel that writes its
-input (the wait before reading x).
+"""The FP8 wgmma projection of one token (metainfer/kernels/mega/gemv.cu, KB-0094) on the H200 (skipped
+without an sm_90 GPU and nvcc): against a float64 reference of the dequantised weights, against the Triton
+path it replaces (`fp8_linear` with the switch off), inside a CUDA graph, and in a PDL chain after a Triton
+kernel that writes its input (the wait before reading x).
 
-Tolerance (relative RMSE): 5e-3 against float64 (bf16 outputs: 2^-9 rounding; x's two e4m3 terms are exact for bf16
-down to 2^-9 of each 128-column block's largest), 8e-3 against the Triton path (both rounded to bf16)."""
+Tolerance (relative RMSE): 5e-3 against float64 (bf16 outputs: 2^-9 rounding; x's two e4m3 terms are exact for
+bf16 down to 2^-9 of each 128-column block's largest), 8e-3 against the Triton path (both rounded to bf16)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_matches_float64_and_the_triton_path(n, monkeypatch):
 
 @pytest.mark.parametrize("n", [8, 136, 2048])
 def test_k4096_matches_float64_and_the_triton_path(n, monkeypatch):
-    """K = 4,096 (8-row chunks, wgmma m64n16k32; the attention o_proj), served with METAINFER_WGMMA_GEMV_K4096=1."""
+    """K = 4,096 (8-row chunks, wgmma m64n16k32; the attention o_proj), with METAINFER_WGMMA_GEMV_K4096=1."""
     x, w, s = _problem(n, seed=3, k=gemv.K_WIDE)
     monkeypatch.setenv(gemv.ENV, "1")
     monkeypatch.delenv(gemv.K4096_ENV, raising=False)
@@ -69,8 +69,9 @@ def test_k4096_matches_float64_and_the_triton_path(n, monkeypatch):
 
 
 def test_gated_norm_out_proj(monkeypatch):
-    """The DeltaNet out_proj with its gated RMSNorm as the K = 4,096 form's x prologue (METAINFER_WGMMA_GEMV_GNORM=1),
-    against float64 (the bf16 norm from reference.gated_rms_norm) and the Triton `gated_norm_linear`."""
+    """The DeltaNet out_proj with its gated RMSNorm as the K = 4,096 form's x prologue
+    (METAINFER_WGMMA_GEMV_GNORM=1), against float64 (the bf16 norm from reference.gated_rms_norm) and the
+    Triton `gated_norm_linear`."""
     from metainfer.kernels import reference, weight_stream
 
     _, w, s = _problem(2048, seed=4, k=gemv.K_WIDE)
@@ -101,8 +102,8 @@ def test_not_wanted_off_its_shapes(monkeypatch):
 
 
 def test_graph_replay_and_pdl_chain(monkeypatch):
-    """An RMSNorm (Triton, PDL) writes x, the projection reads it: eager, then captured in a graph and replayed
-    with a new input; the same bits both ways."""
+    """An RMSNorm (Triton, PDL) writes x, the projection reads it: eager, then captured in a graph and
+    replayed with a new input; the same bits both ways."""
     monkeypatch.setenv(gemv.ENV, "1")
     _, w, s = _problem(9216, seed=1)
     src = torch.randn(1, gemv.K, device="cuda").to(torch.bfloat16)
@@ -125,8 +126,9 @@ def test_graph_replay_and_pdl_chain(monkeypatch):
 
 @pytest.mark.parametrize("has", [True, False])
 def test_conv_epilogue_matches_the_triton_path(has, monkeypatch):
-    """The DeltaNet in_proj with its decode conv (`linear_conv_update`): output and conv state against the Triton
-    kernel's epilogue (both bf16; the projections' sums differ in order, so a bf16 step here and there)."""
+    """The DeltaNet in_proj with its decode conv (`linear_conv_update`): output and conv state against the
+    Triton kernel's epilogue (both bf16; the projections' sums differ in order, so a bf16 step here and
+    there)."""
     from metainfer.kernels import weight_stream
 
     C, S = 8192, 5
@@ -146,5 +148,5 @@ def test_conv_epilogue_matches_the_triton_path(has, monkeypatch):
     assert rel_rmse(got[:, :C].float(), want[:, :C].float()) < 8e-3  # the conv's columns
     assert rel_rmse(got[:, C:].float(), want[:, C:].float()) < 8e-3  # z, b, a: the projection alone
     assert rel_rmse(state.float(), ref_state.float()) < 8e-3
-    assert torch.equal(state[:3], ref_state[:3]) and torch.equal(state[4:], ref_state[4:])  # other slots untouched
+    assert torch.equal(state[:3], ref_state[:3]) and torch.equal(state[4:], ref_state[4:])  # other slots
     assert torch.equal(state[3, :2], ref_state[3, :2])  # the shifted rows: copies (zeros without a state)

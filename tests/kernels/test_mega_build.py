@@ -75,7 +75,7 @@ def test_build_refuses_what_is_not_one_define():
 
 
 def test_gemv_builds_without_spills(tmp_path, monkeypatch):
-    """gemv.cu (the standalone FP8 projection on the same consumers, KB-0094) builds into its own cached cubin,
+    """gemv.cu (the standalone FP8 projection on the same consumers, KB-0094) builds into its own cubin,
     its kernel with no stack frame and no spills."""
     monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path / "cache"))
     out = launch.build(main="gemv.cu")

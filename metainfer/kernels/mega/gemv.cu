@@ -199,7 +199,8 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
         const uint32_t slot = it % NS;
         mbar_wait(&empty[slot], ((it / NS) & 1) ^ 1);
         mbar_expect_tx(&full[slot], CHUNK + NB * 4);
-        for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, c * 64, &full[slot]);
+        for (int kb = 0; kb < SEG / 128; ++kb)
+          tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, c * 64, &full[slot]);
         bulk_load(wsc + slot * NB, ws + (size_t)(c * ROWS / 128) * NB, NB * 4, &full[slot]);
       }
     }

@@ -4,14 +4,14 @@ programmatic-dependent-launch chain. Its producer streams the weights before `gr
 load while the previous kernel runs. KB-0092 measured the form on the step's skeleton: a small launch plus
 in_proj's 25 MB in 10.0 us, qkv's 19 MB in 8.8 us (the Triton path: 11.3-12.6 / 9.5-12.3 us).
 
-`fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps the
-Triton kernels): an sm_90 GPU with nvcc on PATH (built once like the megakernel: `launch.build(main="gemv.cu")`),
-K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8 batch 1 +2 %, KB-0094); K = 4096 (the
-attention o_proj) only with METAINFER_WGMMA_GEMV_K4096=1 (built, not yet run on a GPU).
-`linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with its decode conv as the
-epilogue, only with METAINFER_WGMMA_GEMV_CONV=1 (measured no faster than the Triton kernel). Launched through
-the driver on the current torch stream with the programmatic-stream-serialization attribute when
-`pdl.enabled()`; CUDA graphs record it like any kernel.
+`fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps
+the Triton kernels): an sm_90 GPU with nvcc on PATH (built once like the megakernel:
+`launch.build(main="gemv.cu")`), K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8
+batch 1 +2 %, KB-0094); K = 4096 (the attention o_proj) only with METAINFER_WGMMA_GEMV_K4096=1 (built, not yet
+run on a GPU). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with its decode
+conv as the epilogue, only with METAINFER_WGMMA_GEMV_CONV=1 (measured no faster than the Triton kernel).
+Launched through the driver on the current torch stream with the programmatic-stream-serialization attribute
+when `pdl.enabled()`; CUDA graphs record it like any kernel.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch
 from metainfer.kernels import pdl
 from metainfer.kernels.common import env_int
 
-ENV = "METAINFER_WGMMA_GEMV"  # "0": the FP8 projections of one token stay on the Triton kernels
-CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "1": the DeltaNet in_proj (conv epilogue) too (measured no faster: off)
-SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 6): the same outputs, other smem
-K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; built 2026-12-04d, not yet run on a GPU)
-GNORM_ENV = "METAINFER_WGMMA_GEMV_GNORM"  # "1": the DeltaNet out_proj with its gated norm (K = 4,096; not yet run)
+ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
+CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "1": the DeltaNet in_proj too (conv epilogue; no faster yet)
+SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 6): same outputs
+K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; not yet run on a GPU)
+GNORM_ENV = "METAINFER_WGMMA_GEMV_GNORM"  # "1": the DeltaNet out_proj + its gated norm (not yet run)
 K = 2048  # the K served by default; K_WIDE with K4096_ENV
 K_WIDE = 4096
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
@@ -78,7 +78,8 @@ def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
     N, k = w.shape
     k_ok = (k == K and N % 16 == 0) or (k == K_WIDE and N % 8 == 0 and os.environ.get(K4096_ENV, "0") == "1")
     return (k_ok and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and w.data_ptr() % 16 == 0 and s.is_contiguous() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and w.data_ptr() % 16 == 0 and s.is_contiguous()
+            and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and _kernel(x.device) is not None)
 
 
@@ -86,23 +87,28 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
                 conv_state: torch.Tensor, slots: torch.Tensor) -> bool:
     """`wanted`, with the DeltaNet decode conv of one decoding row as the epilogue (`project`'s conv)."""
     C, ck = conv_weight.shape
-    return (os.environ.get(CONV_ENV, "0") == "1" and w.shape[1] == K and wanted(x, w, s) and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
+    return (os.environ.get(CONV_ENV, "0") == "1" and w.shape[1] == K and wanted(x, w, s)
+            and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
             and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
 
 
 def wanted_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor,
                  s: torch.Tensor) -> bool:
-    """Whether `project` serves gated_rms_norm(core, z) @ dequant(w, s)^T for one token (`gated_norm_linear`): its
-    switch, 32 heads of 128 in bf16 (norm weight too), w [N, 4096] e4m3 with N a multiple of 8."""
-    if os.environ.get(GNORM_ENV, "0") != "1" or not enabled() or not core.is_cuda or core.shape != (1, 32, 128):
+    """Whether `project_gnorm` serves gated_rms_norm(core, z) @ dequant(w, s)^T for one token
+    (`gated_norm_linear`): its switch, 32 heads of 128 in bf16 (norm weight too), w [N, 4096] e4m3, N a
+    multiple of 8."""
+    if os.environ.get(GNORM_ENV, "0") != "1" or not enabled() or not core.is_cuda:
+        return False
+    if core.shape != (1, 32, 128):
         return False
     N, k = w.shape
     return (k == K_WIDE and N % 8 == 0 and N <= MAX_N and z.shape == core.shape
             and core.dtype == z.dtype == norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous()
             and core.stride(2) == z.stride(2) == 1 and core.stride(1) % 4 == 0 and z.stride(1) % 4 == 0
             and all(t.data_ptr() % 8 == 0 for t in (core, z, norm_weight)) and w.data_ptr() % 16 == 0
-            and s.is_contiguous() and os.environ.get("TRITON_INTERPRET", "0") != "1" and _kernel(core.device) is not None)
+            and s.is_contiguous() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and _kernel(core.device) is not None)
 
 
 class _Kernel:
@@ -127,17 +133,19 @@ class _Kernel:
         out = torch.zeros(5, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
-                 ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args), None)
+                 ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args),
+                 None)
         self.threads, smem, smem_wide, conv, gnorm = out.tolist()
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Gnorm))
         if (self.threads, conv, gnorm) != want:
-            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, gnorm) = {want}")
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, gnorm) "
+                               f"= {want}")
         self.smem = {K: smem, K_WIDE: smem_wide}
         for k, fn in self.fns.items():  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             self.drv("cuFuncSetAttribute", fn, 8, self.smem[k])
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address with the
-        # same shape gets the same bytes back (the launch copies them into its parameters)
+        # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
+        # with the same shape gets the same bytes back (the launch copies them into its parameters)
         self.maps: dict[tuple[int, int, int], ctypes.Array] = {}
 
     def tensor_map(self, w: torch.Tensor) -> ctypes.Array:
@@ -158,24 +166,25 @@ class _Kernel:
             cv = _Conv(cw.data_ptr(), cstate.data_ptr(), slots.data_ptr(), has.data_ptr(), cstate.stride(0),
                        cstate.stride(1), cw.shape[0])
         k = w.shape[1]
-        args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()),
-                ctypes.c_int(N), cv]
+        args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+                ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv]
         if k == K_WIDE:
             gn = _Gnorm()
             if gnorm is not None:
                 core, z, nw, eps = gnorm
-                gn = _Gnorm(core.data_ptr(), z.data_ptr(), nw.data_ptr(), core.stride(1), z.stride(1), eps, 1)
+                gn = _Gnorm(core.data_ptr(), z.data_ptr(), nw.data_ptr(), core.stride(1), z.stride(1), eps,
+                            1)
             args.append(gn)
         params = self.launch_mod.kernel_params(args)
         cfg = _Config()
-        cfg.grid[:] = (min(self.sms, N * k // 32768), 1, 1)  # 32 KB chunks: 16 rows of K = 2048, 8 of 4096
+        cfg.grid[:] = (min(self.sms, N * k // 32768), 1, 1)  # 32 KB chunks: 16 rows of K 2048, 8 of 4096
         cfg.block[:] = (self.threads, 1, 1)
         cfg.smem = self.smem[k]
         cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
         attr = _Attr(id=_PDL_ATTR)
         attr.value.val = 1
         cfg.attrs = ctypes.pointer(attr)
-        cfg.n_attrs = int(pdl.enabled())  # without PDL: stream order, as the kernel's wait then returns at once
+        cfg.n_attrs = int(pdl.enabled())  # without PDL: stream order (the kernel's wait returns at once)
         self.drv("cuLaunchKernelEx", ctypes.byref(cfg), self.fns[k], params, None)
 
 
@@ -183,9 +192,9 @@ _KERNELS: dict[torch.device, _Kernel | None] = {}
 
 
 def _kernel(device: torch.device) -> _Kernel | None:
-    """The device's loaded kernel, built at the first call (outside a graph capture: one that finds it unbuilt
-    runs the Triton kernel this time); None where it cannot run (before sm_90, no nvcc, a failed build: then
-    the Triton kernels serve, with one warning)."""
+    """The device's loaded kernel, built at the first call (outside a graph capture: one that finds it
+    unbuilt runs the Triton kernel this time); None where it cannot run (before sm_90, no nvcc, a failed
+    build: then the Triton kernels serve, with one warning)."""
     dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if dev in _KERNELS:
         return _KERNELS[dev]
@@ -201,7 +210,8 @@ def _kernel(device: torch.device) -> _Kernel | None:
     return kernel
 
 
-def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, conv: tuple | None = None) -> None:
+def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
+            conv: tuple | None = None) -> None:
     """y [1, N] bf16 = x [1, k] bf16 @ dequant(w [N, k], s)^T on gemv.cu, k = K or K_WIDE (the caller checked
     `wanted`). conv (K only) =
     (conv_weight [C, 4], conv_state [S, 3, C], slots [1] int64, has_state [1] bool), checked by `wanted_conv`:
@@ -215,8 +225,8 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, 
 
 def project_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
                   s: torch.Tensor, y: torch.Tensor) -> None:
-    """y [1, N] = gated_rms_norm(core, z, norm_weight, eps) @ dequant(w, s)^T on gemv.cu's K = 4,096 form, the norm
-    computed in its x prologue (the caller checked `wanted_gnorm`)."""
+    """y [1, N] = gated_rms_norm(core, z, norm_weight, eps) @ dequant(w, s)^T on gemv.cu's K = 4,096 form,
+    the norm computed in its x prologue (the caller checked `wanted_gnorm`)."""
     assert y.is_contiguous() and y.shape == (1, w.shape[0]) and y.dtype == torch.bfloat16, (y.shape, y.dtype)
     kernel = _kernel(core.device)
     assert kernel is not None, "project_gnorm() without wanted_gnorm()"
