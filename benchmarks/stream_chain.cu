@@ -656,6 +656,31 @@ static double check_down(const std::vector<Stage>& stages, int n_stages, int COM
   return std::sqrt(num / den);
 }
 
+// the median over g_reps runs (the first 2 dropped as warm-up) of launch() on `stream`, timed by events, each
+// after prepare() (untimed)
+template <class Prepare, class Launch>
+static double median_ms(cudaStream_t stream, Prepare prepare, Launch launch) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < g_reps; ++rep) {
+    prepare();
+    CK(cudaEventRecord(a, stream));
+    launch();
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (rep >= 2 || g_reps < 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return ms[ms.size() / 2];
+}
+
 template <int CH_ROWS, int NSLOTS, int NCW, int COMPUTE = 1, int XS = 1, int XCH = 0>
 Result run(const char* name, int mode, int n_stages, uint32_t* done, double total_bytes, int n_sm,
            const std::vector<Stage>& stages, uint32_t lead = 0, uint32_t lead_wait = 0) {
@@ -669,26 +694,16 @@ Result run(const char* name, int mode, int n_stages, uint32_t* done, double tota
     fprintf(stderr, "%s: does not fit on an SM\n", name);
     exit(1);
   }
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < g_reps; ++rep) {
+  uint32_t tag = 0;
+  const auto prepare = [&] {
     CK(cudaMemset(done, 0, MAX_STAGES * PAD * sizeof(uint32_t)));
     if (COMPUTE == 2) CK(cudaMemset(g_ybuf, 0, g_ysz * sizeof(float)));  // the rows are summed by atomics
-    uint32_t tag = ++g_launch * 1024u;
+    tag = ++g_launch * 1024u;
+  };
+  const double med = median_ms(0, prepare, [&] {
     void* args[] = {&n_stages, &done, &mode, &lead, &lead_wait, &tag};
-    CK(cudaEventRecord(a));
     CK(cudaLaunchCooperativeKernel((void*)kern, dim3(n_sm), dim3(32 * (NCW + 1)), args, smem, 0));
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaGetLastError());
-    float t;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (rep >= 2 || g_reps < 3) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double med = ms[ms.size() / 2];
+  });
   const double err = mode != 1 && COMPUTE ? check_down(stages, n_stages, COMPUTE, XCH) : -1;
   return Result{name, mode, CH_ROWS, NSLOTS, NCW, COMPUTE, med, total_bytes / (med * 1e-3) / 1e9, err};
 }
@@ -763,22 +778,7 @@ Result run_pdl(const char* name, int pdl, int flags, int n_stages, uint32_t* don
   CK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < g_reps; ++rep) {
-    CK(cudaEventRecord(a, stream));
-    CK(cudaGraphLaunch(exec, stream));
-    CK(cudaEventRecord(b, stream));
-    CK(cudaEventSynchronize(b));
-    CK(cudaGetLastError());
-    float t;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (rep >= 2 || g_reps < 3) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double med = ms[ms.size() / 2];
+  const double med = median_ms(stream, [] {}, [&] { CK(cudaGraphLaunch(exec, stream)); });
   const double err = COMPUTE ? check_down(stages, n_stages, 4, false) : -1;  // (5: the same sums, x in two terms)
   CK(cudaGraphExecDestroy(exec));
   CK(cudaGraphDestroy(graph));
