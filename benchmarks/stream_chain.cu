@@ -428,6 +428,20 @@ __device__ __forceinline__ void producer_gate(const Stage& st, int s, int flags,
   else if (st.dep >= 0 && (flags & PDL_EARLY)) wait_count(&done[st.dep * PAD], n_cta);
 }
 
+// the producer's loop: its gate, then this CTA's chunks (c = blockIdx.x + i gridDim.x) into the ring's slots in turn,
+// load(c, slot) issuing each chunk's copies on full[slot] once the slot is free
+template <class Load>
+__device__ __forceinline__ void produce(const Stage& st, int s, int flags, const uint32_t* done, int n_chunks,
+                                        uint64_t* empty, int nslots, Load load) {
+  producer_gate(st, s, flags, done, gridDim.x);
+  uint32_t it = 0;
+  for (int c = blockIdx.x; c < n_chunks; c += gridDim.x, ++it) {
+    const uint32_t slot = it % nslots;
+    mbar_wait(&empty[slot], ((it / nslots) & 1) ^ 1);
+    load(c, slot);
+  }
+}
+
 // stage s: 16-row chunks, chunk c on CTA c % gridDim.x; COMPUTE 0 (the consumers stage x, then only wait for
 // each chunk and release it) or 4 (the W8A16 dots of chain_kernel's COMPUTE 4, rows summed in shared memory)
 template <int NSLOTS, int NCW, int COMPUTE, int MINB>
@@ -449,15 +463,11 @@ __global__ void __launch_bounds__(32 * (NCW + 1), MINB) stage_kernel(int s, uint
   stage_start(full, empty, NSLOTS, NCW, red_cnt, early);
   if (warp == 0) {  // producer
     if (lane == 0) {
-      producer_gate(st, s, flags, done, n_cta);
-      uint32_t it = 0;
-      for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
-        const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
-        mbar_wait(&empty[slot], (rnd & 1) ^ 1);
+      produce(st, s, flags, done, n_chunks, empty, NSLOTS, [&](int c, uint32_t slot) {
         const int rows = min(CH_ROWS, st.rows - c * CH_ROWS);
         mbar_expect_tx(&full[slot], rows * K);
         bulk_load(ring + slot * CHUNK, st.w + (size_t)c * CHUNK, rows * K, &full[slot]);
-      }
+      });
     }
     return;
   }
@@ -513,16 +523,12 @@ __global__ void __launch_bounds__(mega::NT, MINB) stage_kernel_wg(const CUtensor
   stage_start(full, empty, NSLOTS, 4, nullptr, early);  // (a chunk's warpgroup releases it)
   if (warp == mega::NCW) {  // producer
     if (lane == 0) {
-      producer_gate(st, s, flags, done, n_cta);
-      uint32_t it = 0;
-      for (int c = blockIdx.x; c < n_chunks; c += n_cta, ++it) {
-        const uint32_t slot = it % NSLOTS, rnd = it / NSLOTS;
-        mbar_wait(&empty[slot], (rnd & 1) ^ 1);
+      produce(st, s, flags, done, n_chunks, empty, NSLOTS, [&](int c, uint32_t slot) {
         mbar_expect_tx(&full[slot], CHUNK + 64);  // (a last chunk's box past the rows lands zeros, counted)
-        for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, &maps[s], kb * 128, c * 64,
-                                                      &full[slot]);
+        for (int kb = 0; kb < SEG / 128; ++kb)
+          tma_2d(ring + slot * CHUNK + kb * 8192, &maps[s], kb * 128, c * 64, &full[slot]);
         bulk_load(wsc + slot * 16, st.ws + (c * 16 / 128) * (K / 128), 64, &full[slot]);
-      }
+      });
     }
     return;
   }
