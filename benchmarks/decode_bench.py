@@ -169,7 +169,7 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
     fused = batch <= norm.router_max_t()  # the router in the post-attention norm's launch (else a projection)
     gnorm = batch <= ws.gnorm_max_t()  # the DeltaNet out_proj with its gated norm (else a projection)
     wg = fp8 and batch == 1 and gemv.enabled()  # the qkv on mega/gemv.cu (KB-0094)
-    wg_conv = wg and os.environ.get(gemv.CONV_ENV, "0") == "1"  # and the DeltaNet in_proj
+    wg_conv = wg and os.environ.get(gemv.CONV_ENV, "1") != "0"  # and the DeltaNet in_proj
     wg_wide = wg and os.environ.get(gemv.K4096_ENV, "0") == "1"  # and the attention o_proj
     wg_gnorm = wg and gnorm and os.environ.get(gemv.GNORM_ENV, "0") == "1"  # and the DeltaNet out_proj
     return {

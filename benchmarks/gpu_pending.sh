@@ -147,6 +147,7 @@
 #   wgwide - (built 2026-12-04d, not run) mega/gemv.cu at K = 4,096 (wgmma m64n16k32): the attention o_proj
 #            (METAINFER_WGMMA_GEMV_K4096=1) and the DeltaNet out_proj with its gated norm (METAINFER_WGMMA_GEMV_GNORM=1):
 #            its GPU tests, FP8 batch-1 decode off / o_proj / both alternating x REPS (3), then the oracle with both, ~8 min
+#   wgall  - wgslots + wgwide in one call (tests, qkv / c4 / wide / all x REPS 2, the oracle with all, a profile)
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -775,6 +776,25 @@ if has wgwide; then
   METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1 timeout 200 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgwide.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has wgall; then  # wgslots + wgwide in one call: gemv GPU tests, then FP8 batch 1 with qkv (default) / in_proj at
+  # 4 slots / o_proj + out_proj (K = 4,096) / all of them at 4 slots, alternating x REPS (2), the oracle with all of
+  # them (WG_ALL), then a PDL-off profile with them if the call has time, ~9 min
+  WG_ALL=${WG_ALL:-"METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4 METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1"}
+  timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
+  for r in $(seq ${REPS:-2}); do
+    for m in qkv c4 wide all; do
+      case $m in qkv) e="METAINFER_WGMMA_GEMV=1";; c4) e="METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4";;
+        wide) e="METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1";; all) e="$WG_ALL";; esac
+      (( SECONDS > ${WG_STOP:-380} )) && break 2
+      env $e timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
+        --out $OUT/wgall_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$m $r] /"
+    done
+  done
+  env $WG_ALL timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgall.json 2>&1 | grep -E "verdict" | head -1
+  (( SECONDS < 500 )) && env $WG_ALL METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1 \
+    --gen 32 --out $OUT/wgall_prof 2>&1 | grep -E "^\|" | head -40
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \

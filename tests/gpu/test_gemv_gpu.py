@@ -141,9 +141,8 @@ def test_conv_epilogue_matches_the_triton_path(has, monkeypatch):
     monkeypatch.setenv(gemv.ENV, "0")
     want = weight_stream.linear_conv_update(x, w, s, cw, ref_state, slots, has_state)
     monkeypatch.setenv(gemv.ENV, "1")
-    assert not gemv.wanted_conv(x, w, s, cw, state, slots)  # off by default (no faster in the engine)
-    monkeypatch.setenv(gemv.CONV_ENV, "1")
-    assert gemv.wanted_conv(x, w, s, cw, state, slots)
+    monkeypatch.delenv(gemv.CONV_ENV, raising=False)
+    assert gemv.wanted_conv(x, w, s, cw, state, slots)  # on by default (KB-0095)
     got = weight_stream.linear_conv_update(x, w, s, cw, state, slots, has_state)
     assert rel_rmse(got[:, :C].float(), want[:, :C].float()) < 8e-3  # the conv's columns
     assert rel_rmse(got[:, C:].float(), want[:, C:].float()) < 8e-3  # z, b, a: the projection alone

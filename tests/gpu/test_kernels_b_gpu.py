@@ -428,7 +428,9 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
     (METAINFER_FUSED_CONV=0): the same projection bits outside the convolved block, rel RMSE < 1e-2
     inside it and on the updated states."""
     from metainfer.kernels import weight_stream as ws
+    from metainfer.kernels.mega import gemv
 
+    monkeypatch.setenv(gemv.CONV_ENV, "0")  # one FP8 token goes to gemv.cu by default (test_gemv_gpu.py)
     g = torch.Generator(device="cuda").manual_seed(60 + T)
     x = torch.randn(T, 2048, device="cuda", generator=g).bfloat16()
     cw = (torch.randn(8192, 4, device="cuda", generator=g) * 0.5).bfloat16()

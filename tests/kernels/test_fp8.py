@@ -605,7 +605,7 @@ def test_aligned_linear_on_an_inference_tensor():
 
 def test_wgmma_gemv_switch(monkeypatch):
     """mega/gemv.cu serves one CUDA token only (tests/gpu/test_gemv_gpu.py runs it): on the CPU, and with the
-    switch off, fp8_linear keeps its Triton path; the conv epilogue variant is off by default."""
+    switch off, fp8_linear keeps its Triton path; the conv epilogue variant likewise."""
     from metainfer.kernels.mega import gemv
 
     x = torch.zeros(1, gemv.K, dtype=torch.bfloat16)

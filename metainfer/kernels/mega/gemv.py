@@ -7,9 +7,10 @@ in_proj's 25 MB in 10.0 us, qkv's 19 MB in 8.8 us (the Triton path: 11.3-12.6 / 
 `fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps
 the Triton kernels): an sm_90 GPU with nvcc on PATH (built once like the megakernel:
 `launch.build(main="gemv.cu")`), K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8
-batch 1 +2 %, KB-0094); K = 4096 (the attention o_proj) only with METAINFER_WGMMA_GEMV_K4096=1 (built, not yet
-run on a GPU). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with its decode
-conv as the epilogue, only with METAINFER_WGMMA_GEMV_CONV=1 (measured no faster than the Triton kernel).
+batch 1 +2 %, KB-0094); K = 4096 (the attention o_proj) only with METAINFER_WGMMA_GEMV_K4096=1 (slower than
+the Triton kernels, KB-0095). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with
+its decode conv as the epilogue (METAINFER_WGMMA_GEMV_CONV=0 keeps Triton's): with a ring of 4 slots (128 KB,
+so the next kernel's CTA fits beside it) FP8 batch 1 went 531 -> 541-542 tok/s (KB-0095).
 Launched through the driver on the current torch stream with the programmatic-stream-serialization attribute
 when `pdl.enabled()`; CUDA graphs record it like any kernel.
 """
@@ -28,10 +29,10 @@ from metainfer.kernels import pdl
 from metainfer.kernels.common import env_int
 
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
-CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "1": the DeltaNet in_proj too (conv epilogue; no faster yet)
-SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 6): same outputs
-K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; not yet run on a GPU)
-GNORM_ENV = "METAINFER_WGMMA_GEMV_GNORM"  # "1": the DeltaNet out_proj + its gated norm (not yet run)
+CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
+SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 4): same outputs
+K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; slower, KB-0095)
+GNORM_ENV = "METAINFER_WGMMA_GEMV_GNORM"  # "1": the DeltaNet out_proj + its gated norm (slower, KB-0095)
 K = 2048  # the K served by default; K_WIDE with K4096_ENV
 K_WIDE = 4096
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
@@ -87,7 +88,7 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
                 conv_state: torch.Tensor, slots: torch.Tensor) -> bool:
     """`wanted`, with the DeltaNet decode conv of one decoding row as the epilogue (`project`'s conv)."""
     C, ck = conv_weight.shape
-    return (os.environ.get(CONV_ENV, "0") == "1" and w.shape[1] == K and wanted(x, w, s)
+    return (os.environ.get(CONV_ENV, "1") != "0" and w.shape[1] == K and wanted(x, w, s)
             and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
             and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
@@ -121,7 +122,7 @@ class _Kernel:
         self.launch_mod = launch
         torch.zeros(1, device=device)  # the primary context exists and is current
         self.drv = launch._Driver()
-        slots = env_int(SLOTS_ENV, 6, 2, 6)
+        slots = env_int(SLOTS_ENV, 4, 2, 6)
         self.image = launch.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={slots}",)).read_bytes()
         self.module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
