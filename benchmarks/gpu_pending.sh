@@ -148,6 +148,7 @@
 #            (METAINFER_WGMMA_GEMV_K4096=1) and the DeltaNet out_proj with its gated norm (METAINFER_WGMMA_GEMV_GNORM=1):
 #            its GPU tests, FP8 batch-1 decode off / o_proj / both alternating x REPS (3), then the oracle with both, ~8 min
 #   wgall  - wgslots + wgwide in one call (tests, qkv / c4 / wide / all x REPS 2, the oracle with all, a profile)
+#   wgmoe  - KB-0096: the experts' gate/up on gemv.cu (tests, engine graph test, A/B x2, oracle, profile)
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -558,6 +559,8 @@ if has gnorm; then
 fi
 
 if has final1; then
+  [[ ${FINAL_GEMV:-0} == 1 ]] && timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_kernels_b_gpu.py \
+    -p no:cacheprovider -k "gemv or moe_routed_rows or conv" 2>&1 | tail -2
   timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider -k "pdl_equals or graph_replay_equals_eager" 2>&1 \
     | tee $OUT/gpu_tests_final1.log | tail -2
   for dt in fp8 bfloat16; do
@@ -795,6 +798,26 @@ if has wgall; then  # wgslots + wgwide in one call: gemv GPU tests, then FP8 bat
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgall.json 2>&1 | grep -E "verdict" | head -1
   (( SECONDS < 500 )) && env $WG_ALL METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1 \
     --gen 32 --out $OUT/wgall_prof 2>&1 | grep -E "^\|" | head -40
+fi
+if has wgmoe; then  # KB-0096: one token's experts' gate/up on gemv.cu (METAINFER_WGMMA_GEMV_MOE): gemv GPU tests, the engine's
+  # graph test with it, FP8 batch 1 off / on alternating x REPS (2), the oracle with it, a PDL-off profile with it, ~7 min
+  timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
+  [[ ${WGMOE_ENGINE:-1} == 1 ]] && METAINFER_WGMMA_GEMV_MOE=1 timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py \
+    -p no:cacheprovider -k "graph_replay_equals_eager" 2>&1 | tail -2
+  for r in $(seq ${REPS:-2}); do
+    for m in 0 1; do
+      METAINFER_WGMMA_GEMV_MOE=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+        --no-profile --out $OUT/wgmoe_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[moe $m $r] /"
+    done
+  done
+  [[ ${WGMOE_VERIFY:-1} == 1 ]] && METAINFER_WGMMA_GEMV_MOE=1 timeout 150 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+    --json $OUT/verify_fp8_wgmoe.json 2>&1 | grep -E "verdict" | head -1
+  (( SECONDS < 480 )) && METAINFER_WGMMA_GEMV_MOE=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 \
+    --batches 1 --gen 32 --out $OUT/wgmoe_prof 2>&1 | grep -E "^\| 1 " && python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['profile_bs1'][:14]:
+    print(f\"{r['kernel'][:40]:40s} {r['calls_per_step']:5.0f} {r['us_per_step']:8.1f} us\")" $OUT/wgmoe_prof/decode_bench_fp8.json
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from metainfer.kernels import moe_grouped, pdl, routing
 from metainfer.kernels.common import env_int, load_tuned, upcast_dots, wdot
+from metainfer.kernels.mega import gemv
 
 PAIR_MAX_T = 8
 DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
@@ -200,7 +201,7 @@ def _pair_down_rows_kernel(
 def _routed_down_kernel(
     act_ptr, w_ptr, s_ptr, logits_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn, stride_lt,
     SLOTS: tl.constexpr, ROUTE_K: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
-    I_P2: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
+    I_P2: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, GU: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     """`_pair_down_rows_kernel` for the routed rows path (after `_pair_gate_up_kernel` with
@@ -211,7 +212,9 @@ def _routed_down_kernel(
     reads the pair's activation and reduces on the CUDA cores. y[pair, h-block] fp32.
 
     ROUTE_K = 0: logits_ptr holds the pairs' expert ids [T * SLOTS] int64 instead, written by the
-    route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`)."""
+    route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`).
+    GU: act_ptr holds each pair's gate and up dots in fp32 ([T * SLOTS, 2 I], mega/gemv.cu's
+    `moe_gate_up`), the activation formed here as `_pair_gate_up_kernel` forms it (bf16)."""
     pair = tl.program_id(0)
     t = pair // SLOTS
     if ROUTE_K:
@@ -228,7 +231,12 @@ def _routed_down_kernel(
         s_row = e * stride_se + (tl.program_id(1) * BLOCK_H // 128) * stride_sn
         sc = tl.load(s_ptr + s_row + offs_k // 128, mask=k_mask, other=0.0)
     pdl.wait(USE_PDL)
-    a = tl.load(act_ptr + pair * I + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if GU:
+        g = tl.load(act_ptr + pair * 2 * I + offs_k, mask=k_mask, other=0.0)
+        u = tl.load(act_ptr + pair * 2 * I + I + offs_k, mask=k_mask, other=0.0)
+        a = (g * tl.sigmoid(g) * u).to(tl.bfloat16).to(tl.float32)
+    else:
+        a = tl.load(act_ptr + pair * I + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if FP8:
         a = a * sc
     tl.store(y_ptr + pair * H + offs_h, tl.sum(w.to(tl.float32) * a[None, :], axis=1), mask=h_mask)
@@ -304,21 +312,24 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor)
     return y
 
 
-def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg: dict) -> torch.Tensor:
+def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg: dict,
+                 gu: bool = False) -> torch.Tensor:
     """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits (or,
     top_k = 0, read from the ids [T, slots] passed as logits), weights loaded before the PDL wait
     -> y [T*W, H] fp32. cfg: the pair config; its PRELOAD_BLOCK_H rows per program (default 32) and
     DOWN_WARPS warps (default: the gate/up kernel's; any count picks the same experts, as the
-    routing's picks do not depend on the reduction order: `routing.softmax_topk`)."""
+    routing's picks do not depend on the reduction order: `routing.softmax_topk`). gu: act is
+    [T * slots, 2 I] fp32 gate and up dots (`_routed_down_kernel`'s GU)."""
     H, I = w_down.shape[1], w_down.shape[2]
     P = act.shape[0]
+    assert not gu or (act.dtype == torch.float32 and act.shape[1] == 2 * I), (act.dtype, act.shape)
     E = logits.shape[1] - (slots - top_k) if top_k else 1
     y = torch.empty(P, H, dtype=torch.float32, device=act.device)
     block_h = cfg.get("PRELOAD_BLOCK_H", DOWN_PRELOAD_BLOCK_H)
     _routed_down_kernel[(P, triton.cdiv(H, block_h))](
         act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
-        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)),
+        E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)), GU=int(gu),
         num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
         **pdl.kw(),
     )
@@ -426,9 +437,15 @@ def moe_routed_rows(
     assert w_gate_up.is_contiguous() and w_down.is_contiguous() and w_down.shape[0] == E_w
     assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
     W = top_k + int(shared)
+    cfg = config or pair_config(T, fp8)
+    if (T == 1 and shared and os.environ.get(DOWN_PRELOAD_ENV, "1") != "0"
+            and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, gate_up_scale)):  # KB-0096
+        gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale)
+        y = _routed_down(gu, w_down, _scale_args(down_scale, w_down), router_logits, top_k, W, fp8, cfg,
+                         gu=True)
+        return y.view(T, W, H), tw
     tw = torch.empty(T, W, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, W, dtype=torch.int64, device=x.device)
-    cfg = config or pair_config(T, fp8)
     assert not fp8 or (128 % cfg["BLOCK_K"] == 0 and 128 % cfg["BLOCK_H"] == 0), cfg
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg,
                         route=(router_logits, top_k, tw))

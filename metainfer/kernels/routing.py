@@ -23,28 +23,30 @@ def softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr, 
     ties). -> (probabilities of the picks [K_P2], their experts [K_P2] int32), in pick order.
     CG: load past L1 (logits written by other programs of the same launch).
 
-    The rounds run on the numerators exp(logit - max), not the probabilities: they need no sum, so
-    the picks do not depend on the reduction order (a kernel's warp count) and do not wait for the
-    sum, which only scales the picks' values at the end. The picks are the probabilities' except
-    where dividing by the sum rounds two different numerators to one probability (the larger
-    numerator is picked first here, the lower index there)."""
+    The rounds run on the logits themselves, not the probabilities: exp is monotonic, so the picks
+    are the probabilities' except where exp or the division by the sum rounds two different logits
+    to one probability (the larger logit is picked first here, the lower index there). They need no
+    exp and no sum, so they depend on no reduction order (a kernel's warp count) and no exp
+    implementation: mega/gemv.cu's routing (`route_topk`) ranks the same logits the same way, so
+    its picks and this kernel's agree bit for bit (KB-0096)."""
     offs = tl.arange(0, E_P2)
     if CG:
         logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf"), cache_modifier=".cg")
     else:
         logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf"))
     logit = logit.to(tl.float32)
-    num = tl.exp(logit - tl.max(logit, axis=0))
-    e = tl.where(offs < E, num, -1.0)
+    mx = tl.max(logit, axis=0)
+    num = tl.exp(logit - mx)
+    e = logit + 0.0  # -0.0 as +0.0 (equal anyway under ==: the tie rule sees them as one value)
     slot = tl.arange(0, K_P2)
-    vals = tl.zeros((K_P2,), tl.float32)
+    vals = tl.full((K_P2,), -float("inf"), tl.float32)  # (slots past n_pick: probability 0)
     idx = tl.zeros((K_P2,), tl.int32)
     for j in range(0, n_pick):  # one reduction per pick: the max and its (lowest) index together
         top, best = tl.max(e, axis=0, return_indices=True, return_indices_tie_break_left=True)
         vals = tl.where(slot == j, top, vals)
         idx = tl.where(slot == j, best, idx)
-        e = tl.where(offs == best, -1.0, e)
-    return vals / tl.sum(num, axis=0), idx
+        e = tl.where(offs == best, -float("inf"), e)
+    return tl.exp(vals - mx) / tl.sum(num, axis=0), idx
 
 
 @triton.jit

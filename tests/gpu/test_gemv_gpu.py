@@ -149,3 +149,74 @@ def test_conv_epilogue_matches_the_triton_path(has, monkeypatch):
     assert rel_rmse(state.float(), ref_state.float()) < 8e-3
     assert torch.equal(state[:3], ref_state[:3]) and torch.equal(state[4:], ref_state[4:])  # other slots
     assert torch.equal(state[3, :2], ref_state[3, :2])  # the shifted rows: copies (zeros without a state)
+
+
+def _moe_problem(E: int, top_k: int, seed: int, ties: bool, rows: int = 1024):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w, s = quantize_fp8_block(torch.randn(E + 1, rows, gemv.K, generator=g, device="cuda") * 0.05)
+    x = (torch.randn(1, gemv.K, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    if ties:  # few distinct values: exact ties at the picks, and -0.0 beside +0.0
+        logits = torch.randint(-2, 2, (1, E + 1), generator=g, device="cuda").float() * 0.5
+        logits[0, 3] = -0.0
+    else:
+        logits = torch.randn(1, E + 1, generator=g, device="cuda") * 2
+    return x, logits.to(torch.bfloat16), w, s
+
+
+@pytest.mark.parametrize("E,top_k,ties", [(256, 8, False), (256, 8, True), (40, 5, True), (7, 3, False)])
+def test_moe_gate_up_routes_and_projects(E, top_k, ties, monkeypatch):
+    """mega/gemv.cu's experts' gate/up for one token (METAINFER_WGMMA_GEMV_MOE=1): its picks equal the Triton
+    routing's (`routing.route_topk`, ties to the lowest index) exactly, its weights within 1e-5, and each
+    pair's rows (routed in slot order, then the shared expert) against float64 within 5e-3."""
+    from metainfer.kernels import routing
+
+    monkeypatch.setenv(gemv.MOE_ENV, "1")
+    x, logits, w, s = _moe_problem(E, top_k, seed=E + top_k, ties=ties)
+    assert gemv.wanted_moe(x, logits, top_k, w, s)
+    gu, tw, ids = gemv.moe_gate_up(x, logits, top_k, w, s)
+    want_tw, want_ids = routing.route_topk(logits, top_k, shared=True)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(tw, want_tw, rtol=1e-5, atol=1e-7)
+    for j, e in enumerate(ids[0].tolist()):
+        assert rel_rmse(gu[j], _reference(x, w[e], s[e])[0]) < 5e-3
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_moe_routed_rows_on_gemv_equal_the_triton_path(ties, monkeypatch):
+    """`moe_routed_rows` at one token with the gate/up on gemv.cu (the down kernel forms silu(gate) * up from
+    its fp32 dots, routing itself from the same logits) against the Triton gate/up: rows within 8e-3 (bf16
+    activations either side), weights within 1e-5; in a CUDA graph after a Triton norm + router (PDL chain),
+    replay equal to eager bit for bit."""
+    from metainfer.kernels import moe
+
+    E, top_k = 256, 8
+    x, logits, w, s = _moe_problem(E, top_k, seed=11, ties=ties)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    w_dn, s_dn = quantize_fp8_block(torch.randn(E + 1, gemv.K, 512, generator=g, device="cuda") * 0.05)
+    monkeypatch.setenv(gemv.MOE_ENV, "0")
+    want_rows, want_tw = moe.moe_routed_rows(x, logits, top_k, True, w, w_dn, s, s_dn)
+    monkeypatch.setenv(gemv.MOE_ENV, "1")
+    rows, tw = moe.moe_routed_rows(x, logits, top_k, True, w, w_dn, s, s_dn)
+    assert rows.shape == want_rows.shape == (1, top_k + 1, gemv.K)
+    assert rel_rmse(rows, want_rows) < 8e-3
+    assert torch.allclose(tw, want_tw, rtol=1e-5, atol=1e-7)
+
+    src, res = x.clone(), torch.randn_like(x)
+    nw = (1 + 0.1 * torch.randn(gemv.K, device="cuda")).to(torch.bfloat16)
+    router = (torch.randn(E + 1, gemv.K, device="cuda") * 0.05).to(torch.bfloat16)
+
+    def step():
+        h, _, lg = norm.add_rms_norm_router(src, res, nw, 1e-6, router)
+        return moe.moe_routed_rows(h, lg, top_k, True, w, w_dn, s, s_dn)
+
+    assert pdl.enabled()
+    eager = step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    src.copy_(torch.randn_like(src))
+    graph.replay()
+    torch.cuda.synchronize()
+    again = step()
+    assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
+    assert not torch.equal(out[0], eager[0])  # a new input, new rows

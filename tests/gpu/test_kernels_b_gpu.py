@@ -393,8 +393,10 @@ def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8, preload, monkey
     whose reduction order follows each kernel's warps), so rel RMSE < 1e-3. preload "1": the down
     kernel routing itself with its weights loaded before the PDL wait."""
     from metainfer.kernels import moe, norm, routing
+    from metainfer.kernels.mega import gemv
 
     monkeypatch.setenv(moe.DOWN_PRELOAD_ENV, preload)
+    monkeypatch.setenv(gemv.MOE_ENV, "0")  # the Triton gate/up (gemv.cu's: tests/gpu/test_gemv_gpu.py)
     from metainfer.model.fp8 import quantize_fp8_block
 
     g = torch.Generator(device="cuda").manual_seed(40 + T)
@@ -430,7 +432,9 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
     from metainfer.kernels import weight_stream as ws
     from metainfer.kernels.mega import gemv
 
-    monkeypatch.setenv(gemv.CONV_ENV, "0")  # one FP8 token goes to gemv.cu by default (test_gemv_gpu.py)
+    # Triton either way (one FP8 token's projections, the fused conv too, go to gemv.cu by default:
+    # tests/gpu/test_gemv_gpu.py)
+    monkeypatch.setenv(gemv.ENV, "0")
     g = torch.Generator(device="cuda").manual_seed(60 + T)
     x = torch.randn(T, 2048, device="cuda", generator=g).bfloat16()
     cw = (torch.randn(8192, 4, device="cuda", generator=g) * 0.5).bfloat16()

@@ -230,6 +230,17 @@ def test_route_ties_pick_the_lowest_index():
     assert rel_rmse(rows, ref.moe_expert_rows(x, w_gu, w_dn, ids)) < 1e-5
 
 
+def test_route_picks_rank_logits_signed_zeros_tie():
+    """The picks rank the logits (KB-0096): -0.0 and +0.0 are one value (the lowest index first), and a
+    non-power-of-two k leaves no weight in the padding slots."""
+    logits = torch.full((1, 12), -1.0)
+    logits[0, 7], logits[0, 2], logits[0, 9] = -0.0, 0.0, 0.5
+    w, ids = routing.route_topk(logits, 3)
+    assert ids.tolist() == [[9, 2, 7]]
+    p = logits.softmax(-1)[0, [9, 2, 7]]
+    assert torch.allclose(w[0], p / p.sum(), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_moe_pair_down_variants_agree(T):
     x, w_gu, w_dn, tw, ids = _problem(T, seed=5, dtype=F32)

@@ -16,6 +16,13 @@
 //   yet run on a GPU: gemv.py serves it only with METAINFER_WGMMA_GEMV_K4096=1), x as given (the attention o_proj) or
 //   the DeltaNet gated RMSNorm of core and z computed here (the out_proj: stage_gated_x, METAINFER_WGMMA_GEMV_GNORM=1).
 // Each 128-column block's product (its own accumulator chain) times the weight and x block scales, summed in fp32.
+//
+// moe_gate_up_e4m3 (KB-0096): the same K = 2048 kernel over one token's experts' gate/up rows (routed pairs and the
+// shared expert, W [E + 1, rows, 2048]): chunk c of the (top_k + 1) rows / 16 is virtual (the shared expert's first,
+// then pair 0's, ...). The producer lands the shared expert's chunks before griddepcontrol.wait, then routes (the
+// top_k largest router logits, lowest index on ties: routing.softmax_topk's picks), landing each routed chunk as soon
+// as its pick is found; the consumers write each row's dot in fp32 (gate and up apart: the down kernel forms
+// silu(gate) * up).
 #include <cuda.h>  // CUtensorMap
 
 #include "mega_math.cuh"
@@ -26,13 +33,14 @@
 
 namespace {
 constexpr int CHUNK = 32768, SEG = 512, NS = GEMV_SLOTS;
+constexpr int MOE_MAX_E = 256, MOE_MAX_K = 16;  // routing: 8 logits a lane; the picks in shared memory
 static_assert(NS >= 2 && NS <= 6, "2-6 ring slots");
 // shared memory for K: 1024 (alignment) + the ring and each slot's scales + B's terms (K / 2048 x 4 KB) + x's block
 // powers of two and x (fp32) + the mbarriers
 template <int KK>
 constexpr size_t gemv_smem() {
   return 1024 + (size_t)NS * (CHUNK + KK / 128 * 4) + KK * 2 + (KK / 128 + KK) * sizeof(float) +
-         2 * NS * sizeof(uint64_t);
+         2 * NS * sizeof(uint64_t) + MOE_MAX_K * sizeof(int);
 }
 constexpr size_t SMEM_2048 = gemv_smem<2048>(), SMEM_4096 = gemv_smem<4096>();
 static_assert(SMEM_4096 <= 227 * 1024, "one CTA per SM");
@@ -55,6 +63,74 @@ struct Gnorm {  // K = 4096's optional x prologue: the DeltaNet gated RMSNorm of
   float eps;
   int on;
 };
+
+struct Moe {  // moe_gate_up_e4m3's operands
+  const __nv_bfloat16* logits;  // [E + 1] the router's logits, the shared expert's gate at E
+  float* gu;                    // [top_k + 1][rows] fp32: each pair's gate rows then up rows, the shared pair last
+  float* tw;                    // [top_k + 1] the renormalised top-k weights, then sigmoid(gate)
+  long long* ids;               // [top_k + 1] the picks, then E
+  int E, top_k, rows;           // E <= MOE_MAX_E, top_k < MOE_MAX_K, rows (2 I) a multiple of 128
+};
+
+// p[i] as fp32, loaded past L1 (the previous kernel's output)
+__device__ __forceinline__ float bf16_at(const __nv_bfloat16* p, int i) {
+  return __uint_as_float(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned short*>(p) + i)) << 16);
+}
+
+// an order-preserving key of a float (-0 as +0; 0 is below every float's key: a removed pick)
+__device__ __forceinline__ uint32_t order_key(float v) {
+  const uint32_t b = __float_as_uint(v + 0.f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Routing by the producer warp (lane l holds experts l + 32 i): the top_k experts by router logit, largest first,
+// the lowest index among equal logits (the picks of routing.softmax_topk, which ranks the same logits the same way).
+// The picks need no exp and no sum; each is found when the producer first needs it (route_next), so a CTA whose
+// next chunk belongs to pair 0 or 1 lands it after one or two rounds; CTA 0 then writes the weights (route_weights).
+struct Route {
+  uint32_t key[MOE_MAX_E / 32];  // order_key of the logits; 0: not an expert, or picked
+};
+__device__ __forceinline__ void route_load(const Moe& m, Route& r, int lane) {
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i) {
+    const int e = lane + 32 * i;
+    r.key[i] = e < m.E ? order_key(bf16_at(m.logits, e)) : 0u;
+  }
+}
+// the next pick (the same on every lane), removed from r
+__device__ __forceinline__ int route_next(Route& r, int lane) {
+  uint32_t bk = 0u;
+  int bi = 0;
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i)  // the lane's largest (its lowest index among equal keys)
+    if (r.key[i] > bk) bk = r.key[i], bi = i;
+  const uint32_t kmax = __reduce_max_sync(0xffffffffu, bk);
+  const int best = static_cast<int>(
+      __reduce_min_sync(0xffffffffu, bk == kmax ? static_cast<uint32_t>(lane + 32 * bi) : ~0u));
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i)
+    if (lane + 32 * i == best) r.key[i] = 0u;
+  return best;
+}
+// CTA 0, all picks known: tw (the picks' softmax probabilities over the E logits, renormalised; the shared expert's
+// sigmoid(gate) last) and ids
+__device__ void route_weights(const Moe& m, const int* pick, int lane) {
+  float l[MOE_MAX_E / 32], mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i) {
+    l[i] = lane + 32 * i < m.E ? bf16_at(m.logits, lane + 32 * i) : -INFINITY;
+    mx = fmaxf(mx, l[i]);
+  }
+  mx = mega::warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i) sum += lane + 32 * i < m.E ? expf(l[i] - mx) : 0.f;
+  sum = mega::warp_sum(sum);
+  const float p = lane < m.top_k ? expf(bf16_at(m.logits, pick[lane]) - mx) / sum : 0.f;
+  const float psum = mega::warp_sum(p);
+  if (lane < m.top_k) m.tw[lane] = p / psum, m.ids[lane] = pick[lane];
+  if (lane == m.top_k) m.tw[lane] = 1.f / (1.f + expf(-bf16_at(m.logits, m.E))), m.ids[lane] = m.E;
+}
 
 // x = gated_rms_norm(core, z) (reference.gated_rms_norm, common.gated_norm's roundings) into xs (fp32 of the bf16
 // values, at mega::xpos): warp cw takes heads cw + 8 i, lane 4 of a head's 128 values
@@ -169,10 +245,10 @@ __device__ __forceinline__ float2 wg_dot_wide(const uint8_t* chunk, const float*
 }
 }  // namespace
 
-template <int KK>
+template <int KK, bool MOE = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
-                                          const Gnorm& gnorm) {
+                                          const Gnorm& gnorm, const Moe& moe = Moe{}) {
   constexpr int ROWS = CHUNK / KK, NB = KK / 128;  // rows a chunk, blocks a row
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
@@ -182,6 +258,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   float* xs = xf + NB;                                       // [KK] x (fp32, permuted: mega::xpos)
   uint64_t* full = reinterpret_cast<uint64_t*>(xs + KK);
   uint64_t* empty = full + NS;
+  int* pick = reinterpret_cast<int*>(empty + NS);  // MOE: the routed experts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_chunks = n_rows / ROWS, grid = gridDim.x;
   if (threadIdx.x == 0) {
@@ -192,17 +269,44 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == mega::NCW) {  // producer: no wait (static bytes only)
-    if (lane == 0) {
-      uint32_t it = 0;
-      for (int c = blockIdx.x; c < n_chunks; c += grid, ++it) {
-        const uint32_t slot = it % NS;
-        mbar_wait(&empty[slot], ((it / NS) & 1) ^ 1);
-        mbar_expect_tx(&full[slot], CHUNK + NB * 4);
-        for (int kb = 0; kb < SEG / 128; ++kb)
-          tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, c * 64, &full[slot]);
-        bulk_load(wsc + slot * NB, ws + (size_t)(c * ROWS / 128) * NB, NB * 4, &full[slot]);
+  if (warp == mega::NCW) {  // producer: no wait (static bytes only), except for MOE's routing
+    // chunk it of this CTA into its slot: W's chunk g (its rows g * ROWS..) and their block scales
+    auto land = [&](uint32_t it, int g) {
+      const uint32_t slot = it % NS;
+      mbar_wait(&empty[slot], ((it / NS) & 1) ^ 1);
+      mbar_expect_tx(&full[slot], CHUNK + NB * 4);
+      for (int kb = 0; kb < SEG / 128; ++kb)
+        tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, g * 64, &full[slot]);
+      bulk_load(wsc + slot * NB, ws + (size_t)(g * ROWS / 128) * NB, NB * 4, &full[slot]);
+    };
+    int c = blockIdx.x;
+    uint32_t it = 0;
+    if constexpr (MOE) {
+      const int cpp = moe.rows / ROWS;  // chunks a pair; virtual chunk c: pair q - 1 of c / cpp (q = 0: shared)
+      for (; c < cpp; c += grid, ++it)  // the shared expert's: static
+        if (lane == 0) land(it, moe.E * cpp + c);
+      asm volatile("griddepcontrol.wait;" ::: "memory");  // the router's logits
+      Route r;
+      route_load(moe, r, lane);
+      int known = 0;  // picks found
+      for (; c < n_chunks; c += grid, ++it) {
+        const int q = c / cpp;
+        for (; known < q; ++known) {  // (warp-uniform)
+          const int e = route_next(r, lane);
+          if (lane == 0) pick[known] = e;
+        }
+        if (lane == 0) land(it, pick[q - 1] * cpp + c - q * cpp);
       }
+      if (blockIdx.x == 0) {
+        for (; known < moe.top_k; ++known) {
+          const int e = route_next(r, lane);
+          if (lane == 0) pick[known] = e;
+        }
+        __syncwarp();
+        route_weights(moe, pick, lane);
+      }
+    } else if (lane == 0) {
+      for (; c < n_chunks; c += grid, ++it) land(it, c);
     }
     return;
   }
@@ -249,7 +353,11 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       // wg_dot16: rows 4 w4 + {0, 1} (.x on lanes 0, 16) and 4 w4 + {2, 3} (.y on lanes 0, 16)
       const float r01 = __shfl_sync(0xffffffffu, v.x, (lane & 1) * 16);
       const float r23 = __shfl_sync(0xffffffffu, v.y, (lane & 1) * 16);
-      if (lane < 4) {
+      if (MOE && lane < 4) {  // pair q - 1's row (q = 0: the shared pair, top_k)
+        const int cpp = moe.rows / ROWS, q = c / cpp;
+        const int pair = q == 0 ? moe.top_k : q - 1;
+        moe.gu[(size_t)pair * moe.rows + (c - q * cpp) * ROWS + 4 * w4 + lane] = lane < 2 ? r01 : r23;
+      } else if (lane < 4) {
         const __nv_bfloat16 yb = __float2bfloat16_rn(lane < 2 ? r01 : r23);
         y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
       }
@@ -280,6 +388,13 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
   gemv_body<4096>(&wmap, ws, x, y, n_rows, conv, gnorm);
 }
 
+// one token's experts' gate/up (x: the normed hidden state), routed here from moe.logits (see the header)
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    moe_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
+                     const __nv_bfloat16* x, const Moe moe) {
+  gemv_body<2048, true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Gnorm{}, moe);
+}
+
 // the layout constants the launcher (gemv.py) must agree with
 extern "C" __global__ void gemv_constants(long long* out) {
   out[0] = mega::NT;
@@ -287,4 +402,5 @@ extern "C" __global__ void gemv_constants(long long* out) {
   out[2] = static_cast<long long>(SMEM_4096);
   out[3] = static_cast<long long>(sizeof(Conv)) * 100 + CONV_K;
   out[4] = static_cast<long long>(sizeof(Gnorm));
+  out[5] = static_cast<long long>(sizeof(Moe)) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K;
 }

@@ -33,6 +33,7 @@ CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilog
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 4): same outputs
 K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; slower, KB-0095)
 GNORM_ENV = "METAINFER_WGMMA_GEMV_GNORM"  # "1": the DeltaNet out_proj + its gated norm (slower, KB-0095)
+MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
 K = 2048  # the K served by default; K_WIDE with K4096_ENV
 K_WIDE = 4096
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
@@ -60,6 +61,15 @@ class _Gnorm(ctypes.Structure):  # gemv.cu's Gnorm: K = 4,096's gated RMSNorm pr
     _fields_ = [("core", ctypes.c_void_p), ("z", ctypes.c_void_p), ("w", ctypes.c_void_p),
                 ("s_core", ctypes.c_longlong), ("s_z", ctypes.c_longlong), ("eps", ctypes.c_float),
                 ("on", ctypes.c_int)]
+
+
+class _Moe(ctypes.Structure):  # gemv.cu's Moe: moe_gate_up_e4m3's operands
+    _fields_ = [("logits", ctypes.c_void_p), ("gu", ctypes.c_void_p), ("tw", ctypes.c_void_p),
+                ("ids", ctypes.c_void_p), ("E", ctypes.c_int), ("top_k", ctypes.c_int),
+                ("rows", ctypes.c_int)]
+
+
+MOE_MAX_E, MOE_MAX_K = 256, 16  # gemv.cu's routing bounds: experts (8 logits a lane), picks + 1
 
 
 class _Config(ctypes.Structure):  # CUlaunchConfig
@@ -112,6 +122,23 @@ def wanted_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
             and _kernel(core.device) is not None)
 
 
+def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether `moe_gate_up` serves one token's routed and shared experts' gate/up: its switch, x [1, K]
+    bf16, logits [1, E + 1] bf16 (the shared expert's gate last), w [E + 1, rows, K] e4m3 (the shared expert
+    at E), rows a multiple of 128, s its [E + 1, rows / 128, K / 128] block scales, E <= MOE_MAX_E,
+    top_k < MOE_MAX_K."""
+    if os.environ.get(MOE_ENV, "1") == "0" or not enabled() or not x.is_cuda or w.dim() != 3:
+        return False
+    E1, rows, k = w.shape
+    return (x.shape == (1, K) and x.dtype == logits.dtype == torch.bfloat16 and logits.shape == (1, E1)
+            and 0 < top_k < min(MOE_MAX_K, E1) and E1 - 1 <= MOE_MAX_E and k == K and rows % 128 == 0
+            and w.dtype == torch.float8_e4m3fn and w.is_contiguous() and s.is_contiguous()
+            and s.shape == (E1, rows // 128, K // 128) and s.dtype == torch.float32
+            and x.is_contiguous() and logits.is_contiguous() and x.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0 and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and _kernel(x.device) is not None)
+
+
 class _Kernel:
     """gemv.cu loaded on one device."""
 
@@ -130,20 +157,23 @@ class _Kernel:
         const_fn = ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K]), self.module, b"gemv_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K_WIDE]), self.module, b"gemv_e4m3_k4096")
+        self.moe_fn = ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
-        out = torch.zeros(5, dtype=torch.int64, device=device)
+        out = torch.zeros(6, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
                  ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args),
                  None)
-        self.threads, smem, smem_wide, conv, gnorm = out.tolist()
-        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Gnorm))
-        if (self.threads, conv, gnorm) != want:
-            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, gnorm) "
+        self.threads, smem, smem_wide, conv, gnorm, moe = out.tolist()
+        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Gnorm),
+                ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K)
+        if (self.threads, conv, gnorm, moe) != want:
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, gnorm, moe) "
                                f"= {want}")
         self.smem = {K: smem, K_WIDE: smem_wide}
-        for k, fn in self.fns.items():  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            self.drv("cuFuncSetAttribute", fn, 8, self.smem[k])
+        for fn, size in ((self.fns[K], smem), (self.fns[K_WIDE], smem_wide), (self.moe_fn, smem)):
+            self.drv("cuFuncSetAttribute", fn, 8, size)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
         # with the same shape gets the same bytes back (the launch copies them into its parameters)
@@ -176,17 +206,29 @@ class _Kernel:
                 gn = _Gnorm(core.data_ptr(), z.data_ptr(), nw.data_ptr(), core.stride(1), z.stride(1), eps,
                             1)
             args.append(gn)
+        self.launch(self.fns[k], args, N * k // 32768, self.smem[k], x.device)  # 32 KB chunks
+
+    def moe(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
+            gu: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> None:
+        E1, rows, _ = w.shape
+        m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
+        args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m]
+        self.launch(self.moe_fn, args, (top_k + 1) * rows // 16, self.smem[K], x.device)
+
+    def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, smem: int, device: torch.device) -> None:
+        """One CTA per SM (at most one per chunk), on the current stream, with the PDL attribute when
+        `pdl.enabled()` (without it: stream order, the kernel's wait returns at once)."""
         params = self.launch_mod.kernel_params(args)
         cfg = _Config()
-        cfg.grid[:] = (min(self.sms, N * k // 32768), 1, 1)  # 32 KB chunks: 16 rows of K 2048, 8 of 4096
+        cfg.grid[:] = (min(self.sms, chunks), 1, 1)
         cfg.block[:] = (self.threads, 1, 1)
-        cfg.smem = self.smem[k]
-        cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
+        cfg.smem = smem
+        cfg.stream = torch.cuda.current_stream(device).cuda_stream
         attr = _Attr(id=_PDL_ATTR)
         attr.value.val = 1
         cfg.attrs = ctypes.pointer(attr)
-        cfg.n_attrs = int(pdl.enabled())  # without PDL: stream order (the kernel's wait returns at once)
-        self.drv("cuLaunchKernelEx", ctypes.byref(cfg), self.fns[k], params, None)
+        cfg.n_attrs = int(pdl.enabled())
+        self.drv("cuLaunchKernelEx", ctypes.byref(cfg), fn, params, None)
 
 
 _KERNELS: dict[torch.device, _Kernel | None] = {}
@@ -232,3 +274,19 @@ def project_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor
     kernel = _kernel(core.device)
     assert kernel is not None, "project_gnorm() without wanted_gnorm()"
     kernel(core, w, s, y, None, (core, z, norm_weight, eps))
+
+
+def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor,
+                s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's experts' gate/up on gemv.cu (the caller checked `wanted_moe`): routed from logits (the
+    top_k largest, lowest index on ties, as `routing.softmax_topk`) and the shared expert (w's last).
+    -> (gu [top_k + 1, rows] fp32: each pair's gate . x then up . x, slot order; tw [1, top_k + 1] fp32 the
+    routing weights, the shared expert's sigmoid(gate) last; ids [1, top_k + 1] int64)."""
+    kernel = _kernel(x.device)
+    assert kernel is not None, "moe_gate_up() without wanted_moe()"
+    W = top_k + 1
+    gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
+    tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
+    kernel.moe(x, logits, top_k, w, s, gu, tw, ids)
+    return gu, tw, ids
