@@ -170,21 +170,15 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
     gnorm = batch <= ws.gnorm_max_t()  # the DeltaNet out_proj with its gated norm (else a projection)
     wg = fp8 and batch == 1 and gemv.enabled()  # the qkv on mega/gemv.cu (KB-0094)
     wg_conv = wg and os.environ.get(gemv.CONV_ENV, "1") != "0"  # and the DeltaNet in_proj
-    wg_wide = wg and os.environ.get(gemv.K4096_ENV, "0") == "1"  # and the attention o_proj
-    wg_gnorm = wg and gnorm and os.environ.get(gemv.GNORM_ENV, "0") == "1"  # and the DeltaNet out_proj
     return {
         "_skinny_kernel": ("dense projections" + ("" if fused else " + router"),
                            w * (n_lin * ((not wg_conv) * in_proj + (not gnorm) * out_proj)
-                                + n_full * ((not wg) * qkv + (not wg_wide) * o_proj))
+                                + n_full * ((not wg) * qkv + o_proj))
                            + (not fused) * L * router),
-        # (before "gemv_e4m3", its name's prefix: floor_table takes the first key found in a kernel's name)
-        "gemv_e4m3_k4096": ("FP8 wgmma projections at K = 4,096: " + "o_proj" * wg_wide
-                            + " + " * (wg_wide and wg_gnorm) + "gated norm + out_proj" * wg_gnorm,
-                            w * (wg_wide * n_full * o_proj + wg_gnorm * n_lin * out_proj)),
         "gemv_e4m3": ("FP8 wgmma projections: qkv" + (" + in_proj" if wg_conv else ""),
                       w * (wg * n_full * qkv + wg_conv * n_lin * in_proj)),
         "_add_rms_norm_router_kernel": ("add + RMSNorm + MoE router", L * router),
-        "_gnorm_gemv_kernel": ("DeltaNet gated RMSNorm + out_proj", w * (not wg_gnorm) * n_lin * out_proj),
+        "_gnorm_gemv_kernel": ("DeltaNet gated RMSNorm + out_proj", w * n_lin * out_proj),
         "_pair_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
         "moe_gate_up_e4m3": ("experts gate/up (routed + shared) on gemv.cu", L * w * slots * 2 * I * H),
         "_grouped_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),

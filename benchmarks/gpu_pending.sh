@@ -141,13 +141,8 @@
 #   pdlchain - stream_chain.cu `pdl` (KB-0092): the same 241 stages as one launch each, chained by programmatic
 #            dependent launch in a CUDA graph (weights loaded before griddepcontrol.wait, dependents released late or
 #            early, rings small enough for the next stage's CTA to be resident), against the persistent kernel, ~2 min
-#   wgslots - (KB-0094's next step, built 2026-12-04d) mega/gemv.cu: its GPU tests, then FP8 batch-1 decode with the
-#            qkv only (the default), + in_proj (METAINFER_WGMMA_GEMV_CONV=1) at 6 and 4 slots, and off, alternating
-#            in fresh processes x REPS (3), then the oracle with WG_VERIFY's switches (default: in_proj at 4 slots), ~8 min
-#   wgwide - (built 2026-12-04d, not run) mega/gemv.cu at K = 4,096 (wgmma m64n16k32): the attention o_proj
-#            (METAINFER_WGMMA_GEMV_K4096=1) and the DeltaNet out_proj with its gated norm (METAINFER_WGMMA_GEMV_GNORM=1):
-#            its GPU tests, FP8 batch-1 decode off / o_proj / both alternating x REPS (3), then the oracle with both, ~8 min
-#   wgall  - wgslots + wgwide in one call (tests, qkv / c4 / wide / all x REPS 2, the oracle with all, a profile)
+#   (2026-12-04e): wgslots, wgwide, wgall (KB-0095: in_proj at 4 slots kept; the K = 4,096 forms no faster, removed
+#            with their switches: results/2026-12-04e/k4096_forms_removed.patch)
 #   wgmoe  - KB-0096: the experts' gate/up on gemv.cu (tests, engine graph test, A/B x2, oracle, profile)
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
@@ -751,53 +746,6 @@ if has pdlchain; then
   for r in ${PDL_ROWS:-}; do  # e.g. "12352 9216 4608 4096": in_proj, qkv, the 9 downs, a K = 4096 projection's bytes
     timeout 60 /tmp/stream_chain $OUT/stream_chain_pdl_$r.json pdlsize $r 2>&1 | grep " us per " | tee -a $OUT/stream_chain_pdlsize.log
   done
-fi
-if has wgslots; then
-  timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -2
-  for r in $(seq ${REPS:-3}); do
-    for m in off qkv c6 c4; do
-      case $m in off) e="METAINFER_WGMMA_GEMV=0";; qkv) e="METAINFER_WGMMA_GEMV=1";;
-        c6) e="METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=6";; c4) e="METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4";; esac
-      env $e timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
-        --out $OUT/wgslots_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$m $r] /"
-    done
-  done
-  env ${WG_VERIFY:-METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4} timeout 200 python -m metainfer.cli verify \
-    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
-    --json $OUT/verify_fp8_wgslots.json 2>&1 | grep -E "verdict" | head -1
-fi
-if has wgwide; then
-  timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
-  for r in $(seq ${REPS:-3}); do
-    for m in off oproj both; do
-      case $m in off) e="METAINFER_WGMMA_GEMV_K4096=0";; oproj) e="METAINFER_WGMMA_GEMV_K4096=1";;
-        both) e="METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1";; esac
-      env $e timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
-        --no-profile --out $OUT/wgwide_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$m $r] /"
-    done
-  done
-  METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1 timeout 200 python -m metainfer.cli verify \
-    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
-    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgwide.json 2>&1 | grep -E "verdict" | head -1
-fi
-if has wgall; then  # wgslots + wgwide in one call: gemv GPU tests, then FP8 batch 1 with qkv (default) / in_proj at
-  # 4 slots / o_proj + out_proj (K = 4,096) / all of them at 4 slots, alternating x REPS (2), the oracle with all of
-  # them (WG_ALL), then a PDL-off profile with them if the call has time, ~9 min
-  WG_ALL=${WG_ALL:-"METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4 METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1"}
-  timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
-  for r in $(seq ${REPS:-2}); do
-    for m in qkv c4 wide all; do
-      case $m in qkv) e="METAINFER_WGMMA_GEMV=1";; c4) e="METAINFER_WGMMA_GEMV_CONV=1 METAINFER_WGMMA_GEMV_SLOTS=4";;
-        wide) e="METAINFER_WGMMA_GEMV_K4096=1 METAINFER_WGMMA_GEMV_GNORM=1";; all) e="$WG_ALL";; esac
-      (( SECONDS > ${WG_STOP:-380} )) && break 2
-      env $e timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
-        --out $OUT/wgall_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$m $r] /"
-    done
-  done
-  env $WG_ALL timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
-    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgall.json 2>&1 | grep -E "verdict" | head -1
-  (( SECONDS < 500 )) && env $WG_ALL METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1 \
-    --gen 32 --out $OUT/wgall_prof 2>&1 | grep -E "^\|" | head -40
 fi
 if has wgmoe; then  # KB-0096: one token's experts' gate/up on gemv.cu (METAINFER_WGMMA_GEMV_MOE): gemv GPU tests, the engine's
   # graph test with it, FP8 batch 1 off / on alternating x REPS (2), the oracle with it, a PDL-off profile with it, ~7 min

@@ -636,6 +636,7 @@ GNORM_ENV = "METAINFER_GNORM_MAX_T"  # the most tokens gated_norm_linear takes (
 # 1,676), the 5-token verify faster (4.32 -> 4.14 ms); so the bound stays 1 (PHASES=gprof profiles both)
 GNORM_DEFAULT_T = 1
 GNORM_MAX_T = 16
+GNORM_MMA_MAX_TILE = 128 * 1024  # the MMA form's weight tile (BLOCK_N x HEADS x D) bytes: shared memory bound
 GNORM_CFG_ENV = "METAINFER_GNORM_CFG"  # "BLOCK_N,HEADS,warps": the launch config (else gnorm_config's)
 
 
@@ -675,10 +676,6 @@ def gated_norm_linear(
     T, Hv, D = core.shape
     N, K = weight.shape
     fp8 = scale_inv is not None
-    if fp8 and gemv.wanted_gnorm(core, z, norm_weight, weight, scale_inv):  # on gemv.cu (off; not yet run)
-        y = torch.empty(T, N, dtype=core.dtype, device=core.device)
-        gemv.project_gnorm(core, z, norm_weight, eps, weight, scale_inv, y)
-        return y
     if not 0 < T <= gnorm_max_t():
         return None
     if K != Hv * D or z.shape != core.shape or core.stride(2) != 1 or z.stride(2) != 1 or D & (D - 1):
@@ -691,6 +688,8 @@ def gated_norm_linear(
         return None
     if mma and (cfg["BLOCK_N"] < 16 or D < 16):
         return None  # the MMA's smallest M and K
+    if mma and cfg["BLOCK_N"] * cfg["HEADS"] * D * weight.element_size() > GNORM_MMA_MAX_TILE:
+        return None  # a METAINFER_GNORM_CFG tile past shared memory (BF16 "32,32,8" asked for 384 KB)
     s = scale_inv if fp8 else weight
     mid = TL_DTYPE[torch.promote_types(norm_weight.dtype, core.dtype)]
     y = torch.empty(T, N, dtype=core.dtype, device=core.device)

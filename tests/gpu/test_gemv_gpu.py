@@ -52,44 +52,6 @@ def test_matches_float64_and_the_triton_path(n, monkeypatch):
     assert rel_rmse(got.float(), triton_y.float()) < 8e-3
 
 
-@pytest.mark.parametrize("n", [8, 136, 2048])
-def test_k4096_matches_float64_and_the_triton_path(n, monkeypatch):
-    """K = 4,096 (8-row chunks, wgmma m64n16k32; the attention o_proj), with METAINFER_WGMMA_GEMV_K4096=1."""
-    x, w, s = _problem(n, seed=3, k=gemv.K_WIDE)
-    monkeypatch.setenv(gemv.ENV, "1")
-    monkeypatch.delenv(gemv.K4096_ENV, raising=False)
-    assert not gemv.wanted(x, w, s)  # off by default
-    monkeypatch.setenv(gemv.K4096_ENV, "1")
-    assert gemv.wanted(x, w, s)
-    got = fp8_linear.fp8_linear(x, w, s)
-    monkeypatch.setenv(gemv.ENV, "0")
-    triton_y = fp8_linear.fp8_linear(x, w, s)
-    assert rel_rmse(got.float(), _reference(x, w, s)) < 5e-3
-    assert rel_rmse(got.float(), triton_y.float()) < 8e-3
-
-
-def test_gated_norm_out_proj(monkeypatch):
-    """The DeltaNet out_proj with its gated RMSNorm as the K = 4,096 form's x prologue
-    (METAINFER_WGMMA_GEMV_GNORM=1), against float64 (the bf16 norm from reference.gated_rms_norm) and the
-    Triton `gated_norm_linear`."""
-    from metainfer.kernels import reference, weight_stream
-
-    _, w, s = _problem(2048, seed=4, k=gemv.K_WIDE)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    proj = torch.randn(1, 40, 128, generator=g, device="cuda").to(torch.bfloat16)
-    core, z = torch.randn(1, 32, 128, generator=g, device="cuda").to(torch.bfloat16), proj[:, 8:]  # z: a view
-    nw = (1 + 0.1 * torch.randn(128, generator=g, device="cuda")).to(torch.bfloat16)
-    monkeypatch.setenv(gemv.ENV, "1")
-    monkeypatch.setenv(gemv.GNORM_ENV, "0")
-    triton_y = weight_stream.gated_norm_linear(core, z, nw, 1e-6, w, s)
-    monkeypatch.setenv(gemv.GNORM_ENV, "1")
-    assert gemv.wanted_gnorm(core, z, nw, w, s)
-    got = weight_stream.gated_norm_linear(core, z, nw, 1e-6, w, s)
-    x = reference.gated_rms_norm(core, z, nw, 1e-6).reshape(1, gemv.K_WIDE)
-    assert rel_rmse(got.float(), _reference(x, w, s)) < 8e-3
-    assert rel_rmse(got.float(), triton_y.float()) < 8e-3
-
-
 def test_not_wanted_off_its_shapes(monkeypatch):
     monkeypatch.setenv(gemv.ENV, "1")
     x, w, s = _problem(144)

@@ -477,6 +477,10 @@ def test_gated_norm_linear_full_shape(T, fp8, cfg, monkeypatch):
     w, q, s = _fp8_weight(2048, 4096, seed=T)
     args = (q, s) if fp8 else (w.bfloat16(), None)
     got = ws.gated_norm_linear(core, z, gw, 1e-6, *args)
+    bn, heads, _ = (int(p) for p in (cfg or "16,8,8").split(","))
+    if T > 1 and bn * heads * 128 * q.element_size() * (1 if fp8 else 2) > ws.GNORM_MMA_MAX_TILE:
+        assert got is None  # the tile would not fit in shared memory: the caller's norm + projection
+        return
     h = norm.gated_rms_norm(core, z, gw, 1e-6).view(T, 4096)
     want = ops.fp8_linear(h, q, s) if fp8 else F.linear(h, args[0])
     assert got is not None and got.shape == (T, 2048)

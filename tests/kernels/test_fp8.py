@@ -605,7 +605,8 @@ def test_aligned_linear_on_an_inference_tensor():
 
 def test_wgmma_gemv_switch(monkeypatch):
     """mega/gemv.cu serves one CUDA token only (tests/gpu/test_gemv_gpu.py runs it): on the CPU, and with the
-    switch off, fp8_linear keeps its Triton path; the conv epilogue variant likewise."""
+    switch off, fp8_linear keeps its Triton path; the conv epilogue variant and the experts' gate/up
+    likewise."""
     from metainfer.kernels.mega import gemv
 
     x = torch.zeros(1, gemv.K, dtype=torch.bfloat16)
@@ -619,10 +620,9 @@ def test_wgmma_gemv_switch(monkeypatch):
     cw = torch.zeros(128, gemv.CONV_K, dtype=torch.bfloat16)
     state = torch.zeros(2, gemv.CONV_K - 1, 128, dtype=torch.bfloat16)
     assert not gemv.wanted_conv(x, w, s, cw, state, torch.zeros(1, dtype=torch.int64))
-    core = torch.zeros(1, 32, 128, dtype=torch.bfloat16)  # the K = 4,096 forms: off by default, and CUDA only
-    w4, s4 = torch.zeros(144, gemv.K_WIDE, dtype=torch.float8_e4m3fn), torch.ones(2, gemv.K_WIDE // 128)
-    monkeypatch.setenv(gemv.ENV, "1")
-    monkeypatch.setenv(gemv.GNORM_ENV, "1")
-    monkeypatch.setenv(gemv.K4096_ENV, "1")
-    assert not gemv.wanted_gnorm(core, core, core[0, 0], w4, s4)
-    assert not gemv.wanted(torch.zeros(1, gemv.K_WIDE, dtype=torch.bfloat16), w4, s4)
+    monkeypatch.setenv(gemv.ENV, "1")  # K = 2,048 only (the K = 4,096 form was removed, KB-0095)
+    w4, s4 = torch.zeros(144, 4096, dtype=torch.float8_e4m3fn), torch.ones(2, 32)
+    assert not gemv.wanted(torch.zeros(1, 4096, dtype=torch.bfloat16), w4, s4)
+    monkeypatch.delenv(gemv.MOE_ENV, raising=False)  # the experts' gate/up: CUDA only
+    wm, sm = torch.zeros(9, 1024, gemv.K, dtype=torch.float8_e4m3fn), torch.ones(9, 8, gemv.K // 128)
+    assert not gemv.wanted_moe(x, torch.zeros(1, 9, dtype=torch.bfloat16), 4, wm, sm)

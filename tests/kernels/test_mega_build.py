@@ -75,15 +75,15 @@ def test_build_refuses_what_is_not_one_define():
 
 
 def test_gemv_builds_without_spills(tmp_path, monkeypatch):
-    """gemv.cu (the standalone FP8 projection on the same consumers, KB-0094) builds into its own cubin,
-    its kernel with no stack frame and no spills."""
+    """gemv.cu (the standalone FP8 projection on the same consumers, KB-0094, and the experts' gate/up,
+    KB-0096) builds into its own cubin, its kernels with no stack frame and no spills."""
     monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path / "cache"))
     out = launch.build(main="gemv.cu")
     assert out.is_file() and out.name.startswith("gemv-") and out != launch.build()
     cmd = launch.nvcc_command(tmp_path / "g.cubin", main="gemv.cu")
     res = subprocess.run([*cmd[:1], "-Xptxas", "-v", *cmd[1:]], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "warning" not in res.stderr.lower(), res.stderr[-3000:]
-    for name in ("'gemv_e4m3'", "'gemv_e4m3_k4096'"):
+    for name in ("'gemv_e4m3'", "'moe_gate_up_e4m3'"):
         fn = res.stderr[res.stderr.index(name):]
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", fn)
         assert frame and frame.groups() == ("0", "0", "0"), fn[:500]

@@ -7,8 +7,7 @@ in_proj's 25 MB in 10.0 us, qkv's 19 MB in 8.8 us (the Triton path: 11.3-12.6 / 
 `fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps
 the Triton kernels): an sm_90 GPU with nvcc on PATH (built once like the megakernel:
 `launch.build(main="gemv.cu")`), K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8
-batch 1 +2 %, KB-0094); K = 4096 (the attention o_proj) only with METAINFER_WGMMA_GEMV_K4096=1 (slower than
-the Triton kernels, KB-0095). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with
+batch 1 +2 %, KB-0094). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with
 its decode conv as the epilogue (METAINFER_WGMMA_GEMV_CONV=0 keeps Triton's): with a ring of 4 slots (128 KB,
 so the next kernel's CTA fits beside it) FP8 batch 1 went 531 -> 541-542 tok/s (KB-0095).
 Launched through the driver on the current torch stream with the programmatic-stream-serialization attribute
@@ -31,11 +30,8 @@ from metainfer.kernels.common import env_int
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 4): same outputs
-K4096_ENV = "METAINFER_WGMMA_GEMV_K4096"  # "1": also K = 4,096 (o_proj; slower, KB-0095)
-GNORM_ENV = "METAINFER_WGMMA_GEMV_GNORM"  # "1": the DeltaNet out_proj + its gated norm (slower, KB-0095)
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
-K = 2048  # the K served by default; K_WIDE with K4096_ENV
-K_WIDE = 4096
+K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -55,12 +51,6 @@ class _Conv(ctypes.Structure):  # gemv.cu's Conv: the DeltaNet decode conv epilo
 
 
 CONV_K = 4  # gemv.cu's conv kernel size
-
-
-class _Gnorm(ctypes.Structure):  # gemv.cu's Gnorm: K = 4,096's gated RMSNorm prologue (on = 0: x as given)
-    _fields_ = [("core", ctypes.c_void_p), ("z", ctypes.c_void_p), ("w", ctypes.c_void_p),
-                ("s_core", ctypes.c_longlong), ("s_z", ctypes.c_longlong), ("eps", ctypes.c_float),
-                ("on", ctypes.c_int)]
 
 
 class _Moe(ctypes.Structure):  # gemv.cu's Moe: moe_gate_up_e4m3's operands
@@ -87,8 +77,7 @@ def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
     if not enabled() or not x.is_cuda or x.shape[0] != 1 or x.dtype != torch.bfloat16:
         return False
     N, k = w.shape
-    k_ok = (k == K and N % 16 == 0) or (k == K_WIDE and N % 8 == 0 and os.environ.get(K4096_ENV, "0") == "1")
-    return (k_ok and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
+    return (k == K and N % 16 == 0 and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
             and w.data_ptr() % 16 == 0 and s.is_contiguous()
             and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and _kernel(x.device) is not None)
@@ -102,24 +91,6 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
             and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
             and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
-
-
-def wanted_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor,
-                 s: torch.Tensor) -> bool:
-    """Whether `project_gnorm` serves gated_rms_norm(core, z) @ dequant(w, s)^T for one token
-    (`gated_norm_linear`): its switch, 32 heads of 128 in bf16 (norm weight too), w [N, 4096] e4m3, N a
-    multiple of 8."""
-    if os.environ.get(GNORM_ENV, "0") != "1" or not enabled() or not core.is_cuda:
-        return False
-    if core.shape != (1, 32, 128):
-        return False
-    N, k = w.shape
-    return (k == K_WIDE and N % 8 == 0 and N <= MAX_N and z.shape == core.shape
-            and core.dtype == z.dtype == norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous()
-            and core.stride(2) == z.stride(2) == 1 and core.stride(1) % 4 == 0 and z.stride(1) % 4 == 0
-            and all(t.data_ptr() % 8 == 0 for t in (core, z, norm_weight)) and w.data_ptr() % 16 == 0
-            and s.is_contiguous() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and _kernel(core.device) is not None)
 
 
 def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor) -> bool:
@@ -153,27 +124,22 @@ class _Kernel:
         self.image = launch.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={slots}",)).read_bytes()
         self.module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
-        self.fns = {K: ctypes.c_void_p(), K_WIDE: ctypes.c_void_p()}
-        const_fn = ctypes.c_void_p()
-        self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K]), self.module, b"gemv_e4m3")
-        self.drv("cuModuleGetFunction", ctypes.byref(self.fns[K_WIDE]), self.module, b"gemv_e4m3_k4096")
-        self.moe_fn = ctypes.c_void_p()
+        self.fn, self.moe_fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
-        out = torch.zeros(6, dtype=torch.int64, device=device)
+        out = torch.zeros(4, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
                  ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args),
                  None)
-        self.threads, smem, smem_wide, conv, gnorm, moe = out.tolist()
-        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Gnorm),
-                ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K)
-        if (self.threads, conv, gnorm, moe) != want:
-            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, gnorm, moe) "
-                               f"= {want}")
-        self.smem = {K: smem, K_WIDE: smem_wide}
-        for fn, size in ((self.fns[K], smem), (self.fns[K_WIDE], smem_wide), (self.moe_fn, smem)):
-            self.drv("cuFuncSetAttribute", fn, 8, size)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self.threads, self.smem, conv, moe = out.tolist()
+        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
+                + MOE_MAX_K)
+        if (self.threads, conv, moe) != want:
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, moe): {want}")
+        for fn in (self.fn, self.moe_fn):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            self.drv("cuFuncSetAttribute", fn, 8, self.smem)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
         # with the same shape gets the same bytes back (the launch copies them into its parameters)
@@ -188,7 +154,7 @@ class _Kernel:
         return tmap
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
-                 conv: tuple | None, gnorm: tuple | None = None) -> None:
+                 conv: tuple | None) -> None:
         N = w.shape[0]
         tmap = self.tensor_map(w)
         cv = _Conv()
@@ -196,33 +162,25 @@ class _Kernel:
             cw, cstate, slots, has = conv
             cv = _Conv(cw.data_ptr(), cstate.data_ptr(), slots.data_ptr(), has.data_ptr(), cstate.stride(0),
                        cstate.stride(1), cw.shape[0])
-        k = w.shape[1]
         args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()),
                 ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv]
-        if k == K_WIDE:
-            gn = _Gnorm()
-            if gnorm is not None:
-                core, z, nw, eps = gnorm
-                gn = _Gnorm(core.data_ptr(), z.data_ptr(), nw.data_ptr(), core.stride(1), z.stride(1), eps,
-                            1)
-            args.append(gn)
-        self.launch(self.fns[k], args, N * k // 32768, self.smem[k], x.device)  # 32 KB chunks
+        self.launch(self.fn, args, N // 16, x.device)  # 32 KB chunks of 16 rows
 
     def moe(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
             gu: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> None:
         E1, rows, _ = w.shape
         m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
         args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m]
-        self.launch(self.moe_fn, args, (top_k + 1) * rows // 16, self.smem[K], x.device)
+        self.launch(self.moe_fn, args, (top_k + 1) * rows // 16, x.device)
 
-    def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, smem: int, device: torch.device) -> None:
+    def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, device: torch.device) -> None:
         """One CTA per SM (at most one per chunk), on the current stream, with the PDL attribute when
         `pdl.enabled()` (without it: stream order, the kernel's wait returns at once)."""
         params = self.launch_mod.kernel_params(args)
         cfg = _Config()
         cfg.grid[:] = (min(self.sms, chunks), 1, 1)
         cfg.block[:] = (self.threads, 1, 1)
-        cfg.smem = smem
+        cfg.smem = self.smem
         cfg.stream = torch.cuda.current_stream(device).cuda_stream
         attr = _Attr(id=_PDL_ATTR)
         attr.value.val = 1
@@ -255,8 +213,7 @@ def _kernel(device: torch.device) -> _Kernel | None:
 
 def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
             conv: tuple | None = None) -> None:
-    """y [1, N] bf16 = x [1, k] bf16 @ dequant(w [N, k], s)^T on gemv.cu, k = K or K_WIDE (the caller checked
-    `wanted`). conv (K only) =
+    """y [1, N] bf16 = x [1, K] bf16 @ dequant(w [N, K], s)^T on gemv.cu (the caller checked `wanted`). conv =
     (conv_weight [C, 4], conv_state [S, 3, C], slots [1] int64, has_state [1] bool), checked by `wanted_conv`:
     y[:, :C] becomes the decode conv + SiLU of itself, the slot's conv state updated in place
     (`weight_stream.linear_conv_update`'s epilogue)."""
@@ -264,16 +221,6 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
     kernel = _kernel(x.device)
     assert kernel is not None, "project() without wanted()"
     kernel(x, w, s, y, conv)
-
-
-def project_gnorm(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                  s: torch.Tensor, y: torch.Tensor) -> None:
-    """y [1, N] = gated_rms_norm(core, z, norm_weight, eps) @ dequant(w, s)^T on gemv.cu's K = 4,096 form,
-    the norm computed in its x prologue (the caller checked `wanted_gnorm`)."""
-    assert y.is_contiguous() and y.shape == (1, w.shape[0]) and y.dtype == torch.bfloat16, (y.shape, y.dtype)
-    kernel = _kernel(core.device)
-    assert kernel is not None, "project_gnorm() without wanted_gnorm()"
-    kernel(core, w, s, y, None, (core, z, norm_weight, eps))
 
 
 def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor,
