@@ -144,6 +144,8 @@
 #   (2026-12-04e): wgslots, wgwide, wgall (KB-0095: in_proj at 4 slots kept; the K = 4,096 forms no faster, removed
 #            with their switches: results/2026-12-04e/k4096_forms_removed.patch)
 #   wgmoe  - KB-0096: the experts' gate/up on gemv.cu (tests, engine graph test, A/B x2, oracle, profile)
+#   wgpre  - NOT YET RUN: the input norm as qkv's / in_proj's x prologue on gemv.cu (tests, engine tests, A/B x3,
+#            oracle, profile; METAINFER_WGMMA_GEMV_PRE=1)
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -766,6 +768,27 @@ if has wgmoe; then  # KB-0096: one token's experts' gate/up on gemv.cu (METAINFE
 import json, sys
 for r in json.load(open(sys.argv[1]))['profile_bs1'][:14]:
     print(f\"{r['kernel'][:40]:40s} {r['calls_per_step']:5.0f} {r['us_per_step']:8.1f} us\")" $OUT/wgmoe_prof/decode_bench_fp8.json
+fi
+if has wgpre; then  # (built 2026-12-04e, not yet run) the input norm as qkv's / in_proj's x prologue on gemv.cu
+  # (METAINFER_WGMMA_GEMV_PRE=1: 39 _moe_add_rms_norm launches fewer a batch-1 step): gemv GPU tests, the engine's
+  # graph / PDL tests with it, FP8 batch 1 off / on alternating x REPS (3), the oracle (FP8) with it, a PDL-off
+  # profile with it, ~8 min
+  timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
+  METAINFER_WGMMA_GEMV_PRE=1 timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider \
+    -k "pdl_equals or graph_replay_equals_eager" 2>&1 | tail -2
+  for r in $(seq ${REPS:-3}); do
+    for m in 0 1; do
+      METAINFER_WGMMA_GEMV_PRE=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+        --no-profile --out $OUT/wgpre_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[pre $m $r] /"
+    done
+  done
+  METAINFER_WGMMA_GEMV_PRE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgpre.json 2>&1 | grep -E "verdict" | head -1
+  (( SECONDS < 500 )) && METAINFER_WGMMA_GEMV_PRE=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py \
+    --dtype fp8 --batches 1 --gen 32 --out $OUT/wgpre_prof 2>&1 | grep -E "^\| 1 " && python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['profile_bs1'][:14]:
+    print(f\"{r['kernel'][:40]:40s} {r['calls_per_step']:5.0f} {r['us_per_step']:8.1f} us\")" $OUT/wgpre_prof/decode_bench_fp8.json
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \

@@ -326,10 +326,12 @@ def add_rms_norm_router(
 def moe_add_rms_norm(
     rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
     eps: float, dtype: torch.dtype | None = None, xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    res_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [T, W, N] (fp32, or the grouped path's x dtype), weights [T, W] fp32: x = sum_j
     weights[:, j] * rows[:, j] in fp32, rounded to the residual's dtype (or `dtype`), then
-    `add_rms_norm(x, residual)`, in one launch (xq_out: as there)."""
+    `add_rms_norm(x, residual)`, in one launch (xq_out: as there; res_out: the new residual's buffer,
+    [T, N] contiguous)."""
     assert rows.dim() == 3 and rows.is_contiguous() and rows.dtype in _TL_DTYPE, (rows.shape, rows.dtype)
     T, W, N = rows.shape
     assert weights.shape == (T, W) and weights.is_contiguous() and weights.dtype == torch.float32
@@ -339,7 +341,8 @@ def moe_add_rms_norm(
         assert residual.shape == (T, N) and residual.stride(1) == 1, (residual.shape, residual.stride())
     assert weight.shape == (N,) and weight.is_contiguous()
     out = torch.empty(T, N, dtype=dt, device=rows.device)
-    new_res = torch.empty(T, N, dtype=dt, device=rows.device)
+    new_res = torch.empty(T, N, dtype=dt, device=rows.device) if res_out is None else res_out
+    assert new_res.shape == (T, N) and new_res.dtype == dt and new_res.is_contiguous(), (new_res.shape, dt)
     if T == 0:
         return out, new_res
     block_r, block_n = _tile(N)

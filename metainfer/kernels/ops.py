@@ -163,15 +163,41 @@ def add_rms_norm_router(x, residual, weight, eps, router_weight):
     return k(x, residual, weight, eps, router_weight) if k and residual is not None else None
 
 
-def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=None):
+def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=None, res_out=None):
     """`add_rms_norm(moe_combine(rows, weights), residual)`: the MoE's weighted sum, the residual
-    add and the next RMSNorm in one pass. -> (normed, new residual). xq_out: as `add_rms_norm`."""
+    add and the next RMSNorm in one pass. -> (normed, new residual). xq_out: as `add_rms_norm`;
+    res_out: the new residual's buffer (else a new tensor)."""
     k = _kernel("moe_add_rms_norm", rows)
     if k:
-        return k(rows, weights, residual, weight, eps, dtype, xq_out=xq_out)
+        return k(rows, weights, residual, weight, eps, dtype, xq_out=xq_out, res_out=res_out)
     assert xq_out is None, "xq_out needs the norm kernel"
     x = ref.moe_combine(rows, weights, residual.dtype if residual is not None else dtype)
-    return add_rms_norm(x, residual, weight, eps)
+    out, new_res = add_rms_norm(x, residual, weight, eps)
+    if res_out is None:
+        return out, new_res
+    res_out.copy_(new_res)
+    return out, res_out
+
+
+def pending_norm_ok(rows: torch.Tensor, T: int) -> bool:
+    """Whether a decode step's input norm may be left to its projection (`layers.PendingNorm`): one token,
+    a kernel that takes it (mega/gemv.cu's x prologue) and its switch; the projection may still decline
+    (then the norm runs as before)."""
+    if T != 1 or not _kernel("pending_norm_linear", rows):
+        return False
+    from metainfer.kernels.mega import gemv
+
+    return gemv.pre_enabled()
+
+
+def pending_norm_linear(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=None):
+    """rms_norm(moe_combine(rows, weights) + residual) @ weight^T in the projection's prologue (new_res gets
+    the new residual; conv: (conv_weight, conv_state, slots, has_state), as `linear_conv_update`'s): -> y, or
+    None where no kernel serves it (then the caller runs the norm, then the projection)."""
+    k = _kernel("pending_norm_linear", rows)
+    if not k or scale_inv is None:
+        return None
+    return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=conv)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "linear": ("metainfer.kernels.weight_stream", "dense_linear"),
     "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
     "gated_norm_linear": ("metainfer.kernels.weight_stream", "gated_norm_linear"),
+    "pending_norm_linear": ("metainfer.kernels.mega.gemv", "project_pre"),
 }
 
 

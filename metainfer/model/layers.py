@@ -24,6 +24,39 @@ class ExpertRows:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class PendingNorm:
+    """A decode token's input RMSNorm not yet applied: norm(sum of `rows` + residual), left to the
+    projection that takes it as its x prologue (`Linear.forward`, `Linear.conv_forward`: mega/gemv.cu,
+    METAINFER_WGMMA_GEMV_PRE=1) or computed by `materialize` where none does. new_res receives the new
+    residual (sum + residual) either way."""
+
+    rows: ExpertRows
+    residual: torch.Tensor  # [1, H]
+    weight: torch.Tensor  # the norm's
+    eps: float
+    new_res: torch.Tensor  # [1, H]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.residual.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.residual.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.residual.device
+
+    def operands(self) -> tuple:
+        return (self.rows.rows, self.rows.weights, self.residual, self.weight, self.eps, self.new_res)
+
+    def materialize(self) -> torch.Tensor:
+        return ops.moe_add_rms_norm(self.rows.rows, self.rows.weights, self.residual, self.weight, self.eps,
+                                    self.rows.dtype, res_out=self.new_res)[0]
+
+
 def fp8_copy_buffers(consumer: Linear | bool, T: int, K: int, device, norm_op: str = "add_rms_norm"
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Buffers for a norm's e4m3 copy of its [T, K] output (KB-0052; off: METAINFER_NORM_QUANT=0), where the
@@ -81,19 +114,32 @@ class Linear(nn.Module):
             off += n
         raise KeyError(part)
 
-    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """xq: x's e4m3 copy from its norm (FP8 weights; an optional shortcut, the same operands)."""
+    def forward(self, x: torch.Tensor | PendingNorm, xq: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """xq: x's e4m3 copy from its norm (FP8 weights; an optional shortcut, the same operands). x
+        `PendingNorm`: its norm in the projection's prologue where a kernel takes it."""
+        if isinstance(x, PendingNorm):
+            y = ops.pending_norm_linear(*x.operands(), self.weight, self.weight_scale_inv)
+            if y is not None:
+                return y
+            x = x.materialize()
         if self.weight_scale_inv is not None:
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv, xq=xq)
         return ops.linear(x, self.weight)
 
     def conv_forward(
-        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-        has_state: torch.Tensor,
+        self, x: torch.Tensor | PendingNorm, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+        slots: torch.Tensor, has_state: torch.Tensor,
     ) -> torch.Tensor:
         """forward(x) with the DeltaNet decode conv + SiLU applied to the first C = conv channels of
         the first len(slots) rows (their conv states updated in place); on the GPU kernels it is the
-        projection kernel's epilogue."""
+        projection kernel's epilogue (and a `PendingNorm` x's norm its prologue where one takes it)."""
+        if isinstance(x, PendingNorm):
+            y = ops.pending_norm_linear(*x.operands(), self.weight, self.weight_scale_inv,
+                                        conv=(conv_weight, conv_state, slots, has_state))
+            if y is not None:
+                return y
+            x = x.materialize()
         return ops.linear_conv_update(x, self.weight, self.weight_scale_inv, conv_weight, conv_state, slots,
                                       has_state)
 

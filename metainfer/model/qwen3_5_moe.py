@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from metainfer.config import FULL, ModelConfig
-from metainfer.kernels import pdl
+from metainfer.kernels import ops, pdl
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
-from metainfer.model.layers import ExpertRows, Linear, RMSNorm, SparseMoE, fp8_copy_buffers
+from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm, SparseMoE, fp8_copy_buffers
 from metainfer.model.meta import CacheTensors, ForwardMeta
 
 
@@ -41,9 +41,14 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         T, H, dev = positions.shape[0], self.input_layernorm.weight.shape[0], positions.device
         mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
-        consumer = mixer.input_proj(meta) if residual is not None else False  # layer 0: no add, no copy
-        xq = fp8_copy_buffers(consumer, T, H, dev)
-        h, residual = self.input_layernorm.add_forward(x, residual, xq_out=xq)
+        if isinstance(x, ExpertRows) and residual is not None and ops.pending_norm_ok(x.rows, T):
+            norm = self.input_layernorm  # its norm left to the mixer's first projection (its x prologue)
+            h = PendingNorm(x, residual, norm.weight, norm.eps, torch.empty_like(residual))
+            residual, xq = h.new_res, None
+        else:
+            consumer = mixer.input_proj(meta) if residual is not None else False  # layer 0: no add, no copy
+            xq = fp8_copy_buffers(consumer, T, H, dev)
+            h, residual = self.input_layernorm.add_forward(x, residual, xq_out=xq)
         i = self.cache_index
         if self.layer_type == FULL:
             h = self.self_attn(h, positions, meta, caches.k[i], caches.v[i], xq=xq)

@@ -182,3 +182,74 @@ def test_moe_routed_rows_on_gemv_equal_the_triton_path(ties, monkeypatch):
     again = step()
     assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
     assert not torch.equal(out[0], eager[0])  # a new input, new rows
+
+
+def _pre_problem(seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = torch.randn(1, 9, gemv.K, generator=g, device="cuda") * 0.5
+    tw = torch.rand(1, 9, generator=g, device="cuda")
+    residual = torch.randn(1, gemv.K, generator=g, device="cuda").to(torch.bfloat16)
+    nw = (0.1 * torch.randn(gemv.K, generator=g, device="cuda")).to(torch.bfloat16)
+    return rows, tw, residual, nw
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
+    """gemv_e4m3_pre (METAINFER_WGMMA_GEMV_PRE=1): the previous MoE's rows summed into the residual and the
+    input RMSNorm in the x prologue, against norm.moe_add_rms_norm then the projection (gemv.cu's plain form;
+    with conv, the in_proj and its decode conv): outputs within 8e-3 (the norm's sum of squares reduces in
+    another order: a bf16 step in x here and there), the new residual the same bits but for rare elements."""
+    from metainfer.kernels import norm, weight_stream
+
+    monkeypatch.setenv(gemv.PRE_ENV, "1")
+    rows, tw, residual, nw = _pre_problem(21 + conv)
+    want_h, want_res = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
+    new_res = torch.empty_like(residual)
+    if not conv:
+        _, w, s = _problem(9216, seed=22)
+        got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s)
+        want = fp8_linear.fp8_linear(want_h, w, s)
+        assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
+    else:
+        _, w, s = _problem(12352, seed=23)
+        C = 8192
+        cw = (torch.randn(C, 4, device="cuda") * 0.5).to(torch.bfloat16)
+        state = torch.randn(5, 3, C, device="cuda").to(torch.bfloat16)
+        ref_state = state.clone()
+        slots, has = torch.tensor([2], device="cuda"), torch.tensor([True], device="cuda")
+        got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s, conv=(cw, state, slots, has))
+        want = weight_stream.linear_conv_update(want_h, w, s, cw, ref_state, slots, has)
+        assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
+        assert rel_rmse(state.float(), ref_state.float()) < 8e-3
+    assert rel_rmse(new_res.float(), want_res.float()) < 1e-3
+    assert (new_res != want_res).float().mean() < 0.01
+    monkeypatch.setenv(gemv.PRE_ENV, "0")
+    assert gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s) is None  # off: the caller's norm
+
+
+def test_pre_prologue_graph_replay():
+    """The prologue's kernel captured in a CUDA graph and replayed with new rows: the same bits as eager."""
+    import os
+
+    os.environ[gemv.PRE_ENV] = "1"
+    try:
+        rows, tw, residual, nw = _pre_problem(31)
+        _, w, s = _problem(9216, seed=32)
+        new_res = torch.empty_like(residual)
+
+        def step():
+            return gemv.project_pre(rows * 1.0, tw, residual, nw, 1e-6, new_res, w, s)
+
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        rows.copy_(torch.randn_like(rows))
+        graph.replay()
+        torch.cuda.synchronize()
+        res_graph = new_res.clone()
+        again = step()
+        assert torch.equal(out, again) and torch.equal(res_graph, new_res)
+        assert not torch.equal(out, eager)
+    finally:
+        del os.environ[gemv.PRE_ENV]

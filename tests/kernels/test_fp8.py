@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metainfer.kernels import common
+from metainfer.kernels import common, ops
 from metainfer.kernels import fp8_linear as fl
 from metainfer.kernels import weight_stream as ws
 from metainfer.kernels.ops import ref_dequant_fp8
@@ -626,3 +626,34 @@ def test_wgmma_gemv_switch(monkeypatch):
     monkeypatch.delenv(gemv.MOE_ENV, raising=False)  # the experts' gate/up: CUDA only
     wm, sm = torch.zeros(9, 1024, gemv.K, dtype=torch.float8_e4m3fn), torch.ones(9, 8, gemv.K // 128)
     assert not gemv.wanted_moe(x, torch.zeros(1, 9, dtype=torch.bfloat16), 4, wm, sm)
+
+
+def test_pending_norm_materializes_where_no_kernel_takes_it(monkeypatch):
+    """`layers.PendingNorm` (a decode token's input norm left to its projection's prologue, gemv.cu's on
+    the GPU): on the CPU no kernel takes it, so `Linear.forward` / `conv_forward` run the norm first, with
+    the same output and new residual as `RMSNorm.add_forward`; the decoder never builds one on the CPU."""
+    from metainfer.kernels.mega import gemv
+    from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm
+
+    monkeypatch.setenv(gemv.PRE_ENV, "1")
+    g = torch.Generator().manual_seed(7)
+    H, W = 256, 9
+    rows = ExpertRows(torch.randn(1, W, H, generator=g), torch.rand(1, W, generator=g), torch.bfloat16)
+    residual = torch.randn(1, H, generator=g).bfloat16()
+    norm = RMSNorm(H, 1e-6)
+    norm.weight.data = (0.1 * torch.randn(H, generator=g)).bfloat16()
+    want_h, want_res = norm.add_forward(rows, residual)
+    lin = Linear(H, {"w": 384})
+    w32 = torch.randn(384, H, generator=g) * 0.05
+    lin.weight.data, lin.weight_scale_inv = quantize_fp8_block(w32)
+    assert not ops.pending_norm_ok(rows.rows, 1)  # no kernel on the CPU
+    pn = PendingNorm(rows, residual, norm.weight, norm.eps, torch.empty_like(residual))
+    assert pn.shape == residual.shape and pn.dtype == torch.bfloat16
+    assert torch.equal(lin(pn), lin(want_h)) and torch.equal(pn.new_res, want_res)
+    cw, state = torch.randn(128, 4, generator=g).bfloat16(), torch.randn(2, 3, 128, generator=g).bfloat16()
+    slots, has = torch.tensor([1]), torch.tensor([True])
+    s1, s2 = state.clone(), state.clone()
+    pn2 = PendingNorm(rows, residual, norm.weight, norm.eps, torch.empty_like(residual))
+    got = lin.conv_forward(pn2, cw, s1, slots, has)
+    assert torch.equal(got, lin.conv_forward(want_h, cw, s2, slots, has)) and torch.equal(s1, s2)
+    assert torch.equal(pn2.new_res, want_res)

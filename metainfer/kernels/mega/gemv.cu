@@ -36,7 +36,7 @@ static_assert(NS >= 2 && NS <= 6, "2-6 ring slots");
 constexpr int KK = 2048, ROWS = CHUNK / KK, NB = KK / 128;  // K, rows a chunk, blocks a row
 // shared memory: 1024 (alignment) + the ring and each slot's scales + B's terms (4 KB) + x's block powers of two and
 // x (fp32) + the mbarriers + MOE's picks
-constexpr size_t SMEM = 1024 + (size_t)NS * (CHUNK + NB * 4) + KK * 2 + (NB + KK) * sizeof(float) +
+constexpr size_t SMEM = 1024 + (size_t)NS * (CHUNK + NB * 4) + KK * 2 + (NB + KK + mega::NCW) * sizeof(float) +
                         2 * NS * sizeof(uint64_t) + MOE_MAX_K * sizeof(int);
 static_assert(SMEM <= 227 * 1024, "one CTA per SM");
 constexpr int CONV_K = 4;  // the DeltaNet conv's kernel size (the launcher checks it)
@@ -48,6 +48,21 @@ struct Conv {  // the conv epilogue's operands (n_conv == 0: none)
   const uint8_t* has;      // [1]
   long long s_slot, s_k;
   int n_conv;
+};
+
+// The x prologue of gemv_e4m3_pre (built 2026-12-04e, not yet run on a GPU): x = the previous MoE's rows summed into
+// the residual, then this layer's input RMSNorm, as norm.moe_add_rms_norm computes it (sum_j tw[j] rows[j] in fp32
+// and slot order, rounded to bf16; + res, rounded; rms over K; * (1 + w), rounded), each CTA for itself; CTA 0
+// writes the new residual.
+constexpr int PRE_MAX_W = 16;
+struct Pre {
+  const float* rows;         // [W, K] fp32: the MoE's unweighted rows of the token
+  const float* tw;           // [W] their routing weights
+  const __nv_bfloat16* res;  // [K] the residual stream before the add
+  const __nv_bfloat16* w;    // [K] the input norm's weight
+  __nv_bfloat16* new_res;    // [K] res + the sum (written by CTA 0)
+  float eps;
+  int W;  // <= PRE_MAX_W
 };
 
 struct Moe {  // moe_gate_up_e4m3's operands
@@ -118,6 +133,45 @@ __device__ void route_weights(const Moe& m, const int* pick, int lane) {
   if (lane == m.top_k) m.tw[lane] = 1.f / (1.f + expf(-bf16_at(m.logits, m.E))), m.ids[lane] = m.E;
 }
 
+// Pre's x into xs (fp32 of the bf16 values, at mega::xpos): consumer thread t holds columns 8 t .. 8 t + 7
+__device__ void stage_pre(const Pre& p, float* xs, float* red, int cw, int lane) {
+  const int c0 = threadIdx.x * 8;
+  float acc[8] = {};
+#pragma unroll
+  for (int j = 0; j < PRE_MAX_W; ++j) {
+    if (j < p.W) {
+      const float t = __ldcg(p.tw + j);
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0) + 1);
+      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(t, v[i], acc[i]);
+    }
+  }
+  const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
+  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
+  const uint32_t rw[4] = {rv.x, rv.y, rv.z, rv.w}, ww[4] = {wv.x, wv.y, wv.z, wv.w};
+  float r[8], ss = 0.f;
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float res = __uint_as_float(i & 1 ? rw[i / 2] & 0xffff0000u : rw[i / 2] << 16);
+    const float sum = __bfloat162float(__float2bfloat16_rn(acc[i]));  // the combine's rounding
+    const __nv_bfloat16 rb = __float2bfloat16_rn(sum + res);
+    r[i] = __bfloat162float(rb);
+    ss = fmaf(r[i], r[i], ss);
+    const uint32_t bits = __bfloat16_as_ushort(rb);
+    out[i / 2] = i & 1 ? out[i / 2] | (bits << 16) : bits;
+  }
+  if (blockIdx.x == 0) *reinterpret_cast<uint4*>(p.new_res + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+  const float rstd = rsqrtf(mega::block_sum(ss, red, cw, lane) / KK + p.eps);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float w = __uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16);
+    xs[mega::xpos(c0 + i)] = __bfloat162float(__float2bfloat16_rn(r[i] * rstd * (1.f + w)));
+  }
+}
+
 // The conv epilogue's loads for row n (a row < n_conv), issued before the chunk's dots so that their latency
 // hides behind them: the row's conv weights and its slot's state (zeros without one)
 struct ConvRow {
@@ -150,17 +204,18 @@ __device__ __forceinline__ __nv_bfloat16 conv_row(__nv_bfloat16 yb, int n, const
 }
 }  // namespace
 
-template <bool MOE>
+template <bool MOE, bool PRE = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
-                                          const Moe& moe) {
+                                          const Pre& pre, const Moe& moe) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
   uint8_t* b8 = reinterpret_cast<uint8_t*>(wsc + NS * NB);   // x's two e4m3 terms (K * 2 bytes)
   float* xf = reinterpret_cast<float*>(b8 + KK * 2);         // [NB] 2^-e per block
   float* xs = xf + NB;                                       // [KK] x (fp32, permuted: mega::xpos)
-  uint64_t* full = reinterpret_cast<uint64_t*>(xs + KK);
+  float* red = xs + KK;                                      // [NCW] the prologue's block sum
+  uint64_t* full = reinterpret_cast<uint64_t*>(red + mega::NCW);
   uint64_t* empty = full + NS;
   int* pick = reinterpret_cast<int*>(empty + NS);  // MOE: the routed experts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -218,7 +273,9 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   static_assert(KK % (8 * mega::CT) == 0, "whole 16-byte loads of x per consumer thread");
   constexpr int NV = KK / (8 * mega::CT);
-  {
+  if (PRE) {
+    stage_pre(pre, xs, red, warp, lane);
+  } else {
     uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
 #pragma unroll
     for (int j = 0; j < NV; ++j) xv[j] = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x + j * mega::CT);
@@ -268,14 +325,21 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     gemv_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
               __nv_bfloat16* y, int n_rows, const Conv conv) {
-  gemv_body<false>(&wmap, ws, x, y, n_rows, conv, Moe{});
+  gemv_body<false>(&wmap, ws, x, y, n_rows, conv, Pre{}, Moe{});
+}
+
+// the same with x from the prologue (Pre: the previous MoE's sum, the residual add and the input norm)
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    gemv_e4m3_pre(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, __nv_bfloat16* y,
+                  int n_rows, const Conv conv, const Pre pre) {
+  gemv_body<false, true>(&wmap, ws, nullptr, y, n_rows, conv, pre, Moe{});
 }
 
 // one token's experts' gate/up (x: the normed hidden state), routed here from moe.logits (see the header)
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     moe_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
                      const __nv_bfloat16* x, const Moe moe) {
-  gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, moe);
+  gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe);
 }
 
 // the layout constants the launcher (gemv.py) must agree with
@@ -284,4 +348,5 @@ extern "C" __global__ void gemv_constants(long long* out) {
   out[1] = static_cast<long long>(SMEM);
   out[2] = static_cast<long long>(sizeof(Conv)) * 100 + CONV_K;
   out[3] = static_cast<long long>(sizeof(Moe)) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K;
+  out[4] = static_cast<long long>(sizeof(Pre)) * 100 + PRE_MAX_W;
 }

@@ -31,6 +31,7 @@ ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Tri
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 4): same outputs
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
+PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "1": the input norm as qkv's / in_proj's x prologue (not yet run)
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -62,6 +63,15 @@ class _Moe(ctypes.Structure):  # gemv.cu's Moe: moe_gate_up_e4m3's operands
 MOE_MAX_E, MOE_MAX_K = 256, 16  # gemv.cu's routing bounds: experts (8 logits a lane), picks + 1
 
 
+class _Pre(ctypes.Structure):  # gemv.cu's Pre: gemv_e4m3_pre's x prologue
+    _fields_ = [("rows", ctypes.c_void_p), ("tw", ctypes.c_void_p), ("res", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("new_res", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("W", ctypes.c_int)]
+
+
+PRE_MAX_W = 16  # gemv.cu's bound on the prologue's rows
+
+
 class _Config(ctypes.Structure):  # CUlaunchConfig
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
@@ -91,6 +101,27 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
             and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
             and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
+
+
+def pre_enabled() -> bool:
+    return os.environ.get(PRE_ENV, "0") == "1" and enabled()
+
+
+def wanted_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+               new_res: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether `project_pre` serves rms_norm(sum_j tw[j] rows[j] + residual) @ dequant(w, s)^T for one
+    token (the previous MoE's rows [1, W, K] fp32, W <= PRE_MAX_W; residual, new_res [1, K] bf16; the
+    norm's weight [K] bf16): its switch, and `wanted` for the projection."""
+    if not pre_enabled() or not rows.is_cuda or rows.dim() != 3:
+        return False
+    W = rows.shape[1]
+    return (rows.shape == (1, W, K) and 0 < W <= PRE_MAX_W and rows.dtype == tw.dtype == torch.float32
+            and tw.shape == (1, W) and residual.shape == new_res.shape == (1, K)
+            and residual.dtype == new_res.dtype == norm_weight.dtype == torch.bfloat16
+            and norm_weight.shape == (K,)
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0
+                    for t in (rows, tw, residual, norm_weight, new_res))
+            and wanted(residual, w, s))
 
 
 def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor) -> bool:
@@ -126,19 +157,22 @@ class _Kernel:
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
         self.fn, self.moe_fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
+        self.pre_fn = ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.pre_fn), self.module, b"gemv_e4m3_pre")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
-        out = torch.zeros(4, dtype=torch.int64, device=device)
+        out = torch.zeros(5, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
                  ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args),
                  None)
-        self.threads, self.smem, conv, moe = out.tolist()
+        self.threads, self.smem, conv, moe, pre = out.tolist()
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
-                + MOE_MAX_K)
-        if (self.threads, conv, moe) != want:
-            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, moe): {want}")
-        for fn in (self.fn, self.moe_fn):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W)
+        if (self.threads, conv, moe, pre) != want:
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, moe, pre): "
+                               f"{want}")
+        for fn in (self.fn, self.pre_fn, self.moe_fn):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             self.drv("cuFuncSetAttribute", fn, 8, self.smem)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
@@ -154,7 +188,7 @@ class _Kernel:
         return tmap
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
-                 conv: tuple | None) -> None:
+                 conv: tuple | None, pre: tuple | None = None) -> None:
         N = w.shape[0]
         tmap = self.tensor_map(w)
         cv = _Conv()
@@ -162,6 +196,14 @@ class _Kernel:
             cw, cstate, slots, has = conv
             cv = _Conv(cw.data_ptr(), cstate.data_ptr(), slots.data_ptr(), has.data_ptr(), cstate.stride(0),
                        cstate.stride(1), cw.shape[0])
+        if pre is not None:  # x is the prologue's (the residual stands in for it in the checks)
+            rows, tw, res, nw, eps, new_res = pre
+            p = _Pre(rows.data_ptr(), tw.data_ptr(), res.data_ptr(), nw.data_ptr(), new_res.data_ptr(), eps,
+                     rows.shape[1])
+            args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv,
+                    p]
+            self.launch(self.pre_fn, args, N // 16, x.device)
+            return
         args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()),
                 ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv]
         self.launch(self.fn, args, N // 16, x.device)  # 32 KB chunks of 16 rows
@@ -221,6 +263,24 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
     kernel = _kernel(x.device)
     assert kernel is not None, "project() without wanted()"
     kernel(x, w, s, y, conv)
+
+
+def project_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                eps: float, new_res: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
+                conv: tuple | None = None) -> torch.Tensor | None:
+    """One decode token's projection whose x is the previous MoE's rows summed into the residual and this
+    layer's input RMSNorm, computed in gemv.cu's x prologue (norm.moe_add_rms_norm's steps; new_res gets the
+    new residual): -> y [1, N] bf16, or None where the kernel does not serve it (`wanted_pre`; with conv,
+    `wanted_conv`: then y[:, :C] is the decode conv of itself, as `project`'s conv)."""
+    if not wanted_pre(rows, tw, residual, norm_weight, new_res, w, s):
+        return None
+    if conv is not None and not wanted_conv(residual, w, s, *conv[:3]):
+        return None
+    y = torch.empty(1, w.shape[0], dtype=torch.bfloat16, device=rows.device)
+    kernel = _kernel(rows.device)
+    assert kernel is not None
+    kernel(residual, w, s, y, conv, (rows, tw, residual, norm_weight, eps, new_res))
+    return y
 
 
 def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor,
