@@ -26,7 +26,7 @@
 #include "mega_math.cuh"
 
 #ifndef GEMV_SLOTS
-#define GEMV_SLOTS 6  // ring slots of 32 KB (fewer: room on the SM for the next kernel's CTAs; gemv.py's SLOTS_ENV)
+#define GEMV_SLOTS 4  // ring slots of 32 KB (fewer: room on the SM for the next kernel's CTAs; gemv.py's SLOTS_ENV)
 #endif
 
 namespace {
@@ -34,8 +34,8 @@ constexpr int CHUNK = 32768, SEG = 512, NS = GEMV_SLOTS;
 constexpr int MOE_MAX_E = 256, MOE_MAX_K = 16;  // routing: 8 logits a lane; the picks in shared memory
 static_assert(NS >= 2 && NS <= 6, "2-6 ring slots");
 constexpr int KK = 2048, ROWS = CHUNK / KK, NB = KK / 128;  // K, rows a chunk, blocks a row
-// shared memory: 1024 (alignment) + the ring and each slot's scales + B's terms (4 KB) + x's block powers of two and
-// x (fp32) + the mbarriers + MOE's picks
+// shared memory: 1024 (alignment) + the ring and each slot's scales + B's terms (4 KB) + x's block powers of two,
+// x (fp32) and the prologue's block sum + the mbarriers + MOE's picks
 constexpr size_t SMEM = 1024 + (size_t)NS * (CHUNK + NB * 4) + KK * 2 + (NB + KK + mega::NCW) * sizeof(float) +
                         2 * NS * sizeof(uint64_t) + MOE_MAX_K * sizeof(int);
 static_assert(SMEM <= 227 * 1024, "one CTA per SM");
