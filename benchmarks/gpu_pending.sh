@@ -181,6 +181,12 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 has() { [[ " $PHASES " == *" $1 "* ]]; }  # a phase named exactly (not a substring of another)
+top_kernels() {  # a decode_bench JSON's batch-1 profile: the 14 largest kernels, us a step
+  python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['profile_bs1'][:14]:
+    print(f\"{r['kernel'][:40]:40s} {r['calls_per_step']:5.0f} {r['us_per_step']:8.1f} us\")" "$1"
+}
 PHASES=${PHASES:-tests ab}
 if has tests; then
   timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated or compiles" 2>&1 \
@@ -764,10 +770,7 @@ if has wgmoe; then  # KB-0096: one token's experts' gate/up on gemv.cu (METAINFE
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_wgmoe.json 2>&1 | grep -E "verdict" | head -1
   (( SECONDS < 480 )) && METAINFER_WGMMA_GEMV_MOE=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 \
-    --batches 1 --gen 32 --out $OUT/wgmoe_prof 2>&1 | grep -E "^\| 1 " && python3 -c "
-import json, sys
-for r in json.load(open(sys.argv[1]))['profile_bs1'][:14]:
-    print(f\"{r['kernel'][:40]:40s} {r['calls_per_step']:5.0f} {r['us_per_step']:8.1f} us\")" $OUT/wgmoe_prof/decode_bench_fp8.json
+    --batches 1 --gen 32 --out $OUT/wgmoe_prof 2>&1 | grep -E "^\| 1 " && top_kernels $OUT/wgmoe_prof/decode_bench_fp8.json
 fi
 if has wgpre; then  # (built 2026-12-04e, not yet run) the input norm as qkv's / in_proj's x prologue on gemv.cu
   # (METAINFER_WGMMA_GEMV_PRE=1: 39 _moe_add_rms_norm launches fewer a batch-1 step): gemv GPU tests, the engine's
@@ -785,10 +788,7 @@ if has wgpre; then  # (built 2026-12-04e, not yet run) the input norm as qkv's /
   METAINFER_WGMMA_GEMV_PRE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgpre.json 2>&1 | grep -E "verdict" | head -1
   (( SECONDS < 500 )) && METAINFER_WGMMA_GEMV_PRE=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py \
-    --dtype fp8 --batches 1 --gen 32 --out $OUT/wgpre_prof 2>&1 | grep -E "^\| 1 " && python3 -c "
-import json, sys
-for r in json.load(open(sys.argv[1]))['profile_bs1'][:14]:
-    print(f\"{r['kernel'][:40]:40s} {r['calls_per_step']:5.0f} {r['us_per_step']:8.1f} us\")" $OUT/wgpre_prof/decode_bench_fp8.json
+    --dtype fp8 --batches 1 --gen 32 --out $OUT/wgpre_prof 2>&1 | grep -E "^\| 1 " && top_kernels $OUT/wgpre_prof/decode_bench_fp8.json
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \

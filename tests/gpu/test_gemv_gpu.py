@@ -33,6 +33,17 @@ def _problem(n: int, seed: int = 0, k: int = gemv.K):
     return x, w, s
 
 
+def _captured_with_new_input(step, src):
+    """step() captured in a CUDA graph, src refilled with new values, the graph replayed: -> its outputs."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    src.copy_(torch.randn_like(src))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def _reference(x, w, s):
     deq = w.double() * s.double().repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)
     return (x.double() @ deq.T).float()
@@ -77,12 +88,7 @@ def test_graph_replay_and_pdl_chain(monkeypatch):
     assert pdl.enabled()
     eager = step()
     assert rel_rmse(eager.float(), _reference(norm.rms_norm(src, nw, 1e-6), w, s)) < 5e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    src.copy_(torch.randn(1, gemv.K, device="cuda").to(torch.bfloat16))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = _captured_with_new_input(step, src)
     assert torch.equal(out, step())
 
 
@@ -173,12 +179,7 @@ def test_moe_routed_rows_on_gemv_equal_the_triton_path(ties, monkeypatch):
 
     assert pdl.enabled()
     eager = step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    src.copy_(torch.randn_like(src))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = _captured_with_new_input(step, src)
     again = step()
     assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
     assert not torch.equal(out[0], eager[0])  # a new input, new rows
@@ -227,29 +228,19 @@ def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
     assert gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s) is None  # off: the caller's norm
 
 
-def test_pre_prologue_graph_replay():
+def test_pre_prologue_graph_replay(monkeypatch):
     """The prologue's kernel captured in a CUDA graph and replayed with new rows: the same bits as eager."""
-    import os
+    monkeypatch.setenv(gemv.PRE_ENV, "1")
+    rows, tw, residual, nw = _pre_problem(31)
+    _, w, s = _problem(9216, seed=32)
+    new_res = torch.empty_like(residual)
 
-    os.environ[gemv.PRE_ENV] = "1"
-    try:
-        rows, tw, residual, nw = _pre_problem(31)
-        _, w, s = _problem(9216, seed=32)
-        new_res = torch.empty_like(residual)
+    def step():
+        return gemv.project_pre(rows * 1.0, tw, residual, nw, 1e-6, new_res, w, s)
 
-        def step():
-            return gemv.project_pre(rows * 1.0, tw, residual, nw, 1e-6, new_res, w, s)
-
-        eager = step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        rows.copy_(torch.randn_like(rows))
-        graph.replay()
-        torch.cuda.synchronize()
-        res_graph = new_res.clone()
-        again = step()
-        assert torch.equal(out, again) and torch.equal(res_graph, new_res)
-        assert not torch.equal(out, eager)
-    finally:
-        del os.environ[gemv.PRE_ENV]
+    eager = step()
+    out = _captured_with_new_input(step, rows)
+    res_graph = new_res.clone()
+    again = step()
+    assert torch.equal(out, again) and torch.equal(res_graph, new_res)
+    assert not torch.equal(out, eager)
