@@ -181,6 +181,18 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 has() { [[ " $PHASES " == *" $1 "* ]]; }  # a phase named exactly (not a substring of another)
+ab_bs1() {  # FP8 batch-1 decode with switch $1 = 0 / 1, alternating in fresh processes x $3, outputs $OUT/$2_<mode>_<round>
+  for r in $(seq $3); do
+    for m in 0 1; do
+      env $1=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
+        --out $OUT/$2_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$2 $m $r] /"
+    done
+  done
+}
+prof_bs1() {  # the FP8 batch-1 kernel profile with PDL off and switch $1 on, into $OUT/$2_prof; its largest kernels
+  env $1=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+    --out $OUT/$2_prof 2>&1 | grep -E "^\| 1 " && top_kernels $OUT/$2_prof/decode_bench_fp8.json
+}
 top_kernels() {  # a decode_bench JSON's batch-1 profile: the 14 largest kernels, us a step
   python3 -c "
 import json, sys
@@ -760,17 +772,11 @@ if has wgmoe; then  # KB-0096: one token's experts' gate/up on gemv.cu (METAINFE
   timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
   [[ ${WGMOE_ENGINE:-1} == 1 ]] && METAINFER_WGMMA_GEMV_MOE=1 timeout 150 python -m pytest -q tests/gpu/test_engine_gpu.py \
     -p no:cacheprovider -k "graph_replay_equals_eager" 2>&1 | tail -2
-  for r in $(seq ${REPS:-2}); do
-    for m in 0 1; do
-      METAINFER_WGMMA_GEMV_MOE=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
-        --no-profile --out $OUT/wgmoe_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[moe $m $r] /"
-    done
-  done
+  ab_bs1 METAINFER_WGMMA_GEMV_MOE wgmoe ${REPS:-2}
   [[ ${WGMOE_VERIFY:-1} == 1 ]] && METAINFER_WGMMA_GEMV_MOE=1 timeout 150 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_wgmoe.json 2>&1 | grep -E "verdict" | head -1
-  (( SECONDS < 480 )) && METAINFER_WGMMA_GEMV_MOE=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 \
-    --batches 1 --gen 32 --out $OUT/wgmoe_prof 2>&1 | grep -E "^\| 1 " && top_kernels $OUT/wgmoe_prof/decode_bench_fp8.json
+  (( SECONDS < 480 )) && prof_bs1 METAINFER_WGMMA_GEMV_MOE wgmoe
 fi
 if has wgpre; then  # (built 2026-12-04e, not yet run) the input norm as qkv's / in_proj's x prologue on gemv.cu
   # (METAINFER_WGMMA_GEMV_PRE=1: 39 _moe_add_rms_norm launches fewer a batch-1 step): gemv GPU tests, the engine's
@@ -779,16 +785,10 @@ if has wgpre; then  # (built 2026-12-04e, not yet run) the input norm as qkv's /
   timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider 2>&1 | tail -4
   METAINFER_WGMMA_GEMV_PRE=1 timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider \
     -k "pdl_equals or graph_replay_equals_eager" 2>&1 | tail -2
-  for r in $(seq ${REPS:-3}); do
-    for m in 0 1; do
-      METAINFER_WGMMA_GEMV_PRE=$m timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
-        --no-profile --out $OUT/wgpre_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[pre $m $r] /"
-    done
-  done
+  ab_bs1 METAINFER_WGMMA_GEMV_PRE wgpre ${REPS:-3}
   METAINFER_WGMMA_GEMV_PRE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgpre.json 2>&1 | grep -E "verdict" | head -1
-  (( SECONDS < 500 )) && METAINFER_WGMMA_GEMV_PRE=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py \
-    --dtype fp8 --batches 1 --gen 32 --out $OUT/wgpre_prof 2>&1 | grep -E "^\| 1 " && top_kernels $OUT/wgpre_prof/decode_bench_fp8.json
+  (( SECONDS < 500 )) && prof_bs1 METAINFER_WGMMA_GEMV_PRE wgpre
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \
