@@ -28,7 +28,7 @@ class ExpertRows:
 class PendingNorm:
     """A decode token's input RMSNorm not yet applied: norm(sum of `rows` + residual), left to the
     projection that takes it as its x prologue (`Linear.forward`, `Linear.conv_forward`: mega/gemv.cu,
-    METAINFER_WGMMA_GEMV_PRE=1) or computed by `materialize` where none does. new_res receives the new
+    on by default, KB-0097) or computed by `materialize` where none does. new_res receives the new
     residual (sum + residual) either way."""
 
     rows: ExpertRows

@@ -50,7 +50,7 @@ struct Conv {  // the conv epilogue's operands (n_conv == 0: none)
   int n_conv;
 };
 
-// The x prologue of gemv_e4m3_pre (built 2026-12-04e, not yet run on a GPU): x = the previous MoE's rows summed into
+// The x prologue of gemv_e4m3_pre (KB-0097): x = the previous MoE's rows summed into
 // the residual, then this layer's input RMSNorm, as norm.moe_add_rms_norm computes it (sum_j tw[j] rows[j] in fp32
 // and slot order, rounded to bf16; + res, rounded; rms over K; * (1 + w), rounded), each CTA for itself; CTA 0
 // writes the new residual.

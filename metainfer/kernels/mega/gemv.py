@@ -31,7 +31,7 @@ ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Tri
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 4): same outputs
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
-PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "1": the input norm as qkv's / in_proj's x prologue (not yet run)
+PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -104,7 +104,7 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
 
 
 def pre_enabled() -> bool:
-    return os.environ.get(PRE_ENV, "0") == "1" and enabled()
+    return os.environ.get(PRE_ENV, "1") != "0" and enabled()
 
 
 def wanted_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
