@@ -144,8 +144,11 @@
 #   (2026-12-04e): wgslots, wgwide, wgall (KB-0095: in_proj at 4 slots kept; the K = 4,096 forms no faster, removed
 #            with their switches: results/2026-12-04e/k4096_forms_removed.patch)
 #   wgmoe  - KB-0096: the experts' gate/up on gemv.cu (tests, engine graph test, A/B x2, oracle, profile)
-#   wgpre  - NOT YET RUN: the input norm as qkv's / in_proj's x prologue on gemv.cu (tests, engine tests, A/B x3,
-#            oracle, profile; METAINFER_WGMMA_GEMV_PRE=1)
+#   wgpre  - KB-0097 (run 2026-12-04f, now the default): the input norm as qkv's / in_proj's x prologue on gemv.cu
+#            (tests, engine tests, A/B x3, oracle, profile; METAINFER_WGMMA_GEMV_PRE=0|1)
+#   attn   - (built 2026-12-04f) the attention split kernel's first K/V tile before the PDL wait
+#            (METAINFER_ATTN_PRELOAD=1), smaller key tiles / more splits (METAINFER_ATTN_DECODE), and the experts'
+#            down tiles (METAINFER_MOE_TUNED: PRELOAD_BLOCK_H / DOWN_WARPS): GPU tests, FP8 batch-1 A/Bs, ~8 min
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -778,7 +781,7 @@ if has wgmoe; then  # KB-0096: one token's experts' gate/up on gemv.cu (METAINFE
     --json $OUT/verify_fp8_wgmoe.json 2>&1 | grep -E "verdict" | head -1
   (( SECONDS < 480 )) && prof_bs1 METAINFER_WGMMA_GEMV_MOE wgmoe
 fi
-if has wgpre; then  # (built 2026-12-04e, not yet run) the input norm as qkv's / in_proj's x prologue on gemv.cu
+if has wgpre; then  # (KB-0097, run 2026-12-04f) the input norm as qkv's / in_proj's x prologue on gemv.cu
   # (METAINFER_WGMMA_GEMV_PRE=1: 39 _moe_add_rms_norm launches fewer a batch-1 step): gemv GPU tests, the engine's
   # graph / PDL tests with it, FP8 batch 1 off / on alternating x REPS (3), the oracle (FP8) with it, a PDL-off
   # profile with it, ~8 min
@@ -789,6 +792,27 @@ if has wgpre; then  # (built 2026-12-04e, not yet run) the input norm as qkv's /
   METAINFER_WGMMA_GEMV_PRE=1 timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_wgpre.json 2>&1 | grep -E "verdict" | head -1
   (( SECONDS < 500 )) && prof_bs1 METAINFER_WGMMA_GEMV_PRE wgpre
+fi
+if has attn; then  # the attention split kernel's preload and tiles; the experts' down tiles (2026-12-04f)
+  timeout 200 python -m pytest -q tests/gpu/test_kernels_a_gpu.py -p no:cacheprovider \
+    -k "paged_attention or decode_preload or compiles or graph_replay" 2>&1 | tail -2
+  METAINFER_ATTN_PRELOAD=1 timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider \
+    -k "pdl_equals or graph_replay_equals_eager" 2>&1 | tail -2
+  ab_bs1 METAINFER_ATTN_PRELOAD apre ${REPS:-2}
+  for cfg in block_n=32,min_split_tokens=32 block_n=16,min_split_tokens=16; do
+    METAINFER_ATTN_PRELOAD=1 METAINFER_ATTN_DECODE=$cfg timeout 90 python benchmarks/decode_bench.py --dtype fp8 \
+      --batches 1 --gen 32 --no-profile --out $OUT/acfg_$(echo $cfg | tr =, __) 2>&1 | grep -E "^\| 1 " \
+      | sed "s/^/[attn $cfg] /"
+  done
+  for dn in 16:1 16:2 64:2 64:4; do  # the experts' down at batch 1: PRELOAD_BLOCK_H rows : DOWN_WARPS
+    python3 -c "
+import json, sys
+t = json.load(open('metainfer/kernels/moe_pair_h200.json'))['configs']['fp8,1']
+t.update(PRELOAD_BLOCK_H=int(sys.argv[1]), DOWN_WARPS=int(sys.argv[2]))
+json.dump({'configs': {'fp8,1': t}}, open('/tmp/down.json', 'w'))" ${dn%:*} ${dn#*:}
+    METAINFER_MOE_TUNED=/tmp/down.json timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+      --no-profile --out $OUT/down_${dn/:/_} 2>&1 | grep -E "^\| 1 " | sed "s/^/[down $dn] /"
+  done
 fi
 if has mega; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \

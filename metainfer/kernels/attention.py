@@ -49,6 +49,22 @@ class PrefillConfig:
 
 
 DECODE = DecodeConfig()
+DECODE_ENV = "METAINFER_ATTN_DECODE"  # "block_n=32,min_split_tokens=32": DecodeConfig fields for A/Bs
+PRELOAD_ENV = "METAINFER_ATTN_PRELOAD"  # "1": the split kernel's first K/V tile before the PDL wait
+
+
+def decode_config() -> DecodeConfig:
+    """DECODE, with the fields METAINFER_ATTN_DECODE names ("field=int,..."; unknown fields raise)."""
+    spec = os.environ.get(DECODE_ENV, "")
+    if not spec:
+        return DECODE
+    if spec not in _DECODE_CFGS:
+        fields = dict(kv.split("=") for kv in spec.split(","))
+        _DECODE_CFGS[spec] = DecodeConfig(**{k.strip(): int(v) for k, v in fields.items()})
+    return _DECODE_CFGS[spec]
+
+
+_DECODE_CFGS: dict[str, DecodeConfig] = {}
 PREFILL = PrefillConfig()
 
 
@@ -90,6 +106,37 @@ def _store_result(acc, m, lsum, rid, heads, d, mask, lmask, split, num_splits, o
         tl.store(out_ptr + rows * so_t + heads[:, None] * so_h + d[None, :], o, mask=mask)
 
 
+@triton.jit
+def _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
+    """Sequence b's length and split `split`'s share [start, end) of its keys, whole BLOCK_N steps."""
+    seq_len = tl.load(seq_lens_ptr + b)
+    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per
+    return seq_len, start, tl.minimum(start + per, seq_len)
+
+
+@triton.jit
+def _kv_rows(bt_ptr, b, sbt, tok, nmask, hkv, sk_blk, sk_tok, sk_h, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets of tokens `tok` of sequence b, KV head hkv, through its block table."""
+    blk = tl.load(bt_ptr + b * sbt + tok // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    return blk * sk_blk + (tok % BLOCK_SIZE) * sk_tok + hkv * sk_h  # [BLOCK_N]
+
+
+@triton.jit
+def _attend(q, kt, vt, visible, m, lsum, acc, scale_log2, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of keys (kt [BLOCK_D, BLOCK_N], vt [BLOCK_N, BLOCK_D]; visible [rows, BLOCK_N]) into
+    the online softmax of q's rows (m, lsum, acc; a row that has seen no key keeps m = -inf)."""
+    sc = _mma(q, kt, PREC, UPCAST) * scale_log2  # [rows, BLOCK_N]
+    sc = tl.where(visible, sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(sc - m_safe[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
+    return m_new, lsum, acc
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, gate_ptr,
@@ -99,29 +146,39 @@ def _decode_split_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0,
     wq_ptr=None, wk_ptr=None, pos_ptr=None, inv_freq_ptr=None, slot_ptr=None, kn_ptr=None, vn_ptr=None,
     skn_t=0, skn_h=0, svn_t=0, svn_h=0, eps=0.0, PROLOGUE: tl.constexpr = 0, RD: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    PRELOAD: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     """PROLOGUE (`decode_attention_prologue`): q_ptr holds the raw query rows (q_proj's output);
     the program normalises and rotates its G heads' rows itself, and the program whose split holds
     the last position writes this step's key (normed, rotated) and value rows of its KV head into the
     cache (kn_ptr / vn_ptr, the raw rows; slot_ptr's slot) before its loop reads them: the
-    `qk_norm_rope` launch folded in, the same values."""
-    pdl.wait(USE_PDL)
+    `qk_norm_rope` launch folded in, the same values.
+    PRELOAD (METAINFER_ATTN_PRELOAD; not with PROLOGUE): the split's first tile of keys and values is
+    loaded BEFORE the PDL wait, but for this step's row (position seq_len - 1, which the previous
+    launch, qk_norm_rope, writes): the rows of earlier positions were written by earlier steps, the
+    block table and lengths by the step's first copies. That row is loaded after the wait."""
     # q: [B, HQ, D] rows of the decodes; caches: [N, BLOCK_SIZE, Hkv, D]; bt: [B, max_blocks]
     # SPLIT: part_o [B, HQ, num_splits, D] fp32, part_lse [B, HQ, num_splits] fp32 (log2 units);
     # else (num_splits == 1) the result goes straight to out [B, HQ, D]
     b = tl.program_id(0).to(tl.int64)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per
-    end = tl.minimum(start + per, seq_len)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if PRELOAD:
+        seq_len, start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
+        tok0 = start + tl.arange(0, BLOCK_N)
+        nmask0 = tok0 < end
+        row0 = _kv_rows(bt_ptr, b, sbt, tok0, nmask0, hkv, sk_blk, sk_tok, sk_h, BLOCK_SIZE)
+        old0 = nmask0 & (tok0 < seq_len - 1)
+        kt0 = tl.load(k_ptr + row0[None, :] + d[:, None], mask=dmask[:, None] & old0[None, :], other=0.0)
+        vt0 = tl.load(v_ptr + row0[:, None] + d[None, :], mask=old0[:, None] & dmask[None, :], other=0.0)
+    pdl.wait(USE_PDL)
+    if not PRELOAD:
+        seq_len, start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, G_PAD)
-    d = tl.arange(0, BLOCK_D)
     gmask = g < G
-    dmask = d < D
     heads = hkv * G + g
     qrows = q_ptr + b * sq_t + heads[:, None] * sq_h
     if PROLOGUE:
@@ -142,22 +199,23 @@ def _decode_split_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    for s in range(start, end, BLOCK_N):
+    lo = start
+    if PRELOAD:
+        if start < end:  # the preloaded tile, with this step's row (if it falls in it) loaded now
+            new0 = nmask0 & (tok0 == seq_len - 1)
+            kn0 = tl.load(k_ptr + row0[None, :] + d[:, None], mask=dmask[:, None] & new0[None, :], other=0.0)
+            vn0 = tl.load(v_ptr + row0[:, None] + d[None, :], mask=new0[:, None] & dmask[None, :], other=0.0)
+            kt0 = tl.where(new0[None, :], kn0, kt0)
+            vt0 = tl.where(new0[:, None], vn0, vt0)
+            m, lsum, acc = _attend(q, kt0, vt0, nmask0[None, :], m, lsum, acc, scale_log2, PREC, UPCAST)
+        lo = start + BLOCK_N
+    for s in range(lo, end, BLOCK_N):
         tok = s + tl.arange(0, BLOCK_N)
         nmask = tok < end
-        blk = tl.load(bt_ptr + b * sbt + tok // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = blk * sk_blk + (tok % BLOCK_SIZE) * sk_tok + hkv * sk_h  # [BLOCK_N]
-        kvmask = dmask[:, None] & nmask[None, :]
-        kt = tl.load(k_ptr + row[None, :] + d[:, None], mask=kvmask, other=0.0)  # [BLOCK_D, BLOCK_N]
-        sc = _mma(q, kt, PREC, UPCAST) * scale_log2  # [G_PAD, BLOCK_N]
-        sc = tl.where(nmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
+        row = _kv_rows(bt_ptr, b, sbt, tok, nmask, hkv, sk_blk, sk_tok, sk_h, BLOCK_SIZE)
+        kt = tl.load(k_ptr + row[None, :] + d[:, None], mask=dmask[:, None] & nmask[None, :], other=0.0)
         vt = tl.load(v_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
-        m = m_new
+        m, lsum, acc = _attend(q, kt, vt, nmask[None, :], m, lsum, acc, scale_log2, PREC, UPCAST)
     _store_result(acc, m, lsum, b, heads, d, gmask[:, None] & dmask[None, :], gmask, split, num_splits,
                   out_ptr, so_t, so_h, gate_ptr, sg_t, sg_h, part_o_ptr, part_lse_ptr, HQ, D, SPLIT, GATE)
 
@@ -252,20 +310,11 @@ def _prefill_kernel(
     for s in range(lo, hi, BLOCK_N):
         kpos = s + tl.arange(0, BLOCK_N)
         nmask = kpos < hi
-        blk = tl.load(bt_ptr + i * sbt + kpos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = blk * sk_blk + (kpos % BLOCK_SIZE) * sk_tok + hkv * sk_h
+        row = _kv_rows(bt_ptr, i, sbt, kpos, nmask, hkv, sk_blk, sk_tok, sk_h, BLOCK_SIZE)
         kt = tl.load(k_ptr + row[None, :] + d[:, None], mask=dmask[:, None] & nmask[None, :], other=0.0)
-        sc = _mma(q, kt, PREC, UPCAST) * scale_log2  # [R, BLOCK_N]
-        visible = (kpos[None, :] <= qpos[:, None]) & nmask[None, :]
-        sc = tl.where(visible, sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _mma(p.to(vt.dtype), vt, PREC, UPCAST)
-        m = m_new
+        visible = (kpos[None, :] <= qpos[:, None]) & nmask[None, :]
+        m, lsum, acc = _attend(q, kt, vt, visible, m, lsum, acc, scale_log2, PREC, UPCAST)
     _store_result(acc, m, lsum, tok_row, heads, d, qmask, rmask, split, num_splits, out_ptr, so_t, so_h,
                   gate_ptr, sg_t, sg_h, part_o_ptr, part_lse_ptr, HQ, D, SPLIT, GATE)
 
@@ -319,6 +368,7 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         part_o = part_lse = out  # unused
     block_d = triton.next_power_of_2(D)
     g_ptr, sg_t, sg_h, has_gate = _gate_args(gate, out)
+    preload = prologue is None and os.environ.get(PRELOAD_ENV, "0") == "1"
     _decode_split_kernel[(nd, Hkv, ns)](
         q, k_cache, v_cache, bt, meta.seq_lens, out, part_o, part_lse, g_ptr,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), sg_t, sg_h,
@@ -326,7 +376,8 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         HQ=Hq, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
         BLOCK_SIZE=bs, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}), **pdl.kw(),
+        PRELOAD=int(preload), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}),
+        **pdl.kw(),
     )
     if ns > 1:
         _decode_reduce_kernel[(nd, Hq)](
@@ -433,7 +484,7 @@ def paged_attention(
     if q.shape[0] == 0:
         return out
     if meta.num_decodes:
-        _decode(q, k_cache, v_cache, meta, scale, out, DECODE, gate=gate)
+        _decode(q, k_cache, v_cache, meta, scale, out, decode_config(), gate=gate)
     if meta.num_seqs > meta.num_decodes:
         _prefill(q, k_cache, v_cache, meta, scale, out, PREFILL, gate=gate)
     return out

@@ -52,9 +52,14 @@ def _close(got, want, dtype):
     assert (got.float() - want.float()).abs().max().item() < ma
 
 
+@pytest.mark.parametrize("preload", ["0", "1"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_decode_splits(bs, num_splits):
+def test_decode_splits(bs, num_splits, preload, monkeypatch):
+    """With METAINFER_ATTN_PRELOAD=1 each split's first tile is loaded before the (GPU's) PDL wait but
+    for this step's row (seq_len - 1), loaded after it: here that row falls in a split's first tile
+    (seq_lens 1, 5, 17, 33 with 3 and 8 splits) and in a later one (33 keys, 1 split)."""
+    monkeypatch.setenv(attn.PRELOAD_ENV, preload)
     ctx = [0, 4, 16, 32]  # seq_lens 1, 5, 17, 33
     q, kc, vc, meta = _setup([1] * 4, ctx, Hq=4, Hkv=2, D=32, bs=bs, dtype=torch.float32, seed=bs * 7)
     scale = 32**-0.5
@@ -136,6 +141,18 @@ def test_output_gate(dtype, num_splits):
     attn._prefill(q, kc, vc, meta, scale, out, attn.PrefillConfig(block_rows=16, block_n=8), gate=gate)
     _close(out, want, dtype)
     _close(attn.paged_attention(q, kc, vc, meta, scale, gate=gate), want, dtype)
+
+
+def test_decode_config_from_the_environment(monkeypatch):
+    """METAINFER_ATTN_DECODE overrides DecodeConfig's fields by name for A/Bs; unset, DECODE."""
+    monkeypatch.delenv(attn.DECODE_ENV, raising=False)
+    assert attn.decode_config() is attn.DECODE
+    monkeypatch.setenv(attn.DECODE_ENV, "block_n=32, min_split_tokens=16")
+    cfg = attn.decode_config()
+    assert (cfg.block_n, cfg.min_split_tokens, cfg.num_warps) == (32, 16, attn.DECODE.num_warps)
+    monkeypatch.setenv(attn.DECODE_ENV, "blockn=32")
+    with pytest.raises(TypeError):
+        attn.decode_config()
 
 
 def test_num_splits_from_host_ints():
