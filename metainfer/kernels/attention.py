@@ -50,7 +50,6 @@ class PrefillConfig:
 
 DECODE = DecodeConfig()
 DECODE_ENV = "METAINFER_ATTN_DECODE"  # "block_n=32,min_split_tokens=32": DecodeConfig fields for A/Bs
-PRELOAD_ENV = "METAINFER_ATTN_PRELOAD"  # "1": the split kernel's first K/V tile before the PDL wait
 
 
 def decode_config() -> DecodeConfig:
@@ -146,36 +145,23 @@ def _decode_split_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0,
     wq_ptr=None, wk_ptr=None, pos_ptr=None, inv_freq_ptr=None, slot_ptr=None, kn_ptr=None, vn_ptr=None,
     skn_t=0, skn_h=0, svn_t=0, svn_h=0, eps=0.0, PROLOGUE: tl.constexpr = 0, RD: tl.constexpr = 0,
-    PRELOAD: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
     """PROLOGUE (`decode_attention_prologue`): q_ptr holds the raw query rows (q_proj's output);
     the program normalises and rotates its G heads' rows itself, and the program whose split holds
     the last position writes this step's key (normed, rotated) and value rows of its KV head into the
     cache (kn_ptr / vn_ptr, the raw rows; slot_ptr's slot) before its loop reads them: the
-    `qk_norm_rope` launch folded in, the same values.
-    PRELOAD (METAINFER_ATTN_PRELOAD; not with PROLOGUE): the split's first tile of keys and values is
-    loaded BEFORE the PDL wait, but for this step's row (position seq_len - 1, which the previous
-    launch, qk_norm_rope, writes): the rows of earlier positions were written by earlier steps, the
-    block table and lengths by the step's first copies. That row is loaded after the wait."""
+    `qk_norm_rope` launch folded in, the same values."""
     # q: [B, HQ, D] rows of the decodes; caches: [N, BLOCK_SIZE, Hkv, D]; bt: [B, max_blocks]
     # SPLIT: part_o [B, HQ, num_splits, D] fp32, part_lse [B, HQ, num_splits] fp32 (log2 units);
     # else (num_splits == 1) the result goes straight to out [B, HQ, D]
+    pdl.wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    if PRELOAD:
-        seq_len, start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
-        tok0 = start + tl.arange(0, BLOCK_N)
-        nmask0 = tok0 < end
-        row0 = _kv_rows(bt_ptr, b, sbt, tok0, nmask0, hkv, sk_blk, sk_tok, sk_h, BLOCK_SIZE)
-        old0 = nmask0 & (tok0 < seq_len - 1)
-        kt0 = tl.load(k_ptr + row0[None, :] + d[:, None], mask=dmask[:, None] & old0[None, :], other=0.0)
-        vt0 = tl.load(v_ptr + row0[:, None] + d[None, :], mask=old0[:, None] & dmask[None, :], other=0.0)
-    pdl.wait(USE_PDL)
-    if not PRELOAD:
-        seq_len, start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
+    seq_len, start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, G_PAD)
     gmask = g < G
@@ -199,17 +185,7 @@ def _decode_split_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    lo = start
-    if PRELOAD:
-        if start < end:  # the preloaded tile, with this step's row (if it falls in it) loaded now
-            new0 = nmask0 & (tok0 == seq_len - 1)
-            kn0 = tl.load(k_ptr + row0[None, :] + d[:, None], mask=dmask[:, None] & new0[None, :], other=0.0)
-            vn0 = tl.load(v_ptr + row0[:, None] + d[None, :], mask=new0[:, None] & dmask[None, :], other=0.0)
-            kt0 = tl.where(new0[None, :], kn0, kt0)
-            vt0 = tl.where(new0[:, None], vn0, vt0)
-            m, lsum, acc = _attend(q, kt0, vt0, nmask0[None, :], m, lsum, acc, scale_log2, PREC, UPCAST)
-        lo = start + BLOCK_N
-    for s in range(lo, end, BLOCK_N):
+    for s in range(start, end, BLOCK_N):
         tok = s + tl.arange(0, BLOCK_N)
         nmask = tok < end
         row = _kv_rows(bt_ptr, b, sbt, tok, nmask, hkv, sk_blk, sk_tok, sk_h, BLOCK_SIZE)
@@ -368,7 +344,6 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         part_o = part_lse = out  # unused
     block_d = triton.next_power_of_2(D)
     g_ptr, sg_t, sg_h, has_gate = _gate_args(gate, out)
-    preload = prologue is None and os.environ.get(PRELOAD_ENV, "0") == "1"
     _decode_split_kernel[(nd, Hkv, ns)](
         q, k_cache, v_cache, bt, meta.seq_lens, out, part_o, part_lse, g_ptr,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), sg_t, sg_h,
@@ -376,8 +351,7 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         HQ=Hq, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
         BLOCK_SIZE=bs, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
-        PRELOAD=int(preload), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}),
-        **pdl.kw(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}), **pdl.kw(),
     )
     if ns > 1:
         _decode_reduce_kernel[(nd, Hq)](

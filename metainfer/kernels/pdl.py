@@ -40,9 +40,6 @@ READ_BEFORE_WAIT = {
     # the router's logits, or (FP8 `moe_pair_rows`) the route launch's ids: written two kernels
     # back (the router or the route kernel; the gate/up kernel is between)
     "_routed_down_kernel": frozenset({"w_ptr", "s_ptr", "logits_ptr"}),
-    # METAINFER_ATTN_PRELOAD: the step's lengths and block tables (its first copies) and the cache rows
-    # of earlier positions; this step's row, which qk_norm_rope writes, is masked out and loaded after
-    "_decode_split_kernel": frozenset({"seq_lens_ptr", "bt_ptr", "k_ptr", "v_ptr"}),
 }
 _SUPPORTED: bool | None = None
 

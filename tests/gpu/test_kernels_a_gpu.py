@@ -258,13 +258,11 @@ def test_paged_attention_full_shapes(query_lens, context_lens, bs):
 @pytest.mark.parametrize("decode_cfg", ["", "block_n=32,min_split_tokens=32",
                                         "block_n=16,min_split_tokens=16"])
 @pytest.mark.parametrize("context_lens", [[1055], [0, 99, 1000, 4096, 7999, 63]])
-def test_decode_preload_and_configs_full_shapes(context_lens, decode_cfg, monkeypatch):
-    """The split kernel with its first K/V tile loaded before the PDL wait (METAINFER_ATTN_PRELOAD=1;
-    this step's row after it) and smaller key tiles / splits (METAINFER_ATTN_DECODE): the same bound
-    against the reference, with PDL on (the kernel before it here is the cache fill: torch's)."""
+def test_decode_configs_full_shapes(context_lens, decode_cfg, monkeypatch):
+    """Smaller key tiles / more splits (METAINFER_ATTN_DECODE, for A/Bs): the same bound against the
+    reference."""
     from metainfer.kernels import attention
 
-    monkeypatch.setenv(attention.PRELOAD_ENV, "1")
     monkeypatch.setenv(attention.DECODE_ENV, decode_cfg)
     q, kc, vc, meta = _attn_setup([1] * len(context_lens), context_lens, 16, seed=len(context_lens))
     close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
@@ -423,11 +421,11 @@ _COMPILE = textwrap.dedent(
                    PRELOAD=preload),
               gdn_decode.NUM_WARPS)
     dc, pc = A.DECODE, A.PREFILL
-    for split, gate, preload in ((False, 0, 0), (False, 1, 0), (True, 0, 0), (True, 1, 1)):
+    for split, gate in ((False, 0), (False, 1), (True, 0)):
         build(A._decode_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, bt_ptr="*i32", seq_lens_ptr="*i32",
               out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, gate_ptr=bf, scale_log2="fp32"),
               dict(HQ=16, G=8, G_PAD=16, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=dc.block_n, SPLIT=split,
-                   PREC="tf32", UPCAST=False, GATE=gate, PRELOAD=preload), dc.num_warps, dc.num_stages)
+                   PREC="tf32", UPCAST=False, GATE=gate), dc.num_warps, dc.num_stages)
     # the qk_norm_rope launch folded in (METAINFER_ATTN_PROLOGUE: decode-only steps)
     build(A._decode_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, bt_ptr="*i32", seq_lens_ptr="*i32",
           out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, gate_ptr=bf, scale_log2="fp32", wq_ptr=bf, wk_ptr=bf,

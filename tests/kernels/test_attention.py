@@ -52,14 +52,9 @@ def _close(got, want, dtype):
     assert (got.float() - want.float()).abs().max().item() < ma
 
 
-@pytest.mark.parametrize("preload", ["0", "1"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_decode_splits(bs, num_splits, preload, monkeypatch):
-    """With METAINFER_ATTN_PRELOAD=1 each split's first tile is loaded before the (GPU's) PDL wait but
-    for this step's row (seq_len - 1), loaded after it: here that row falls in a split's first tile
-    (seq_lens 1, 5, 17, 33 with 3 and 8 splits) and in a later one (33 keys, 1 split)."""
-    monkeypatch.setenv(attn.PRELOAD_ENV, preload)
+def test_decode_splits(bs, num_splits):
     ctx = [0, 4, 16, 32]  # seq_lens 1, 5, 17, 33
     q, kc, vc, meta = _setup([1] * 4, ctx, Hq=4, Hkv=2, D=32, bs=bs, dtype=torch.float32, seed=bs * 7)
     scale = 32**-0.5
