@@ -584,7 +584,7 @@ if has downab; then  # (2026-12-04f) the experts' down at batch 1, PRELOAD_BLOCK
 import json, sys
 t = json.load(open('metainfer/kernels/moe_pair_h200.json'))['configs']['fp8,1']
 t.update(PRELOAD_BLOCK_H=int(sys.argv[1]), DOWN_WARPS=int(sys.argv[2]))
-json.dump({'configs': {'fp8,1': t}}, open('/tmp/down.json', 'w'))" ${DOWN:-64:4}
+json.dump({'configs': {'fp8,1': t}}, open('/tmp/down.json', 'w'))" $(echo ${DOWN:-64:4} | tr : ' ')
   for r in $(seq ${REPS:-3}); do
     for m in 0 1; do
       env METAINFER_MOE_TUNED=$([[ $m == 1 ]] && echo /tmp/down.json) timeout 90 python benchmarks/decode_bench.py \
