@@ -150,6 +150,7 @@
 #            (METAINFER_ATTN_PRELOAD=1), smaller key tiles / more splits (METAINFER_ATTN_DECODE), and the experts'
 #            down tiles (METAINFER_MOE_TUNED: PRELOAD_BLOCK_H / DOWN_WARPS): GPU tests, FP8 batch-1 A/Bs, ~5 min
 #   downab - the experts' down tile $DOWN (64:4) against the table's, x REPS; kept for later phases where it wins
+#   downsweep - the experts' down tiles $DOWNS against the table's, x REPS; the oracle with the best if it wins
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -577,6 +578,36 @@ if has gnorm; then
   done
 fi
 
+if has downsweep; then  # (2026-12-04f) the experts' down at batch 1 over DOWNS (PRELOAD_BLOCK_H:DOWN_WARPS; "table": the
+  # committed one), alternating x REPS (2); the oracle (FP8) with the best where it beats the table's by > 0.5 %, ~5 min
+  for r in $(seq ${REPS:-2}); do
+    for dn in ${DOWNS:-table 128:4 128:8 64:8}; do
+      [[ $dn != table ]] && python3 -c "
+import json, sys
+t = json.load(open('metainfer/kernels/moe_pair_h200.json'))['configs']['fp8,1']
+t.update(PRELOAD_BLOCK_H=int(sys.argv[1]), DOWN_WARPS=int(sys.argv[2]))
+json.dump({'configs': {'fp8,1': t}}, open('/tmp/down_$dn.json', 'w'))" $(echo $dn | tr : ' ')
+      env METAINFER_MOE_TUNED=$([[ $dn != table ]] && echo /tmp/down_$dn.json) timeout 90 python \
+        benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/dsw_${dn/:/_}_$r 2>&1 \
+        | grep -E "^\| 1 " | sed "s/^/[down $dn $r] /"
+    done
+  done
+  best=$(python3 -c "
+import glob, json, statistics as st
+med = {f.split('/')[-2][4:-2]: [] for f in glob.glob('$OUT/dsw_*/*.json')}
+for f in glob.glob('$OUT/dsw_*/*.json'):
+    med[f.split('/')[-2][4:-2]].append(json.load(open(f))['decode'][0]['decode_tok_s'])
+med = {k: st.median(v) for k, v in med.items()}
+print({k: round(v, 1) for k, v in med.items()}, file=__import__('sys').stderr)
+k = max(med, key=med.get)
+print(k.replace('_', ':') if k != 'table' and med[k] > 1.005 * med['table'] else '')")
+  if [[ -n $best ]]; then
+    echo "[down] best $best: the oracle with it"
+    METAINFER_MOE_TUNED=/tmp/down_$best.json timeout 150 python -m metainfer.cli verify \
+      --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+      --json $OUT/verify_fp8_down_${best/:/_}.json 2>&1 | grep -E "verdict" | head -1
+  fi
+fi
 if has downab; then  # (2026-12-04f) the experts' down at batch 1, PRELOAD_BLOCK_H:DOWN_WARPS = $DOWN (64:4) against
   # the table's (32:2), alternating x REPS (3); where it wins by > 0.5 % (medians), METAINFER_MOE_TUNED stays set
   # for the phases after it (final1: the oracle and the defaults' table with it), ~3 min
