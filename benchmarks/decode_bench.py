@@ -5,7 +5,8 @@ steady decode step time (all sequences decoding, CUDA-graph replay when availabl
 shown with its % of the memory-bandwidth ceiling. TTFT: one 1k-token prompt on an idle engine,
 max_tokens=1, median of 9, measured first (fresh engine) and again after the decode runs (the
 second figure has moved by up to 40 ms in one process: benchmarks/results/2026-11-30f, "TTFT").
-Profile: CUDA time per kernel over a few decode steps at batch 1.
+Profile: CUDA time per kernel over a few decode steps at batch 1, and (`exposed_bs1`) the step's wall
+time split by kernel where PDL overlaps them (metainfer/bench/critical_path.py).
 
     python benchmarks/decode_bench.py --dtype bfloat16 --out $OUT
     python benchmarks/decode_bench.py --dtype fp8 --batches 1,32 --out $OUT
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_smoke import env_info  # noqa: E402
 
+from metainfer.bench.critical_path import device_intervals, exposed_table  # noqa: E402
 from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling  # noqa: E402
 from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
@@ -90,9 +92,12 @@ def ttft(llm: LLM, prompt_len: int, reps: int = 9, seed: int = 99) -> dict:
     }
 
 
-def profile_decode(llm: LLM, prompt_len: int, steps: int = 6, batch: int = 1) -> list[dict]:
+def profile_decode(llm: LLM, prompt_len: int, steps: int = 6,
+                   batch: int = 1) -> tuple[list[dict], list[dict]]:
     """Kernel times per decode step of `batch` sequences (their prefills run before the profile; every
-    sequence lives past the profiled steps, so the batch stays whole)."""
+    sequence lives past the profiled steps, so the batch stays whole) -> (per kernel: its summed
+    durations; per kernel: its exposed time, `critical_path.exposed_table`, the wall time's split
+    when PDL overlaps the kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
@@ -116,7 +121,12 @@ def profile_decode(llm: LLM, prompt_len: int, steps: int = 6, batch: int = 1) ->
         if t > 0:
             rows.append({"kernel": ev.key[:90], "calls_per_step": ev.count / steps, "us_per_step": t / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows
+    try:  # not yet run on the GPU (2026-12-04f): the kernels' intervals must not cost the profile
+        exposed = exposed_table(device_intervals(prof.events()), steps)
+    except Exception as e:
+        print(f"exposed times: {e!r}", file=sys.stderr)
+        exposed = []
+    return rows, exposed
 
 
 def profile_prefill(llm: LLM, prompt_len: int) -> dict:
@@ -297,11 +307,12 @@ def main() -> None:
     if not args.no_profile:
         try:
             pb = args.profile_batch
-            prof = profile_decode(llm, args.prompt_len, batch=pb)
+            prof, exposed = profile_decode(llm, args.prompt_len, batch=pb)
             floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8, batch=pb,
                                    state_bytes=2 if args.ssm_state_dtype == "bfloat16" else 4)
             res[f"profile_bs{pb}"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
             res["profile_pdl"] = os.environ.get("METAINFER_PDL", "1") != "0"  # on: kernel times overlap
+            res[f"exposed_bs{pb}"] = exposed
         except Exception as e:  # profiling is optional
             res["profile_error"] = repr(e)
     out = Path(args.out)
@@ -333,6 +344,14 @@ def main() -> None:
         if row["bytes_per_step"]:
             floor = f"floor {row['floor_us']:6.1f} us ({row['pct_of_floor']:3.0f}%)"
         print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:<3.0f} {floor}  {row['kernel'][:60]}")
+    exposed = res.get(f"exposed_bs{args.profile_batch}", [])
+    if exposed:
+        span = sum(r["exposed_us_per_step"] for r in exposed)
+        print(f"the step's wall time by kernel (exposed: past every earlier kernel's end), {span:.0f} us"
+              " a step:")
+        for row in exposed[:16]:
+            print(f"  {row['exposed_us_per_step']:8.1f} us exposed {row['busy_us_per_step']:8.1f} us busy"
+                  f"  x{row['calls_per_step']:<3.0f} {row['kernel'][:60]}")
 
 
 if __name__ == "__main__":

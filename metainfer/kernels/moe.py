@@ -248,7 +248,7 @@ def pair_config(T: int, fp8: bool = False) -> dict:
     2026-11-30): T=1 BF16 21.4 µs, FP8 16.2 µs with 8-row gate/up blocks; T=32 FP8 180 µs with 16.
     DOWN: "rows" = per-pair down programs + combine (parallel over pairs), "fused" = one program per
     (token, H-block) looping over the slots. The table's "fp8,1" (batch-1 routed rows, KB-0071): the
-    gate/up kernel on 1 warp and 4-row blocks, the down kernel on 64-row tiles and DOWN_WARPS = 4 (KB-0098)."""
+    gate/up kernel on 1 warp and 4-row blocks; the down kernel on 64-row tiles, DOWN_WARPS = 4 (KB-0098)."""
     hit = load_tuned("moe_pair_h200.json", "METAINFER_MOE_TUNED").get(f"{'fp8' if fp8 else 'bf16'},{T}")
     if hit is not None:  # measured (benchmarks/sweep_decode_kernels.py); MMA = the tensor-core variant
         return dict(hit)
