@@ -151,6 +151,8 @@
 #            down tiles (METAINFER_MOE_TUNED: PRELOAD_BLOCK_H / DOWN_WARPS): GPU tests, FP8 batch-1 A/Bs, ~5 min
 #   downab - the experts' down tile $DOWN (64:4) against the table's, x REPS; kept for later phases where it wins
 #   downsweep - the experts' down tiles $DOWNS against the table's, x REPS; the oracle with the best if it wins
+#   wgearly - NOT YET RUN: gemv.cu's pre prologue with its static loads before the PDL wait and its rows in one wave
+#            (-DGEMV_PRE_EARLY=1 via METAINFER_WGMMA_GEMV_DEFINES): GPU tests, A/B x3, oracle, ~6 min
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
 #            instruction against emulate.py from the kernel's own inputs: a GEMV chain, an MoE block, a two-layer
 #            decode step, which is also checked against the engine's; same bits on a second launch; graph replay);
@@ -578,6 +580,26 @@ if has gnorm; then
   done
 fi
 
+if has wgearly; then  # (built 2026-12-04f, not yet run) gemv.cu's pre prologue with its residual / norm weight /
+  # routing weights loaded before the PDL wait and the 9 rows in one wave of loads (-DGEMV_PRE_EARLY=1 through
+  # METAINFER_WGMMA_GEMV_DEFINES): the gemv GPU tests and the engine's PDL / graph tests with it, FP8 batch 1
+  # default / early alternating x REPS (3), the oracle (FP8) with it, ~6 min
+  EARLY="-DGEMV_PRE_EARLY=1"
+  METAINFER_WGMMA_GEMV_DEFINES=$EARLY timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider \
+    2>&1 | tail -2
+  METAINFER_WGMMA_GEMV_DEFINES=$EARLY timeout 200 python -m pytest -q tests/gpu -p no:cacheprovider \
+    -k "pdl_equals or graph_replay_equals_eager" 2>&1 | tail -2
+  for r in $(seq ${REPS:-3}); do
+    for m in 0 1; do
+      env METAINFER_WGMMA_GEMV_DEFINES="$([[ $m == 1 ]] && echo $EARLY)" timeout 90 python benchmarks/decode_bench.py \
+        --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/wgearly_${m}_$r 2>&1 | grep -E "^\| 1 " \
+        | sed "s/^/[wgearly $m $r] /"
+    done
+  done
+  METAINFER_WGMMA_GEMV_DEFINES=$EARLY timeout 150 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+    --json $OUT/verify_fp8_wgearly.json 2>&1 | grep -E "verdict" | head -1
+fi
 if has downsweep; then  # (2026-12-04f) the experts' down at batch 1 over DOWNS (PRELOAD_BLOCK_H:DOWN_WARPS; "table": the
   # committed one), alternating x REPS (2); the oracle (FP8) with the best where it beats the table's by > 0.5 %, ~5 min
   for r in $(seq ${REPS:-2}); do

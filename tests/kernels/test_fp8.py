@@ -657,3 +657,16 @@ def test_pending_norm_materializes_where_no_kernel_takes_it(monkeypatch):
     got = lin.conv_forward(pn2, cw, s1, slots, has)
     assert torch.equal(got, lin.conv_forward(want_h, cw, s2, slots, has)) and torch.equal(s1, s2)
     assert torch.equal(pn2.new_res, want_res)
+
+
+def test_gemv_build_defines_from_the_environment(monkeypatch):
+    """METAINFER_WGMMA_GEMV_DEFINES: extra -D flags for gemv.cu's build (A/Bs of a compile-time form, e.g.
+    GEMV_PRE_EARLY); anything but -DNAME[=VALUE] is refused before nvcc runs."""
+    from metainfer.kernels.mega import gemv, launch
+
+    monkeypatch.delenv(gemv.DEFINES_ENV, raising=False)
+    assert gemv.build_defines() == ()
+    monkeypatch.setenv(gemv.DEFINES_ENV, " -DGEMV_PRE_EARLY=1  -DGEMV_PRE_WAVE=9 ")
+    assert gemv.build_defines() == ("-DGEMV_PRE_EARLY=1", "-DGEMV_PRE_WAVE=9")
+    with pytest.raises(ValueError):
+        launch.build(main="gemv.cu", defines=("-UGEMV_PRE_EARLY",))

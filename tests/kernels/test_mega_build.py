@@ -74,13 +74,15 @@ def test_build_refuses_what_is_not_one_define():
         launch.build(main="other.cu")
 
 
-def test_gemv_builds_without_spills(tmp_path, monkeypatch):
+@pytest.mark.parametrize("defines", [(), ("-DGEMV_PRE_EARLY=1",)])
+def test_gemv_builds_without_spills(tmp_path, monkeypatch, defines):
     """gemv.cu (the standalone FP8 projection on the same consumers, KB-0094, and the experts' gate/up,
-    KB-0096) builds into its own cubin, its kernels with no stack frame and no spills."""
+    KB-0096) builds into its own cubin, its kernels with no stack frame and no spills; also with the
+    prologue's early loads (GEMV_PRE_EARLY, METAINFER_WGMMA_GEMV_DEFINES)."""
     monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path / "cache"))
-    out = launch.build(main="gemv.cu")
+    out = launch.build(main="gemv.cu", defines=defines)
     assert out.is_file() and out.name.startswith("gemv-") and out != launch.build()
-    cmd = launch.nvcc_command(tmp_path / "g.cubin", main="gemv.cu")
+    cmd = launch.nvcc_command(tmp_path / "g.cubin", main="gemv.cu", defines=defines)
     res = subprocess.run([*cmd[:1], "-Xptxas", "-v", *cmd[1:]], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "warning" not in res.stderr.lower(), res.stderr[-3000:]
     for name in ("'gemv_e4m3'", "'gemv_e4m3_pre'", "'moe_gate_up_e4m3'"):

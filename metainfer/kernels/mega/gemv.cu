@@ -25,6 +25,13 @@
 
 #include "mega_math.cuh"
 
+#ifndef GEMV_PRE_EARLY
+#define GEMV_PRE_EARLY 0  // 1: the prologue's residual, norm weight and routing weights before the PDL wait, its rows
+                          // in one wave of loads (built 2026-12-04f, not yet run; gemv.py's DEFINES_ENV)
+#endif
+#ifndef GEMV_PRE_WAVE
+#define GEMV_PRE_WAVE 9  // GEMV_PRE_EARLY's rows in one wave of loads: the model's 8 routed experts and the shared one
+#endif
 #ifndef GEMV_SLOTS
 #define GEMV_SLOTS 4  // ring slots of 32 KB (fewer: room on the SM for the next kernel's CTAs; gemv.py's SLOTS_ENV)
 #endif
@@ -134,11 +141,51 @@ __device__ void route_weights(const Moe& m, const int* pick, int lane) {
 }
 
 // Pre's x into xs (fp32 of the bf16 values, at mega::xpos): consumer thread t holds columns 8 t .. 8 t + 7
-__device__ void stage_pre(const Pre& p, float* xs, float* red, int cw, int lane) {
+// What the prologue may read before griddepcontrol.wait (GEMV_PRE_EARLY): the residual (written by the post-
+// attention / post-DeltaNet norm three launches back), the norm's weight and the routing weights (written by the
+// gate/up kernel two launches back); only the rows come from the launch just before (the experts' down).
+struct PreEarly {
+  uint4 res, w;
+  float tw[GEMV_PRE_WAVE];  // the first rows' weights (pre_rows)
+};
+__device__ __forceinline__ PreEarly pre_early(const Pre& p) {
   const int c0 = threadIdx.x * 8;
-  float acc[8] = {};
+  PreEarly e;
+  e.res = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
+  e.w = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
 #pragma unroll
-  for (int j = 0; j < PRE_MAX_W; ++j) {
+  for (int j = 0; j < GEMV_PRE_WAVE; ++j) e.tw[j] = j < p.W ? __ldcg(p.tw + j) : 0.f;
+  return e;
+}
+
+// the sum of the W rows' columns c0..c0 + 7 weighted by tw, in slot order. GEMV_PRE_EARLY: the first
+// GEMV_PRE_WAVE rows' loads all issued before the first FMA (one round trip: the per-row loop below issues the
+// model's 9 rows in two waves, 8 then 1). A wave of 9 takes the kernel from 94 to 114 registers; all 16 rows
+// unrolled together took 168, room the next kernel's CTAs need beside it under PDL.
+__device__ __forceinline__ void pre_rows(const Pre& p, const float* tw, float (&acc)[8]) {
+  const int c0 = threadIdx.x * 8;
+  int j0 = 0;
+#if GEMV_PRE_EARLY
+  float4 a[GEMV_PRE_WAVE], b[GEMV_PRE_WAVE];
+#pragma unroll
+  for (int j = 0; j < GEMV_PRE_WAVE; ++j)
+    if (j < p.W) {
+      a[j] = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0));
+      b[j] = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0) + 1);
+    }
+#pragma unroll
+  for (int j = 0; j < GEMV_PRE_WAVE; ++j)
+    if (j < p.W) {
+      const float v[8] = {a[j].x, a[j].y, a[j].z, a[j].w, b[j].x, b[j].y, b[j].z, b[j].w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(tw[j], v[i], acc[i]);
+    }
+  j0 = GEMV_PRE_WAVE;
+#pragma unroll 1  // rows past the wave (none in the model): one at a time, not hoisted into the wave
+#else
+#pragma unroll
+#endif
+  for (int j = j0; j < PRE_MAX_W; ++j) {
     if (j < p.W) {
       const float t = __ldcg(p.tw + j);
       const float4 a = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0));
@@ -148,8 +195,18 @@ __device__ void stage_pre(const Pre& p, float* xs, float* red, int cw, int lane)
       for (int i = 0; i < 8; ++i) acc[i] = fmaf(t, v[i], acc[i]);
     }
   }
+}
+
+__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
+  const int c0 = threadIdx.x * 8;
+  float acc[8] = {};
+  pre_rows(p, early.tw, acc);
+#if GEMV_PRE_EARLY
+  const uint4 rv = early.res, wv = early.w;
+#else
   const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
   const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
+#endif
   const uint32_t rw[4] = {rv.x, rv.y, rv.z, rv.w}, ww[4] = {wv.x, wv.y, wv.z, wv.w};
   float r[8], ss = 0.f;
   uint32_t out[4];
@@ -269,12 +326,14 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     }
     return;
   }
+  PreEarly early;
+  if constexpr (PRE && GEMV_PRE_EARLY) early = pre_early(pre);  // none of it written by the previous kernel
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   static_assert(KK % (8 * mega::CT) == 0, "whole 16-byte loads of x per consumer thread");
   constexpr int NV = KK / (8 * mega::CT);
   if (PRE) {
-    stage_pre(pre, xs, red, warp, lane);
+    stage_pre(pre, early, xs, red, warp, lane);
   } else {
     uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
 #pragma unroll

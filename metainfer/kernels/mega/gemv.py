@@ -30,6 +30,7 @@ from metainfer.kernels.common import env_int
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 4): same outputs
+DEFINES_ENV = "METAINFER_WGMMA_GEMV_DEFINES"  # more -D flags for gemv.cu's build (A/Bs): "-DGEMV_PRE_EARLY=1"
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
 PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
@@ -152,7 +153,8 @@ class _Kernel:
         torch.zeros(1, device=device)  # the primary context exists and is current
         self.drv = launch._Driver()
         slots = env_int(SLOTS_ENV, 4, 2, 6)
-        self.image = launch.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={slots}",)).read_bytes()
+        defines = (f"-DGEMV_SLOTS={slots}", *build_defines())
+        self.image = launch.build(main="gemv.cu", defines=defines).read_bytes()
         self.module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
         self.fn, self.moe_fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -229,6 +231,11 @@ class _Kernel:
         cfg.attrs = ctypes.pointer(attr)
         cfg.n_attrs = int(pdl.enabled())
         self.drv("cuLaunchKernelEx", ctypes.byref(cfg), fn, params, None)
+
+
+def build_defines() -> tuple[str, ...]:
+    """METAINFER_WGMMA_GEMV_DEFINES's flags, space-separated (launch.build rejects any but -DNAME[=VALUE])."""
+    return tuple(os.environ.get(DEFINES_ENV, "").split())
 
 
 _KERNELS: dict[torch.device, _Kernel | None] = {}
