@@ -235,6 +235,9 @@ def main() -> None:
                     help="FP8: batch-1 decode steps through the megakernel (EngineConfig.megakernel)")
     ap.add_argument("--ssm-state-dtype", default="float32", choices=SSM_STATE_DTYPES,
                     help="storage of the DeltaNet recurrent states")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engine's max_model_len (default: prompt + gen + 64). The decode attention's "
+                         "split count follows the block-table capacity (the server's 8,192: 128 at batch 1)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -245,7 +248,7 @@ def main() -> None:
         device="cuda",
         dtype="bfloat16",
         quantization=quant,
-        max_model_len=args.prompt_len + args.gen + 64,
+        max_model_len=args.max_model_len or args.prompt_len + args.gen + 64,
         max_num_seqs=max(batches + [args.profile_batch]),
         max_num_batched_tokens=8192,
         enforce_eager=args.eager,

@@ -151,6 +151,8 @@
 #            down tiles (METAINFER_MOE_TUNED: PRELOAD_BLOCK_H / DOWN_WARPS): GPU tests, FP8 batch-1 A/Bs, ~5 min
 #   downab - the experts' down tile $DOWN (64:4) against the table's, x REPS; kept for later phases where it wins
 #   downsweep - the experts' down tiles $DOWNS against the table's, x REPS; the oracle with the best if it wins
+#   reduce - NOT YET RUN: the decode attention reduce over the splits with keys only (METAINFER_ATTN_REDUCE_ACTIVE=1),
+#            FP8 batch 1 at max_model_len 8,192 (the server's) and 1,120, x2, ~5 min (12 runs: tar $OUT's JSONs)
 #   wgearly - NOT YET RUN: gemv.cu's pre prologue with its static loads before the PDL wait and its rows in one wave
 #            (-DGEMV_PRE_EARLY=1 via METAINFER_WGMMA_GEMV_DEFINES): GPU tests, A/B x3, oracle, ~6 min
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
@@ -599,6 +601,22 @@ if has wgearly; then  # (built 2026-12-04f, not yet run) gemv.cu's pre prologue 
   METAINFER_WGMMA_GEMV_DEFINES=$EARLY timeout 150 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_wgearly.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has reduce; then  # (built 2026-12-04f, not yet run) the decode attention reduce over the splits with keys only
+  # (METAINFER_ATTN_REDUCE_ACTIVE=1; with reduce_chunk 32 too): its GPU tests, then FP8 batch 1 at the server's
+  # max_model_len (8,192: 128 splits, 17 with keys at 1k) and at decode_bench's (1,120: 18 splits), ~5 min
+  timeout 150 python -m pytest -q tests/gpu/test_kernels_a_gpu.py -p no:cacheprovider \
+    -k "paged_attention or decode_configs or compile" 2>&1 | tail -2
+  for r in $(seq ${REPS:-2}); do
+    for mode in "0 " "1 " "1 reduce_chunk=32"; do
+      set -- $mode
+      for mml in 8192 0; do
+        METAINFER_ATTN_REDUCE_ACTIVE=$1 METAINFER_ATTN_DECODE=${2:-} timeout 90 python benchmarks/decode_bench.py \
+          --dtype fp8 --batches 1 --gen 32 --no-profile --max-model-len $mml \
+          --out $OUT/reduce_${1}_${2:+c32}_${mml}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[reduce $mode mml $mml $r] /"
+      done
+    done
+  done
 fi
 if has downsweep; then  # (2026-12-04f) the experts' down at batch 1 over DOWNS (PRELOAD_BLOCK_H:DOWN_WARPS; "table": the
   # committed one), alternating x REPS (2); the oracle (FP8) with the best where it beats the table's by > 0.5 %, ~5 min

@@ -50,6 +50,7 @@ class PrefillConfig:
 
 DECODE = DecodeConfig()
 DECODE_ENV = "METAINFER_ATTN_DECODE"  # "block_n=32,min_split_tokens=32": DecodeConfig fields for A/Bs
+REDUCE_ACTIVE_ENV = "METAINFER_ATTN_REDUCE_ACTIVE"  # "1": the decode reduce reads the splits with keys only
 
 
 def decode_config() -> DecodeConfig:
@@ -106,12 +107,17 @@ def _store_result(acc, m, lsum, rid, heads, d, mask, lmask, split, num_splits, o
 
 
 @triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys a decode split takes of a seq_len-key row: its share in whole BLOCK_N steps."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
-    """Sequence b's length and split `split`'s share [start, end) of its keys, whole BLOCK_N steps."""
+    """Sequence b's length and split `split`'s share [start, end) of its keys."""
     seq_len = tl.load(seq_lens_ptr + b)
-    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per
-    return seq_len, start, tl.minimum(start + per, seq_len)
+    start = split * _split_len(seq_len, num_splits, BLOCK_N)
+    return seq_len, start, tl.minimum(start + _split_len(seq_len, num_splits, BLOCK_N), seq_len)
 
 
 @triton.jit
@@ -200,34 +206,60 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, gate_ptr, so_t, so_h, sg_t, sg_h, num_splits,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-    GATE: tl.constexpr = 0,
+    GATE: tl.constexpr = 0, seq_lens_ptr=None, ACTIVE_N: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
+    """Merges each (row, head)'s num_splits partial outputs by their log-sum-exps, gated into out.
+    ACTIVE_N (decode, METAINFER_ATTN_REDUCE_ACTIVE=1; ACTIVE_N the split kernel's BLOCK_N): only the
+    splits that held keys are read, as many as `_split_range` gives the row's length (seq_lens_ptr; the
+    split count follows the block-table capacity, so at 1k tokens of an 8k-capacity table 17 of 128),
+    and each chunk's log-sum-exps and partial outputs load together, merged by a running max: one
+    round trip a chunk (a single chunk: the same sums as the two passes)."""
     pdl.wait(USE_PDL)
     # part_o: [B, HQ, num_splits, D] fp32; part_lse: [B, HQ, num_splits]; out: [B, HQ, D]
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (b * HQ + h) * num_splits
     cs = tl.arange(0, CHUNK)
-    mv = tl.full([CHUNK], float("-inf"), tl.float32)
-    for c in range(0, num_splits, CHUNK):
-        lse = tl.load(part_lse_ptr + base + c + cs, mask=c + cs < num_splits, other=float("-inf"))
-        mv = tl.maximum(mv, lse)
-    m = tl.max(mv, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (padding) yields zeros
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    wv = tl.zeros([CHUNK], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for c in range(0, num_splits, CHUNK):
-        lse = tl.load(part_lse_ptr + base + c + cs, mask=c + cs < num_splits, other=float("-inf"))
-        w = tl.exp2(lse - m)
-        used = lse > float("-inf")  # empty splits wrote no partial output
-        o = tl.load(part_o_ptr + (base + c + cs)[:, None] * D + d[None, :],
-                    mask=used[:, None] & dmask[None, :], other=0.0)
-        wv += w
-        acc += tl.sum(w[:, None] * o, axis=0)
-    total = tl.sum(wv, axis=0)
+    if ACTIVE_N:
+        seq_len = tl.load(seq_lens_ptr + b)
+        n = tl.minimum(tl.cdiv(seq_len, tl.maximum(_split_len(seq_len, num_splits, ACTIVE_N), 1)), num_splits)
+        m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for c in range(0, n, CHUNK):
+            valid = c + cs < n
+            lse = tl.load(part_lse_ptr + base + c + cs, mask=valid, other=float("-inf"))
+            o = tl.load(part_o_ptr + (base + c + cs)[:, None] * D + d[None, :],
+                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            o = tl.where((lse > float("-inf"))[:, None], o, 0.0)  # a head that saw no key wrote no output
+            m_new = tl.maximum(m, tl.max(lse, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            acc = acc * scale + tl.sum(w[:, None] * o, axis=0)
+            total = total * scale + tl.sum(w, axis=0)
+            m = m_new
+    else:
+        mv = tl.full([CHUNK], float("-inf"), tl.float32)
+        for c in range(0, num_splits, CHUNK):
+            lse = tl.load(part_lse_ptr + base + c + cs, mask=c + cs < num_splits, other=float("-inf"))
+            mv = tl.maximum(mv, lse)
+        m = tl.max(mv, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (padding) yields zeros
+        wv = tl.zeros([CHUNK], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for c in range(0, num_splits, CHUNK):
+            lse = tl.load(part_lse_ptr + base + c + cs, mask=c + cs < num_splits, other=float("-inf"))
+            w = tl.exp2(lse - m)
+            used = lse > float("-inf")  # empty splits wrote no partial output
+            o = tl.load(part_o_ptr + (base + c + cs)[:, None] * D + d[None, :],
+                        mask=used[:, None] & dmask[None, :], other=0.0)
+            wv += w
+            acc += tl.sum(w[:, None] * o, axis=0)
+        total = tl.sum(wv, axis=0)
     acc = acc / tl.where(total > 0, total, 1.0)
     acc = _gated(acc, gate_ptr, b * sg_t + h * sg_h + d, dmask, out_ptr.dtype.element_ty, GATE)
     tl.store(out_ptr + b * so_t + h * so_h + d, acc, mask=dmask)
@@ -276,7 +308,7 @@ def _prefill_kernel(
     hi = tl.where(m0 < q_len, tl.minimum(seq_len, ctx + m0 + BLOCK_M), 0)
     lo = 0
     if SPLIT:  # this split's share of the block's keys, whole BLOCK_N steps
-        per = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+        per = _split_len(hi, num_splits, BLOCK_N)
         lo = split * per
         hi = tl.minimum(lo + per, hi)
 
@@ -354,9 +386,11 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}), **pdl.kw(),
     )
     if ns > 1:
+        active = os.environ.get(REDUCE_ACTIVE_ENV, "0") == "1"
         _decode_reduce_kernel[(nd, Hq)](
             part_o, part_lse, out, g_ptr, out.stride(0), out.stride(1), sg_t, sg_h, ns,
-            HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, GATE=has_gate, num_warps=4, **pdl.kw(),
+            HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, GATE=has_gate, seq_lens_ptr=meta.seq_lens,
+            ACTIVE_N=cfg.block_n if active else 0, num_warps=4, **pdl.kw(),
         )
 
 

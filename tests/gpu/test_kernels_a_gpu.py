@@ -258,12 +258,14 @@ def test_paged_attention_full_shapes(query_lens, context_lens, bs):
 @pytest.mark.parametrize("decode_cfg", ["", "block_n=32,min_split_tokens=32",
                                         "block_n=16,min_split_tokens=16"])
 @pytest.mark.parametrize("context_lens", [[1055], [0, 99, 1000, 4096, 7999, 63]])
-def test_decode_configs_full_shapes(context_lens, decode_cfg, monkeypatch):
-    """Smaller key tiles / more splits (METAINFER_ATTN_DECODE, for A/Bs): the same bound against the
-    reference."""
+@pytest.mark.parametrize("active", ["0", "1"])
+def test_decode_configs_full_shapes(context_lens, decode_cfg, active, monkeypatch):
+    """Smaller key tiles / more splits (METAINFER_ATTN_DECODE, for A/Bs) and the reduce over the splits
+    with keys only (METAINFER_ATTN_REDUCE_ACTIVE): the same bound against the reference."""
     from metainfer.kernels import attention
 
     monkeypatch.setenv(attention.DECODE_ENV, decode_cfg)
+    monkeypatch.setenv(attention.REDUCE_ACTIVE_ENV, active)
     q, kc, vc, meta = _attn_setup([1] * len(context_lens), context_lens, 16, seed=len(context_lens))
     close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
 
@@ -435,6 +437,11 @@ _COMPILE = textwrap.dedent(
     for gate in (0, 1):
         build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf, gate_ptr=bf),
               dict(HQ=16, D=256, BLOCK_D=256, CHUNK=dc.reduce_chunk, GATE=gate), 4)
+        # the splits with keys only (METAINFER_ATTN_REDUCE_ACTIVE), chunks of 16 and 32
+        for chunk in (dc.reduce_chunk, 32):
+            build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf, gate_ptr=bf,
+                  seq_lens_ptr="*i32"), dict(HQ=16, D=256, BLOCK_D=256, CHUNK=chunk, GATE=gate,
+                  ACTIVE_N=dc.block_n), 4)
         for split in (0, 1):  # split-KV for short chunks (METAINFER_ATTN_PREFILL_SPLIT)
             build(A._prefill_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, out_ptr=bf, gate_ptr=bf,
                   bt_ptr="*i32", qsl_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32", part_o_ptr=f32,

@@ -52,9 +52,13 @@ def _close(got, want, dtype):
     assert (got.float() - want.float()).abs().max().item() < ma
 
 
+@pytest.mark.parametrize("active", ["0", "1"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_decode_splits(bs, num_splits):
+def test_decode_splits(bs, num_splits, active, monkeypatch):
+    """METAINFER_ATTN_REDUCE_ACTIVE=1: the reduce reads only the splits that held keys (seq_lens 1, 5, 17,
+    33 over 3 or 8 splits of 8-key steps leave some empty)."""
+    monkeypatch.setenv(attn.REDUCE_ACTIVE_ENV, active)
     ctx = [0, 4, 16, 32]  # seq_lens 1, 5, 17, 33
     q, kc, vc, meta = _setup([1] * 4, ctx, Hq=4, Hkv=2, D=32, bs=bs, dtype=torch.float32, seed=bs * 7)
     scale = 32**-0.5
@@ -136,6 +140,29 @@ def test_output_gate(dtype, num_splits):
     attn._prefill(q, kc, vc, meta, scale, out, attn.PrefillConfig(block_rows=16, block_n=8), gate=gate)
     _close(out, want, dtype)
     _close(attn.paged_attention(q, kc, vc, meta, scale, gate=gate), want, dtype)
+
+
+@pytest.mark.parametrize("chunk", [2, 4, 16])
+def test_decode_reduce_active_splits_equal_the_two_pass_reduce(chunk, monkeypatch):
+    """The active-split reduce (running max over chunks; one chunk: the same sums) against the two-pass
+    one, with splits beyond the active ones filled with garbage (NaN) that neither may read, a padding
+    row of length 0 (zeros), and chunks smaller than the active count (the running max rescales)."""
+    monkeypatch.delenv(attn.DECODE_ENV, raising=False)
+    ctx = [40, 0, 7, 63, 0]  # seq_lens 41, 1, 8, 64; the last row is padding (length 0)
+    q, kc, vc, meta = _setup([1] * 5, ctx, Hq=4, Hkv=2, D=32, bs=8, dtype=torch.float32, seed=5)
+    meta.seq_lens[4] = 0
+    cfg = attn.DecodeConfig(block_n=8, reduce_chunk=chunk)
+    outs = []
+    real_empty = torch.empty
+    with monkeypatch.context() as mp:  # part_o / part_lse start as garbage
+        mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+        for active in ("0", "1"):
+            mp.setenv(attn.REDUCE_ACTIVE_ENV, active)
+            out = torch.full_like(q, 7.0)
+            attn._decode(q, kc, vc, meta, 32**-0.5, out, cfg, num_splits=8)
+            outs.append(out)
+    assert torch.isfinite(outs[1]).all() and (outs[1][4] == 0).all()
+    assert rel_rmse(outs[1][:4], outs[0][:4]) < 1e-6, rel_rmse(outs[1][:4], outs[0][:4])
 
 
 def test_decode_config_from_the_environment(monkeypatch):
