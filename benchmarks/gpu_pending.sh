@@ -151,6 +151,8 @@
 #            down tiles (METAINFER_MOE_TUNED: PRELOAD_BLOCK_H / DOWN_WARPS): GPU tests, FP8 batch-1 A/Bs, ~5 min
 #   downab - the experts' down tile $DOWN (64:4) against the table's, x REPS; kept for later phases where it wins
 #   downsweep - the experts' down tiles $DOWNS against the table's, x REPS; the oracle with the best if it wins
+#   exposed - NOT YET RUN: the FP8 batch-1 step's wall time by kernel with PDL on (metainfer/bench/critical_path.py),
+#            at max_model_len 1,120 and 8,192, ~2 min
 #   reduce - NOT YET RUN: the decode attention reduce over the splits with keys only (METAINFER_ATTN_REDUCE_ACTIVE=1),
 #            FP8 batch 1 at max_model_len 8,192 (the server's) and 1,120, x2, ~5 min (12 runs: tar $OUT's JSONs)
 #   wgearly - NOT YET RUN: gemv.cu's pre prologue with its static loads before the PDL wait and its rows in one wave
@@ -601,6 +603,14 @@ if has wgearly; then  # (built 2026-12-04f, not yet run) gemv.cu's pre prologue 
   METAINFER_WGMMA_GEMV_DEFINES=$EARLY timeout 150 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_wgearly.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has exposed; then  # (built 2026-12-04f, not yet run) the FP8 batch-1 step's wall time by kernel with PDL on
+  # (decode_bench's exposed_bs1: each kernel's time past every earlier kernel's end), at decode_bench's
+  # max_model_len and the server's 8,192; the kernels' durations PDL-off beside it, ~2 min
+  for mml in 0 8192; do
+    timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --max-model-len $mml \
+      --out $OUT/exposed_$mml 2>&1 | sed -n '/wall time by kernel/,$p' | head -18 | sed "s/^/[mml $mml] /"
+  done
 fi
 if has reduce; then  # (built 2026-12-04f, not yet run) the decode attention reduce over the splits with keys only
   # (METAINFER_ATTN_REDUCE_ACTIVE=1; with reduce_chunk 32 too): its GPU tests, then FP8 batch 1 at the server's
