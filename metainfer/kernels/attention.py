@@ -51,6 +51,7 @@ class PrefillConfig:
 DECODE = DecodeConfig()
 DECODE_ENV = "METAINFER_ATTN_DECODE"  # "block_n=32,min_split_tokens=32": DecodeConfig fields for A/Bs
 REDUCE_ACTIVE_ENV = "METAINFER_ATTN_REDUCE_ACTIVE"  # "1": the decode reduce reads the splits with keys only
+_DECODE_CFGS: dict[str, DecodeConfig] = {}  # decode_config's, by METAINFER_ATTN_DECODE's text
 
 
 def decode_config() -> DecodeConfig:
@@ -64,7 +65,6 @@ def decode_config() -> DecodeConfig:
     return _DECODE_CFGS[spec]
 
 
-_DECODE_CFGS: dict[str, DecodeConfig] = {}
 PREFILL = PrefillConfig()
 
 
