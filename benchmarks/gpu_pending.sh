@@ -151,6 +151,7 @@
 #            down tiles (METAINFER_MOE_TUNED: PRELOAD_BLOCK_H / DOWN_WARPS): GPU tests, FP8 batch-1 A/Bs, ~5 min
 #   downab - the experts' down tile $DOWN (64:4) against the table's, x REPS; kept for later phases where it wins
 #   downsweep - the experts' down tiles $DOWNS against the table's, x REPS; the oracle with the best if it wins
+#   gdnpre - KB-0021's state preload re-measured beside gemv.cu's in_proj (METAINFER_GDN_PRELOAD), x3, ~3 min
 #   exposed - NOT YET RUN: the FP8 batch-1 step's wall time by kernel with PDL on (metainfer/bench/critical_path.py),
 #            at max_model_len 1,120 and 8,192, ~2 min
 #   reduce - NOT YET RUN: the decode attention reduce over the splits with keys only (METAINFER_ATTN_REDUCE_ACTIVE=1),
@@ -603,6 +604,10 @@ if has wgearly; then  # (built 2026-12-04f, not yet run) gemv.cu's pre prologue 
   METAINFER_WGMMA_GEMV_DEFINES=$EARLY timeout 150 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_wgearly.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has gdnpre; then  # KB-0021's DeltaNet state read before the PDL wait (neutral then, beside the Triton in_proj),
+  # again beside gemv.cu's in_proj + conv (METAINFER_GDN_PRELOAD 0 / 1 alternating x REPS (3)), ~3 min
+  ab_bs1 METAINFER_GDN_PRELOAD gdnpre ${REPS:-3}
 fi
 if has exposed; then  # (built 2026-12-04f, not yet run) the FP8 batch-1 step's wall time by kernel with PDL on
   # (decode_bench's exposed_bs1: each kernel's time past every earlier kernel's end), at decode_bench's
