@@ -155,7 +155,7 @@
 #   exposed - NOT YET RUN: the FP8 batch-1 step's wall time by kernel with PDL on (metainfer/bench/critical_path.py),
 #            at max_model_len 1,120 and 8,192, ~2 min
 #   reduce - NOT YET RUN: the decode attention reduce over the splits with keys only (METAINFER_ATTN_REDUCE_ACTIVE=1),
-#            FP8 batch 1 at max_model_len 8,192 (the server's) and 1,120, x2, ~5 min (12 runs: tar $OUT's JSONs)
+#            FP8 batch 1 at max_model_len 8,192 (the server's) and 1,120, x2, ~5 min ($OUT/reduce.tgz)
 #   wgearly - NOT YET RUN: gemv.cu's pre prologue with its static loads before the PDL wait and its rows in one wave
 #            (-DGEMV_PRE_EARLY=1 via METAINFER_WGMMA_GEMV_DEFINES): GPU tests, A/B x3, oracle, ~6 min
 #   mega   - the megakernel (metainfer/kernels/mega; first run 2026-12-02a, KB-0076): ptxas report; its GPU tests (each
@@ -632,6 +632,7 @@ if has reduce; then  # (built 2026-12-04f, not yet run) the decode attention red
       done
     done
   done
+  (cd $OUT && tar czf reduce.tgz reduce_* && rm -rf reduce_*)  # 12 JSONs: one file back
 fi
 if has downsweep; then  # (2026-12-04f) the experts' down at batch 1 over DOWNS (PRELOAD_BLOCK_H:DOWN_WARPS; "table": the
   # committed one), alternating x REPS (2); the oracle (FP8) with the best where it beats the table's by > 0.5 %, ~5 min
