@@ -205,6 +205,13 @@ prof_bs1() {  # the FP8 batch-1 kernel profile with PDL off and switch $1 on, in
   env $1=1 METAINFER_PDL=0 timeout 80 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
     --out $OUT/$2_prof 2>&1 | grep -E "^\| 1 " && top_kernels $OUT/$2_prof/decode_bench_fp8.json
 }
+down_table() {  # $1 = PRELOAD_BLOCK_H:DOWN_WARPS -> $2: moe_pair_h200.json's fp8,1 with them (a METAINFER_MOE_TUNED file)
+  python3 -c "
+import json, sys
+t = json.load(open('metainfer/kernels/moe_pair_h200.json'))['configs']['fp8,1']
+t.update(PRELOAD_BLOCK_H=int(sys.argv[1]), DOWN_WARPS=int(sys.argv[2]))
+json.dump({'configs': {'fp8,1': t}}, open(sys.argv[3], 'w'))" $(echo $1 | tr : ' ') "$2"
+}
 top_kernels() {  # a decode_bench JSON's batch-1 profile: the 14 largest kernels, us a step
   python3 -c "
 import json, sys
@@ -638,11 +645,7 @@ if has downsweep; then  # (2026-12-04f) the experts' down at batch 1 over DOWNS 
   # committed one), alternating x REPS (2); the oracle (FP8) with the best where it beats the table's by > 0.5 %, ~5 min
   for r in $(seq ${REPS:-2}); do
     for dn in ${DOWNS:-table 128:4 128:8 64:8}; do
-      [[ $dn != table ]] && python3 -c "
-import json, sys
-t = json.load(open('metainfer/kernels/moe_pair_h200.json'))['configs']['fp8,1']
-t.update(PRELOAD_BLOCK_H=int(sys.argv[1]), DOWN_WARPS=int(sys.argv[2]))
-json.dump({'configs': {'fp8,1': t}}, open('/tmp/down_$dn.json', 'w'))" $(echo $dn | tr : ' ')
+      [[ $dn != table ]] && down_table $dn /tmp/down_$dn.json
       env METAINFER_MOE_TUNED=$([[ $dn != table ]] && echo /tmp/down_$dn.json) timeout 90 python \
         benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/dsw_${dn/:/_}_$r 2>&1 \
         | grep -E "^\| 1 " | sed "s/^/[down $dn $r] /"
@@ -667,11 +670,7 @@ fi
 if has downab; then  # (2026-12-04f) the experts' down at batch 1, PRELOAD_BLOCK_H:DOWN_WARPS = $DOWN (64:4) against
   # the table's (32:2), alternating x REPS (3); where it wins by > 0.5 % (medians), METAINFER_MOE_TUNED stays set
   # for the phases after it (final1: the oracle and the defaults' table with it), ~3 min
-  python3 -c "
-import json, sys
-t = json.load(open('metainfer/kernels/moe_pair_h200.json'))['configs']['fp8,1']
-t.update(PRELOAD_BLOCK_H=int(sys.argv[1]), DOWN_WARPS=int(sys.argv[2]))
-json.dump({'configs': {'fp8,1': t}}, open('/tmp/down.json', 'w'))" $(echo ${DOWN:-64:4} | tr : ' ')
+  down_table ${DOWN:-64:4} /tmp/down.json
   for r in $(seq ${REPS:-3}); do
     for m in 0 1; do
       env METAINFER_MOE_TUNED=$([[ $m == 1 ]] && echo /tmp/down.json) timeout 90 python benchmarks/decode_bench.py \
@@ -917,11 +916,7 @@ if has attn; then  # the attention split kernel's preload and tiles; the experts
       | sed "s/^/[attn $cfg] /"
   done
   for dn in 16:1 16:2 64:2 64:4; do  # the experts' down at batch 1: PRELOAD_BLOCK_H rows : DOWN_WARPS
-    python3 -c "
-import json, sys
-t = json.load(open('metainfer/kernels/moe_pair_h200.json'))['configs']['fp8,1']
-t.update(PRELOAD_BLOCK_H=int(sys.argv[1]), DOWN_WARPS=int(sys.argv[2]))
-json.dump({'configs': {'fp8,1': t}}, open('/tmp/down.json', 'w'))" ${dn%:*} ${dn#*:}
+    down_table $dn /tmp/down.json
     METAINFER_MOE_TUNED=/tmp/down.json timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
       --no-profile --out $OUT/down_${dn/:/_} 2>&1 | grep -E "^\| 1 " | sed "s/^/[down $dn] /"
   done

@@ -116,8 +116,9 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 def _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
     """Sequence b's length and split `split`'s share [start, end) of its keys."""
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * _split_len(seq_len, num_splits, BLOCK_N)
-    return seq_len, start, tl.minimum(start + _split_len(seq_len, num_splits, BLOCK_N), seq_len)
+    per = _split_len(seq_len, num_splits, BLOCK_N)
+    start = split * per
+    return seq_len, start, tl.minimum(start + per, seq_len)
 
 
 @triton.jit
