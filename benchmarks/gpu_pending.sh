@@ -592,7 +592,7 @@ if has gnorm; then
   done
 fi
 
-if has wgearly; then  # (built 2026-12-04f, not yet run) gemv.cu's pre prologue with its residual / norm weight /
+if has wgearly; then  # (2026-12-04g: neutral, KB-0102) gemv.cu's pre prologue with its residual / norm weight /
   # routing weights loaded before the PDL wait and the 9 rows in one wave of loads (-DGEMV_PRE_EARLY=1 through
   # METAINFER_WGMMA_GEMV_DEFINES): the gemv GPU tests and the engine's PDL / graph tests with it, FP8 batch 1
   # default / early alternating x REPS (3), the oracle (FP8) with it, ~6 min
@@ -612,11 +612,12 @@ if has wgearly; then  # (built 2026-12-04f, not yet run) gemv.cu's pre prologue 
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_wgearly.json 2>&1 | grep -E "verdict" | head -1
 fi
-if has gdnpre; then  # KB-0021's DeltaNet state read before the PDL wait (neutral then, beside the Triton in_proj),
+if has gdnpre; then  # KB-0021's DeltaNet state read before the PDL wait (neutral then, beside the Triton in_proj;
+  # 2026-12-04g: +2 %, the default now, KB-0100),
   # again beside gemv.cu's in_proj + conv (METAINFER_GDN_PRELOAD 0 / 1 alternating x REPS (3)), ~3 min
   ab_bs1 METAINFER_GDN_PRELOAD gdnpre ${REPS:-3}
 fi
-if has exposed; then  # (built 2026-12-04f, not yet run) the FP8 batch-1 step's wall time by kernel with PDL on
+if has exposed; then  # (2026-12-04g) the FP8 batch-1 step's wall time by kernel with PDL on
   # (decode_bench's exposed_bs1: each kernel's time past every earlier kernel's end), at decode_bench's
   # max_model_len and the server's 8,192; the kernels' durations PDL-off beside it, ~2 min
   for mml in 0 8192; do
@@ -624,18 +625,18 @@ if has exposed; then  # (built 2026-12-04f, not yet run) the FP8 batch-1 step's 
       --out $OUT/exposed_$mml 2>&1 | sed -n '/wall time by kernel/,$p' | head -18 | sed "s/^/[mml $mml] /"
   done
 fi
-if has reduce; then  # (built 2026-12-04f, not yet run) the decode attention reduce over the splits with keys only
-  # (METAINFER_ATTN_REDUCE_ACTIVE=1; with reduce_chunk 32 too): its GPU tests, then FP8 batch 1 at the server's
+if has reduce; then  # (2026-12-04g: the default now, KB-0101) the decode attention reduce over the splits with keys
+  # only (METAINFER_ATTN_REDUCE_ACTIVE 0 / 1, reduce_chunk 16 / 32): its GPU tests, then FP8 batch 1 at the server's
   # max_model_len (8,192: 128 splits, 17 with keys at 1k) and at decode_bench's (1,120: 18 splits), ~5 min
   timeout 150 python -m pytest -q tests/gpu/test_kernels_a_gpu.py -p no:cacheprovider \
     -k "paged_attention or decode_configs or compile" 2>&1 | tail -2
   for r in $(seq ${REPS:-2}); do
-    for mode in "0 " "1 " "1 reduce_chunk=32"; do
+    for mode in "0 reduce_chunk=16" "1 reduce_chunk=16" "1 "; do  # the old reduce; active, chunk 16; the defaults
       set -- $mode
       for mml in 8192 0; do
         METAINFER_ATTN_REDUCE_ACTIVE=$1 METAINFER_ATTN_DECODE=${2:-} timeout 90 python benchmarks/decode_bench.py \
           --dtype fp8 --batches 1 --gen 32 --no-profile --max-model-len $mml \
-          --out $OUT/reduce_${1}_${2:+c32}_${mml}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[reduce $mode mml $mml $r] /"
+          --out $OUT/reduce_${1}_${2:+c16}_${mml}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[reduce $mode mml $mml $r] /"
       done
     done
   done

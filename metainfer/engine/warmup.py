@@ -22,8 +22,8 @@ Step = tuple[list[int], list[int]]  # (query lens, context lens), decodes first
 
 def warmup_steps(e: EngineConfig) -> list[Step]:
     """Steps covering what serving meets beyond the graphs: the full step budget over one, three and
-    four prompts with 2, 4, 12 or 28 decodes beside them (sequence counts of 16 and 32 included) and
-    with or without a prompt's later chunk (context > 0); 1 / 15 / 16 decodes beside a prompt; token
+    four prompts with 1, 2, 4, 12 or 28 decodes beside them (1: a burst whose first prompt came a step
+    early; sequence counts of 16 and 32 included) and with or without a prompt's later chunk (context > 0); 1 / 15 / 16 decodes beside a prompt; token
     totals across the grouped-MoE tile buckets, odd and even. The shapes of a burst of 1k prompts
     were checked against the scheduler's (tests/engine/test_warmup.py)."""
     budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
@@ -42,7 +42,7 @@ def warmup_steps(e: EngineConfig) -> list[Step]:
             lens = [total // k] * k
             lens[-1] += total - sum(lens)
             steps.append((lens, [0] * k))  # prompts only
-            for d, later in ((2, 0), (2, 1), (4, 0), (12, 1), (28, 0)) if full else ((2, 1),):
+            for d, later in ((1, 0), (2, 0), (2, 1), (4, 0), (12, 1), (28, 0)) if full else ((2, 1),):
                 if k + d <= e.max_num_seqs and lens[-1] > d:
                     chunk = lens[-1] - d
                     ctx = min(40, e.max_model_len - chunk) if later else 0  # a prompt's later chunk

@@ -37,7 +37,7 @@ class DecodeConfig:
     target_programs: int = 264  # about 2 programs per SM on the 132-SM H200
     min_split_tokens: int = 64  # no split shorter than this (at the block-table capacity)
     max_splits: int = 128
-    reduce_chunk: int = 16  # splits merged per step of the reduce kernel
+    reduce_chunk: int = 32  # splits merged per step of the reduce kernel (KB-0101)
 
 
 @dataclass
@@ -50,7 +50,8 @@ class PrefillConfig:
 
 DECODE = DecodeConfig()
 DECODE_ENV = "METAINFER_ATTN_DECODE"  # "block_n=32,min_split_tokens=32": DecodeConfig fields for A/Bs
-REDUCE_ACTIVE_ENV = "METAINFER_ATTN_REDUCE_ACTIVE"  # "1": the decode reduce reads the splits with keys only
+REDUCE_ACTIVE_ENV = "METAINFER_ATTN_REDUCE_ACTIVE"  # "0": the decode reduce reads every split (default: those
+# with keys only, KB-0101)
 _DECODE_CFGS: dict[str, DecodeConfig] = {}  # decode_config's, by METAINFER_ATTN_DECODE's text
 
 
@@ -211,7 +212,7 @@ def _decode_reduce_kernel(
     USE_PDL: tl.constexpr = 0,
 ):
     """Merges each (row, head)'s num_splits partial outputs by their log-sum-exps, gated into out.
-    ACTIVE_N (decode, METAINFER_ATTN_REDUCE_ACTIVE=1; ACTIVE_N the split kernel's BLOCK_N): only the
+    ACTIVE_N (decode, unless METAINFER_ATTN_REDUCE_ACTIVE=0; the split kernel's BLOCK_N): only the
     splits that held keys are read, as many as `_split_range` gives the row's length (seq_lens_ptr; the
     split count follows the block-table capacity, so at 1k tokens of an 8k-capacity table 17 of 128),
     and each chunk's log-sum-exps and partial outputs load together, merged by a running max: one
@@ -387,7 +388,7 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}), **pdl.kw(),
     )
     if ns > 1:
-        active = os.environ.get(REDUCE_ACTIVE_ENV, "0") == "1"
+        active = os.environ.get(REDUCE_ACTIVE_ENV, "1") != "0"
         _decode_reduce_kernel[(nd, Hq)](
             part_o, part_lse, out, g_ptr, out.stride(0), out.stride(1), sg_t, sg_h, ns,
             HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, GATE=has_gate, seq_lens_ptr=meta.seq_lens,

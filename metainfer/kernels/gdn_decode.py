@@ -22,7 +22,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent states' storage 
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
 BLOCK_V = 32
 NUM_WARPS = 4
-PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "1": read the state block before the PDL wait
+PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "0": read the state block after the PDL wait (default: before, KB-0100)
 
 
 @triton.jit
@@ -142,7 +142,7 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        PRELOAD=int(os.environ.get(PRELOAD_ENV, "0") == "1"), num_warps=num_warps, **pdl.kw(),
+        PRELOAD=int(os.environ.get(PRELOAD_ENV, "1") != "0"), num_warps=num_warps, **pdl.kw(),
     )
     return out
 

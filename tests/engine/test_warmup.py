@@ -86,10 +86,14 @@ def _variant(q: list[int], c: list[int]) -> tuple:
             any(ctx > 0 for _, ctx in prompts))
 
 
-def test_warmup_covers_a_burst_of_prompts():
+@pytest.mark.parametrize("early", [0, 1])
+def test_warmup_covers_a_burst_of_prompts(early):
     """32 prompts at once (the c=32 benchmark, scaled to a 512-token step budget): every eager step
     the scheduler makes (not a lone prompt, not a pure decode: those replay graphs) has a warmup step
-    of the same variant key (`_variant`)."""
+    of the same variant key (`_variant`). early=1: the first prompt a step ahead of the other 31, as a
+    server sees them; the next step then has 1 decode beside a full budget of prompts (a 2.75 s compile
+    on the H200 before the warmup had that step: results/2026-12-04g). Not covered yet there: the
+    burst's last step, its total whatever is left (0.54 s on the H200, 3,185 tokens beside 28 decodes)."""
     llm = LLM(device="cpu", dtype="float32", max_num_batched_tokens=512, max_model_len=512, max_num_seqs=64)
     seen = []
     launch = llm.engine.runner.launch
@@ -101,9 +105,17 @@ def test_warmup_covers_a_burst_of_prompts():
 
     llm.engine.runner.launch = record
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm.generate(prompt_token_ids=token_prompts([128] * 32, seed=4), sampling_params=sp)
+    prompts = token_prompts([128] * 32, seed=4)
+    for p in prompts[:early]:
+        llm.engine.add_request(p, sp)
+    if early:
+        llm.engine.step()
+    llm.generate(prompt_token_ids=prompts[early:], sampling_params=sp)
     eager = [(q, c) for q, c in seen if len(q) > 1 and any(n > 1 for n in q)]
     assert len(eager) >= 4
+    if early:
+        assert eager[0][0] == [1] + [128] * 3 + [127]  # the first prompt's decode beside a full budget
+        eager = eager[:1]
     covered = {_variant(q, c) for q, c in warmup_steps(llm.engine.ecfg)}
     missing = [(len(q), sum(q), q[:3], q[-2:]) for q, c in eager if _variant(q, c) not in covered]
     assert not missing, missing
