@@ -23,9 +23,10 @@ Step = tuple[list[int], list[int]]  # (query lens, context lens), decodes first
 def warmup_steps(e: EngineConfig) -> list[Step]:
     """Steps covering what serving meets beyond the graphs: the full step budget over one, three and
     four prompts with 1, 2, 4, 12 or 28 decodes beside them (1: a burst whose first prompt came a step
-    early; sequence counts of 16 and 32 included) and with or without a prompt's later chunk (context > 0); 1 / 15 / 16 decodes beside a prompt; token
-    totals across the grouped-MoE tile buckets, odd and even. The shapes of a burst of 1k prompts
-    were checked against the scheduler's (tests/engine/test_warmup.py)."""
+    early; sequence counts of 16 and 32 included) and with or without a prompt's later chunk (context
+    > 0); 1 / 15 / 16 decodes beside a prompt; token totals across the grouped-MoE tile buckets, odd
+    and even. The shapes of a burst of 1k prompts were checked against the scheduler's
+    (tests/engine/test_warmup.py)."""
     budget = min(e.max_num_batched_tokens, e.max_model_len * e.max_num_seqs)
     steps: list[Step] = []
     for total in sorted({budget, budget - 3, 2048, 2047, 1024, 1023, 700, 301, 64, 17}):

@@ -22,7 +22,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent states' storage 
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
 BLOCK_V = 32
 NUM_WARPS = 4
-PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "0": read the state block after the PDL wait (default: before, KB-0100)
+PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "0": the state read after the PDL wait (default: before, KB-0100)
 
 
 @triton.jit
