@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 from metainfer.config import EngineConfig, ModelConfig
+from metainfer.engine import jit_log
 from metainfer.engine.cache import CacheManager
 from metainfer.engine.request import Request, RequestOutput, SamplingParams, Status
 from metainfer.engine.runner import PENDING, InFlight, ModelRunner, ModelSource
@@ -31,6 +32,7 @@ class LLMEngine:
         model_dir = self.source.config_path.parent
         self.tokenizer: Tokenizer = load_tokenizer(ecfg.tokenizer or model_dir)
         self.max_model_len = min(ecfg.max_model_len, self.model_config.max_position_embeddings)
+        jit_log.install()  # a slow step launch names the Triton kernels it compiled
         self.runner = ModelRunner(ecfg, self.model_config, self.source, progress=progress)
         self.cache = CacheManager(self.runner.num_blocks, ecfg.block_size, self.runner.num_slots)
         self.scheduler = Scheduler(
@@ -159,9 +161,10 @@ class LLMEngine:
         for req, _ in batch.items:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
+            jit_log.take()
             t0 = time.perf_counter()
             inflight = self.runner.launch(batch)
-            self._note_slow_launch(batch, time.perf_counter() - t0)
+            self._note_slow_launch(batch, time.perf_counter() - t0, jit_log.take())
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed")
             return (
@@ -182,16 +185,18 @@ class LLMEngine:
 
     SLOW_LAUNCH_S = 0.5  # a launch is host work (no GPU wait): this long means a JIT compile or worse
 
-    def _note_slow_launch(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Logs a step whose launch took SLOW_LAUNCH_S or more, with its shape (the warmup's blind spots)."""
+    def _note_slow_launch(self, batch: ScheduledBatch, seconds: float, compiled: list[str]) -> None:
+        """Logs a step whose launch took SLOW_LAUNCH_S or more, with its shape and the Triton kernels it
+        compiled (`jit_log`: the warmup's blind spots)."""
         if seconds < self.SLOW_LAUNCH_S:
             return
         self.stats["slow_launches"] += 1
         lens = [n for _, n in batch.items]
         log.warning(
-            "slow step launch %.2f s: %d sequences, %d tokens, %d decodes, chunk lens %s, contexts %s",
+            "slow step launch %.2f s: %d sequences, %d tokens, %d decodes, chunk lens %s, contexts %s; "
+            "Triton compiled: %s",
             seconds, len(lens), sum(lens), lens.count(1), [n for n in lens if n > 1][:8],
-            [r.num_computed_tokens for r, n in batch.items if n > 1][:8],
+            [r.num_computed_tokens for r, n in batch.items if n > 1][:8], jit_log.summary(compiled),
         )
 
     def has_unfinished(self) -> bool:

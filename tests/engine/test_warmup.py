@@ -57,6 +57,37 @@ def test_slow_launch_is_logged(caplog, monkeypatch):
         llm.generate(prompt_token_ids=token_prompts([7, 12]), sampling_params=SamplingParams(max_tokens=2))
     assert llm.engine.stats["slow_launches"] == llm.engine.stats["steps"] > 0
     assert "slow step launch" in caplog.text and "19 tokens" in caplog.text
+    assert "Triton compiled: none" in caplog.text  # the CPU path compiles nothing
+
+
+def test_slow_launch_names_the_kernels_it_compiled(caplog, monkeypatch):
+    """Triton's post-compile hook (called by hand here: the CPU path compiles nothing) records each
+    compiled kernel's name; the slow launch's log line names those of its launch only."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from metainfer.engine import jit_log
+
+    llm = _llm()
+    assert jit_log.install() and jit_log.install()  # once; a second call keeps the one hook
+    monkeypatch.setattr(type(llm.engine), "SLOW_LAUNCH_S", 0.0)
+    compile_hook = knobs.runtime.jit_post_compile_hook
+    jit_log._record("before_the_launch")  # taken (cleared) as the launch starts
+    launch = llm.engine.runner.launch
+
+    def compiling_launch(batch):
+        for name in ("_gdn_decode_kernel", "_skinny_kernel", "_gdn_decode_kernel"):
+            compile_hook(key=(), repr=f"{name}[num_warps=4]", fn=SimpleNamespace(name=name), compile={},
+                         is_manual_warmup=False, already_compiled=False)
+        return launch(batch)
+
+    llm.engine.runner.launch = compiling_launch
+    with caplog.at_level("WARNING", logger="metainfer.engine"):
+        llm.generate(prompt_token_ids=token_prompts([7]), sampling_params=SamplingParams(max_tokens=1))
+    assert "Triton compiled: _gdn_decode_kernel x2, _skinny_kernel" in caplog.text
+    assert "before_the_launch" not in caplog.text and jit_log.take() == []
+    assert jit_log.summary(["a"] * 3 + [f"k{i}" for i in range(9)], limit=2) == "a x3, k0, +8 more"
 
 
 def test_a_failing_warmup_is_logged_not_raised(caplog, monkeypatch):
