@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from metainfer.config import EngineConfig, ModelConfig
-from metainfer.engine import jit_log
+from metainfer.engine import slow_launch
 from metainfer.engine.cache import CacheManager
 from metainfer.engine.request import Request, RequestOutput, SamplingParams, Status
 from metainfer.engine.runner import PENDING, InFlight, ModelRunner, ModelSource
@@ -32,9 +32,10 @@ class LLMEngine:
         model_dir = self.source.config_path.parent
         self.tokenizer: Tokenizer = load_tokenizer(ecfg.tokenizer or model_dir)
         self.max_model_len = min(ecfg.max_model_len, self.model_config.max_position_embeddings)
-        jit_log.install()  # a slow step launch names the Triton kernels it compiled
+        slow_launch.install()  # a slow step launch names the Triton kernels it compiled
         self.runner = ModelRunner(ecfg, self.model_config, self.source, progress=progress)
         self.cache = CacheManager(self.runner.num_blocks, ecfg.block_size, self.runner.num_slots)
+        slow_launch.allocator_note(self.runner.device)  # the baseline a slow launch's note counts from
         self.scheduler = Scheduler(
             self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, self.max_model_len,
             drafter=self._draft if ecfg.speculative else None,
@@ -161,10 +162,10 @@ class LLMEngine:
         for req, _ in batch.items:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
-            jit_log.take()
+            slow_launch.take()
             t0 = time.perf_counter()
             inflight = self.runner.launch(batch)
-            self._note_slow_launch(batch, time.perf_counter() - t0, jit_log.take())
+            self._note_slow_launch(batch, time.perf_counter() - t0, slow_launch.take())
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed")
             return (
@@ -187,16 +188,17 @@ class LLMEngine:
 
     def _note_slow_launch(self, batch: ScheduledBatch, seconds: float, compiled: list[str]) -> None:
         """Logs a step whose launch took SLOW_LAUNCH_S or more, with its shape and the Triton kernels it
-        compiled (`jit_log`: the warmup's blind spots)."""
+        compiled and the allocator's new segments (`slow_launch`: the warmup's blind spots)."""
         if seconds < self.SLOW_LAUNCH_S:
             return
         self.stats["slow_launches"] += 1
         lens = [n for _, n in batch.items]
         log.warning(
             "slow step launch %.2f s: %d sequences, %d tokens, %d decodes, chunk lens %s, contexts %s; "
-            "Triton compiled: %s",
+            "Triton compiled: %s; %s",
             seconds, len(lens), sum(lens), lens.count(1), [n for n in lens if n > 1][:8],
-            [r.num_computed_tokens for r, n in batch.items if n > 1][:8], jit_log.summary(compiled),
+            [r.num_computed_tokens for r, n in batch.items if n > 1][:8], slow_launch.summary(compiled),
+            slow_launch.allocator_note(self.runner.device) or "CPU",
         )
 
     def has_unfinished(self) -> bool:

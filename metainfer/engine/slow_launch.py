@@ -1,6 +1,8 @@
-"""The Triton kernels JIT-compiled while serving, by name: what a slow step launch compiled (the
-start-up warmup's blind spots). A recorder chained onto `triton.knobs.runtime.jit_post_compile_hook`,
-which Triton calls after each compile (not under TRITON_INTERPRET, which compiles nothing)."""
+"""What a slow step launch spent its time on (the start-up warmup's blind spots): the Triton kernels
+it JIT-compiled, by name (a recorder chained onto `triton.knobs.runtime.jit_post_compile_hook`, which
+Triton calls after each compile; not under TRITON_INTERPRET, which compiles nothing), and the CUDA
+caching allocator's new segments (cudaMalloc) and retries (a free-all and a device sync) since the
+previous note."""
 
 from __future__ import annotations
 
@@ -55,3 +57,23 @@ def summary(names: list[str], limit: int = 8) -> str:
         counts[n] = counts.get(n, 0) + 1
     parts = [f"{n} x{c}" if c > 1 else n for n, c in counts.items()]
     return ", ".join(parts[:limit]) + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
+
+
+_ALLOC_KEYS = ("segment.all.allocated", "reserved_bytes.all.allocated", "num_alloc_retries")
+_alloc_seen: dict[str, int] = {}
+
+
+def allocator_note(device) -> str:
+    """The caching allocator's cudaMalloc calls, the bytes they reserved and its retries since the
+    previous call (the engine makes one once its runner is built: the baseline); '' off CUDA."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda" or not torch.cuda.is_available():
+        return ""
+    stats = torch.cuda.memory_stats(device)
+    now = {k: int(stats.get(k, 0)) for k in _ALLOC_KEYS}
+    d = {k: now[k] - _alloc_seen.get(k, 0) for k in _ALLOC_KEYS}
+    _alloc_seen.update(now)
+    gib = d["reserved_bytes.all.allocated"] / 2**30
+    return (f"cudaMalloc +{d['segment.all.allocated']}, {gib:.1f} GiB reserved, "
+            f"allocator retries +{d['num_alloc_retries']}")
