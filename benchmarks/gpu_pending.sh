@@ -617,6 +617,16 @@ if has gdnpre; then  # KB-0021's DeltaNet state read before the PDL wait (neutra
   # again beside gemv.cu's in_proj + conv (METAINFER_GDN_PRELOAD 0 / 1 alternating x REPS (3)), ~3 min
   ab_bs1 METAINFER_GDN_PRELOAD gdnpre ${REPS:-3}
 fi
+if has onepass; then  # (built 2026-12-04g, not yet run) the DeltaNet decode step with every operand loaded before
+  # any reduction and its reductions independent of each other (METAINFER_GDN_ONEPASS=1): the gdn GPU tests with it,
+  # FP8 batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~5 min
+  METAINFER_GDN_ONEPASS=1 timeout 150 python -m pytest -q tests/gpu/test_kernels_a_gpu.py tests/gpu/test_gdn_prefill_gpu.py \
+    -p no:cacheprovider -k "gdn" 2>&1 | tail -2
+  ab_bs1 METAINFER_GDN_ONEPASS onepass ${REPS:-3}
+  METAINFER_GDN_ONEPASS=1 timeout 150 python -m metainfer.cli verify \
+    --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+    --json $OUT/verify_fp8_onepass.json 2>&1 | grep -E "verdict" | head -1
+fi
 if has exposed; then  # (2026-12-04g) the FP8 batch-1 step's wall time by kernel with PDL on
   # (decode_bench's exposed_bs1: each kernel's time past every earlier kernel's end), at decode_bench's
   # max_model_len and the server's 8,192; the kernels' durations PDL-off beside it, ~2 min

@@ -22,6 +22,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent states' storage 
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
 BLOCK_V = 32
 NUM_WARPS = 4
+ONEPASS_ENV = "METAINFER_GDN_ONEPASS"  # "1": the decode step's loads first, its reductions independent
 PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "0": the state read after the PDL wait (default: before, KB-0100)
 
 
@@ -73,12 +74,37 @@ def _delta_update(S, q, k, v, decay, beta):
 
 
 @triton.jit
+def _delta_onepass(S, q, k, v, decay, beta, scale):
+    """`_delta_update` of the raw (not yet normalised) q, k: every reduction reads the old state, so
+    none waits on another (ONEPASS). With rq, rk the inverse norms: S^T k^ = rk S^T k, S^T q^ =
+    rq scale S^T q, k^.q^ = rk rq scale k.q; delta = (v - decay S^T k^) beta; out = decay S^T q^ +
+    delta (k^.q^) (= S'^T q^ with S' = decay S + k^ delta^T); the same values up to fp32 rounding."""
+    rq = tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    rk = tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    qk = tl.sum(q * k, axis=0)
+    sk = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
+    sq = tl.sum(S * q[:, None], axis=0)
+    delta = (v - decay * rk * sk) * beta
+    o = decay * rq * sq + delta * (rk * rq * qk)
+    return S * decay + (k * rk)[:, None] * delta[None, :], o
+
+
+@triton.jit
 def _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, row, h, hk, kk, kmask, vv, vmask,
-                 sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED: tl.constexpr):
+                 sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED: tl.constexpr,
+                 ONEPASS: tl.constexpr = 0):
     """One token (`row` of q, k, v, g, beta) through the gated delta rule on the state block S
-    [BLOCK_K, BLOCK_V]: -> (S', its output columns [BLOCK_V] fp32); the gates as `_gates`."""
+    [BLOCK_K, BLOCK_V]: -> (S', its output columns [BLOCK_V] fp32); the gates as `_gates`. ONEPASS
+    (METAINFER_GDN_ONEPASS=1): every operand loaded before any reduction and the reductions
+    independent (`_delta_onepass`): one round trip to memory and one round of reductions."""
     q = tl.load(q_ptr + row * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
+    if ONEPASS:
+        v = tl.load(v_ptr + row * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
+        a = tl.load(g_ptr + row * sg0 + h).to(tl.float32)
+        b = tl.load(beta_ptr + row * sb0 + h).to(tl.float32)
+        decay, beta = _gates(a, b, alog_ptr, dtb_ptr, beta_ptr, h, GATED)
+        return _delta_onepass(S, q, k, v, decay, beta, scale)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     v = tl.load(v_ptr + row * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
@@ -94,7 +120,7 @@ def _gdn_decode_kernel(
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    ONEPASS: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     """q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state [S, HV, DK, DV] fp32; out [B, HV, DV].
     GATED: see `_delta_token`. PRELOAD: the state block is read before the PDL wait (the kernel
@@ -109,7 +135,7 @@ def _gdn_decode_kernel(
     if not PRELOAD:
         S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
     S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, b, h, h // REP, kk, kmask,
-                        vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
+                        vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED, ONEPASS)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :],
              eviction_policy="evict_first")
     tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
@@ -142,7 +168,8 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        PRELOAD=int(os.environ.get(PRELOAD_ENV, "1") != "0"), num_warps=num_warps, **pdl.kw(),
+        PRELOAD=int(os.environ.get(PRELOAD_ENV, "1") != "0"),
+        ONEPASS=int(os.environ.get(ONEPASS_ENV, "0") == "1"), num_warps=num_warps, **pdl.kw(),
     )
     return out
 

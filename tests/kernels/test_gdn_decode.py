@@ -40,9 +40,12 @@ def _inputs(B, Hk, Hv, Dk, Dv, S, dtype, seed):
     return q, k, v, g, beta, state, slots, has
 
 
+@pytest.mark.parametrize("onepass", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,Hk,Hv,Dk,Dv", [(1, 2, 4, 16, 16), (3, 1, 2, 16, 24), (5, 2, 2, 8, 16)])
-def test_gdn_decode(B, Hk, Hv, Dk, Dv, dtype):
+def test_gdn_decode(B, Hk, Hv, Dk, Dv, dtype, onepass, monkeypatch):
+    """Also with METAINFER_GDN_ONEPASS=1 (the reductions of the raw q, k, all from the old state)."""
+    monkeypatch.setenv(gdn.ONEPASS_ENV, onepass)
     q, k, v, g, beta, state, slots, has = _inputs(B, Hk, Hv, Dk, Dv, S=7, dtype=dtype, seed=B * 31 + Dv)
     want, want_state = _reference(q, k, v, g, beta, state, slots, has)
     got = gdn._launch(q, k, v, g, beta, state, slots, has, block_v=8, num_warps=1)
@@ -68,8 +71,8 @@ def test_registered():
     assert registry.load({"gdn_decode"}) == {"gdn_decode": gdn.gdn_decode}
 
 
-@pytest.mark.parametrize("preload", ["0", "1"])
-def test_gated_variant_matches_reference_gating(preload, monkeypatch):
+@pytest.mark.parametrize("preload,onepass", [("0", "0"), ("1", "0"), ("1", "1")])
+def test_gated_variant_matches_reference_gating(preload, onepass, monkeypatch):
     """Also with the state block read before the PDL wait (METAINFER_GDN_PRELOAD=1): same result."""
     from metainfer.kernels import ops
     from metainfer.kernels.gdn_decode import gdn_decode_gated
@@ -85,6 +88,7 @@ def test_gated_variant_matches_reference_gating(preload, monkeypatch):
     s1 = torch.randn(S, Hv, Dk, Dv, generator=g)
     s2 = s1.clone()
     monkeypatch.setenv(gdn.PRELOAD_ENV, preload)
+    monkeypatch.setenv(gdn.ONEPASS_ENV, onepass)
     got = gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s1, slots, has)
     want = ops.gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s2, slots, has)  # CPU: reference
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and torch.allclose(s1, s2, atol=1e-5, rtol=1e-5)
