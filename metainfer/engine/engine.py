@@ -163,9 +163,10 @@ class LLMEngine:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
             slow_launch.take()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             inflight = self.runner.launch(batch)
-            self._note_slow_launch(batch, time.perf_counter() - t0, slow_launch.take())
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            self._note_slow_launch(batch, wall, slow_launch.take(), cpu)
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed")
             return (
@@ -186,17 +187,20 @@ class LLMEngine:
 
     SLOW_LAUNCH_S = 0.5  # a launch is host work (no GPU wait): this long means a JIT compile or worse
 
-    def _note_slow_launch(self, batch: ScheduledBatch, seconds: float, compiled: list[str]) -> None:
-        """Logs a step whose launch took SLOW_LAUNCH_S or more, with its shape and the Triton kernels it
-        compiled and the allocator's new segments (`slow_launch`: the warmup's blind spots)."""
+    def _note_slow_launch(self, batch: ScheduledBatch, seconds: float, compiled: list[str],
+                          cpu_s: float) -> None:
+        """Logs a step whose launch took SLOW_LAUNCH_S or more, with its shape, the Triton kernels it
+        compiled, the allocator's new segments (`slow_launch`: the warmup's blind spots) and the
+        process's CPU seconds in it (near the wall time: host work such as a compile; far below it:
+        a wait)."""
         if seconds < self.SLOW_LAUNCH_S:
             return
         self.stats["slow_launches"] += 1
         lens = [n for _, n in batch.items]
         log.warning(
-            "slow step launch %.2f s: %d sequences, %d tokens, %d decodes, chunk lens %s, contexts %s; "
-            "Triton compiled: %s; %s",
-            seconds, len(lens), sum(lens), lens.count(1), [n for n in lens if n > 1][:8],
+            "slow step launch %.2f s (CPU %.2f s): %d sequences, %d tokens, %d decodes, chunk lens %s, "
+            "contexts %s; Triton compiled: %s; %s",
+            seconds, cpu_s, len(lens), sum(lens), lens.count(1), [n for n in lens if n > 1][:8],
             [r.num_computed_tokens for r, n in batch.items if n > 1][:8], slow_launch.summary(compiled),
             slow_launch.allocator_note(self.runner.device) or "CPU",
         )
