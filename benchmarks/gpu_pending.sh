@@ -618,8 +618,8 @@ if has gdnpre; then  # KB-0021's DeltaNet state read before the PDL wait (neutra
   ab_bs1 METAINFER_GDN_PRELOAD gdnpre ${REPS:-3}
 fi
 if has onepass; then  # (built 2026-12-04g, not yet run) the DeltaNet decode step with every operand loaded before
-  # any reduction and its reductions independent of each other (METAINFER_GDN_ONEPASS=1): the gdn GPU tests with it,
-  # FP8 batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~5 min
+  # any reduction and its reductions independent of each other (METAINFER_GDN_ONEPASS=1; the short-chunk loop too):
+  # the gdn GPU tests with it, FP8 batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~5 min
   METAINFER_GDN_ONEPASS=1 timeout 150 python -m pytest -q tests/gpu/test_kernels_a_gpu.py tests/gpu/test_gdn_prefill_gpu.py \
     -p no:cacheprovider -k "gdn" 2>&1 | tail -2
   ab_bs1 METAINFER_GDN_ONEPASS onepass ${REPS:-3}

@@ -26,6 +26,11 @@ ONEPASS_ENV = "METAINFER_GDN_ONEPASS"  # "1": the decode step's loads first, its
 PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "0": the state read after the PDL wait (default: before, KB-0100)
 
 
+def onepass() -> int:
+    """METAINFER_GDN_ONEPASS: 1 takes the decode kernel's and the short-chunk loop's one-pass step."""
+    return int(os.environ.get(ONEPASS_ENV, "0") == "1")
+
+
 @triton.jit
 def _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr):
@@ -169,7 +174,7 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
         PRELOAD=int(os.environ.get(PRELOAD_ENV, "1") != "0"),
-        ONEPASS=int(os.environ.get(ONEPASS_ENV, "0") == "1"), num_warps=num_warps, **pdl.kw(),
+        ONEPASS=onepass(), num_warps=num_warps, **pdl.kw(),
     )
     return out
 
@@ -218,7 +223,7 @@ def _gdn_recurrent_varlen_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr, cu_ptr,
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, so0, so1, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, ONEPASS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     """Sequence n's tokens cu[n]:cu[n+1] through `_gdn_decode_kernel`'s update one after another,
@@ -235,7 +240,8 @@ def _gdn_recurrent_varlen_kernel(
     S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, n, h, kk, vv, vmask, HV, DK, DV)
     for t in range(start, end):
         S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, t, h, h // REP,
-                            kk, kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
+                            kk, kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED,
+                            ONEPASS)
         tl.store(out_ptr + t * so0 + h * so1 + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :],
              eviction_policy="evict_first")
@@ -259,6 +265,6 @@ def gdn_recurrent_varlen(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), out.stride(0), out.stride(1), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        num_warps=NUM_WARPS, **pdl.kw(),
+        ONEPASS=onepass(), num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out

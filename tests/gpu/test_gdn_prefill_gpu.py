@@ -201,7 +201,8 @@ _COMPILE = textwrap.dedent(
         c = dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gd.BLOCK_V, GATED=gated, USE_PDL=1)
         for pre, one in ((0, 0), (1, 0), (1, 1)):  # the state read before the PDL wait; the one-pass step
             build(gd._gdn_decode_kernel, t, dict(c, PRELOAD=pre, ONEPASS=one), gd.NUM_WARPS)
-        build(gd._gdn_recurrent_varlen_kernel, t, c, gd.NUM_WARPS)
+        for one in (0, 1):
+            build(gd._gdn_recurrent_varlen_kernel, t, dict(c, ONEPASS=one), gd.NUM_WARPS)
     print("ok")
     """
 )

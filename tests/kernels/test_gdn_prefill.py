@@ -176,9 +176,9 @@ def test_gdn_prefill_varlen_gated(dtype):
     assert rel_rmse(got, want) < tol and rel_rmse(s1, s2) < tol, (rel_rmse(got, want), rel_rmse(s1, s2))
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated,onepass", [(False, "0"), (True, "0"), (True, "1")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, monkeypatch):
+def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, onepass, monkeypatch):
     """Chunks of at most RECURRENT_MAX_T tokens (speculative verifies) run the decode update token by
     token (`gdn_decode.gdn_recurrent_varlen`): against the fp64 recurrence (fp32: 1e-5 out and
     state; bf16: 1e-2, the bf16 output) and against the chunked kernels on the same call (env 0), on
@@ -186,6 +186,7 @@ def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, monkeypatch):
     cu[0]:cu[N] untouched."""
     from metainfer.kernels import gdn_decode
 
+    monkeypatch.setenv(gdn_decode.ONEPASS_ENV, onepass)  # "1": the one-pass step (METAINFER_GDN_ONEPASS)
     Hk, Hv, Dk, Dv, S = 2, 4, 12, 24, 7
     lens, has_list, slot_list = [5, 1, 0, 16, 3], [True, False, False, True, True], [4, 0, 5, 2, 6]
     lead, tail = 2, 3
