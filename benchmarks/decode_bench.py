@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_smoke import env_info  # noqa: E402
 
-from metainfer.bench.critical_path import device_intervals, exposed_table  # noqa: E402
+from metainfer.bench.critical_path import compact_timeline, device_intervals, exposed_table  # noqa: E402
 from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling  # noqa: E402
 from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
@@ -93,11 +93,11 @@ def ttft(llm: LLM, prompt_len: int, reps: int = 9, seed: int = 99) -> dict:
 
 
 def profile_decode(llm: LLM, prompt_len: int, steps: int = 6,
-                   batch: int = 1) -> tuple[list[dict], list[dict]]:
+                   batch: int = 1) -> tuple[list[dict], list[dict], dict]:
     """Kernel times per decode step of `batch` sequences (their prefills run before the profile; every
     sequence lives past the profiled steps, so the batch stays whole) -> (per kernel: its summed
     durations; per kernel: its exposed time, `critical_path.exposed_table`, the wall time's split
-    when PDL overlaps the kernels)."""
+    when PDL overlaps the kernels; the profiled steps' intervals, `critical_path.compact_timeline`)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
@@ -121,12 +121,13 @@ def profile_decode(llm: LLM, prompt_len: int, steps: int = 6,
         if t > 0:
             rows.append({"kernel": ev.key[:90], "calls_per_step": ev.count / steps, "us_per_step": t / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    try:  # not yet run on the GPU (2026-12-04f): the kernels' intervals must not cost the profile
-        exposed = exposed_table(device_intervals(prof.events()), steps)
+    try:  # the kernels' intervals must not cost the profile
+        intervals = device_intervals(prof.events())
+        exposed, timeline = exposed_table(intervals, steps), compact_timeline(intervals)
     except Exception as e:
         print(f"exposed times: {e!r}", file=sys.stderr)
-        exposed = []
-    return rows, exposed
+        exposed, timeline = [], {}
+    return rows, exposed, timeline
 
 
 def profile_prefill(llm: LLM, prompt_len: int) -> dict:
@@ -310,12 +311,13 @@ def main() -> None:
     if not args.no_profile:
         try:
             pb = args.profile_batch
-            prof, exposed = profile_decode(llm, args.prompt_len, batch=pb)
+            prof, exposed, timeline = profile_decode(llm, args.prompt_len, batch=pb)
             floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8, batch=pb,
                                    state_bytes=2 if args.ssm_state_dtype == "bfloat16" else 4)
             res[f"profile_bs{pb}"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
             res["profile_pdl"] = os.environ.get("METAINFER_PDL", "1") != "0"  # on: kernel times overlap
             res[f"exposed_bs{pb}"] = exposed
+            res[f"timeline_bs{pb}"] = timeline  # the profiled steps' kernels, for offline study
         except Exception as e:  # profiling is optional
             res["profile_error"] = repr(e)
     out = Path(args.out)

@@ -10,7 +10,8 @@ first kernel's start to the last kernel's end, so the table answers "which kerne
 step wait on" where the durations cannot.
 
 `exposed_table(intervals, steps)` aggregates per kernel name: calls, exposed and busy (duration)
-microseconds per step. Intervals come from the profiler's device events (start, end in µs).
+microseconds per step; `compact_timeline` keeps the intervals themselves. Intervals come from the
+profiler's device events (start, end in µs).
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def exposed_table(intervals: Iterable[tuple[str, float, float]], steps: int) -> 
             "exposed_us_per_step": r["exposed"] / steps, "busy_us_per_step": r["busy"] / steps}
            for r in rows.values()]
     return sorted(out, key=lambda r: -r["exposed_us_per_step"])
+
+
+def compact_timeline(intervals: Iterable[tuple[str, float, float]], digits: int = 2) -> dict:
+    """The intervals in start order, for offline study (which kernel waits on which): {"names": the
+    distinct names, "events": [[name index, start, end], ...]} with times in µs from the first start,
+    rounded to `digits`."""
+    ivs = sorted(((s, e, n) for n, s, e in intervals))
+    t0 = ivs[0][0] if ivs else 0.0
+    names: dict[str, int] = {}
+    events = [[names.setdefault(n, len(names)), round(s - t0, digits), round(e - t0, digits)]
+              for s, e, n in ivs]
+    return {"names": list(names), "events": events}
 
 
 def device_intervals(events) -> list[tuple[str, float, float]]:

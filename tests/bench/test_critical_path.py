@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from metainfer.bench.critical_path import GAP, device_intervals, exposed_table
+from metainfer.bench.critical_path import GAP, compact_timeline, device_intervals, exposed_table
 
 
 def _by_name(rows):
@@ -67,3 +67,10 @@ def test_device_intervals_keep_device_events_only():
     evs = [ev("k", DeviceType.CUDA, 1, 3), ev("cpu_op", DeviceType.CPU, 0, 9),
            ev("empty", DeviceType.CUDA, 4, 4)]
     assert device_intervals(evs) == [("k", 1.0, 3.0)]
+
+
+def test_compact_timeline_keeps_the_intervals_in_start_order():
+    tl = compact_timeline([("b", 11.004, 15.0), ("a", 10.0, 12.5), ("b", 16.0, 17.0)])
+    assert tl["names"] == ["a", "b"]
+    assert tl["events"] == [[0, 0.0, 2.5], [1, 1.0, 5.0], [1, 6.0, 7.0]]
+    assert compact_timeline([]) == {"names": [], "events": []}
