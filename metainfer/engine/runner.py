@@ -126,7 +126,7 @@ class ModelRunner:
             from metainfer.spec.mtp import MTPDrafter
 
             self.mtp = MTPDrafter(self.model, self.caches, ecfg.block_size, self.device,
-                                  draft_vocab=ecfg.speculative_draft_vocab)
+                                  draft_vocab=ecfg.speculative_draft_vocab, max_blocks=self.blocks_per_seq)
         # test/oracle seam: called with (owners, logits [R, V]) every step that computes logits
         self.logits_hook = None
         self._tok_buf = torch.zeros(max(ecfg.max_num_seqs, 1), dtype=torch.int64, device=self.device)
@@ -451,6 +451,10 @@ class ModelRunner:
             block_size=self.ecfg.block_size,
             logits_rows=logits_rows,
             device=self.device,
+            # capacity-wide, as the warmup's and the graphs': a table as wide as the step's longest
+            # sequence gave the kernels a row stride the warmup had not compiled (Triton specialises
+            # it on % 16): a 2.7 s launch in the H200 server's c=32 burst (results/2026-12-04g)
+            max_blocks=self.blocks_per_seq,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         self._patch_pending(input_ids, dst)

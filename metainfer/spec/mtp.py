@@ -73,13 +73,14 @@ def draft_head(model: Qwen3_5MoeModel, vocab: int = 0) -> Callable[[torch.Tensor
 
 class MTPDrafter:
     def __init__(self, model: Qwen3_5MoeModel, caches: CacheTensors, block_size: int, device: torch.device,
-                 draft_vocab: int = 0):
+                 draft_vocab: int = 0, max_blocks: int | None = None):
         if model.mtp is None:
             raise ValueError("speculative='mtp' needs a model with an MTP layer (mtp_num_hidden_layers >= 1)")
         n_full = len(model.cfg.full_layer_ids)
         if len(caches.k) != n_full + 1:
             raise ValueError(f"the MTP layer needs its own KV cache: {n_full + 1} full-attention caches")
         self.model, self.caches, self.block_size, self.device = model, caches, block_size, device
+        self.max_blocks = max_blocks  # the eager rows' block-table width (the engine's: capacity)
         self.graphs: MTPGraphs | None = None  # set by the runner where the lone-prefill graphs run
         self.total_rows = 0  # hidden rows held over all requests (`note`, `forget`)
         self.logits = draft_head(model, draft_vocab)
@@ -163,6 +164,7 @@ class MTPDrafter:
             block_size=self.block_size,
             logits_rows=[n - 1],
             device=self.device,
+            max_blocks=self.max_blocks,
         )
         pos = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
         m = self.model
