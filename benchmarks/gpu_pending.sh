@@ -617,6 +617,17 @@ if has gdnpre; then  # KB-0021's DeltaNet state read before the PDL wait (neutra
   # again beside gemv.cu's in_proj + conv (METAINFER_GDN_PRELOAD 0 / 1 alternating x REPS (3)), ~3 min
   ab_bs1 METAINFER_GDN_PRELOAD gdnpre ${REPS:-3}
 fi
+if has bf16ab; then  # (built 2026-12-04g) BF16 batch 1 with KB-0100's state preload and KB-0101's reduce each off
+  # against the defaults (both measured in FP8 only; BF16 read 404.7 after them, 408.7 before), alternating x REPS (2)
+  for r in $(seq ${REPS:-2}); do
+    for m in def gdn0 red0; do
+      sw=(); [[ $m == gdn0 ]] && sw=(METAINFER_GDN_PRELOAD=0)
+      [[ $m == red0 ]] && sw=(METAINFER_ATTN_REDUCE_ACTIVE=0 METAINFER_ATTN_DECODE=reduce_chunk=16)
+      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 32 --no-profile \
+        --out $OUT/bf16ab_${m}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[bf16 $m $r] /"
+    done
+  done
+fi
 if has onepass; then  # (built 2026-12-04g, not yet run) the DeltaNet decode step with every operand loaded before
   # any reduction and its reductions independent of each other (METAINFER_GDN_ONEPASS=1; the short-chunk loop too):
   # the gdn GPU tests with it, FP8 batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~5 min
