@@ -92,6 +92,26 @@ def ttft(llm: LLM, prompt_len: int, reps: int = 9, seed: int = 99) -> dict:
     }
 
 
+def graph_replay_ms(llm: LLM, batch: int = 1, reps: int = 50) -> float | None:
+    """The batch's decode graph replayed back to back on its last staged inputs (no host work, no
+    sampling, no input copies between replays): ms a replay, CUDA events; None without that graph.
+    Against the engine's step it prices the work outside the graph. (It rewrites the last step's KV
+    row and state slot in place: run it after every measurement.)"""
+    dec = llm.engine.runner.decode
+    g = dec.graphs.get(batch) if dec is not None and dec.use_graphs else None
+    if g is None:
+        return None
+    for _ in range(5):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def profile_decode(llm: LLM, prompt_len: int, steps: int = 6,
                    batch: int = 1) -> tuple[list[dict], list[dict], dict]:
     """Kernel times per decode step of `batch` sequences (their prefills run before the profile; every
@@ -320,6 +340,11 @@ def main() -> None:
             res[f"timeline_bs{pb}"] = timeline  # the profiled steps' kernels, for offline study
         except Exception as e:  # profiling is optional
             res["profile_error"] = repr(e)
+    if 1 in batches:
+        try:
+            res["graph_replay_ms_bs1"] = graph_replay_ms(llm, 1)
+        except Exception as e:  # optional
+            res["graph_replay_error"] = repr(e)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"decode_bench_{args.dtype}.json").write_text(json.dumps(res, indent=1))
@@ -329,6 +354,11 @@ def main() -> None:
             f"| {r['batch']} | {r['step_ms_median']:.2f} | {r['decode_tok_s']:.0f} "
             f"| {r['pct_of_ceiling']:.0f}% |"
         )
+    gr = res.get("graph_replay_ms_bs1")
+    step1 = next((r["step_ms_median"] for r in res["decode"] if r["batch"] == 1), None)
+    if gr and step1:
+        print(f"bs1: the decode graph alone {gr:.3f} ms a replay; the engine's step {step1:.3f} ms "
+              f"({1e3 * (step1 - gr):.0f} us outside the graph)")
     if "decode_sync_bs1" in res:
         print(f"bs1 with async scheduling off: {res['decode_sync_bs1']['decode_tok_s']:.0f} tok/s")
     if "prefill_graph_runs" in res:
