@@ -628,6 +628,16 @@ if has bf16ab; then  # (built 2026-12-04g) BF16 batch 1 with KB-0100's state pre
     done
   done
 fi
+if has oproj; then  # (2026-12-04g) KB-0066 again: the attention o_proj at batch 1 on the one-wave preloading GEMV
+  # (slower then, beside the Triton qkv; gdnpre's switch turned from neutral to +2 % beside gemv.cu), FP8 x REPS (3)
+  for r in $(seq ${REPS:-3}); do
+    for m in 0 1; do
+      env METAINFER_FP8_TUNED=$([[ $m == 1 ]] && echo benchmarks/tuned/oproj_gemv_t1.json) timeout 90 python \
+        benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/oproj_${m}_$r 2>&1 \
+        | grep -E "^\| 1 " | sed "s/^/[oproj $m $r] /"
+    done
+  done
+fi
 if has onepass; then  # (built 2026-12-04g, not yet run) the DeltaNet decode step with every operand loaded before
   # any reduction and its reductions independent of each other (METAINFER_GDN_ONEPASS=1; the short-chunk loop too):
   # the gdn GPU tests with it, FP8 batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~5 min
