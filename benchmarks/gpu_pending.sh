@@ -628,6 +628,25 @@ if has bf16ab; then  # (built 2026-12-04g) BF16 batch 1 with KB-0100's state pre
     done
   done
 fi
+if has switches; then  # FP8 batch 1: the defaults and each of SWITCHES (space-separated VAR=VALUE; a comma joins
+  # several into one mode: "A=1,B=2") in turn, x REPS (2) rounds, fresh processes; then each mode's median, ~45 s a run
+  modes=(default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=3 METAINFER_WGMMA_GEMV_SLOTS=5})
+  for r in $(seq ${REPS:-2}); do
+    for i in "${!modes[@]}"; do
+      sw=(); [[ ${modes[$i]} != default ]] && IFS=, read -ra sw <<< "${modes[$i]}"
+      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
+        --out $OUT/sw_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[${modes[$i]} $r] /"
+    done
+  done
+  python3 - "$OUT" "${modes[@]}" <<'PY'
+import glob, json, statistics, sys
+out, modes = sys.argv[1], sys.argv[2:]
+for i, mode in enumerate(modes):
+    v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/sw_{i}_*/*.json")]
+    print(f"[switches] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[switches] {mode}: none")
+PY
+  (cd $OUT && tar czf switches.tgz sw_* && rm -rf sw_*)
+fi
 if has oproj; then  # (2026-12-04g) KB-0066 again: the attention o_proj at batch 1 on the one-wave preloading GEMV
   # (slower then, beside the Triton qkv; gdnpre's switch turned from neutral to +2 % beside gemv.cu), FP8 x REPS (3)
   for r in $(seq ${REPS:-3}); do
