@@ -139,9 +139,10 @@ def test_warmup_covers_a_burst_of_prompts(early):
     """32 prompts at once (the c=32 benchmark, scaled to a 512-token step budget): every eager step
     the scheduler makes (not a lone prompt, not a pure decode: those replay graphs) has a warmup step
     of the same variant key (`_variant`). early=1: the first prompt a step ahead of the other 31, as a
-    server sees them; the next step then has 1 decode beside a full budget of prompts (a 2.75 s compile
-    on the H200 before the warmup had that step: results/2026-12-04g). Not covered yet there: the
-    burst's last step, its total whatever is left (0.54 s on the H200, 3,185 tokens beside 28 decodes)."""
+    server sees them; the next step then has 1 decode beside a full budget of prompts, a shape with
+    kernel variants of its own (decodes == 1). The H200 server's 2.7 s launch at that step was not this
+    (it stayed with the step warmed): see test_eager_steps_use_capacity_wide_block_tables. Not covered
+    by the warmup: the burst's last step, its total whatever is left (3,185 tokens beside 28 decodes)."""
     llm = LLM(device="cpu", dtype="float32", max_num_batched_tokens=512, max_model_len=512, max_num_seqs=64)
     seen = []
     launch = llm.engine.runner.launch
