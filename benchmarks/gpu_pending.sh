@@ -657,6 +657,23 @@ if has oproj; then  # (2026-12-04g) KB-0066 again: the attention o_proj at batch
     done
   done
 fi
+if has glue; then  # (built 2026-12-04h) the decode graph's glue inside the graph (kernels.decode_io: the pending
+  # token and the lengths in one launch, the greedy argmax on the bf16 logits) against the build at BASE (6382c13, a
+  # git worktree): the GPU tests, FP8 batch 1 base / new alternating x REPS (3) in fresh processes, the oracle (FP8)
+  timeout 200 python -m pytest -q tests/gpu/test_kernels_b_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+    -k "decode_io or graph or pending or async" 2>&1 | tail -2
+  rm -rf /tmp/base && git worktree add -f /tmp/base ${BASE:-6382c13} >/dev/null 2>&1 || echo "[glue] no worktree"
+  for r in $(seq ${REPS:-3}); do
+    for m in base new; do
+      (cd $([[ $m == base ]] && echo /tmp/base || echo $PWD) && PYTHONPATH=$PWD:/tmp/site timeout 90 python \
+        benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/glue_${m}_$r 2>&1 \
+        | grep -E "^\| 1 " | sed "s/^/[glue $m $r] /")
+    done
+  done
+  (cd $OUT && tar czf glue.tgz glue_* && rm -rf glue_*)
+  timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 \
+    --device cuda --suite full --json $OUT/verify_fp8_glue.json 2>&1 | grep -E "verdict" | head -1
+fi
 if has onepass; then  # (built 2026-12-04g, not yet run) the DeltaNet decode step with every operand loaded before
   # any reduction and its reductions independent of each other (METAINFER_GDN_ONEPASS=1; the short-chunk loop too):
   # the gdn GPU tests with it, FP8 batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~5 min

@@ -2,8 +2,10 @@
 
 Inputs live in persistent buffers sliced `[:bs]`; one graph per padded batch size, captured
 largest first into one memory pool. Padding rows are dummy requests that point at the null KV
-block 0 and the null state slot 0, with no cached context. The captured region is the model
-forward and lm_head; sampling runs after the replay.
+block 0 and the null state slot 0, with no cached context. The captured region is the step's
+inputs made the model's (a pending token from the token buffer, the lengths as int32:
+kernels.decode_io), the model forward, lm_head (logits in the model's dtype) and the greedy tokens
+(argmax into the token buffer); sampling other than greedy runs after the replay.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from metainfer.kernels import ops
 from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
@@ -55,6 +58,7 @@ class DecodeGraphs:
         device: torch.device,
         capture_sizes: Sequence[int] | None = None,
         use_graphs: bool = True,
+        tok_buf: torch.Tensor | None = None,
     ) -> None:
         self.model, self.caches, self.device = model, caches, device
         self.max_bs = max_bs
@@ -62,8 +66,9 @@ class DecodeGraphs:
         i32, i64 = torch.int32, torch.int64
         z = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         pin = device.type == "cuda"
-        # packed per-row inputs: ids, positions, slot_mapping, state_slot, context_len, seq_len
-        self._cols = 6
+        # packed per-row inputs: ids, positions, slot_mapping, state_slot, context_len, seq_len, and the
+        # row of tok_buf holding a pending token (-1: ids has the token)
+        self._cols = 7
         self._host = torch.zeros(self._cols, max_bs, dtype=i64, pin_memory=pin)
         self._packed = z(self._cols, max_bs, dtype=i64)  # rows stay contiguous when sliced [:bs]
         self.input_ids, self.positions, self.slot_mapping, self.state_slots = (
@@ -71,6 +76,10 @@ class DecodeGraphs:
         )
         self.context_lens = z(max_bs, dtype=i32)
         self.seq_lens = z(max_bs, dtype=i32)
+        # the token buffer: the last step's sampled tokens by row (read for pending tokens); a replay
+        # writes its rows' greedy tokens into tok_buf[:size] (the runner's, shared with its other paths)
+        self.tok_buf = tok_buf if tok_buf is not None else z(max_bs, dtype=i64)
+        assert self.tok_buf.shape[0] >= max_bs and self.tok_buf.dtype == i64
         # block tables indexed by state slot (row 0: the null slot, all null blocks); a step gathers
         # its rows on the device, so the host only writes the blocks a request newly received
         self.host_slot_tables = torch.zeros(num_slots + 1, max_blocks, dtype=i32, pin_memory=pin)
@@ -112,10 +121,13 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int, seq_lens_cpu=None, state_slots_cpu=None) -> torch.Tensor:
+        ops.decode_inputs(self._packed, self.tok_buf, bs, self.context_lens, self.seq_lens)
         meta = self.meta(bs, seq_lens_cpu, state_slots_cpu)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta, self.caches)
         self.hidden[bs] = hidden  # captured: the graph's output buffer (the MTP drafter reads it)
-        return self.model.compute_logits(hidden)
+        logits = self.model.lm_logits(hidden)  # [bs, V] in the model's dtype (fp32 only on demand)
+        ops.argmax_rows(logits, self.tok_buf)
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -137,22 +149,23 @@ class DecodeGraphs:
             self._synced[slot] = (owner_key, len(block_ids))
             self._tables_dirty = True
 
-    def _fill(self, rows: list[tuple[int, int, int, int]], bs: int) -> int:
-        """Stages one decode batch (token, position, kv slot, state slot per row) into the buffers;
-        returns the padded size. Padding rows decode one token at position 0 on the null slot."""
+    def _fill(self, rows: list[tuple[int, int, int, int, int]], bs: int) -> int:
+        """Stages one decode batch (token, position, kv slot, state slot, pending source per row:
+        the row of tok_buf holding the token, or -1) into the buffers; returns the padded size.
+        Padding rows decode one token at position 0 on the null slot."""
         pbs = self.padded_size(bs) if bs else self.max_bs
         self._host_free()
         h = self._host
         h[:, :pbs].zero_()
+        h[6, :pbs] = -1
         if bs:
-            t = torch.tensor(rows, dtype=torch.int64).t()  # [4, bs]
-            h[:4, :bs] = t
+            t = torch.tensor(rows, dtype=torch.int64).t()  # [5, bs]
+            h[:4, :bs] = t[:4]
             h[4, :bs] = t[1]
             h[5, :bs] = t[1] + 1
+            h[6, :bs] = t[4]
         h[5, bs:pbs] = 1
         self._packed[:, :pbs].copy_(h[:, :pbs], non_blocking=True)
-        self.context_lens[:pbs].copy_(self._packed[4, :pbs])
-        self.seq_lens[:pbs].copy_(self._packed[5, :pbs])
         if self._tables_dirty:
             self.slot_tables.copy_(self.host_slot_tables, non_blocking=True)
             self._tables_dirty = False
@@ -168,13 +181,11 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def run(self, rows: list[tuple[int, int, int, int]], patch=None) -> torch.Tensor:
-        """One decode step; rows are (token, position, kv slot, state slot). -> logits [bs, V] fp32.
-        `patch(input_ids)` may overwrite staged token ids on the device before the forward."""
+    def run(self, rows: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
+        """One decode step; rows are (token, position, kv slot, state slot, pending source: a row of
+        tok_buf or -1). -> logits [bs, V] in the model's dtype; tok_buf[:bs] = their argmax."""
         bs = len(rows)
         pbs = self._fill(rows, bs)
-        if patch is not None:
-            patch(self.input_ids)
         self.last_hidden = None
         if self.use_graphs and pbs in self.graphs:
             self.graphs[pbs].replay()

@@ -167,6 +167,7 @@ class ModelRunner:
             self.num_slots,
             self.device,
             use_graphs=graphable and not self.ecfg.enforce_eager,
+            tok_buf=self._tok_buf,
         )
         dg.capture()
         return dg
@@ -274,11 +275,13 @@ class ModelRunner:
         A request's last token may still be PENDING (sampled by the previous, unfinished step): its
         id is taken on the device from that step's token buffer."""
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
+        argmaxed = False  # the decode graph's step: _tok_buf[:len(items)] holds the rows' argmax
         saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
         if self.mega is not None and len(items) == 1 and self._decode_only(items):
             logits, owners, dst = self._mega_logits(items[0][0])
         elif self.decode is not None and self._pure_decode(items):
             logits, owners, dst = self._decode_logits(items)
+            argmaxed = True
         elif self.prefill is not None and self._lone_prefill(items):
             logits, owners, dst = self._prefill_logits(items[0])
         else:
@@ -287,10 +290,12 @@ class ModelRunner:
         if self.mtp is not None:
             self._note_hidden(items)
         self._hidden = None  # (held only until noted: a prefill's rows are large)
+        if argmaxed and self._needs_fp32(owners):
+            logits = logits.float()  # (the graph's are in the model's dtype)
         if logits is not None:
             if self.logits_hook is not None:
                 self.logits_hook(owners, logits)
-            self._sample(logits, owners, inflight)
+            self._sample(logits, owners, inflight, argmaxed)
             self._extras(logits, owners, inflight)
             self._verify(logits, owners, inflight)
         self._prev_rows = {r.request_id: j for j, (r, _) in enumerate(inflight.samples)}
@@ -342,6 +347,12 @@ class ModelRunner:
         """Row of the previous step's token buffer holding `req`'s token at `pos` (a PENDING one)."""
         assert pos == req.num_tokens - 1, "only a request's last token can still be pending"
         return self._prev_rows[req.request_id]
+
+    def _needs_fp32(self, owners: list[tuple[Request, str, int]]) -> bool:
+        """Whether a step's logits are read beyond their argmax: the hook, sampling, logprobs."""
+        return self.logits_hook is not None or any(
+            kind != "sample" or not r.params.greedy or r.params.logprobs is not None for r, kind, _ in owners
+        )
 
     def _patch_pending(self, input_ids: torch.Tensor, dst: list[tuple[int, int]]) -> None:
         """input_ids[d] = previous step's token row s, on the device, for (d, s) in dst."""
@@ -401,19 +412,20 @@ class ModelRunner:
         return logits, [(r, "sample", start + n - 1)], []
 
     def _decode_logits(self, items):
+        """The decode graphs' step: logits in the model's dtype, their argmax in _tok_buf[:len(items)]
+        (a pending token is read from _tok_buf inside the replay)."""
         bs_ = self.ecfg.block_size
-        rows, dst = [], []
-        for i, (r, _) in enumerate(items):
+        rows = []
+        for r, _ in items:
             p = r.num_computed_tokens
             self.decode.sync_tables(r.state_slot, f"{r.request_id}#{r.num_preemptions}", r.block_ids)
-            tok = r.token_at(p)
+            tok, src = r.token_at(p), -1
             if tok == PENDING:
-                dst.append((i, self._pending_source(r, p)))
-                tok = 0
-            rows.append((tok, p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot))
-        logits = self.decode.run(rows, lambda ids: self._patch_pending(ids, dst))
+                tok, src = 0, self._pending_source(r, p)
+            rows.append((tok, p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot, src))
+        logits = self.decode.run(rows)
         self._hidden = self.decode.last_hidden
-        return logits, [(r, "sample", r.num_computed_tokens) for r, _ in items], dst
+        return logits, [(r, "sample", r.num_computed_tokens) for r, _ in items], []
 
     def _eager_logits(self, items):
         ids: list[int] = []
@@ -465,7 +477,11 @@ class ModelRunner:
             return None, owners, dst
         return self.model.compute_logits(hidden[meta.logits_indices]), owners, dst  # [R, V] fp32
 
-    def _sample(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight) -> None:
+    def _sample(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight,
+                argmaxed: bool = False) -> None:
+        """The step's next tokens into _tok_buf[:R] (the next step reads pending tokens there) and,
+        non-blocking, to the host. argmaxed: _tok_buf[:R] already holds every row's argmax (the
+        decode graph's; logits are its raw rows then, unless a reader needed them in fp32)."""
         rows = [
             i
             for i, (r, kind, p) in enumerate(owners)
@@ -475,8 +491,11 @@ class ModelRunner:
             return
         reqs = [owners[i][0] for i in rows]
         sub = logits if len(rows) == len(owners) else logits[torch.tensor(rows, device=self.device)]
+        R = len(reqs)
         if all(r.params.greedy for r in reqs):
-            toks = sub.argmax(dim=-1)
+            if not (argmaxed and len(rows) == len(owners)):
+                ops.argmax_rows(sub, self._tok_buf)
+            toks = self._tok_buf[:R]
         else:
             sb = SamplingBatch.build(
                 [
@@ -493,8 +512,7 @@ class ModelRunner:
                 self.device,
             )
             toks = sample(sub, sb)
-        R = len(reqs)
-        self._tok_buf[:R].copy_(toks)  # the next step reads pending tokens from here
+            self._tok_buf[:R].copy_(toks)
         out.samples = [(r, len(r.output_token_ids)) for r in reqs]
         out.host = torch.empty(R, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         out.host.copy_(toks, non_blocking=True)

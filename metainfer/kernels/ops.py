@@ -360,3 +360,15 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """Stores this step's keys/values [T, Hkv, D] at flat cache slots [T]."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def decode_inputs(packed, tok_buf, n: int, context_lens, seq_lens) -> None:
+    """The decode graph's packed rows into the model's inputs (kernels.decode_io.decode_inputs)."""
+    k = _kernel("decode_inputs", packed)
+    (k or ref.decode_inputs)(packed, tok_buf, n, context_lens, seq_lens)
+
+
+def argmax_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[:R] = argmax of each row of x [R, V] (lowest index on ties); -> out."""
+    k = _kernel("argmax_rows", x)
+    return k(x, out) if k else ref.argmax_rows(x, out)

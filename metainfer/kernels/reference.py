@@ -295,3 +295,21 @@ def moe_combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -
     for j in range(rows.shape[1]):
         acc += weights[:, j, None].float() * rows[:, j]
     return acc.to(dtype)
+
+
+def decode_inputs(packed: torch.Tensor, tok_buf: torch.Tensor, n: int, context_lens: torch.Tensor,
+                  seq_lens: torch.Tensor) -> None:
+    """A decode step's packed rows made the model's inputs, in place (kernels.decode_io's contract):
+    packed [7, >= n] int64 (ids, positions, kv slot, state slot, context len, seq len, pending
+    source); ids[i] = tok_buf[source[i]] where source[i] >= 0; the lengths into int32 buffers."""
+    src = packed[6, :n]
+    pending = src >= 0
+    packed[0, :n] = torch.where(pending, tok_buf[src.clamp(min=0)], packed[0, :n])
+    context_lens[:n].copy_(packed[4, :n])
+    seq_lens[:n].copy_(packed[5, :n])
+
+
+def argmax_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[:R] = the greedy token of each row of x [R, V] (torch.argmax: lowest index on ties)."""
+    out[: x.shape[0]].copy_(x.argmax(dim=-1))
+    return out

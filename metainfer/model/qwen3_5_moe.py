@@ -99,9 +99,12 @@ class Qwen3_5MoeModel(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
+        return self.lm_logits(hidden).float()
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V], the model's dtype
         if self.cfg.tie_word_embeddings:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
 
 class MTP(nn.Module):

@@ -537,3 +537,42 @@ def test_gemv_full_shapes(name, bn, ks, T):
 
         assert _rel(run(x), want) < 5e-3, (name, cfg)
         _graph_equals_eager(run, [x.clone()], [torch.randn_like(x)])
+
+
+@pytest.mark.parametrize("R", [1, 3, 64])
+def test_decode_io_argmax_at_the_vocab(R):
+    """kernels.decode_io.argmax_rows on the device at the model's 248,320-wide vocab, bf16 and fp32 logits
+    (exact: torch.argmax's index, ties to the lowest), also replayed in a CUDA graph."""
+    from metainfer.kernels import decode_io
+
+    g = torch.Generator(device="cuda").manual_seed(R)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(R, 248320, device="cuda", generator=g) * 3).to(dtype)
+        x[0, 100] = x[0, 248000] = 50.0
+        if R > 1:
+            x[1, 9000] = float("nan")
+        out = torch.full((R + 1,), -1, dtype=torch.int64, device="cuda")
+        decode_io.argmax_rows(x, out)
+        assert torch.equal(out[:R], x.argmax(dim=-1)) and out[0].item() == 100 and out[R].item() == -1
+    gr, out = torch.cuda.CUDAGraph(), torch.zeros(R, dtype=torch.int64, device="cuda")
+    decode_io.argmax_rows(x, out)
+    with torch.cuda.graph(gr):
+        decode_io.argmax_rows(x, out)
+    x[R - 1, 5] = 1e9
+    gr.replay()
+    assert torch.equal(out, x.argmax(dim=-1)) and out[R - 1].item() == 5
+
+
+def test_decode_io_inputs_on_the_device():
+    from metainfer.kernels import decode_io
+
+    n, width = 5, 8
+    packed = torch.randint(0, 1000, (7, width), dtype=torch.int64, device="cuda")
+    packed[6] = torch.tensor([-1, 3, -1, 0, 7, -1, -1, 2], device="cuda")
+    tok_buf = torch.arange(100, 108, dtype=torch.int64, device="cuda")
+    want, got = packed.clone(), packed.clone()
+    cw, sw, cg, sg = (torch.zeros(width, dtype=torch.int32, device="cuda") for _ in range(4))
+    ref.decode_inputs(want, tok_buf, n, cw, sw)
+    decode_io.decode_inputs(got, tok_buf, n, cg, sg)
+    assert torch.equal(got, want) and torch.equal(cg, cw) and torch.equal(sg, sw)
+    assert got[0, :n].tolist()[1::2] == [103, 100] and got[0, 4].item() == 107

@@ -53,14 +53,14 @@ def test_cli_passes_and_writes_verdict(tiny_config, tmp_path):
 
 
 def test_cli_fails_a_wrong_engine(tiny_config, monkeypatch, capsys):
-    original = Qwen3_5MoeModel.compute_logits
+    original = Qwen3_5MoeModel.lm_logits  # (under compute_logits and the decode graph's argmax)
 
     def biased(self, hidden):
-        out = original(self, hidden)
+        out = original(self, hidden).float()
         out[:, 3] += 1.0
         return out
 
-    monkeypatch.setattr(Qwen3_5MoeModel, "compute_logits", biased)
+    monkeypatch.setattr(Qwen3_5MoeModel, "lm_logits", biased)
     assert main(["verify", "--model", f"dummy:{tiny_config}", "--device", "cpu", "--suite", "quick"]) == 1
     assert "verdict: FAIL" in capsys.readouterr().out
 

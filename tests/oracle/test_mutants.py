@@ -36,7 +36,7 @@ def test_constant_output(tiny, monkeypatch):
         out[:, 7] = 10.0
         return out
 
-    monkeypatch.setattr(Qwen3_5MoeModel, "compute_logits", constant)
+    monkeypatch.setattr(Qwen3_5MoeModel, "lm_logits", constant)
     v = verify(tiny)
     assert not v.passed
     assert LOGIT_CHECKS <= set(v.failed)
@@ -100,14 +100,14 @@ def test_request_reads_another_requests_cache(tiny, monkeypatch):
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_small_bias_on_one_token(tiny, monkeypatch, precision):
     """+0.5 nats on one token: under the BF16 gates only the bias check can see it."""
-    original = Qwen3_5MoeModel.compute_logits
+    original = Qwen3_5MoeModel.lm_logits  # (under compute_logits and the decode graph's argmax)
 
     def biased(self, hidden):
-        out = original(self, hidden)
+        out = original(self, hidden).float()
         out[:, 123] += 0.5
         return out
 
-    monkeypatch.setattr(Qwen3_5MoeModel, "compute_logits", biased)
+    monkeypatch.setattr(Qwen3_5MoeModel, "lm_logits", biased)
     v = verify(tiny, GATES[precision])
     assert not v.passed
     assert {"prefill.bias", "decode.bias"} <= set(v.failed)
@@ -120,13 +120,13 @@ def test_small_bias_on_one_token(tiny, monkeypatch, precision):
 
 def test_logits_depend_on_the_batch(tiny, monkeypatch):
     """Numerics that change with how many rows share the step: alone and batched runs disagree."""
-    original = Qwen3_5MoeModel.compute_logits
+    original = Qwen3_5MoeModel.lm_logits  # (under compute_logits and the decode graph's argmax)
 
     def batch_dependent(self, hidden):
-        out = original(self, hidden)
+        out = original(self, hidden).float()
         return out + 1e-3 * (hidden.shape[0] - 1) * out.roll(1, dims=-1)
 
-    monkeypatch.setattr(Qwen3_5MoeModel, "compute_logits", batch_dependent)
+    monkeypatch.setattr(Qwen3_5MoeModel, "lm_logits", batch_dependent)
     v = verify(tiny)
     assert not v.passed
     assert "batch.rel_rmse" in v.failed
