@@ -170,7 +170,11 @@ def _store_rows(out_ptr, acc, rows, valid, offs_n, n_mask, N, SWAP: tl.constexpr
                  mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.jit
+# n_xs (the scales' row stride: the step's token count, or act_rows of it) is not specialised on % 16: the
+# scales are gathered by token id, so it buys nothing, and a variant per residue compiled while serving (a
+# 3,185-token step of a c=32 burst waited 0.6 s on the H200 for the one the warmup's 4,096 rows had not made:
+# results/2026-12-04h, KB-0107)
+@triton.jit(do_not_specialize=["n_xs"])
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
     xs_ptr, n_xs,
