@@ -278,14 +278,14 @@ class ModelRunner:
         argmaxed = False  # the decode graph's step: _tok_buf[:len(items)] holds the rows' argmax
         saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
         if self.mega is not None and len(items) == 1 and self._decode_only(items):
-            logits, owners, dst = self._mega_logits(items[0][0])
+            logits, owners = self._mega_logits(items[0][0])
         elif self.decode is not None and self._pure_decode(items):
-            logits, owners, dst = self._decode_logits(items)
+            logits, owners = self._decode_logits(items)
             argmaxed = True
         elif self.prefill is not None and self._lone_prefill(items):
-            logits, owners, dst = self._prefill_logits(items[0])
+            logits, owners = self._prefill_logits(items[0])
         else:
-            logits, owners, dst = self._eager_logits(items)
+            logits, owners = self._eager_logits(items)
         inflight = InFlight(items=items, saved_states=saved)
         if self.mtp is not None:
             self._note_hidden(items)
@@ -383,7 +383,7 @@ class ModelRunner:
             row = self._pending_source(r, p)
             tok, src = None, self._tok_buf[row : row + 1]
         logits = self.mega.run(tok, p, r.block_ids, r.state_slot, token_src=src)
-        return logits, [(r, "sample", p)], []
+        return logits, [(r, "sample", p)]
 
     def _lone_prefill(self, items: list[tuple[Request, int]]) -> bool:
         """One request's chunk alone in the step, ending its tokens (then its drafts, if any) with a
@@ -408,8 +408,8 @@ class ModelRunner:
         logits = self.prefill.run(toks, start, r.block_ids, r.state_slot, rows=len(drafts) + 1)
         self._hidden = self.prefill.last_hidden
         if drafts:
-            return logits, self._verify_owners(r, start, real, n), []
-        return logits, [(r, "sample", start + n - 1)], []
+            return logits, self._verify_owners(r, start, real, n)
+        return logits, [(r, "sample", start + n - 1)]
 
     def _decode_logits(self, items):
         """The decode graphs' step: logits in the model's dtype, their argmax in _tok_buf[:len(items)]
@@ -425,7 +425,7 @@ class ModelRunner:
             rows.append((tok, p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot, src))
         logits = self.decode.run(rows)
         self._hidden = self.decode.last_hidden
-        return logits, [(r, "sample", r.num_computed_tokens) for r, _ in items], []
+        return logits, [(r, "sample", r.num_computed_tokens) for r, _ in items]
 
     def _eager_logits(self, items):
         ids: list[int] = []
@@ -474,8 +474,8 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, meta, self.caches)
         self._hidden = hidden
         if not logits_rows:
-            return None, owners, dst
-        return self.model.compute_logits(hidden[meta.logits_indices]), owners, dst  # [R, V] fp32
+            return None, owners
+        return self.model.compute_logits(hidden[meta.logits_indices]), owners  # [R, V] fp32
 
     def _sample(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight,
                 argmaxed: bool = False) -> None:
