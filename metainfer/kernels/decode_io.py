@@ -19,11 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.kernels import pdl
+
 CHUNK = 2048  # columns a program in the argmax's first pass (248,320: 122 programs a row)
 
 
 @triton.jit
-def _decode_inputs_kernel(packed, stride_p, tok_buf, ctx, seq, n, BLOCK: tl.constexpr):
+def _decode_inputs_kernel(packed, stride_p, tok_buf, ctx, seq, n, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr = 0):
+    pdl.wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     ids = tl.load(packed + offs, mask=m, other=0)
@@ -44,11 +48,12 @@ def decode_inputs(packed: torch.Tensor, tok_buf: torch.Tensor, n: int, context_l
         return
     block = min(triton.next_power_of_2(n), 1024)
     _decode_inputs_kernel[(triton.cdiv(n, block),)](packed, packed.stride(0), tok_buf, context_lens,
-                                                     seq_lens, n, BLOCK=block, num_warps=4)
+                                                     seq_lens, n, BLOCK=block, num_warps=4, **pdl.kw())
 
 
 @triton.jit
-def _argmax_chunks_kernel(x, stride_x, V, pv, pi, NCH, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(x, stride_x, V, pv, pi, NCH, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    pdl.wait(USE_PDL)
     r = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -64,7 +69,8 @@ def _argmax_chunks_kernel(x, stride_x, V, pv, pi, NCH, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _argmax_rows_kernel(pv, pi, NCH, out, NCH_P2: tl.constexpr):
+def _argmax_rows_kernel(pv, pi, NCH, out, NCH_P2: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    pdl.wait(USE_PDL)
     r = tl.program_id(0)
     offs = tl.arange(0, NCH_P2)
     v = tl.load(pv + r * NCH + offs, mask=offs < NCH, other=-float("inf"))
@@ -85,6 +91,7 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     nch = triton.cdiv(V, CHUNK)
     pv = torch.empty(R, nch, dtype=torch.float32, device=x.device)
     pi = torch.empty(R, nch, dtype=torch.int32, device=x.device)
-    _argmax_chunks_kernel[(R, nch)](x, x.stride(0), V, pv, pi, nch, BLOCK=CHUNK, num_warps=4)
-    _argmax_rows_kernel[(R,)](pv, pi, nch, out, NCH_P2=max(triton.next_power_of_2(nch), 16), num_warps=1)
+    _argmax_chunks_kernel[(R, nch)](x, x.stride(0), V, pv, pi, nch, BLOCK=CHUNK, num_warps=4, **pdl.kw())
+    _argmax_rows_kernel[(R,)](pv, pi, nch, out, NCH_P2=max(triton.next_power_of_2(nch), 16), num_warps=1,
+                              **pdl.kw())
     return out

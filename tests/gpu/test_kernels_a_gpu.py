@@ -378,9 +378,7 @@ _COMPILE = textwrap.dedent(
         # constexpr parameters left out take their defaults, as in a launch
         defaults = {p.name: p.default for p in kernel.params
                     if p.is_constexpr and p.default is not inspect.Parameter.empty}
-        consts = dict(defaults, **consts)
-        if "USE_PDL" in kernel.arg_names:
-            consts["USE_PDL"] = 1  # the launch-with-PDL build (griddepcontrol) for sm_90
+        consts = dict(defaults, **consts, USE_PDL=1)  # the launch-with-PDL build (griddepcontrol) for sm_90
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
         # two specialisations, as the JIT makes them: pointers 16-byte aligned and the integers
         # unknown (scalar loads), and every integer a multiple of 16 too (the full model's shapes
@@ -509,7 +507,7 @@ _COMPILE = textwrap.dedent(
     build(routing._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
     build(routing._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
           dict(TOP_K=8, E_P2=256, K_P2=8, SHARED=1), 4)
-    from metainfer.kernels import decode_io as dio  # the decode graph's glue (no PDL: torch ops beside it)
+    from metainfer.kernels import decode_io as dio  # the decode graph's glue
     i64 = "*i64"
     build(dio._decode_inputs_kernel, dict(packed=i64, stride_p="i64", tok_buf=i64, ctx="*i32", seq="*i32"),
           dict(BLOCK=1), 4)
