@@ -767,8 +767,8 @@ if has final1; then
   done
   timeout 150 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,32,64,128 --gen 32 --out $OUT/final1 2>&1 \
     | grep -v "falling back" | grep -E "^\|" | head -40
-  timeout 90 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 32 --no-profile --out $OUT/final1 \
-    2>&1 | grep -E "^\|" | grep -v batch
+  timeout 150 python benchmarks/decode_bench.py --dtype bfloat16 --batches ${FINAL_BF16_BATCHES:-1} --gen 32 --no-profile \
+    --out $OUT/final1 2>&1 | grep -E "^\|" | grep -v batch  # FINAL_BF16_BATCHES=1,8,32,64,128: all (~2 min)
 fi
 
 if has prof1; then
