@@ -188,6 +188,8 @@
 #   chunkbench - (KB-0079) the megakernel's consumers apart from the step: benchmarks/mega_chunk_bench.py with
 #            --wgmma (modes 4, 5: FP8 wgmma on TMA-swizzled chunks, built 2026-12-02d, not yet run; its outputs
 #            checked against fp32), CHUNK_VARIANTS (-D lists for mega_math.cuh), ~1 min
+#   gdnfuse - (2026-12-04i, not yet run) the DeltaNet decode step inside the in_proj's launch: GPU tests, then A/B,
+#            oracle, profile (see the phase), ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -683,6 +685,28 @@ if has onepass; then  # (built 2026-12-04g, not yet run) the DeltaNet decode ste
   METAINFER_GDN_ONEPASS=1 timeout 150 python -m metainfer.cli verify \
     --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
     --json $OUT/verify_fp8_onepass.json 2>&1 | grep -E "verdict" | head -1
+fi
+if has gdnfuse; then  # (built 2026-12-04i on the CPU, not yet run) the DeltaNet decode step inside the in_proj's
+  # launch (mega/gemv.cu's gemv_e4m3_pre_gdn, METAINFER_WGMMA_GEMV_GDN=1): its GPU tests (the kernel against the two
+  # launches over 3 steps, graph replay, the engine's tokens); only if they pass: FP8 batch 1 0 / 1 alternating x
+  # REPS (3), the oracle (FP8) with it, the exposed profile with it, and GDN_WAVES (e.g. "3 5") as A/Bs, ~6 min
+  if timeout 240 python -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+      -k "gdn" 2>&1 | tee $OUT/gdnfuse_tests.log | tail -4 && grep -q " passed" $OUT/gdnfuse_tests.log \
+      && ! grep -qE "failed|error" $OUT/gdnfuse_tests.log; then
+    ab_bs1 METAINFER_WGMMA_GEMV_GDN gdnfuse ${REPS:-3}
+    METAINFER_WGMMA_GEMV_GDN=1 timeout 150 python -m metainfer.cli verify \
+      --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+      --json $OUT/verify_fp8_gdnfuse.json 2>&1 | grep -E "verdict" | head -1
+    METAINFER_WGMMA_GEMV_GDN=1 timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+      --out $OUT/gdnfuse_exposed 2>&1 | sed -n '/wall time by kernel/,$p' | head -12 | sed "s/^/[gdnfuse exposed] /"
+    for w in ${GDN_WAVES:-}; do
+      METAINFER_WGMMA_GEMV_GDN=1 METAINFER_WGMMA_GEMV_GDN_WAVES=$w timeout 90 python benchmarks/decode_bench.py \
+        --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/gdnfuse_waves_$w 2>&1 | grep -E "^\| 1 " \
+        | sed "s/^/[gdnfuse waves $w] /"
+    done
+  else
+    echo "[gdnfuse] GPU tests failed: no A/B (see gdnfuse_tests.log)"
+  fi
 fi
 if has exposed; then  # (2026-12-04g) the FP8 batch-1 step's wall time by kernel with PDL on
   # (decode_bench's exposed_bs1: each kernel's time past every earlier kernel's end), at decode_bench's

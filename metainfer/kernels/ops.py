@@ -200,6 +200,17 @@ def pending_norm_linear(rows, weights, residual, norm_weight, eps, new_res, weig
     return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=conv)
 
 
+def pending_norm_linear_gdn(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv, gdn):
+    """`pending_norm_linear` of a DeltaNet in_proj with its decode conv, and the layer's decode step in the
+    same launch: gdn = (A_log, dt_bias, ssm_state, count, hk, hv, b_off, a_off), `gdn_decode_gated` on the
+    projection's q, k, v, a, b (count: the layer's [hv] int32 arrival counters, zeros). -> (y, core [1, hv,
+    dv]), or None where no kernel does both (then the caller runs the projection, then the step)."""
+    k = _kernel("pending_norm_linear_gdn", rows)
+    if not k or scale_inv is None:
+        return None
+    return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv, gdn)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T for unquantised weights (the reference is F.linear, cuBLAS on the GPU)."""
     k = _kernel("linear", x)

@@ -35,6 +35,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
     "gated_norm_linear": ("metainfer.kernels.weight_stream", "gated_norm_linear"),
     "pending_norm_linear": ("metainfer.kernels.mega.gemv", "project_pre"),
+    "pending_norm_linear_gdn": ("metainfer.kernels.mega.gemv", "project_pre_gdn"),
     "decode_inputs": ("metainfer.kernels.decode_io", "decode_inputs"),
     "argmax_rows": ("metainfer.kernels.decode_io", "argmax_rows"),
 }

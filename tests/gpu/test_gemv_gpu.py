@@ -244,3 +244,110 @@ def test_pre_prologue_graph_replay(monkeypatch):
     again = step()
     assert torch.equal(out, again) and torch.equal(res_graph, new_res)
     assert not torch.equal(out, eager)
+
+
+# ---- the DeltaNet decode step in the in_proj's launch (gemv_e4m3_pre_gdn, METAINFER_WGMMA_GEMV_GDN) ----
+HK, HV, D = 16, 32, 128  # the model's DeltaNet heads
+C_CONV, N_IN = (2 * HK + HV) * D, (2 * HK + 2 * HV) * D + 2 * HV  # conv channels (q, k, v), in_proj rows
+B_OFF, A_OFF = (2 * HK + 2 * HV) * D, (2 * HK + 2 * HV) * D + HV
+
+
+def _gdn_problem(seed: int, has: bool, gate_dtype: torch.dtype):
+    rows, tw, residual, nw = _pre_problem(seed)
+    _, w, s = _problem(N_IN, seed=seed + 1)
+    g = torch.Generator(device="cuda").manual_seed(seed + 2)
+    cw = (torch.randn(C_CONV, 4, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    conv_state = torch.randn(5, 3, C_CONV, generator=g, device="cuda").to(torch.bfloat16)
+    ssm = torch.randn(5, HV, D, D, generator=g, device="cuda") * 0.1
+    A_log = torch.log(torch.rand(HV, generator=g, device="cuda") * 15 + 1).to(gate_dtype)
+    dt_bias = (torch.randn(HV, generator=g, device="cuda") * 0.5).to(gate_dtype)
+    slots, has_t = torch.tensor([3], device="cuda"), torch.tensor([has], device="cuda")
+    count = torch.zeros(HV, dtype=torch.int32, device="cuda")
+    return dict(rows=rows, tw=tw, residual=residual, nw=nw, w=w, s=s, cw=cw, conv_state=conv_state, ssm=ssm,
+                A_log=A_log, dt_bias=dt_bias, slots=slots, has=has_t, count=count)
+
+
+def _fused(p, new_res):
+    return gemv.project_pre_gdn(p["rows"], p["tw"], p["residual"], p["nw"], 1e-6, new_res, p["w"], p["s"],
+                                conv=(p["cw"], p["conv_state"], p["slots"], p["has"]),
+                                gdn=(p["A_log"], p["dt_bias"], p["ssm"], p["count"], HK, HV, B_OFF, A_OFF))
+
+
+def _unfused(p, new_res):
+    """The two launches it replaces: gemv_e4m3_pre (the in_proj and its conv), then the Triton decode step."""
+    from metainfer.kernels import gdn_decode
+
+    y = gemv.project_pre(p["rows"], p["tw"], p["residual"], p["nw"], 1e-6, new_res, p["w"], p["s"],
+                         conv=(p["cw"], p["conv_state"], p["slots"], p["has"]))
+    q, k, v = y[:, :HK * D], y[:, HK * D:2 * HK * D], y[:, 2 * HK * D:C_CONV]
+    core = gdn_decode.gdn_decode_gated(q.view(1, HK, D), k.view(1, HK, D), v.view(1, HV, D), y[:, A_OFF:],
+                                       y[:, B_OFF:A_OFF], p["A_log"], p["dt_bias"], p["ssm"], p["slots"],
+                                       p["has"])
+    return y, core
+
+
+def _clone(p):
+    return {k: v.clone() for k, v in p.items()}
+
+
+@pytest.mark.parametrize("has,gate_dtype",
+                         [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)])
+def test_gdn_step_in_the_in_proj_launch(has, gate_dtype, monkeypatch):
+    """gemv_e4m3_pre_gdn against gemv_e4m3_pre then `gdn_decode_gated`, over three steps (the state and the
+    rows change; the arrival counters must be back at zero after each launch): the projection, the new
+    residual and the conv state the same bits (the same dots and epilogue, in another chunk order); the step's
+    output within 4e-3 relative RMSE (bf16, its sums in another order) and the fp32 state within 1e-4."""
+    monkeypatch.setenv(gemv.GDN_ENV, "1")
+    p = _gdn_problem(41 + has, has, gate_dtype)
+    ref = _clone(p)
+    for step in range(3):
+        new_res, ref_res = torch.empty_like(p["residual"]), torch.empty_like(p["residual"])
+        got = _fused(p, new_res)
+        assert got is not None, "not wanted"
+        y, core = got
+        want_y, want_core = _unfused(ref, ref_res)
+        torch.cuda.synchronize()
+        assert torch.equal(y, want_y) and torch.equal(new_res, ref_res), step
+        assert torch.equal(p["conv_state"], ref["conv_state"]), step
+        err = rel_rmse(core.float(), want_core.float())
+        assert err < 4e-3, (step, err)
+        assert rel_rmse(p["ssm"], ref["ssm"]) < 1e-4, (step, rel_rmse(p["ssm"], ref["ssm"]))
+        assert torch.equal(p["ssm"][:3], ref["ssm"][:3]) and torch.equal(p["ssm"][4:], ref["ssm"][4:])
+        assert not p["count"].any(), p["count"]
+        g = torch.Generator(device="cuda").manual_seed(100 + step)  # the next step's rows
+        p["rows"].copy_(torch.randn(p["rows"].shape, generator=g, device="cuda") * 0.5)
+        ref["rows"].copy_(p["rows"])
+        p["has"].fill_(True)
+        ref["has"].fill_(True)
+
+
+def test_gdn_step_graph_replay_and_switch(monkeypatch):
+    """The fused launch captured in a CUDA graph, replayed with new rows: the eager launch's bits on the same
+    inputs (states restored in between); off by default and with the switch at 0 (-> None)."""
+    monkeypatch.delenv(gemv.GDN_ENV, raising=False)
+    p = _gdn_problem(51, True, torch.float32)
+    assert _fused(p, torch.empty_like(p["residual"])) is None  # off by default (unmeasured)
+    monkeypatch.setenv(gemv.GDN_ENV, "1")
+    new_res = torch.empty_like(p["residual"])
+    start = _clone(p)
+    assert _fused(p, new_res) is not None  # eager first: the kernel is built outside the capture
+    for k in ("ssm", "conv_state"):
+        p[k].copy_(start[k])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, core = _fused(p, new_res)
+    for k in ("ssm", "conv_state", "count"):
+        p[k].copy_(start[k])  # (capture launches nothing; restored all the same)
+    p["rows"].copy_(torch.randn_like(p["rows"]))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = (y.clone(), core.clone(), p["ssm"].clone(), p["conv_state"].clone())
+    for k in ("ssm", "conv_state"):
+        p[k].copy_(start[k])
+    y2, core2 = _fused(p, torch.empty_like(new_res))
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], y2) and torch.equal(got[1], core2)
+    assert torch.equal(got[2], p["ssm"]) and torch.equal(got[3], p["conv_state"])
+    assert not p["count"].any()
+    monkeypatch.setenv(gemv.GDN_ENV, "0")
+    assert _fused(p, new_res) is None

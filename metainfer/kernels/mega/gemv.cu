@@ -21,6 +21,15 @@
 // top_k largest router logits, lowest index on ties: routing.softmax_topk's picks), landing each routed chunk as soon
 // as its pick is found; the consumers write each row's dot in fp32 (gate and up apart: the down kernel forms
 // silu(gate) * up).
+//
+// gemv_e4m3_pre_gdn (METAINFER_WGMMA_GEMV_GDN): the DeltaNet in_proj (x prologue and conv epilogue as above) with
+// the layer's decode step (gdn_decode._gdn_decode_kernel's gated delta rule) in the same launch, one kernel
+// boundary fewer a DeltaNet layer. Value head h's step is CTA h's (h < hv <= 32 < grid): each chunk's warpgroup,
+// once its rows are stored, adds to count[h] the rows of head h it holds (its key head's q and k, its v, b and a:
+// GDN_ROWS in all); CTA h, after its own chunks, waits for the count, then updates its [128, 128] fp32 state
+// (prefetched into L2 by its producer at the start) and writes o. The chunks are taken in an order that lands the
+// heads' rows first: from the b/a rows' chunk on (rot), then the rest; past `waves` chunks a CTA, only CTAs >= hv
+// take more, so that the updaters start early (gemv.py's gdn_schedule).
 #include <cuda.h>  // CUtensorMap
 
 #include "mega_math.cuh"
@@ -78,6 +87,21 @@ struct Moe {  // moe_gate_up_e4m3's operands
   float* tw;                    // [top_k + 1] the renormalised top-k weights, then sigmoid(gate)
   long long* ids;               // [top_k + 1] the picks, then E
   int E, top_k, rows;           // E <= MOE_MAX_E, top_k < MOE_MAX_K, rows (2 I) a multiple of 128
+};
+
+constexpr int GDN_D = 128;                    // the DeltaNet's key and value head dims
+constexpr unsigned GDN_ROWS = 3 * GDN_D + 2;  // y rows a value head's step reads: q, k (its key head's), v, b, a
+struct Gdn {                                  // gemv_e4m3_pre_gdn's decode step (hv == 0: none)
+  float* state;                               // [n_slots, hv, GDN_D, GDN_D] fp32, the slot's updated in place
+  const long long* slots;                     // [1] the token's state slot
+  const uint8_t* has;                         // [1] 0: the step starts from a zero state
+  const void* a_log;                          // [hv] fp32 or bf16 (gate_f32)
+  const void* dt_bias;                        // [hv]
+  __nv_bfloat16* out;                         // [hv, GDN_D] the step's output
+  unsigned* count;                            // [hv] rows of each head stored (0 between launches: CTA h resets)
+  long long n_slots;
+  int hv, hk, b_off, a_off;  // value and key heads (hv <= 32); y's b and a rows (q at 0, k at hk D, v at 2 hk D)
+  int gate_f32, rot, waves;  // a_log / dt_bias fp32; the chunk order (see the header)
 };
 
 // p[i] as fp32, loaded past L1 (the previous kernel's output)
@@ -259,12 +283,137 @@ __device__ __forceinline__ __nv_bfloat16 conv_row(__nv_bfloat16 yb, int n, const
   c = __bfloat162float(__float2bfloat16_rn(c));  // the conv weight's dtype
   return __float2bfloat16_rn(c / (1.f + __expf(-c)));
 }
+
+// ---- the DeltaNet decode step after the in_proj (GDN) ----
+// the virtual index of this CTA's k-th chunk, or -1: k < waves on every CTA (chunk b + k grid), past them only on
+// CTAs >= hv; without GDN, chunk b + k grid
+template <bool GDN>
+__device__ __forceinline__ int chunk_at(int k, int n_chunks, const Gdn& g) {
+  const int grid = gridDim.x, b = blockIdx.x;
+  int c = b + k * grid;
+  if (GDN && k >= g.waves) {
+    if (b < g.hv) return -1;
+    c = g.waves * grid + (b - g.hv) + (k - g.waves) * (grid - g.hv);
+  }
+  return c < n_chunks ? c : -1;
+}
+// rows r0 .. r0 + ROWS - 1 of y are stored: lane h (< hv) adds those its head reads to count[h]
+__device__ __forceinline__ void gdn_arrive(const Gdn& g, int r0, int lane) {
+  if (lane >= g.hv) return;
+  const int h = lane, kh = h / (g.hv / g.hk);
+  auto overlap = [r0](int a, int n) { return max(0, min(a + n, r0 + ROWS) - max(a, r0)); };
+  const int n = overlap(kh * GDN_D, GDN_D) + overlap((g.hk + kh) * GDN_D, GDN_D) +
+                overlap((2 * g.hk + h) * GDN_D, GDN_D) + overlap(g.b_off + h, 1) + overlap(g.a_off + h, 1);
+  if (n) {
+    __threadfence();
+    atomicAdd(g.count + h, static_cast<unsigned>(n));
+  }
+}
+// the producer of CTA h < hv: its head's state into L2 (last step's: no wait; the slot clamped, a hint only)
+__device__ __forceinline__ void gdn_prefetch(const Gdn& g) {
+  if (blockIdx.x >= g.hv || __ldcg(g.has) == 0) return;
+  const long long slot = min(max(__ldcg(g.slots), 0ll), g.n_slots - 1);
+  const char* S = reinterpret_cast<const char*>(g.state + ((size_t)slot * g.hv + blockIdx.x) * GDN_D * GDN_D);
+  for (int i = 0; i < 4; ++i) l2_prefetch(S + i * 16384, 16384);
+}
+__device__ __forceinline__ float gdn_param(const void* p, int h, int f32) {
+  return f32 ? static_cast<const float*>(p)[h] : __bfloat162float(static_cast<const __nv_bfloat16*>(p)[h]);
+}
+// CTA h's step, all consumer warps, after their chunks: `_gdn_decode_kernel`'s arithmetic (q, k l2-normalised, q
+// scaled by D^-0.5; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) rounded to bf16; S *= exp(g);
+// delta = (v - S^T k) beta; S += k delta^T; o = S^T q). Thread (cw, lane) holds columns 4 lane .. + 3 of rows
+// 16 cw .. + 15; sc: scratch (xs, free once the chunks are done)
+__device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, int cw, int lane) {
+  const int h = blockIdx.x, kh = h / (g.hv / g.hk), r0 = cw * 16, c0 = lane * 4;
+  float* qn = sc;              // [D]
+  float* kn = qn + GDN_D;      // [D]
+  float* gates = kn + GDN_D;   // decay, beta
+  float* red = gates + 4;      // [NCW][D]
+  const long long slot = g.slots[0];
+  const bool has = g.has[0] != 0;
+  float* S = g.state + ((size_t)slot * g.hv + h) * GDN_D * GDN_D;
+  float4 st[16];  // the state's loads before the wait on the rows (last step's values)
+#pragma unroll
+  for (int r = 0; r < 16; ++r)
+    st[r] = has ? __ldcg(reinterpret_cast<const float4*>(S + (r0 + r) * GDN_D + c0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  consumers_sync(mega::CT);  // both warpgroups are past their chunks: xs is free
+  if (threadIdx.x == 0) {  // bounded (~2^22 polls, seconds): a count that never comes traps, not hangs
+    uint32_t n = 0;
+    while (ld_acquire(g.count + h) < GDN_ROWS)
+      if (++n == (1u << 22)) __trap();
+      else __nanosleep(32);
+    __threadfence();
+  }
+  consumers_sync(mega::CT);
+  if (cw < 2) {  // warp 0: q, warp 1: k
+    const __nv_bfloat16* src = y + (cw == 0 ? kh : g.hk + kh) * GDN_D;
+    float v[4], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = bf16_at(src, lane + 32 * j), ss += v[j] * v[j];
+    const float r = rsqrtf(mega::warp_sum(ss) + 1e-6f);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) (cw == 0 ? qn : kn)[lane + 32 * j] = cw == 0 ? v[j] * r * 0.08838834764831845f : v[j] * r;
+  } else if (cw == 2 && lane == 0) {
+    const float a = bf16_at(y, g.a_off + h) + gdn_param(g.dt_bias, h, g.gate_f32);
+    const float sp = a > 20.f ? a : logf(1.f + expf(a));
+    gates[0] = expf(-expf(gdn_param(g.a_log, h, g.gate_f32)) * sp);
+    gates[1] = __bfloat162float(__float2bfloat16_rn(1.f / (1.f + expf(-bf16_at(y, g.b_off + h)))));
+  }
+  float v[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) v[c] = bf16_at(y, (2 * g.hk + h) * GDN_D + c0 + c);
+  consumers_sync(mega::CT);
+  const float decay = gates[0], beta = gates[1];
+  float4 kv = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const float k = kn[r0 + r];
+    st[r].x *= decay, st[r].y *= decay, st[r].z *= decay, st[r].w *= decay;
+    kv.x = fmaf(st[r].x, k, kv.x), kv.y = fmaf(st[r].y, k, kv.y), kv.z = fmaf(st[r].z, k, kv.z);
+    kv.w = fmaf(st[r].w, k, kv.w);
+  }
+  *reinterpret_cast<float4*>(red + cw * GDN_D + c0) = kv;
+  consumers_sync(mega::CT);
+  kv = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int w = 0; w < mega::NCW; ++w) {
+    const float4 p = *reinterpret_cast<const float4*>(red + w * GDN_D + c0);
+    kv.x += p.x, kv.y += p.y, kv.z += p.z, kv.w += p.w;
+  }
+  const float4 d = make_float4((v[0] - kv.x) * beta, (v[1] - kv.y) * beta, (v[2] - kv.z) * beta, (v[3] - kv.w) * beta);
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const float k = kn[r0 + r], q = qn[r0 + r];
+    st[r].x = fmaf(k, d.x, st[r].x), st[r].y = fmaf(k, d.y, st[r].y), st[r].z = fmaf(k, d.z, st[r].z);
+    st[r].w = fmaf(k, d.w, st[r].w);
+    o.x = fmaf(st[r].x, q, o.x), o.y = fmaf(st[r].y, q, o.y), o.z = fmaf(st[r].z, q, o.z), o.w = fmaf(st[r].w, q, o.w);
+    __stcg(reinterpret_cast<float4*>(S + (r0 + r) * GDN_D + c0), st[r]);
+  }
+  consumers_sync(mega::CT);  // every thread has read red's kv
+  *reinterpret_cast<float4*>(red + cw * GDN_D + c0) = o;
+  consumers_sync(mega::CT);
+  if (cw == 0) {
+    o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < mega::NCW; ++w) {
+      const float4 p = *reinterpret_cast<const float4*>(red + w * GDN_D + c0);
+      o.x += p.x, o.y += p.y, o.z += p.z, o.w += p.w;
+    }
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y), hi = __floats2bfloat162_rn(o.z, o.w);
+    uint2 bits;
+    bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+    bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(g.out + h * GDN_D + c0) = bits;
+    if (lane == 0) g.count[h] = 0u;  // every arrival of this launch is counted: ready for the next
+  }
+}
 }  // namespace
 
-template <bool MOE, bool PRE = false>
+template <bool MOE, bool PRE = false, bool GDN = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
-                                          const Pre& pre, const Moe& moe) {
+                                          const Pre& pre, const Moe& moe, const Gdn& gdn = Gdn{}) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
@@ -322,7 +471,8 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
         route_weights(moe, pick, lane);
       }
     } else if (lane == 0) {
-      for (; c < n_chunks; c += grid, ++it) land(it, c);
+      if (GDN) gdn_prefetch(gdn);
+      for (int k = 0; (c = chunk_at<GDN>(k, n_chunks, gdn)) >= 0; ++k) land(k, GDN ? (c + gdn.rot) % n_chunks : c);
     }
     return;
   }
@@ -355,10 +505,10 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   const int wg = warp / 4, w4 = warp & 3;
   const long long slot = conv.n_conv ? conv.slots[0] : 0;  // (after the wait: the step's inputs)
   const bool has = conv.n_conv && conv.has[0] != 0;
-  uint32_t it = wg;
-  for (int c = blockIdx.x + wg * grid; c < n_chunks; c += 2 * grid, it += 2) {
+  for (int it = wg, c; (c = chunk_at<GDN>(it, n_chunks, gdn)) >= 0; it += 2) {
     const uint32_t slot_i = it % NS;
-    const int row = c * 16 + 4 * w4 + (lane & 3);  // lanes 0-3 store the warp's 4 rows
+    const int p = GDN ? (c + gdn.rot) % n_chunks : c;  // W's chunk (MOE: c, virtual)
+    const int row = p * 16 + 4 * w4 + (lane & 3);  // lanes 0-3 store the warp's 4 rows
     const bool is_conv = lane < 4 && row < conv.n_conv;
     ConvRow cr;
     if (is_conv) cr = conv_loads(row, conv, slot, has);
@@ -377,7 +527,13 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       const __nv_bfloat16 yb = __float2bfloat16_rn(lane < 2 ? r01 : r23);
       y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
     }
+    if (GDN) {  // the chunk's 16 rows are stored (lanes 0-3 of each warp): count them for the heads that read them
+      if (lane < 4) __threadfence();
+      warpgroup_sync(wg);
+      if (w4 == 0) gdn_arrive(gdn, p * ROWS, lane);
+    }
   }
+  if (GDN && blockIdx.x < gdn.hv) gdn_update(gdn, y, xs, warp, lane);
 }
 
 // K = 2048 (with the conv epilogue where conv.n_conv > 0)
@@ -394,6 +550,13 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
   gemv_body<false, true>(&wmap, ws, nullptr, y, n_rows, conv, pre, Moe{});
 }
 
+// gemv_e4m3_pre with the DeltaNet decode step after it (Gdn: see the header)
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    gemv_e4m3_pre_gdn(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, __nv_bfloat16* y,
+                      int n_rows, const Conv conv, const Pre pre, const Gdn gdn) {
+  gemv_body<false, true, true>(&wmap, ws, nullptr, y, n_rows, conv, pre, Moe{}, gdn);
+}
+
 // one token's experts' gate/up (x: the normed hidden state), routed here from moe.logits (see the header)
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     moe_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
@@ -408,4 +571,5 @@ extern "C" __global__ void gemv_constants(long long* out) {
   out[2] = static_cast<long long>(sizeof(Conv)) * 100 + CONV_K;
   out[3] = static_cast<long long>(sizeof(Moe)) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K;
   out[4] = static_cast<long long>(sizeof(Pre)) * 100 + PRE_MAX_W;
+  out[5] = static_cast<long long>(sizeof(Gdn)) * 100000 + GDN_D * 1000 + GDN_ROWS;
 }

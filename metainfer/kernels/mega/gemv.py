@@ -33,6 +33,8 @@ SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default
 DEFINES_ENV = "METAINFER_WGMMA_GEMV_DEFINES"  # more -D flags for gemv.cu's build (A/Bs): "-DGEMV_PRE_EARLY=1"
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
 PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
+GDN_ENV = "METAINFER_WGMMA_GEMV_GDN"  # "1": the DeltaNet decode step in the in_proj's launch (unmeasured)
+GDN_WAVES_ENV = "METAINFER_WGMMA_GEMV_GDN_WAVES"  # the chunks every CTA takes before the updaters stop (A/Bs)
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -71,6 +73,19 @@ class _Pre(ctypes.Structure):  # gemv.cu's Pre: gemv_e4m3_pre's x prologue
 
 
 PRE_MAX_W = 16  # gemv.cu's bound on the prologue's rows
+
+
+class _Gdn(ctypes.Structure):  # gemv.cu's Gdn: gemv_e4m3_pre_gdn's decode step
+    _fields_ = [("state", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("has", ctypes.c_void_p),
+                ("a_log", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("count", ctypes.c_void_p), ("n_slots", ctypes.c_longlong), ("hv", ctypes.c_int),
+                ("hk", ctypes.c_int), ("b_off", ctypes.c_int), ("a_off", ctypes.c_int),
+                ("gate_f32", ctypes.c_int), ("rot", ctypes.c_int), ("waves", ctypes.c_int)]
+
+
+GDN_D = 128  # gemv.cu's DeltaNet head dims (key and value)
+GDN_ROWS = 3 * GDN_D + 2  # the y rows a value head's step reads: its key head's q and k, its v, b and a
+CHUNK_ROWS = 16  # W's rows a 32 KB chunk (K = 2048)
 
 
 class _Config(ctypes.Structure):  # CUlaunchConfig
@@ -159,23 +174,25 @@ class _Kernel:
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
         self.fn, self.moe_fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
-        self.pre_fn = ctypes.c_void_p()
+        self.pre_fn, self.gdn_fn = ctypes.c_void_p(), ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.pre_fn), self.module, b"gemv_e4m3_pre")
+        self.drv("cuModuleGetFunction", ctypes.byref(self.gdn_fn), self.module, b"gemv_e4m3_pre_gdn")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
-        out = torch.zeros(5, dtype=torch.int64, device=device)
+        out = torch.zeros(6, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
                  ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args),
                  None)
-        self.threads, self.smem, conv, moe, pre = out.tolist()
+        self.threads, self.smem, conv, moe, pre, gdn = out.tolist()
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
-                + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W)
-        if (self.threads, conv, moe, pre) != want:
-            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, conv, moe, pre): "
-                               f"{want}")
-        for fn in (self.fn, self.pre_fn, self.moe_fn):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            self.drv("cuFuncSetAttribute", fn, 8, self.smem)
+                + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W,
+                ctypes.sizeof(_Gdn) * 100000 + GDN_D * 1000 + GDN_ROWS)
+        if (self.threads, conv, moe, pre, gdn) != want:
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, -, conv, moe, pre, "
+                               f"gdn): {want}")
+        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn):
+            self.drv("cuFuncSetAttribute", fn, 8, self.smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
         # with the same shape gets the same bytes back (the launch copies them into its parameters)
@@ -190,7 +207,7 @@ class _Kernel:
         return tmap
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
-                 conv: tuple | None, pre: tuple | None = None) -> None:
+                 conv: tuple | None, pre: tuple | None = None, gdn: _Gdn | None = None) -> None:
         N = w.shape[0]
         tmap = self.tensor_map(w)
         cv = _Conv()
@@ -204,7 +221,10 @@ class _Kernel:
                      rows.shape[1])
             args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv,
                     p]
-            self.launch(self.pre_fn, args, N // 16, x.device)
+            if gdn is not None:
+                self.launch(self.gdn_fn, [*args, gdn], N // 16, x.device)
+            else:
+                self.launch(self.pre_fn, args, N // 16, x.device)
             return
         args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()),
                 ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv]
@@ -304,3 +324,69 @@ def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tens
     ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
     kernel.moe(x, logits, top_k, w, s, gu, tw, ids)
     return gu, tw, ids
+
+
+def gdn_enabled() -> bool:
+    return os.environ.get(GDN_ENV, "0") == "1" and pre_enabled()
+
+
+def gdn_schedule(n_rows: int, grid: int, hv: int, hk: int, b_off: int) -> tuple[int, int]:
+    """gemv_e4m3_pre_gdn's chunk order -> (rot, waves). Virtual chunk c is W's chunk (c + rot) % chunks: rot
+    is the chunk of b's first row, so the b and a rows (the last of the DeltaNet in_proj) come first, q, k, v
+    next, the z rows last. Every CTA takes its chunks c = b + k grid for k < waves; past them only the CTAs
+    >= hv (the heads' updaters wait and step instead). waves: the fewest that hold every head's rows (q, k,
+    v), so that the updaters' own chunks end about when their rows are in; METAINFER_WGMMA_GEMV_GDN_WAVES
+    overrides it."""
+    n_chunks = n_rows // CHUNK_ROWS
+    rot = b_off // CHUNK_ROWS
+    last = (2 * hk + hv) * GDN_D - 1  # the last v row
+    ready = (last // CHUNK_ROWS - rot) % n_chunks + 1  # virtual chunks up to the one holding it
+    waves = env_int(GDN_WAVES_ENV, -(-ready // grid), 1, n_chunks)
+    return rot, waves
+
+
+def wanted_gdn(y_rows: int, conv: tuple | None, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               state: torch.Tensor, count: torch.Tensor, hk: int, hv: int, b_off: int, a_off: int) -> bool:
+    """Whether `project_pre_gdn` can take the DeltaNet decode step into the in_proj's launch (its switch; the
+    in_proj's rows [q | k | v | z | b | a] with head dims GDN_D: q, k, v rows below b_off, b and a apart; the
+    conv epilogue; fp32 states [S, hv, D, D]; count [hv] int32 zeros; hv <= 32 and fewer than the grid)."""
+    if not gdn_enabled() or conv is None or not state.is_cuda:
+        return False
+    kernel = _kernel(state.device)
+    qkv = (2 * hk + hv) * GDN_D
+    return (kernel is not None and 0 < hk and hv % hk == 0 and hv <= 32
+            and hv < min(kernel.sms, y_rows // CHUNK_ROWS) and y_rows % CHUNK_ROWS == 0
+            and conv[0].shape[0] == qkv and qkv <= b_off and b_off + hv <= a_off and a_off + hv <= y_rows
+            and state.dtype == torch.float32 and state.is_contiguous() and state.dim() == 4
+            and tuple(state.shape[1:]) == (hv, GDN_D, GDN_D) and state.data_ptr() % 16 == 0
+            and count.dtype == torch.int32 and count.shape == (hv,) and count.is_contiguous()
+            and A_log.shape == dt_bias.shape == (hv,) and A_log.dtype == dt_bias.dtype
+            and A_log.dtype in (torch.float32, torch.bfloat16) and A_log.is_contiguous()
+            and dt_bias.is_contiguous())
+
+
+def project_pre_gdn(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, new_res: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv: tuple,
+                    gdn: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`project_pre` of the DeltaNet in_proj (conv: its decode conv) with the layer's decode step in the
+    same launch: gdn = (A_log, dt_bias, ssm_state, count, hk, hv, b_off, a_off), the step of
+    `gdn_decode.gdn_decode_gated` on y's q, k, v, a, b (the slot and has_state: conv's). count: the layer's
+    [hv] int32 arrival counters, zeros (each launch leaves them zero). -> (y [1, N] bf16, the step's output
+    [1, hv, D] bf16), or None where the kernel does not serve it (`wanted_gdn`, `wanted_pre`,
+    `wanted_conv`)."""
+    A_log, dt_bias, state, count, hk, hv, b_off, a_off = gdn
+    N = w.shape[0]
+    if not (wanted_gdn(N, conv, A_log, dt_bias, state, count, hk, hv, b_off, a_off)
+            and wanted_pre(rows, tw, residual, norm_weight, new_res, w, s)
+            and wanted_conv(residual, w, s, *conv[:3])):
+        return None
+    kernel = _kernel(rows.device)
+    slots, has = conv[2], conv[3]
+    rot, waves = gdn_schedule(N, min(kernel.sms, N // CHUNK_ROWS), hv, hk, b_off)
+    y = torch.empty(1, N, dtype=torch.bfloat16, device=rows.device)
+    core = torch.empty(1, hv, GDN_D, dtype=torch.bfloat16, device=rows.device)
+    g = _Gdn(state.data_ptr(), slots.data_ptr(), has.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
+             core.data_ptr(), count.data_ptr(), state.shape[0], hv, hk, b_off, a_off,
+             int(A_log.dtype == torch.float32), rot, waves)
+    kernel(residual, w, s, y, conv, (rows, tw, residual, norm_weight, eps, new_res), gdn=g)
+    return y, core

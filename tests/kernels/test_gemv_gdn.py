@@ -1,0 +1,104 @@
+"""gemv_e4m3_pre_gdn's schedule (mega/gemv.cu: the DeltaNet decode step in the in_proj's launch), on the CPU.
+
+The kernel's chunk order and arrival counts are written out here as the CUDA code computes them
+(`chunk_at`, `gdn_arrive`), and checked with the launcher's parameters (`gemv.gdn_schedule`): every chunk is
+taken once, the updater CTAs (h < hv) take `waves` chunks at most, each head's count reaches GDN_ROWS (else
+CTA h would wait until the kernel's watchdog traps), and every head's rows are in the chunks of the first
+`waves` rounds, so the updaters do not wait on the last ones. The kernel itself runs in
+tests/gpu/test_gemv_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels.mega import gemv
+
+D = gemv.GDN_D
+
+
+def _layout(hk: int, hv: int) -> tuple[int, int, int]:
+    """The DeltaNet in_proj's rows [q | k | v | z | b | a] -> (rows, b_off, a_off)."""
+    b_off = (2 * hk + 2 * hv) * D
+    return b_off + 2 * hv, b_off, b_off + hv
+
+
+def _chunk_at(k: int, b: int, grid: int, n_chunks: int, hv: int, waves: int) -> int:  # gemv.cu's chunk_at
+    c = b + k * grid
+    if k >= waves:
+        if b < hv:
+            return -1
+        c = waves * grid + (b - hv) + (k - waves) * (grid - hv)
+    return c if c < n_chunks else -1
+
+
+def _heads_rows(r0: int, hk: int, hv: int, b_off: int, a_off: int) -> list[int]:  # gemv.cu's gdn_arrive
+    rows = gemv.CHUNK_ROWS
+
+    def overlap(a: int, n: int) -> int:
+        return max(0, min(a + n, r0 + rows) - max(a, r0))
+
+    out = []
+    for h in range(hv):
+        kh = h // (hv // hk)
+        out.append(overlap(kh * D, D) + overlap((hk + kh) * D, D) + overlap((2 * hk + h) * D, D)
+                   + overlap(b_off + h, 1) + overlap(a_off + h, 1))
+    return out
+
+
+@pytest.mark.parametrize("hk,hv,grid", [(16, 32, 132), (4, 8, 132), (4, 8, 40), (16, 32, 33), (4, 8, 9)])
+def test_every_chunk_once_and_every_head_complete(hk, hv, grid):
+    n_rows, b_off, a_off = _layout(hk, hv)
+    assert n_rows % gemv.CHUNK_ROWS == 0 and hv < grid  # what wanted_gdn asks of a layout
+    n_chunks = n_rows // gemv.CHUNK_ROWS
+    grid = min(grid, n_chunks)
+    rot, waves = gemv.gdn_schedule(n_rows, grid, hv, hk, b_off)
+    assert rot == b_off // gemv.CHUNK_ROWS
+    taken: list[int] = []
+    per_cta = []
+    for b in range(grid):
+        ks = []
+        k = 0
+        while (c := _chunk_at(k, b, grid, n_chunks, hv, waves)) >= 0:
+            ks.append(c)
+            k += 1
+        assert all(_chunk_at(j, b, grid, n_chunks, hv, waves) < 0 for j in range(k, k + 50))  # a prefix
+        per_cta.append(ks)
+        taken += ks
+    assert sorted(taken) == list(range(n_chunks))
+    assert all(len(ks) <= waves for ks in per_cta[:hv])
+    counts = [0] * hv
+    first_rounds = [0] * hv
+    for c in taken:
+        p = (c + rot) % n_chunks
+        for h, n in enumerate(_heads_rows(p * gemv.CHUNK_ROWS, hk, hv, b_off, a_off)):
+            counts[h] += n
+            if c < waves * grid:
+                first_rounds[h] += n
+    assert counts == [gemv.GDN_ROWS] * hv
+    assert first_rounds == [gemv.GDN_ROWS] * hv  # every head's rows in the first `waves` rounds
+
+
+def test_model_schedule_and_override(monkeypatch):
+    """The model's in_proj (12,352 rows) on the H200's 132 SMs: b/a first (chunk 768), 4 rounds on every CTA
+    (q, k, v are virtual chunks 4-515); METAINFER_WGMMA_GEMV_GDN_WAVES moves the rounds for A/Bs."""
+    n_rows, b_off, _ = _layout(16, 32)
+    assert n_rows == 12352 and gemv.gdn_schedule(n_rows, 132, 32, 16, b_off) == (768, 4)
+    monkeypatch.setenv(gemv.GDN_WAVES_ENV, "6")
+    assert gemv.gdn_schedule(n_rows, 132, 32, 16, b_off) == (768, 6)
+    monkeypatch.setenv(gemv.GDN_WAVES_ENV, "0")
+    with pytest.raises(ValueError, match="GDN_WAVES"):
+        gemv.gdn_schedule(n_rows, 132, 32, 16, b_off)
+
+
+def test_not_wanted_on_the_cpu_or_off(monkeypatch):
+    hk, hv = 16, 32
+    n_rows, b_off, a_off = _layout(hk, hv)
+    conv = (torch.zeros((2 * hk + hv) * D, 4, dtype=torch.bfloat16), None, torch.zeros(1, dtype=torch.long),
+            torch.ones(1, dtype=torch.bool))
+    args = (n_rows, conv, torch.zeros(hv), torch.zeros(hv), torch.zeros(2, hv, D, D),
+            torch.zeros(hv, dtype=torch.int32), hk, hv, b_off, a_off)
+    monkeypatch.delenv(gemv.GDN_ENV, raising=False)
+    assert not gemv.gdn_enabled() and not gemv.wanted_gdn(*args)  # off by default until measured
+    monkeypatch.setenv(gemv.GDN_ENV, "1")
+    assert gemv.gdn_enabled() and not gemv.wanted_gdn(*args)  # CPU tensors
