@@ -440,6 +440,10 @@ def moe_routed_rows(
     cfg = config or pair_config(T, fp8)
     if (T == 1 and shared and os.environ.get(DOWN_PRELOAD_ENV, "1") != "0"
             and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, gate_up_scale)):  # KB-0096
+        if gemv.wanted_moe_down(x, router_logits, top_k, w_gate_up, gate_up_scale, w_down, down_scale):
+            y, tw, _ = gemv.moe_gate_up_down(x, router_logits, top_k, w_gate_up, gate_up_scale, w_down,
+                                             down_scale)  # the down in the same launch (unmeasured, off)
+            return y.view(T, W, H), tw
         gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale)
         y = _routed_down(gu, w_down, _scale_args(down_scale, w_down), router_logits, top_k, W, fp8, cfg,
                          gu=True)

@@ -226,37 +226,49 @@ def test_attn_prologue_equals_two_launches(cfg_path, quant, monkeypatch):
     _rows_agree_until_they_part(runs)
 
 
-def test_gdn_step_in_the_in_proj_equals_two_launches(tmp_path, monkeypatch):
-    """METAINFER_WGMMA_GEMV_GDN 1 vs 0: the DeltaNet decode step inside the in_proj's launch (mega/gemv.cu's
-    gemv_e4m3_pre_gdn; FP8, batch 1, hidden 2048 so that gemv.cu serves the in_proj) gives the two launches'
-    logits to a rounding (the step's sums in another order), every row conditioned on the same tokens within
-    1e-2 relative RMSE; and the fused launch did run (layers 1 and 2 of each decode step)."""
+@pytest.mark.parametrize("fusion", ["gdn", "moe_down"])
+def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
+    """mega/gemv.cu's fused launches, switch 1 vs 0 (FP8, batch 1, hidden 2048 and experts' I = 512 so that
+    gemv.cu serves the in_proj and the experts): "gdn" (METAINFER_WGMMA_GEMV_GDN) the DeltaNet decode step
+    inside the in_proj's launch; "moe_down" (METAINFER_WGMMA_GEMV_MOE_DOWN) the experts' down inside the
+    gate/up's. Each gives the two launches' logits to a rounding, every row conditioned on the same tokens
+    within 1e-2 relative RMSE; and the fused launch did run, every time it was asked to."""
     from metainfer.kernels import ops
     from metainfer.kernels.mega import gemv
 
     p = tmp_path / "config.json"
-    p.write_text(json.dumps(dict(SMALL, hidden_size=2048, num_hidden_layers=4)))
+    p.write_text(json.dumps(dict(SMALL, hidden_size=2048, num_hidden_layers=4, moe_intermediate_size=512,
+                                 shared_expert_intermediate_size=512)))
     kw = dict(model=f"dummy:{p}", device="cuda", dtype="bfloat16", quantization="fp8", max_num_seqs=1,
               max_model_len=512)
-    fused = ops._KERNELS["pending_norm_linear_gdn"]
     served = []
+    if fusion == "gdn":
+        env, fused = gemv.GDN_ENV, ops._KERNELS["pending_norm_linear_gdn"]
 
-    def counted(*a, **k):
-        out = fused(*a, **k)
-        served.append(out is not None)
-        return out
+        def counted(*a, **k):
+            out = fused(*a, **k)
+            served.append(out is not None)
+            return out
 
-    monkeypatch.setitem(ops._KERNELS, "pending_norm_linear_gdn", counted)
+        monkeypatch.setitem(ops._KERNELS, "pending_norm_linear_gdn", counted)
+    else:
+        env, fused = gemv.MOE_DOWN_ENV, gemv.moe_gate_up_down
+
+        def counted(*a, **k):
+            served.append(True)
+            return fused(*a, **k)
+
+        monkeypatch.setattr(gemv, "moe_gate_up_down", counted)
     runs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(gemv.GDN_ENV, flag)
+        monkeypatch.setenv(env, flag)
         llm = LLM(**kw)
         runs[flag] = _run(llm, _prompts(3, seed=8))
         del llm
         if flag == "1":
             assert served and all(served), served[:8]
             served.clear()
-    assert served and not any(served)
+    assert not any(served)
     _rows_agree_until_they_part(zip(*runs["1"], *runs["0"]))
 
 

@@ -351,3 +351,62 @@ def test_gdn_step_graph_replay_and_switch(monkeypatch):
     assert not p["count"].any()
     monkeypatch.setenv(gemv.GDN_ENV, "0")
     assert _fused(p, new_res) is None
+
+
+# ---- the experts' down in the gate/up's launch (moe_gate_up_down_e4m3, METAINFER_WGMMA_GEMV_MOE_DOWN) ----
+def _down_weights(E: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return quantize_fp8_block(torch.randn(E + 1, gemv.K, gemv.SEG, generator=g, device="cuda") * 0.05)
+
+
+def _two_launches(x, logits, top_k, w, s, wd, sd):
+    """moe_gate_up, then `moe._routed_down` on its dots (the Triton down it replaces)."""
+    from metainfer.kernels import moe
+
+    gu, tw, ids = gemv.moe_gate_up(x, logits, top_k, w, s)
+    y = moe._routed_down(gu, wd, moe._scale_args(sd, wd), logits, top_k, top_k + 1, True,
+                         moe.pair_config(1, True), gu=True)
+    return y, tw, ids
+
+
+@pytest.mark.parametrize("E,top_k,ties", [(256, 8, False), (256, 8, True), (40, 5, True)])
+def test_moe_gate_up_down_equals_the_two_launches(E, top_k, ties, monkeypatch):
+    """moe_gate_up_down_e4m3 against moe_gate_up then the Triton down, three launches in a row (the counts
+    must be back at zero after each): the routing weights and ids the same bits, each pair's rows within 8e-3
+    relative RMSE (x = silu(gate) * up as two e4m3 terms: exact down to 2^-9 of each 128 block's largest; the
+    Triton down multiplies the bf16 values)."""
+    monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
+    x, logits, w, s = _moe_problem(E, top_k, 61 + ties, ties)
+    wd, sd = _down_weights(E, 62)
+    assert gemv.wanted_moe_down(x, logits, top_k, w, s, wd, sd)
+    kernel = gemv._kernel(x.device)
+    for step in range(3):
+        got, tw, ids = gemv.moe_gate_up_down(x, logits, top_k, w, s, wd, sd)
+        want, want_tw, want_ids = _two_launches(x, logits, top_k, w, s, wd, sd)
+        torch.cuda.synchronize()
+        assert torch.equal(tw, want_tw) and torch.equal(ids, want_ids), step
+        err = rel_rmse(got, want.view_as(got))
+        assert err < 8e-3, (step, err)
+        assert not kernel.moe_count.any(), kernel.moe_count
+        x = (torch.randn_like(x.float()) * 2).to(torch.bfloat16)
+    monkeypatch.setenv(gemv.MOE_DOWN_ENV, "0")
+    assert not gemv.wanted_moe_down(x, logits, top_k, w, s, wd, sd)  # off: the two launches
+    monkeypatch.delenv(gemv.MOE_DOWN_ENV)
+    assert not gemv.wanted_moe_down(x, logits, top_k, w, s, wd, sd)  # off by default (unmeasured)
+
+
+def test_moe_gate_up_down_graph_replay(monkeypatch):
+    """The fused launch captured in a CUDA graph and replayed with new logits: the eager launch's bits."""
+    monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
+    x, logits, w, s = _moe_problem(256, 8, 71, False)
+    wd, sd = _down_weights(256, 72)
+    eager = gemv.moe_gate_up_down(x, logits, 8, w, s, wd, sd)  # (builds the kernel outside the capture)
+
+    def step():
+        return gemv.moe_gate_up_down(x, logits, 8, w, s, wd, sd)
+
+    out = _captured_with_new_input(step, logits)
+    again = step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, again))
+    assert not torch.equal(out[2], eager[2])  # new logits, new picks

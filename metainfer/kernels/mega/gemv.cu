@@ -30,6 +30,15 @@
 // (prefetched into L2 by its producer at the start) and writes o. The chunks are taken in an order that lands the
 // heads' rows first: from the b/a rows' chunk on (rot), then the rest; past `waves` chunks a CTA, only CTAs >= hv
 // take more, so that the updaters start early (gemv.py's gdn_schedule).
+//
+// moe_gate_up_down_e4m3 (METAINFER_WGMMA_GEMV_MOE_DOWN): moe_gate_up_e4m3 with the experts' down projection after it
+// in the same launch, one kernel boundary fewer a layer. The down weights [E + 1, H, I] (I = 512) are chunks of 64
+// rows x 512 (the same [64, 512] view and TMA boxes: view row = W row, one segment); each CTA takes a run of them
+// (pair by pair, the shared pair first) after its gate/up chunks, so its producer lands them while the gate/up runs.
+// Each gate/up chunk adds one to its pair's count; a CTA's consumers wait until the pair's gate/up chunks are all in,
+// form silu(gate) * up (bf16, as `_routed_down_kernel`) as x's first 512 columns, and reduce the chunks on wgmma
+// (B: x's terms in columns 0, 1): each pair's unweighted fp32 rows, as `moe._routed_down`'s. The last CTA to finish
+// zeroes the counts.
 #include <cuda.h>  // CUtensorMap
 
 #include "mega_math.cuh"
@@ -102,6 +111,15 @@ struct Gdn {                                  // gemv_e4m3_pre_gdn's decode step
   long long n_slots;
   int hv, hk, b_off, a_off;  // value and key heads (hv <= 32); y's b and a rows (q at 0, k at hk D, v at 2 hk D)
   int gate_f32, rot, waves;  // a_log / dt_bias fp32; the chunk order (see the header)
+};
+
+constexpr int DOWN_ROWS = 64;  // W rows a down chunk (K = SEG = 512)
+struct Down {                  // moe_gate_up_down_e4m3's down projection (see the header)
+  const float* ws;             // [E + 1, H / 128, SEG / 128] the down weights' block scales
+  float* out;                  // [top_k + 1, H] fp32: each pair's unweighted rows, slot order (the shared pair last)
+  unsigned* count;             // [MOE_MAX_K + 1]: virtual pair q's gate/up chunks stored (q = 0: shared), then
+                               // the CTAs done (zero between launches: the last CTA resets them)
+  int dpp;                     // down chunks a pair: H / DOWN_ROWS
 };
 
 // p[i] as fp32, loaded past L1 (the previous kernel's output)
@@ -284,6 +302,32 @@ __device__ __forceinline__ __nv_bfloat16 conv_row(__nv_bfloat16 yb, int n, const
   return __float2bfloat16_rn(c / (1.f + __expf(-c)));
 }
 
+// a count in global memory reaching n (one thread): bounded (~2^22 polls, seconds), so a count that never comes
+// traps instead of hanging the step
+__device__ __forceinline__ void wait_at_least(const unsigned* p, unsigned n) {
+  uint32_t i = 0;
+  while (ld_acquire(p) < n)
+    if (++i == (1u << 22)) __trap();
+    else __nanosleep(32);
+  __threadfence();
+}
+
+// One down chunk's 64 dots (DOWN_ROWS rows of K = 512: the view rows are W's rows; B's columns 0, 1 hold x's first
+// 512 columns' terms) on the calling warpgroup -> on lanes with lane % 4 == 0 of warp w4: rows 16 w4 + lane / 4 (.x)
+// and + 8 (.y); ws: the chunk's 4 block scales
+__device__ __forceinline__ float2 wg_dot64(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf) {
+  float acc[4][4];
+  mega::wg_mma_chunk(chunk, b8, acc);
+  float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    const float f = ws[kb] * xf[kb];
+    v0 = fmaf(acc[kb][0] + acc[kb][1], f, v0);
+    v1 = fmaf(acc[kb][2] + acc[kb][3], f, v1);
+  }
+  return make_float2(v0, v1);
+}
+
 // ---- the DeltaNet decode step after the in_proj (GDN) ----
 // the virtual index of this CTA's k-th chunk, or -1: k < waves on every CTA (chunk b + k grid), past them only on
 // CTAs >= hv; without GDN, chunk b + k grid
@@ -337,13 +381,7 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, int 
   for (int r = 0; r < 16; ++r)
     st[r] = has ? __ldcg(reinterpret_cast<const float4*>(S + (r0 + r) * GDN_D + c0)) : make_float4(0.f, 0.f, 0.f, 0.f);
   consumers_sync(mega::CT);  // both warpgroups are past their chunks: xs is free
-  if (threadIdx.x == 0) {  // bounded (~2^22 polls, seconds): a count that never comes traps, not hangs
-    uint32_t n = 0;
-    while (ld_acquire(g.count + h) < GDN_ROWS)
-      if (++n == (1u << 22)) __trap();
-      else __nanosleep(32);
-    __threadfence();
-  }
+  if (threadIdx.x == 0) wait_at_least(g.count + h, GDN_ROWS);
   consumers_sync(mega::CT);
   if (cw < 2) {  // warp 0: q, warp 1: k
     const __nv_bfloat16* src = y + (cw == 0 ? kh : g.hk + kh) * GDN_D;
@@ -410,10 +448,11 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, int 
 }
 }  // namespace
 
-template <bool MOE, bool PRE = false, bool GDN = false>
+template <bool MOE, bool PRE = false, bool GDN = false, bool DOWN = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
-                                          const Pre& pre, const Moe& moe, const Gdn& gdn = Gdn{}) {
+                                          const Pre& pre, const Moe& moe, const Gdn& gdn = Gdn{},
+                                          const CUtensorMap* dmap = nullptr, const Down& dn = Down{}) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
@@ -435,15 +474,16 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   }
   __syncthreads();
   if (warp == mega::NCW) {  // producer: no wait (static bytes only), except for MOE's routing
-    // chunk it of this CTA into its slot: W's chunk g (its rows g * ROWS..) and their block scales
-    auto land = [&](uint32_t it, int g) {
+    // chunk it of this CTA into its slot: the map's view rows v64 .. v64 + 63 and their block scales
+    auto land_at = [&](uint32_t it, const CUtensorMap* map, int v64, const float* sc, uint32_t sbytes) {
       const uint32_t slot = it % NS;
       mbar_wait(&empty[slot], ((it / NS) & 1) ^ 1);
-      mbar_expect_tx(&full[slot], CHUNK + NB * 4);
-      for (int kb = 0; kb < SEG / 128; ++kb)
-        tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, g * 64, &full[slot]);
-      bulk_load(wsc + slot * NB, ws + (size_t)(g * ROWS / 128) * NB, NB * 4, &full[slot]);
+      mbar_expect_tx(&full[slot], CHUNK + sbytes);
+      for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, map, kb * 128, v64, &full[slot]);
+      bulk_load(wsc + slot * NB, sc, sbytes, &full[slot]);
     };
+    // W's chunk g (its rows g * ROWS..)
+    auto land = [&](uint32_t it, int g) { land_at(it, wmap, g * 64, ws + (size_t)(g * ROWS / 128) * NB, NB * 4); };
     int c = blockIdx.x;
     uint32_t it = 0;
     if constexpr (MOE) {
@@ -461,6 +501,18 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
           if (lane == 0) pick[known] = e;
         }
         if (lane == 0) land(it, pick[q - 1] * cpp + c - q * cpp);
+      }
+      if constexpr (DOWN) {  // this CTA's run of down chunks: down chunk d of virtual pair d / dpp
+        const int n_dn = (moe.top_k + 1) * dn.dpp, lo = blockIdx.x * n_dn / grid, hi = (blockIdx.x + 1) * n_dn / grid;
+        for (int d = lo; d < hi; ++d, ++it) {
+          const int q = d / dn.dpp;
+          for (; known < q; ++known) {
+            const int e = route_next(r, lane);
+            if (lane == 0) pick[known] = e;
+          }
+          const int gd = (q == 0 ? moe.E : pick[q - 1]) * dn.dpp + d % dn.dpp;  // in the [(E + 1) H, 512] view
+          if (lane == 0) land_at(it, dmap, gd * DOWN_ROWS, dn.ws + (size_t)(gd * DOWN_ROWS / 128) * (SEG / 128), 16);
+        }
       }
       if (blockIdx.x == 0) {
         for (; known < moe.top_k; ++known) {
@@ -532,8 +584,53 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       warpgroup_sync(wg);
       if (w4 == 0) gdn_arrive(gdn, p * ROWS, lane);
     }
+    if (DOWN) {  // the chunk's gate/up dots are stored: one more for its pair
+      if (lane < 4) __threadfence();
+      warpgroup_sync(wg);
+      if (w4 == 0 && lane == 0) atomicAdd(dn.count + c / (moe.rows / ROWS), 1u);
+    }
   }
   if (GDN && blockIdx.x < gdn.hv) gdn_update(gdn, y, xs, warp, lane);
+  if constexpr (DOWN) {
+    const int cpp = moe.rows / ROWS, I = moe.rows / 2, H = dn.dpp * DOWN_ROWS;
+    const int n_dn = (moe.top_k + 1) * dn.dpp, lo = blockIdx.x * n_dn / grid, hi = (blockIdx.x + 1) * n_dn / grid;
+    const int first = (n_chunks - blockIdx.x + grid - 1) / grid;  // this CTA's gate/up chunks: it 0 .. first - 1
+    for (int d = lo; d < hi;) {  // one pair's part of the run at a time
+      const int q = d / dn.dpp, end = min(hi, (q + 1) * dn.dpp), pair = q == 0 ? moe.top_k : q - 1;
+      consumers_sync(mega::CT);  // the chunks before are done with x's terms
+      if (threadIdx.x == 0) wait_at_least(dn.count + q, cpp);
+      consumers_sync(mega::CT);
+      const float* gu = moe.gu + (size_t)pair * moe.rows;
+      for (int i = threadIdx.x; i < I; i += mega::CT) {  // silu(gate) * up, rounded to bf16 (the kernel's x dtype)
+        const float gv = __ldcg(gu + i), uv = __ldcg(gu + I + i);
+        xs[mega::xpos(i)] = __bfloat162float(__float2bfloat16_rn(gv * (1.f / (1.f + expf(-gv))) * uv));
+      }
+      consumers_sync(mega::CT);
+      mega::stage_x8(xs, b8, xf, warp, lane, I / 128);
+      consumers_sync(mega::CT);
+      for (int it = first + (d - lo); d < end; ++d, ++it) {
+        if ((it & 1) != wg) continue;
+        const uint32_t slot_i = it % NS;
+        mbar_wait(&full[slot_i], (it / NS) & 1);
+        const float2 v = wg_dot64(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot_i]);
+        if ((lane & 3) == 0) {
+          float* o = dn.out + (size_t)pair * H + (d % dn.dpp) * DOWN_ROWS + 16 * w4 + (lane >> 2);
+          o[0] = v.x;
+          o[8] = v.y;
+        }
+      }
+    }
+    consumers_sync(mega::CT);  // every read of this CTA's counts is done
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (atomicAdd(dn.count + MOE_MAX_K, 1u) == gridDim.x - 1) {  // the last CTA: no count is read any more
+        for (int q = 0; q <= moe.top_k; ++q) dn.count[q] = 0u;
+        dn.count[MOE_MAX_K] = 0u;
+      }
+    }
+  }
 }
 
 // K = 2048 (with the conv epilogue where conv.n_conv > 0)
@@ -564,6 +661,15 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
   gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe);
 }
 
+// moe_gate_up_e4m3 with the experts' down projection after it (Down: see the header)
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    moe_gate_up_down_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
+                          const __nv_bfloat16* x, const Moe moe, const __grid_constant__ CUtensorMap dmap,
+                          const Down dn) {
+  gemv_body<true, false, false, true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe, Gdn{},
+                                      &dmap, dn);
+}
+
 // the layout constants the launcher (gemv.py) must agree with
 extern "C" __global__ void gemv_constants(long long* out) {
   out[0] = mega::NT;
@@ -572,4 +678,5 @@ extern "C" __global__ void gemv_constants(long long* out) {
   out[3] = static_cast<long long>(sizeof(Moe)) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K;
   out[4] = static_cast<long long>(sizeof(Pre)) * 100 + PRE_MAX_W;
   out[5] = static_cast<long long>(sizeof(Gdn)) * 100000 + GDN_D * 1000 + GDN_ROWS;
+  out[6] = static_cast<long long>(sizeof(Down)) * 1000 + DOWN_ROWS;
 }

@@ -35,6 +35,7 @@ MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back o
 PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
 GDN_ENV = "METAINFER_WGMMA_GEMV_GDN"  # "1": the DeltaNet decode step in the in_proj's launch (unmeasured)
 GDN_WAVES_ENV = "METAINFER_WGMMA_GEMV_GDN_WAVES"  # the chunks every CTA takes before the updaters stop (A/Bs)
+MOE_DOWN_ENV = "METAINFER_WGMMA_GEMV_MOE_DOWN"  # "1": the experts' down in the gate/up's launch (unmeasured)
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -83,6 +84,13 @@ class _Gdn(ctypes.Structure):  # gemv.cu's Gdn: gemv_e4m3_pre_gdn's decode step
                 ("gate_f32", ctypes.c_int), ("rot", ctypes.c_int), ("waves", ctypes.c_int)]
 
 
+class _Down(ctypes.Structure):  # gemv.cu's Down: moe_gate_up_down_e4m3's down projection
+    _fields_ = [("ws", ctypes.c_void_p), ("out", ctypes.c_void_p), ("count", ctypes.c_void_p),
+                ("dpp", ctypes.c_int)]
+
+
+DOWN_ROWS = 64  # gemv.cu's rows a down chunk (K = SEG)
+SEG = 512  # a chunk's row bytes in the [64, 512] view: the down projection's K (the experts' I) must be it
 GDN_D = 128  # gemv.cu's DeltaNet head dims (key and value)
 GDN_ROWS = 3 * GDN_D + 2  # the y rows a value head's step reads: its key head's q and k, its v, b and a
 CHUNK_ROWS = 16  # W's rows a 32 KB chunk (K = 2048)
@@ -174,26 +182,30 @@ class _Kernel:
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
         self.fn, self.moe_fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
-        self.pre_fn, self.gdn_fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.pre_fn, self.gdn_fn, self.moe_down_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.pre_fn), self.module, b"gemv_e4m3_pre")
         self.drv("cuModuleGetFunction", ctypes.byref(self.gdn_fn), self.module, b"gemv_e4m3_pre_gdn")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
+        self.drv("cuModuleGetFunction", ctypes.byref(self.moe_down_fn), self.module, b"moe_gate_up_down_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
-        out = torch.zeros(6, dtype=torch.int64, device=device)
+        out = torch.zeros(7, dtype=torch.int64, device=device)
         args = [ctypes.c_void_p(out.data_ptr())]
         self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
                  ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args),
                  None)
-        self.threads, self.smem, conv, moe, pre, gdn = out.tolist()
+        self.threads, self.smem, conv, moe, pre, gdn, down = out.tolist()
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
                 + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W,
-                ctypes.sizeof(_Gdn) * 100000 + GDN_D * 1000 + GDN_ROWS)
-        if (self.threads, conv, moe, pre, gdn) != want:
+                ctypes.sizeof(_Gdn) * 100000 + GDN_D * 1000 + GDN_ROWS,
+                ctypes.sizeof(_Down) * 1000 + DOWN_ROWS)
+        if (self.threads, conv, moe, pre, gdn, down) != want:
             raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, -, conv, moe, pre, "
-                               f"gdn): {want}")
-        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn):
+                               f"gdn, down): {want}")
+        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn, self.moe_down_fn):
             self.drv("cuFuncSetAttribute", fn, 8, self.smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # moe_gate_up_down_e4m3's counts (each launch leaves them zero; one launch at a time on the device)
+        self.moe_count = torch.zeros(MOE_MAX_K + 1, dtype=torch.int32, device=device)
         # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
         # with the same shape gets the same bytes back (the launch copies them into its parameters)
         self.maps: dict[tuple[int, int, int], ctypes.Array] = {}
@@ -236,6 +248,16 @@ class _Kernel:
         m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
         args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m]
         self.launch(self.moe_fn, args, (top_k + 1) * rows // 16, x.device)
+
+    def moe_down(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
+                 w_down: torch.Tensor, s_down: torch.Tensor, gu: torch.Tensor, tw: torch.Tensor,
+                 ids: torch.Tensor, out: torch.Tensor) -> None:
+        E1, rows, _ = w.shape
+        m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
+        d = _Down(s_down.data_ptr(), out.data_ptr(), self.moe_count.data_ptr(), w_down.shape[1] // DOWN_ROWS)
+        args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m,
+                self.tensor_map(w_down), d]
+        self.launch(self.moe_down_fn, args, (top_k + 1) * rows // 16, x.device)
 
     def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, device: torch.device) -> None:
         """One CTA per SM (at most one per chunk), on the current stream, with the PDL attribute when
@@ -390,3 +412,34 @@ def project_pre_gdn(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor
              int(A_log.dtype == torch.float32), rot, waves)
     kernel(residual, w, s, y, conv, (rows, tw, residual, norm_weight, eps, new_res), gdn=g)
     return y, core
+
+
+def wanted_moe_down(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
+                    w_down: torch.Tensor, s_down: torch.Tensor) -> bool:
+    """Whether `moe_gate_up_down` serves one token's experts, gate/up and down in one launch: its switch (off
+    until measured), `wanted_moe`, and the down weights w_down [E + 1, K, I] e4m3 with I = SEG (the gate/up's
+    rows / 2) and their [E + 1, K / 128, I / 128] fp32 block scales s_down."""
+    if os.environ.get(MOE_DOWN_ENV, "0") != "1" or not wanted_moe(x, logits, top_k, w, s):
+        return False
+    E1, rows, k = w.shape
+    return (w_down.shape == (E1, k, rows // 2) and rows // 2 == SEG and w_down.dtype == torch.float8_e4m3fn
+            and w_down.is_contiguous() and w_down.data_ptr() % 16 == 0 and s_down.dtype == torch.float32
+            and s_down.shape == (E1, k // 128, SEG // 128) and s_down.is_contiguous()
+            and s_down.data_ptr() % 16 == 0)
+
+
+def moe_gate_up_down(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
+                     w_down: torch.Tensor, s_down: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_gate_up` and the experts' down projection in one launch (the caller checked `wanted_moe_down`):
+    -> (rows [top_k + 1, K] fp32: each pair's unweighted down of bf16(silu(gate) * up), slot order, the shared
+    expert last, as `moe._routed_down`'s; tw [1, top_k + 1]; ids [1, top_k + 1])."""
+    kernel = _kernel(x.device)
+    assert kernel is not None, "moe_gate_up_down() without wanted_moe_down()"
+    W = top_k + 1
+    gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
+    tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
+    out = torch.empty(W, w_down.shape[1], dtype=torch.float32, device=x.device)
+    kernel.moe_down(x, logits, top_k, w, s, w_down, s_down, gu, tw, ids, out)
+    return out, tw, ids

@@ -334,8 +334,8 @@ __device__ __forceinline__ float x8_terms(const float* xs, int c0, uint32_t& hi,
 
 // xs (fp32, permuted: xpos) -> B's two terms b8 and the blocks' 2^-e xf (warp cw: blocks cw and cw + 8, lane 4
 // columns of each); made visible to wgmma (the caller's barrier follows)
-__device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int lane) {
-  for (int b = cw; b < X8_K / 128; b += NCW) {
+__device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int lane, int n_blocks = X8_K / 128) {
+  for (int b = cw; b < n_blocks; b += NCW) {  // (n_blocks < 16: x's first 128 n_blocks columns only)
     const int c0 = b * 128 + lane * 4;
     uint32_t hi, lo;
     const float f = x8_terms(xs, c0, hi, lo);
@@ -350,11 +350,11 @@ __device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int la
 // One chunk's 16 dots on the calling warpgroup (warps w4 = 0..3 of it, all converged): ws the chunk's 16 block
 // scales, b8 and xf x's terms and powers of two (stage_x8). -> on lanes 0 and 16 of warp w4: rows 4 w4 + lane / 16
 // (.x) and that + 2 (.y)
-__device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf,
-                                          int lane) {
+// The [64 view rows, 512] chunk times B (x's terms, 8 columns) on wgmma: acc[kb] = the 128-column block kb's D
+// fragment (view rows 16 w4 + lane / 4 and + 8, columns 2 (lane % 4), + 1), one accumulator chain per block
+__device__ __forceinline__ void wg_mma_chunk(const uint8_t* chunk, const uint8_t* b8, float (&acc)[4][4]) {
   // (the descriptors' start address field is addr >> 4, and shared addresses stay below 2^18: offsets add there)
   const uint64_t da0 = smem_desc(smem_u32(chunk), 16, 1024, 1), db0 = smem_desc(smem_u32(b8), 128, 0, 0);
-  float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
   wgmma_fence();
 #pragma unroll
   for (int kb = 0; kb < 4; ++kb)
@@ -365,6 +365,12 @@ __device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws
       else wgmma_m64n8k32<1>(acc[kb], da, db);
     }
   wgmma_commit_wait();
+}
+
+__device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf,
+                                          int lane) {
+  float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
+  wg_mma_chunk(chunk, b8, acc);
   // this lane's D: view rows 16 w4 + g and + 8 (segment g % 4), columns 2 t, 2 t + 1 (segment t's hi, lo)
   const int g = lane >> 2, t = lane & 3;
   float v0 = 0.f, v1 = 0.f;
