@@ -27,7 +27,7 @@
 // boundary fewer a DeltaNet layer. Value head h's step is CTA h's (h < hv <= 32 < grid): each chunk's warpgroup,
 // once its rows are stored, adds to count[h] the rows of head h it holds (its key head's q and k, its v, b and a:
 // GDN_ROWS in all); CTA h, after its own chunks, waits for the count, then updates its [128, 128] fp32 state
-// (prefetched into L2 by its producer at the start) and writes o. The chunks are taken in an order that lands the
+// (prefetched into L2 by its producer at the start, landed in the ring after the CTA's chunks) and writes o. The chunks are taken in an order that lands the
 // heads' rows first: from the b/a rows' chunk on (rot), then the rest; past `waves` chunks a CTA, only CTAs >= hv
 // take more, so that the updaters start early (gemv.py's gdn_schedule).
 //
@@ -365,9 +365,11 @@ __device__ __forceinline__ float gdn_param(const void* p, int h, int f32) {
 }
 // CTA h's step, all consumer warps, after their chunks: `_gdn_decode_kernel`'s arithmetic (q, k l2-normalised, q
 // scaled by D^-0.5; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) rounded to bf16; S *= exp(g);
-// delta = (v - S^T k) beta; S += k delta^T; o = S^T q). Thread (cw, lane) holds columns 4 lane .. + 3 of rows
-// 16 cw .. + 15; sc: scratch (xs, free once the chunks are done)
-__device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, int cw, int lane) {
+// delta = (v - S^T k) beta; S += k delta^T; o = S^T q). The state is in the ring: the producer lands its rows 0-63
+// and 64-127 as the CTA's chunks it0 and it0 + 1 (sa, sb: their slots; all of the CTA's chunks are done). Thread
+// (cw, lane) takes columns 4 lane .. + 3 of rows 16 cw .. + 15; sc: scratch (xs, free once the chunks are done)
+__device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, const float* sa, const float* sb,
+                           int cw, int lane) {
   const int h = blockIdx.x, kh = h / (g.hv / g.hk), r0 = cw * 16, c0 = lane * 4;
   float* qn = sc;              // [D]
   float* kn = qn + GDN_D;      // [D]
@@ -376,10 +378,7 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, int 
   const long long slot = g.slots[0];
   const bool has = g.has[0] != 0;
   float* S = g.state + ((size_t)slot * g.hv + h) * GDN_D * GDN_D;
-  float4 st[16];  // the state's loads before the wait on the rows (last step's values)
-#pragma unroll
-  for (int r = 0; r < 16; ++r)
-    st[r] = has ? __ldcg(reinterpret_cast<const float4*>(S + (r0 + r) * GDN_D + c0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  const float* rows = (r0 < 64 ? sa : sb) + (r0 % 64) * GDN_D + c0;  // this thread's 16 rows (in one piece)
   consumers_sync(mega::CT);  // both warpgroups are past their chunks: xs is free
   if (threadIdx.x == 0) wait_at_least(g.count + h, GDN_ROWS);
   consumers_sync(mega::CT);
@@ -402,37 +401,39 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, int 
   for (int c = 0; c < 4; ++c) v[c] = bf16_at(y, (2 * g.hk + h) * GDN_D + c0 + c);
   consumers_sync(mega::CT);
   const float decay = gates[0], beta = gates[1];
-  float4 kv = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 kv = zero;
 #pragma unroll
-  for (int r = 0; r < 16; ++r) {
+  for (int r = 0; r < 16; ++r) {  // S^T k of the decayed state (a zero state where the slot holds none)
+    float4 st = has ? *reinterpret_cast<const float4*>(rows + r * GDN_D) : zero;
     const float k = kn[r0 + r];
-    st[r].x *= decay, st[r].y *= decay, st[r].z *= decay, st[r].w *= decay;
-    kv.x = fmaf(st[r].x, k, kv.x), kv.y = fmaf(st[r].y, k, kv.y), kv.z = fmaf(st[r].z, k, kv.z);
-    kv.w = fmaf(st[r].w, k, kv.w);
+    st.x *= decay, st.y *= decay, st.z *= decay, st.w *= decay;
+    kv.x = fmaf(st.x, k, kv.x), kv.y = fmaf(st.y, k, kv.y), kv.z = fmaf(st.z, k, kv.z), kv.w = fmaf(st.w, k, kv.w);
   }
   *reinterpret_cast<float4*>(red + cw * GDN_D + c0) = kv;
   consumers_sync(mega::CT);
-  kv = make_float4(0.f, 0.f, 0.f, 0.f);
+  kv = zero;
 #pragma unroll
   for (int w = 0; w < mega::NCW; ++w) {
     const float4 p = *reinterpret_cast<const float4*>(red + w * GDN_D + c0);
     kv.x += p.x, kv.y += p.y, kv.z += p.z, kv.w += p.w;
   }
   const float4 d = make_float4((v[0] - kv.x) * beta, (v[1] - kv.y) * beta, (v[2] - kv.z) * beta, (v[3] - kv.w) * beta);
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 o = zero;
 #pragma unroll
-  for (int r = 0; r < 16; ++r) {
+  for (int r = 0; r < 16; ++r) {  // S = decay S + k delta^T, written back; o = S^T q
+    float4 st = has ? *reinterpret_cast<const float4*>(rows + r * GDN_D) : zero;
     const float k = kn[r0 + r], q = qn[r0 + r];
-    st[r].x = fmaf(k, d.x, st[r].x), st[r].y = fmaf(k, d.y, st[r].y), st[r].z = fmaf(k, d.z, st[r].z);
-    st[r].w = fmaf(k, d.w, st[r].w);
-    o.x = fmaf(st[r].x, q, o.x), o.y = fmaf(st[r].y, q, o.y), o.z = fmaf(st[r].z, q, o.z), o.w = fmaf(st[r].w, q, o.w);
-    __stcg(reinterpret_cast<float4*>(S + (r0 + r) * GDN_D + c0), st[r]);
+    st.x *= decay, st.y *= decay, st.z *= decay, st.w *= decay;
+    st.x = fmaf(k, d.x, st.x), st.y = fmaf(k, d.y, st.y), st.z = fmaf(k, d.z, st.z), st.w = fmaf(k, d.w, st.w);
+    o.x = fmaf(st.x, q, o.x), o.y = fmaf(st.y, q, o.y), o.z = fmaf(st.z, q, o.z), o.w = fmaf(st.w, q, o.w);
+    __stcg(reinterpret_cast<float4*>(S + (r0 + r) * GDN_D + c0), st);
   }
   consumers_sync(mega::CT);  // every thread has read red's kv
   *reinterpret_cast<float4*>(red + cw * GDN_D + c0) = o;
   consumers_sync(mega::CT);
   if (cw == 0) {
-    o = make_float4(0.f, 0.f, 0.f, 0.f);
+    o = zero;
 #pragma unroll
     for (int w = 0; w < mega::NCW; ++w) {
       const float4 p = *reinterpret_cast<const float4*>(red + w * GDN_D + c0);
@@ -524,7 +525,18 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       }
     } else if (lane == 0) {
       if (GDN) gdn_prefetch(gdn);
-      for (int k = 0; (c = chunk_at<GDN>(k, n_chunks, gdn)) >= 0; ++k) land(k, GDN ? (c + gdn.rot) % n_chunks : c);
+      int k = 0;
+      for (; (c = chunk_at<GDN>(k, n_chunks, gdn)) >= 0; ++k) land(k, GDN ? (c + gdn.rot) % n_chunks : c);
+      if (GDN && blockIdx.x < gdn.hv) {  // CTA h: its head's state, rows 0-63 and 64-127, as chunks k and k + 1
+        asm volatile("griddepcontrol.wait;" ::: "memory");  // (the slot is a step input: final after the wait)
+        const float* S = gdn.state + ((size_t)gdn.slots[0] * gdn.hv + blockIdx.x) * GDN_D * GDN_D;
+        for (int j = 0; j < 2; ++j, ++k) {
+          const uint32_t sl = k % NS;
+          mbar_wait(&empty[sl], ((k / NS) & 1) ^ 1);
+          mbar_expect_tx(&full[sl], CHUNK);
+          bulk_load(ring + sl * CHUNK, S + j * (CHUNK / 4), CHUNK, &full[sl]);
+        }
+      }
     }
     return;
   }
@@ -590,7 +602,13 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       if (w4 == 0 && lane == 0) atomicAdd(dn.count + c / (moe.rows / ROWS), 1u);
     }
   }
-  if (GDN && blockIdx.x < gdn.hv) gdn_update(gdn, y, xs, warp, lane);
+  if (GDN && blockIdx.x < gdn.hv) {  // the state's two pieces follow the CTA's chunks in the ring
+    const int k0 = min(gdn.waves, (n_chunks - blockIdx.x + grid - 1) / grid);
+    mbar_wait(&full[k0 % NS], (k0 / NS) & 1);
+    mbar_wait(&full[(k0 + 1) % NS], ((k0 + 1) / NS) & 1);
+    gdn_update(gdn, y, xs, reinterpret_cast<const float*>(ring + (k0 % NS) * CHUNK),
+               reinterpret_cast<const float*>(ring + ((k0 + 1) % NS) * CHUNK), warp, lane);
+  }
   if constexpr (DOWN) {
     const int cpp = moe.rows / ROWS, I = moe.rows / 2, H = dn.dpp * DOWN_ROWS;
     const int n_dn = (moe.top_k + 1) * dn.dpp, lo = blockIdx.x * n_dn / grid, hi = (blockIdx.x + 1) * n_dn / grid;

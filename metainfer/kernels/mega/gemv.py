@@ -12,6 +12,13 @@ its decode conv as the epilogue (METAINFER_WGMMA_GEMV_CONV=0 keeps Triton's): wi
 so the next kernel's CTA fits beside it) FP8 batch 1 went 531 -> 541-542 tok/s (KB-0095).
 Launched through the driver on the current torch stream with the programmatic-stream-serialization attribute
 when `pdl.enabled()`; CUDA graphs record it like any kernel.
+
+Two fused launches, built 2026-12-04i on a CPU-only day and not yet run on a GPU (off until measured):
+`project_pre_gdn` (METAINFER_WGMMA_GEMV_GDN=1) takes the DeltaNet decode step into the in_proj's launch, and
+`moe_gate_up_down` (METAINFER_WGMMA_GEMV_MOE_DOWN=1) the experts' down into the gate/up's: one kernel boundary
+fewer each (the 2026-12-04h profile: the DeltaNet step 4.3-4.7 us exposed a layer over a 1 us byte floor, the
+down 3.7-6.2 over 2.2). Their consumers wait on per-head / per-pair counts in global memory that the chunks'
+warpgroups add to; every wait is bounded (it traps rather than hangs), and each launch leaves its counts zero.
 """
 
 from __future__ import annotations
