@@ -591,15 +591,11 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       const __nv_bfloat16 yb = __float2bfloat16_rn(lane < 2 ? r01 : r23);
       y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
     }
-    if (GDN) {  // the chunk's 16 rows are stored (lanes 0-3 of each warp): count them for the heads that read them
+    if (GDN || DOWN) {  // the chunk's 16 outputs are stored (lanes 0-3 of each warp): count them where awaited
       if (lane < 4) __threadfence();
       warpgroup_sync(wg);
-      if (w4 == 0) gdn_arrive(gdn, p * ROWS, lane);
-    }
-    if (DOWN) {  // the chunk's gate/up dots are stored: one more for its pair
-      if (lane < 4) __threadfence();
-      warpgroup_sync(wg);
-      if (w4 == 0 && lane == 0) atomicAdd(dn.count + c / (moe.rows / ROWS), 1u);
+      if (GDN && w4 == 0) gdn_arrive(gdn, p * ROWS, lane);  // for the heads that read these rows
+      if (DOWN && w4 == 0 && lane == 0) atomicAdd(dn.count + c / (moe.rows / ROWS), 1u);  // one more of its pair's
     }
   }
   if (GDN && blockIdx.x < gdn.hv) {  // the state's two pieces follow the CTA's chunks in the ring
