@@ -191,7 +191,7 @@
 #   gdnfuse - (2026-12-04i, not yet run) the DeltaNet decode step inside the in_proj's launch: GPU tests, then A/B,
 #            oracle, profile (see the phase), ~6 min
 #   moedown - (2026-12-04i, not yet run) the experts' down inside the gate/up's launch: GPU tests, A/B, oracle,
-#            then both fusions against neither (BOTH=0: not), ~6 min
+#            ~7 min; fusedboth: both fusions against neither, and their profile, ~5 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -691,10 +691,12 @@ fi
 if has gdnfuse; then  # (built 2026-12-04i on the CPU, not yet run) the DeltaNet decode step inside the in_proj's
   # launch (mega/gemv.cu's gemv_e4m3_pre_gdn, METAINFER_WGMMA_GEMV_GDN=1): its GPU tests (the kernel against the two
   # launches over 3 steps, graph replay, the engine's tokens); only if they pass: FP8 batch 1 0 / 1 alternating x
-  # REPS (3), the oracle (FP8) with it, the exposed profile with it, and GDN_WAVES (e.g. "3 5") as A/Bs, ~6 min
-  if timeout 240 python -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider \
-      -k "gdn" 2>&1 | tee $OUT/gdnfuse_tests.log | tail -4 && grep -q " passed" $OUT/gdnfuse_tests.log \
-      && ! grep -qE "failed|error" $OUT/gdnfuse_tests.log; then
+  # REPS (3), the oracle (FP8) with it, the exposed profile with it, and GDN_WAVES (e.g. "3 5") as A/Bs, ~7 min
+  # (the kernel's tests first, with a short limit: a hang there costs 90 s, not the phase)
+  { timeout 90 python -m pytest -q -x tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k "gdn" 2>&1 \
+      && timeout 150 python -m pytest -q -x tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+      -k "gemv_fusions and gdn" 2>&1; } | tee $OUT/gdnfuse_tests.log | grep -E "passed|failed|rror" | tail -4
+  if [ "$(grep -c " passed" $OUT/gdnfuse_tests.log)" = 2 ] && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/gdnfuse_tests.log; then
     ab_bs1 METAINFER_WGMMA_GEMV_GDN gdnfuse ${REPS:-3}
     METAINFER_WGMMA_GEMV_GDN=1 timeout 150 python -m metainfer.cli verify \
       --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
@@ -712,30 +714,31 @@ if has gdnfuse; then  # (built 2026-12-04i on the CPU, not yet run) the DeltaNet
 fi
 if has moedown; then  # (built 2026-12-04i on the CPU, not yet run) the experts' down inside the gate/up's launch
   # (mega/gemv.cu's moe_gate_up_down_e4m3, METAINFER_WGMMA_GEMV_MOE_DOWN=1): its GPU tests; only if they pass: FP8
-  # batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, then both fusions on (with gdnfuse's switch)
-  # against both off, and the exposed profile with both, ~6 min
-  if timeout 240 python -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider \
-      -k "moe_gate_up_down or moe_down" 2>&1 | tee $OUT/moedown_tests.log | tail -4 \
-      && grep -q " passed" $OUT/moedown_tests.log && ! grep -qE "failed|error" $OUT/moedown_tests.log; then
+  # batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~7 min
+  { timeout 90 python -m pytest -q -x tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k "moe_gate_up_down" 2>&1 \
+      && timeout 150 python -m pytest -q -x tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+      -k "gemv_fusions and moe_down" 2>&1; } | tee $OUT/moedown_tests.log | grep -E "passed|failed|rror" | tail -4
+  if [ "$(grep -c " passed" $OUT/moedown_tests.log)" = 2 ] && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/moedown_tests.log; then
     ab_bs1 METAINFER_WGMMA_GEMV_MOE_DOWN moedown ${REPS:-3}
     METAINFER_WGMMA_GEMV_MOE_DOWN=1 timeout 150 python -m metainfer.cli verify \
       --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
       --json $OUT/verify_fp8_moedown.json 2>&1 | grep -E "verdict" | head -1
-    if [ "${BOTH:-1}" = 1 ]; then
-      for r in $(seq ${REPS:-3}); do
-        for m in 0 1; do
-          env METAINFER_WGMMA_GEMV_MOE_DOWN=$m METAINFER_WGMMA_GEMV_GDN=$m timeout 90 python benchmarks/decode_bench.py \
-            --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/both_${m}_$r 2>&1 | grep -E "^\| 1 " \
-            | sed "s/^/[both $m $r] /"
-        done
-      done
-      METAINFER_WGMMA_GEMV_MOE_DOWN=1 METAINFER_WGMMA_GEMV_GDN=1 timeout 100 python benchmarks/decode_bench.py \
-        --dtype fp8 --batches 1,8 --gen 32 --out $OUT/both_exposed 2>&1 | sed -n '/wall time by kernel/,$p' \
-        | head -12 | sed "s/^/[both exposed] /"
-    fi
   else
     echo "[moedown] GPU tests failed: no A/B (see moedown_tests.log)"
   fi
+fi
+if has fusedboth; then  # (after gdnfuse and moedown passed) both fusions on against both off, alternating x REPS
+  # (2), then the exposed profile (batch 1) and batch 8 with both, ~5 min
+  for r in $(seq ${REPS:-2}); do
+    for m in 0 1; do
+      env METAINFER_WGMMA_GEMV_MOE_DOWN=$m METAINFER_WGMMA_GEMV_GDN=$m timeout 90 python benchmarks/decode_bench.py \
+        --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/both_${m}_$r 2>&1 | grep -E "^\| 1 " \
+        | sed "s/^/[both $m $r] /"
+    done
+  done
+  METAINFER_WGMMA_GEMV_MOE_DOWN=1 METAINFER_WGMMA_GEMV_GDN=1 timeout 100 python benchmarks/decode_bench.py \
+    --dtype fp8 --batches 1,8 --gen 32 --out $OUT/both_exposed 2>&1 | sed -n '/wall time by kernel/,$p' \
+    | head -12 | sed "s/^/[both exposed] /"
 fi
 if has exposed; then  # (2026-12-04g) the FP8 batch-1 step's wall time by kernel with PDL on
   # (decode_bench's exposed_bs1: each kernel's time past every earlier kernel's end), at decode_bench's
