@@ -222,6 +222,13 @@ import json, sys
 for r in json.load(open(sys.argv[1]))['profile_bs1'][:14]:
     print(f\"{r['kernel'][:40]:40s} {r['calls_per_step']:5.0f} {r['us_per_step']:8.1f} us\")" "$1"
 }
+fusion_tests() {  # $1 name, $2 / $3: -k of tests/gpu/test_gemv_gpu.py / test_engine_gpu.py -> 0 when both pass
+  # (the kernel's tests first, with a short limit: a hang there costs 90 s, not the phase; log $OUT/$1_tests.log)
+  { timeout 90 python -m pytest -q -x tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k "$2" 2>&1 \
+      && timeout 150 python -m pytest -q -x tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "$3" 2>&1; } \
+    | tee $OUT/$1_tests.log | grep -E "passed|failed|rror" | tail -4
+  [ "$(grep -c " passed" $OUT/$1_tests.log)" = 2 ] && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/$1_tests.log
+}
 PHASES=${PHASES:-tests ab}
 if has tests; then
   timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated or compiles" 2>&1 \
@@ -692,11 +699,7 @@ if has gdnfuse; then  # (built 2026-12-04i on the CPU, not yet run) the DeltaNet
   # launch (mega/gemv.cu's gemv_e4m3_pre_gdn, METAINFER_WGMMA_GEMV_GDN=1): its GPU tests (the kernel against the two
   # launches over 3 steps, graph replay, the engine's tokens); only if they pass: FP8 batch 1 0 / 1 alternating x
   # REPS (3), the oracle (FP8) with it, the exposed profile with it, and GDN_WAVES (e.g. "3 5") as A/Bs, ~7 min
-  # (the kernel's tests first, with a short limit: a hang there costs 90 s, not the phase)
-  { timeout 90 python -m pytest -q -x tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k "gdn" 2>&1 \
-      && timeout 150 python -m pytest -q -x tests/gpu/test_engine_gpu.py -p no:cacheprovider \
-      -k "gemv_fusions and gdn" 2>&1; } | tee $OUT/gdnfuse_tests.log | grep -E "passed|failed|rror" | tail -4
-  if [ "$(grep -c " passed" $OUT/gdnfuse_tests.log)" = 2 ] && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/gdnfuse_tests.log; then
+  if fusion_tests gdnfuse "gdn" "gemv_fusions and gdn"; then
     ab_bs1 METAINFER_WGMMA_GEMV_GDN gdnfuse ${REPS:-3}
     METAINFER_WGMMA_GEMV_GDN=1 timeout 150 python -m metainfer.cli verify \
       --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
@@ -715,10 +718,7 @@ fi
 if has moedown; then  # (built 2026-12-04i on the CPU, not yet run) the experts' down inside the gate/up's launch
   # (mega/gemv.cu's moe_gate_up_down_e4m3, METAINFER_WGMMA_GEMV_MOE_DOWN=1): its GPU tests; only if they pass: FP8
   # batch 1 0 / 1 alternating x REPS (3), the oracle (FP8) with it, ~7 min
-  { timeout 90 python -m pytest -q -x tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k "moe_gate_up_down" 2>&1 \
-      && timeout 150 python -m pytest -q -x tests/gpu/test_engine_gpu.py -p no:cacheprovider \
-      -k "gemv_fusions and moe_down" 2>&1; } | tee $OUT/moedown_tests.log | grep -E "passed|failed|rror" | tail -4
-  if [ "$(grep -c " passed" $OUT/moedown_tests.log)" = 2 ] && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/moedown_tests.log; then
+  if fusion_tests moedown "moe_gate_up_down" "gemv_fusions and moe_down"; then
     ab_bs1 METAINFER_WGMMA_GEMV_MOE_DOWN moedown ${REPS:-3}
     METAINFER_WGMMA_GEMV_MOE_DOWN=1 timeout 150 python -m metainfer.cli verify \
       --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \

@@ -381,7 +381,7 @@ def test_moe_gate_up_down_equals_the_two_launches(E, top_k, ties, monkeypatch):
     assert gemv.wanted_moe_down(x, logits, top_k, w, s, wd, sd)
     kernel = gemv._kernel(x.device)
     for step in range(3):
-        got, tw, ids = gemv.moe_gate_up_down(x, logits, top_k, w, s, wd, sd)
+        got, tw, ids = gemv.moe_gate_up(x, logits, top_k, w, s, down=(wd, sd))
         want, want_tw, want_ids = _two_launches(x, logits, top_k, w, s, wd, sd)
         torch.cuda.synchronize()
         assert torch.equal(tw, want_tw) and torch.equal(ids, want_ids), step
@@ -400,10 +400,10 @@ def test_moe_gate_up_down_graph_replay(monkeypatch):
     monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
     x, logits, w, s = _moe_problem(256, 8, 71, False)
     wd, sd = _down_weights(256, 72)
-    eager = gemv.moe_gate_up_down(x, logits, 8, w, s, wd, sd)  # (builds the kernel outside the capture)
+    eager = gemv.moe_gate_up(x, logits, 8, w, s, down=(wd, sd))  # (builds the kernel outside the capture)
 
     def step():
-        return gemv.moe_gate_up_down(x, logits, 8, w, s, wd, sd)
+        return gemv.moe_gate_up(x, logits, 8, w, s, down=(wd, sd))
 
     out = _captured_with_new_input(step, logits)
     again = step()

@@ -14,11 +14,12 @@ Launched through the driver on the current torch stream with the programmatic-st
 when `pdl.enabled()`; CUDA graphs record it like any kernel.
 
 Two fused launches, built 2026-12-04i on a CPU-only day and not yet run on a GPU (off until measured):
-`project_pre_gdn` (METAINFER_WGMMA_GEMV_GDN=1) takes the DeltaNet decode step into the in_proj's launch, and
-`moe_gate_up_down` (METAINFER_WGMMA_GEMV_MOE_DOWN=1) the experts' down into the gate/up's: one kernel boundary
-fewer each (the 2026-12-04h profile: the DeltaNet step 4.3-4.7 us exposed a layer over a 1 us byte floor, the
-down 3.7-6.2 over 2.2). Their consumers wait on per-head / per-pair counts in global memory that the chunks'
-warpgroups add to; every wait is bounded (it traps rather than hangs), and each launch leaves its counts zero.
+`project_pre_gdn` (METAINFER_WGMMA_GEMV_GDN=1) takes the DeltaNet decode step into the in_proj's launch,
+and `moe_gate_up(down=)` (METAINFER_WGMMA_GEMV_MOE_DOWN=1) the experts' down into the gate/up's: one kernel
+boundary fewer each (the 2026-12-04h profile: the DeltaNet step 4.3-4.7 us exposed a layer over a 1 us byte
+floor, the down 3.7-6.2 over 2.2). Their consumers wait on per-head / per-pair counts in global memory that
+the chunks' warpgroups add to; every wait is bounded (it traps rather than hangs), and each launch leaves its
+counts zero.
 """
 
 from __future__ import annotations
@@ -250,21 +251,20 @@ class _Kernel:
         self.launch(self.fn, args, N // 16, x.device)  # 32 KB chunks of 16 rows
 
     def moe(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
-            gu: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> None:
+            gu: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, down: tuple | None = None,
+            out: torch.Tensor | None = None) -> None:
+        """moe_gate_up_e4m3, or with down = (w_down, s_down) moe_gate_up_down_e4m3 (its rows into out)."""
         E1, rows, _ = w.shape
         m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
         args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m]
-        self.launch(self.moe_fn, args, (top_k + 1) * rows // 16, x.device)
-
-    def moe_down(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
-                 w_down: torch.Tensor, s_down: torch.Tensor, gu: torch.Tensor, tw: torch.Tensor,
-                 ids: torch.Tensor, out: torch.Tensor) -> None:
-        E1, rows, _ = w.shape
-        m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
-        d = _Down(s_down.data_ptr(), out.data_ptr(), self.moe_count.data_ptr(), w_down.shape[1] // DOWN_ROWS)
-        args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m,
-                self.tensor_map(w_down), d]
-        self.launch(self.moe_down_fn, args, (top_k + 1) * rows // 16, x.device)
+        fn = self.moe_fn
+        if down is not None:
+            w_down, s_down = down
+            n = w_down.shape[1] // DOWN_ROWS  # down chunks a pair
+            d = _Down(s_down.data_ptr(), out.data_ptr(), self.moe_count.data_ptr(), n)
+            args += [self.tensor_map(w_down), d]
+            fn = self.moe_down_fn
+        self.launch(fn, args, (top_k + 1) * rows // 16, x.device)
 
     def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, device: torch.device) -> None:
         """One CTA per SM (at most one per chunk), on the current stream, with the PDL attribute when
@@ -339,20 +339,25 @@ def project_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, no
     return y
 
 
-def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor,
-                s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
+                down: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's experts' gate/up on gemv.cu (the caller checked `wanted_moe`): routed from logits (the
     top_k largest, lowest index on ties, as `routing.softmax_topk`) and the shared expert (w's last).
     -> (gu [top_k + 1, rows] fp32: each pair's gate . x then up . x, slot order; tw [1, top_k + 1] fp32 the
-    routing weights, the shared expert's sigmoid(gate) last; ids [1, top_k + 1] int64)."""
+    routing weights, the shared expert's sigmoid(gate) last; ids [1, top_k + 1] int64).
+    down = (w_down, s_down) (the caller checked `wanted_moe_down`): the experts' down projection in the same
+    launch, and rows [top_k + 1, K] fp32 in gu's place: each pair's unweighted down of bf16(silu(gate) * up),
+    slot order, the shared expert last, as `moe._routed_down`'s."""
     kernel = _kernel(x.device)
     assert kernel is not None, "moe_gate_up() without wanted_moe()"
     W = top_k + 1
     gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
     tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
-    kernel.moe(x, logits, top_k, w, s, gu, tw, ids)
-    return gu, tw, ids
+    out = None if down is None else torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
+    kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out)
+    return (gu if out is None else out), tw, ids
 
 
 def gdn_enabled() -> bool:
@@ -423,9 +428,9 @@ def project_pre_gdn(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor
 
 def wanted_moe_down(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
                     w_down: torch.Tensor, s_down: torch.Tensor) -> bool:
-    """Whether `moe_gate_up_down` serves one token's experts, gate/up and down in one launch: its switch (off
-    until measured), `wanted_moe`, and the down weights w_down [E + 1, K, I] e4m3 with I = SEG (the gate/up's
-    rows / 2) and their [E + 1, K / 128, I / 128] fp32 block scales s_down."""
+    """Whether `moe_gate_up(..., down=)` serves one token's experts, gate/up and down in one launch: its
+    switch (off until measured), `wanted_moe`, and the down weights w_down [E + 1, K, I] e4m3 with I = SEG
+    (the gate/up's rows / 2) and their [E + 1, K / 128, I / 128] fp32 block scales s_down."""
     if os.environ.get(MOE_DOWN_ENV, "0") != "1" or not wanted_moe(x, logits, top_k, w, s):
         return False
     E1, rows, k = w.shape
@@ -434,19 +439,3 @@ def wanted_moe_down(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.
             and s_down.shape == (E1, k // 128, SEG // 128) and s_down.is_contiguous()
             and s_down.data_ptr() % 16 == 0)
 
-
-def moe_gate_up_down(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
-                     w_down: torch.Tensor, s_down: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_gate_up` and the experts' down projection in one launch (the caller checked `wanted_moe_down`):
-    -> (rows [top_k + 1, K] fp32: each pair's unweighted down of bf16(silu(gate) * up), slot order, the shared
-    expert last, as `moe._routed_down`'s; tw [1, top_k + 1]; ids [1, top_k + 1])."""
-    kernel = _kernel(x.device)
-    assert kernel is not None, "moe_gate_up_down() without wanted_moe_down()"
-    W = top_k + 1
-    gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
-    tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
-    ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
-    out = torch.empty(W, w_down.shape[1], dtype=torch.float32, device=x.device)
-    kernel.moe_down(x, logits, top_k, w, s, w_down, s_down, gu, tw, ids, out)
-    return out, tw, ids
