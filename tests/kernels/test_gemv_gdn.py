@@ -4,10 +4,15 @@ The kernel's chunk order and arrival counts are written out here as the CUDA cod
 (`chunk_at`, `gdn_arrive`), and checked with the launcher's parameters (`gemv.gdn_schedule`): every chunk is
 taken once, the updater CTAs (h < hv) take `waves` chunks at most, each head's count reaches GDN_ROWS (else
 CTA h would wait until the kernel's watchdog traps), and every head's rows are in the chunks of the first
-`waves` rounds, so the updaters do not wait on the last ones. The kernel itself runs in
-tests/gpu/test_gemv_gpu.py."""
+`waves` rounds, so the updaters do not wait on the last ones. Where nvcc is, the same rules (and the experts'
+down runs') are checked on gemv.cu's own schedule functions, compiled into a host program
+(gemv_schedule_check.cu). The kernels themselves run in tests/gpu/test_gemv_gpu.py."""
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +107,54 @@ def test_not_wanted_on_the_cpu_or_off(monkeypatch):
     assert not gemv.gdn_enabled() and not gemv.wanted_gdn(*args)  # off by default until measured
     monkeypatch.setenv(gemv.GDN_ENV, "1")
     assert gemv.gdn_enabled() and not gemv.wanted_gdn(*args)  # CPU tensors
+
+
+# ---- the same rules on gemv.cu's own functions, compiled into a host program (where nvcc is) ----
+CHECK_SRC = Path(__file__).with_name("gemv_schedule_check.cu")
+
+
+@pytest.fixture(scope="module")
+def schedule_check(tmp_path_factory):
+    """gemv_schedule_check.cu built for the host (it includes gemv.cu: chunk_of, chunks_of, gdn_rows and
+    down_run are __host__ __device__)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on this machine")
+    exe = tmp_path_factory.mktemp("gemv") / "gemv_schedule_check"
+    mega = Path(gemv.__file__).parent
+    res = subprocess.run(["nvcc", "-O1", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-I{mega}",
+                          "-o", str(exe), str(CHECK_SRC)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def run(*args) -> str:
+        out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=60)
+        return out.stdout.strip()
+
+    return run
+
+
+@pytest.mark.parametrize("hk,hv,grid", [(16, 32, 132), (4, 8, 132), (4, 8, 40), (16, 32, 33), (4, 8, 9)])
+def test_cuda_schedule_gdn(schedule_check, hk, hv, grid):
+    """gemv.cu's chunk_of / gdn_rows / chunks_of with gdn_schedule's parameters: every chunk once, every
+    head's count GDN_ROWS, all within the first `waves` rounds, each updater's chunk count its ring index
+    k0."""
+    n_rows, b_off, a_off = _layout(hk, hv)
+    grid = min(grid, n_rows // gemv.CHUNK_ROWS)
+    rot, waves = gemv.gdn_schedule(n_rows, grid, hv, hk, b_off)
+    assert schedule_check("gdn", n_rows, hk, hv, grid, b_off, a_off, rot, waves, 1) == "OK"
+
+
+def test_cuda_schedule_gdn_catches_a_bad_order(schedule_check):
+    """The check is not vacuous: without the rotation (b and a last) the heads' rows are not in the first 4
+    rounds, and with 2 rounds not either, though every rule of correctness still holds."""
+    n_rows, b_off, a_off = _layout(16, 32)
+    model = ("gdn", n_rows, 16, 32, 132, b_off, a_off)
+    assert schedule_check(*model, 0, 4, 1).startswith("FAIL a head's rows")
+    assert schedule_check(*model, 768, 2, 1).startswith("FAIL a head's rows")
+    assert schedule_check(*model, 768, 2, 0) == "OK"
+
+
+@pytest.mark.parametrize("top_k,grid", [(8, 132), (5, 132), (8, 60), (3, 7)])
+def test_cuda_schedule_down(schedule_check, top_k, grid):
+    """moe_gate_up_down_e4m3's runs (down_run) partition the down chunks in order, each CTA's gate/up count
+    (chunks_of) is where its run starts in the ring, and each pair gets its 64 gate/up chunks."""
+    assert schedule_check("down", top_k, 1024, 32, grid) == "OK"

@@ -328,29 +328,49 @@ __device__ __forceinline__ float2 wg_dot64(const uint8_t* chunk, const float* ws
   return make_float2(v0, v1);
 }
 
-// ---- the DeltaNet decode step after the in_proj (GDN) ----
-// the virtual index of this CTA's k-th chunk, or -1: k < waves on every CTA (chunk b + k grid), past them only on
-// CTAs >= hv; without GDN, chunk b + k grid
-template <bool GDN>
-__device__ __forceinline__ int chunk_at(int k, int n_chunks, const Gdn& g) {
-  const int grid = gridDim.x, b = blockIdx.x;
+// ---- the fused launches' schedules: host-callable, so tests/kernels/gemv_schedule_check.cu runs these very
+// functions on the CPU ----
+__host__ __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+// the virtual index of CTA b's k-th chunk (of n, over grid CTAs), or -1: chunk b + k grid; with hv > 0 (GDN) that
+// for k < waves only, past them the chunks left go to the CTAs >= hv alone
+__host__ __device__ __forceinline__ int chunk_of(int b, int k, int grid, int n, int hv, int waves) {
   int c = b + k * grid;
-  if (GDN && k >= g.waves) {
-    if (b < g.hv) return -1;
-    c = g.waves * grid + (b - g.hv) + (k - g.waves) * (grid - g.hv);
+  if (hv > 0 && k >= waves) {
+    if (b < hv) return -1;
+    c = waves * grid + (b - hv) + (k - waves) * (grid - hv);
   }
-  return c < n_chunks ? c : -1;
+  return c < n ? c : -1;
+}
+// the chunks b + k grid < n: CTA b's count without GDN's rule
+__host__ __device__ __forceinline__ int chunks_of(int b, int grid, int n) { return (n - b + grid - 1) / grid; }
+// of y's rows r0 .. r0 + ROWS - 1, those value head h's step reads: its key head's q and k, its v, b and a
+__host__ __device__ __forceinline__ int gdn_rows(const Gdn& g, int r0, int h) {
+  const int kh = h / (g.hv / g.hk);
+  const int at[5] = {kh * GDN_D, (g.hk + kh) * GDN_D, (2 * g.hk + h) * GDN_D, g.b_off + h, g.a_off + h};
+  const int len[5] = {GDN_D, GDN_D, GDN_D, 1, 1};
+  int n = 0;
+  for (int i = 0; i < 5; ++i) n += imax(0, imin(at[i] + len[i], r0 + ROWS) - imax(at[i], r0));
+  return n;
+}
+// CTA b's run of down chunks [lo, hi) of n_dn (moe_gate_up_down_e4m3: after its chunks_of(b, grid, gate/up) ones)
+__host__ __device__ __forceinline__ void down_run(int b, int grid, int n_dn, int& lo, int& hi) {
+  lo = b * n_dn / grid;
+  hi = (b + 1) * n_dn / grid;
+}
+
+// ---- the DeltaNet decode step after the in_proj (GDN) ----
+template <bool GDN>
+__device__ __forceinline__ int chunk_at(int k, int n_chunks, const Gdn& g) {  // this CTA's k-th chunk, or -1
+  return chunk_of(blockIdx.x, k, gridDim.x, n_chunks, GDN ? g.hv : 0, g.waves);
 }
 // rows r0 .. r0 + ROWS - 1 of y are stored: lane h (< hv) adds those its head reads to count[h]
 __device__ __forceinline__ void gdn_arrive(const Gdn& g, int r0, int lane) {
   if (lane >= g.hv) return;
-  const int h = lane, kh = h / (g.hv / g.hk);
-  auto overlap = [r0](int a, int n) { return max(0, min(a + n, r0 + ROWS) - max(a, r0)); };
-  const int n = overlap(kh * GDN_D, GDN_D) + overlap((g.hk + kh) * GDN_D, GDN_D) +
-                overlap((2 * g.hk + h) * GDN_D, GDN_D) + overlap(g.b_off + h, 1) + overlap(g.a_off + h, 1);
+  const int n = gdn_rows(g, r0, lane);
   if (n) {
     __threadfence();
-    atomicAdd(g.count + h, static_cast<unsigned>(n));
+    atomicAdd(g.count + lane, static_cast<unsigned>(n));
   }
 }
 // the producer of CTA h < hv: its head's state into L2 (last step's: no wait; the slot clamped, a hint only)
@@ -504,7 +524,8 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
         if (lane == 0) land(it, pick[q - 1] * cpp + c - q * cpp);
       }
       if constexpr (DOWN) {  // this CTA's run of down chunks: down chunk d of virtual pair d / dpp
-        const int n_dn = (moe.top_k + 1) * dn.dpp, lo = blockIdx.x * n_dn / grid, hi = (blockIdx.x + 1) * n_dn / grid;
+        int lo, hi;
+        down_run(blockIdx.x, grid, (moe.top_k + 1) * dn.dpp, lo, hi);
         for (int d = lo; d < hi; ++d, ++it) {
           const int q = d / dn.dpp;
           for (; known < q; ++known) {
@@ -599,7 +620,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     }
   }
   if (GDN && blockIdx.x < gdn.hv) {  // the state's two pieces follow the CTA's chunks in the ring
-    const int k0 = min(gdn.waves, (n_chunks - blockIdx.x + grid - 1) / grid);
+    const int k0 = imin(gdn.waves, chunks_of(blockIdx.x, grid, n_chunks));
     mbar_wait(&full[k0 % NS], (k0 / NS) & 1);
     mbar_wait(&full[(k0 + 1) % NS], ((k0 + 1) / NS) & 1);
     gdn_update(gdn, y, xs, reinterpret_cast<const float*>(ring + (k0 % NS) * CHUNK),
@@ -607,8 +628,9 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   }
   if constexpr (DOWN) {
     const int cpp = moe.rows / ROWS, I = moe.rows / 2, H = dn.dpp * DOWN_ROWS;
-    const int n_dn = (moe.top_k + 1) * dn.dpp, lo = blockIdx.x * n_dn / grid, hi = (blockIdx.x + 1) * n_dn / grid;
-    const int first = (n_chunks - blockIdx.x + grid - 1) / grid;  // this CTA's gate/up chunks: it 0 .. first - 1
+    int lo, hi;
+    down_run(blockIdx.x, grid, (moe.top_k + 1) * dn.dpp, lo, hi);
+    const int first = chunks_of(blockIdx.x, grid, n_chunks);  // this CTA's gate/up chunks: it 0 .. first - 1
     for (int d = lo; d < hi;) {  // one pair's part of the run at a time
       const int q = d / dn.dpp, end = min(hi, (q + 1) * dn.dpp), pair = q == 0 ? moe.top_k : q - 1;
       consumers_sync(mega::CT);  // the chunks before are done with x's terms
