@@ -641,7 +641,7 @@ if has bf16ab; then  # (built 2026-12-04g) BF16 batch 1 with KB-0100's state pre
 fi
 if has switches; then  # FP8 batch 1: the defaults and each of SWITCHES (space-separated VAR=VALUE; a comma joins
   # several into one mode: "A=1,B=2") in turn, x REPS (2) rounds, fresh processes; then each mode's median, ~45 s a run
-  modes=(default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=3 METAINFER_WGMMA_GEMV_SLOTS=5})
+  modes=(default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=2 METAINFER_WGMMA_GEMV_SLOTS=6})  # (even rings only)
   for r in $(seq ${REPS:-2}); do
     for i in "${!modes[@]}"; do
       sw=(); [[ ${modes[$i]} != default ]] && IFS=, read -ra sw <<< "${modes[$i]}"

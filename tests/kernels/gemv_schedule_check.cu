@@ -1,4 +1,4 @@
-// gemv.cu's schedule functions (chunk_of, chunks_of, gdn_rows, down_run) run on the CPU: the very code the kernels
+// gemv.cu's schedule functions (chunk_of, chunks_of, gdn_rows, gdn_awaited, down_run) run on the CPU: the very code the kernels
 // call, compiled into a host program (tests/kernels/test_gemv_gdn.py builds and runs it where nvcc is).
 //   gemv_schedule_check gdn N HK HV GRID B_OFF A_OFF ROT WAVES EARLY   (EARLY 1: every head's rows in the first
 //                                                                       WAVES rounds)
@@ -27,11 +27,14 @@ static int check_gdn(int n_rows, int hk, int hv, int grid, int b_off, int a_off,
     for (; (c = chunk_of(b, k, grid, n, hv, waves)) >= 0; ++k) {
       seen[c] += 1;
       const int p = (c + rot) % n;
+      int any = 0;
       for (int h = 0; h < hv; ++h) {
         const int r = gdn_rows(g, p * ROWS, h);
         rows[h] += r;
+        any += r;
         if (c < waves * grid) first[h] += r;
       }
+      if (any > 0 && !gdn_awaited(g, p * ROWS)) return fail("a chunk some head reads is not counted", c, p);
     }
     for (int j = k; j < k + 64; ++j)
       if (chunk_of(b, j, grid, n, hv, waves) >= 0) return fail("a CTA's chunks are not a prefix of k", b, j);

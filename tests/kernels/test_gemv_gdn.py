@@ -51,6 +51,11 @@ def _heads_rows(r0: int, hk: int, hv: int, b_off: int, a_off: int) -> list[int]:
     return out
 
 
+def _awaited(r0: int, hk: int, hv: int, b_off: int, a_off: int) -> bool:  # gemv.cu's gdn_awaited
+    r1 = r0 + gemv.CHUNK_ROWS
+    return r0 < (2 * hk + hv) * D or (r0 < b_off + hv and b_off < r1) or (r0 < a_off + hv and a_off < r1)
+
+
 @pytest.mark.parametrize("hk,hv,grid", [(16, 32, 132), (4, 8, 132), (4, 8, 40), (16, 32, 33), (4, 8, 9)])
 def test_every_chunk_once_and_every_head_complete(hk, hv, grid):
     n_rows, b_off, a_off = _layout(hk, hv)
@@ -74,14 +79,20 @@ def test_every_chunk_once_and_every_head_complete(hk, hv, grid):
     assert all(len(ks) <= waves for ks in per_cta[:hv])
     counts = [0] * hv
     first_rounds = [0] * hv
+    unawaited = 0
     for c in taken:
         p = (c + rot) % n_chunks
-        for h, n in enumerate(_heads_rows(p * gemv.CHUNK_ROWS, hk, hv, b_off, a_off)):
+        heads = _heads_rows(p * gemv.CHUNK_ROWS, hk, hv, b_off, a_off)
+        for h, n in enumerate(heads):
             counts[h] += n
             if c < waves * grid:
                 first_rounds[h] += n
+        awaited = _awaited(p * gemv.CHUNK_ROWS, hk, hv, b_off, a_off)
+        assert awaited or sum(heads) == 0, p  # a chunk whose warpgroup skips the count holds no head's rows
+        unawaited += not awaited
     assert counts == [gemv.GDN_ROWS] * hv
     assert first_rounds == [gemv.GDN_ROWS] * hv  # every head's rows in the first `waves` rounds
+    assert unawaited == hv * D // gemv.CHUNK_ROWS  # the z rows' chunks skip the fence and barrier
 
 
 def test_model_schedule_and_override(monkeypatch):
@@ -132,6 +143,11 @@ def schedule_check(tmp_path_factory):
     return run
 
 
+def _awaited(r0: int, hk: int, hv: int, b_off: int, a_off: int) -> bool:  # gemv.cu's gdn_awaited
+    r1 = r0 + gemv.CHUNK_ROWS
+    return r0 < (2 * hk + hv) * D or (r0 < b_off + hv and b_off < r1) or (r0 < a_off + hv and a_off < r1)
+
+
 @pytest.mark.parametrize("hk,hv,grid", [(16, 32, 132), (4, 8, 132), (4, 8, 40), (16, 32, 33), (4, 8, 9)])
 def test_cuda_schedule_gdn(schedule_check, hk, hv, grid):
     """gemv.cu's chunk_of / gdn_rows / chunks_of with gdn_schedule's parameters: every chunk once, every
@@ -158,3 +174,17 @@ def test_cuda_schedule_down(schedule_check, top_k, grid):
     """moe_gate_up_down_e4m3's runs (down_run) partition the down chunks in order, each CTA's gate/up count
     (chunks_of) is where its run starts in the ring, and each pair gets its 64 gate/up chunks."""
     assert schedule_check("down", top_k, 1024, 32, grid) == "OK"
+
+
+def test_ring_slots_even_only(monkeypatch):
+    """gemv.cu's two warpgroups take alternate chunks: with an odd ring a slot's next chunk would be the other
+    warpgroup's, which could pass its mbarrier wait a phase early (a review found it; 3 and 5 slots had been
+    measured, KB-0106). The launcher refuses odd rings before nvcc runs."""
+    monkeypatch.delenv(gemv.SLOTS_ENV, raising=False)
+    assert gemv.ring_slots() == 4
+    monkeypatch.setenv(gemv.SLOTS_ENV, "6")
+    assert gemv.ring_slots() == 6
+    for bad in ("3", "5", "8"):
+        monkeypatch.setenv(gemv.SLOTS_ENV, bad)
+        with pytest.raises(ValueError, match="SLOTS"):
+            gemv.ring_slots()

@@ -27,9 +27,9 @@
 // boundary fewer a DeltaNet layer. Value head h's step is CTA h's (h < hv <= 32 < grid): each chunk's warpgroup,
 // once its rows are stored, adds to count[h] the rows of head h it holds (its key head's q and k, its v, b and a:
 // GDN_ROWS in all); CTA h, after its own chunks, waits for the count, then updates its [128, 128] fp32 state
-// (prefetched into L2 by its producer at the start, landed in the ring after the CTA's chunks) and writes o. The chunks are taken in an order that lands the
-// heads' rows first: from the b/a rows' chunk on (rot), then the rest; past `waves` chunks a CTA, only CTAs >= hv
-// take more, so that the updaters start early (gemv.py's gdn_schedule).
+// (prefetched into L2 by its producer at the start, landed in the ring after the CTA's chunks) and writes o. The
+// chunks are taken in an order that lands the heads' rows first: from the b/a rows' chunk on (rot), then the rest;
+// past `waves` chunks a CTA, only CTAs >= hv take more, so that the updaters start early (gemv.py's gdn_schedule).
 //
 // moe_gate_up_down_e4m3 (METAINFER_WGMMA_GEMV_MOE_DOWN): moe_gate_up_e4m3 with the experts' down projection after it
 // in the same launch, one kernel boundary fewer a layer. The down weights [E + 1, H, I] (I = 512) are chunks of 64
@@ -57,7 +57,9 @@
 namespace {
 constexpr int CHUNK = 32768, SEG = 512, NS = GEMV_SLOTS;
 constexpr int MOE_MAX_E = 256, MOE_MAX_K = 16;  // routing: 8 logits a lane; the picks in shared memory
-static_assert(NS >= 2 && NS <= 6, "2-6 ring slots");
+static_assert(NS >= 2 && NS <= 6 && NS % 2 == 0, "2, 4 or 6 ring slots");  // even: the two warpgroups take
+// alternate chunks, so a slot's successive chunks are one warpgroup's, which waits their phases in order (with an
+// odd ring the other warpgroup could wait a phase ahead: try_wait.parity passes on the phase before the current)
 constexpr int KK = 2048, ROWS = CHUNK / KK, NB = KK / 128;  // K, rows a chunk, blocks a row
 // shared memory: 1024 (alignment) + the ring and each slot's scales + B's terms (4 KB) + x's block powers of two,
 // x (fp32) and the prologue's block sum + the mbarriers + MOE's picks
@@ -185,7 +187,9 @@ __device__ void route_weights(const Moe& m, const int* pick, int lane) {
 // Pre's x into xs (fp32 of the bf16 values, at mega::xpos): consumer thread t holds columns 8 t .. 8 t + 7
 // What the prologue may read before griddepcontrol.wait (GEMV_PRE_EARLY): the residual (written by the post-
 // attention / post-DeltaNet norm three launches back), the norm's weight and the routing weights (written by the
-// gate/up kernel two launches back); only the rows come from the launch just before (the experts' down).
+// gate/up kernel two launches back); only the rows come from the launch just before (the experts' down). Not so
+// beside moe_gate_up_down_e4m3, whose CTA 0 writes the routing weights late in the launch just before: gemv.py
+// refuses that pair.
 struct PreEarly {
   uint4 res, w;
   float tw[GEMV_PRE_WAVE];  // the first rows' weights (pre_rows)
@@ -353,6 +357,13 @@ __host__ __device__ __forceinline__ int gdn_rows(const Gdn& g, int r0, int h) {
   for (int i = 0; i < 5; ++i) n += imax(0, imin(at[i] + len[i], r0 + ROWS) - imax(at[i], r0));
   return n;
 }
+// whether any head's step reads one of rows r0 .. r0 + ROWS - 1 (q, k, v below (2 hk + hv) D; b; a): the z rows'
+// chunks are counted by no one, so their warpgroups skip the fence and barrier
+__host__ __device__ __forceinline__ bool gdn_awaited(const Gdn& g, int r0) {
+  const int r1 = r0 + ROWS;
+  return r0 < (2 * g.hk + g.hv) * GDN_D || (r0 < g.b_off + g.hv && g.b_off < r1) ||
+         (r0 < g.a_off + g.hv && g.a_off < r1);
+}
 // CTA b's run of down chunks [lo, hi) of n_dn (moe_gate_up_down_e4m3: after its chunks_of(b, grid, gate/up) ones)
 __host__ __device__ __forceinline__ void down_run(int b, int grid, int n_dn, int& lo, int& hi) {
   lo = b * n_dn / grid;
@@ -380,16 +391,24 @@ __device__ __forceinline__ void gdn_prefetch(const Gdn& g) {
   const char* S = reinterpret_cast<const char*>(g.state + ((size_t)slot * g.hv + blockIdx.x) * GDN_D * GDN_D);
   for (int i = 0; i < 4; ++i) l2_prefetch(S + i * 16384, 16384);
 }
+// Triton's fp32 exp and division as its PTX has them (tl.exp: ex2.approx.f32 of x log2 e, __expf's form; tl.sigmoid
+// and `/`: div.full.f32), so that beta, rounded to bf16, takes the same bits as _gdn_decode_kernel's
+__device__ __forceinline__ float tl_div(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 __device__ __forceinline__ float gdn_param(const void* p, int h, int f32) {
   return f32 ? static_cast<const float*>(p)[h] : __bfloat162float(static_cast<const __nv_bfloat16*>(p)[h]);
 }
 // CTA h's step, all consumer warps, after their chunks: `_gdn_decode_kernel`'s arithmetic (q, k l2-normalised, q
 // scaled by D^-0.5; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) rounded to bf16; S *= exp(g);
 // delta = (v - S^T k) beta; S += k delta^T; o = S^T q). The state is in the ring: the producer lands its rows 0-63
-// and 64-127 as the CTA's chunks it0 and it0 + 1 (sa, sb: their slots; all of the CTA's chunks are done). Thread
-// (cw, lane) takes columns 4 lane .. + 3 of rows 16 cw .. + 15; sc: scratch (xs, free once the chunks are done)
+// and 64-127 as the CTA's chunks k0 and k0 + 1 (sa, sb: their slots, on the mbarriers fa, fb; all of the CTA's
+// chunks are done). Thread (cw, lane) takes columns 4 lane .. + 3 of rows 16 cw .. + 15; sc: scratch (xs, free once
+// the chunks are done)
 __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, const float* sa, const float* sb,
-                           int cw, int lane) {
+                           uint64_t* fa, uint64_t* fb, int k0, int cw, int lane) {
   const int h = blockIdx.x, kh = h / (g.hv / g.hk), r0 = cw * 16, c0 = lane * 4;
   float* qn = sc;              // [D]
   float* kn = qn + GDN_D;      // [D]
@@ -399,7 +418,10 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, cons
   const bool has = g.has[0] != 0;
   float* S = g.state + ((size_t)slot * g.hv + h) * GDN_D * GDN_D;
   const float* rows = (r0 < 64 ? sa : sb) + (r0 % 64) * GDN_D + c0;  // this thread's 16 rows (in one piece)
-  consumers_sync(mega::CT);  // both warpgroups are past their chunks: xs is free
+  consumers_sync(mega::CT);  // both warpgroups are past their chunks: xs is free, and every earlier phase of the
+  // state's slots is complete, so each thread's parity wait below is on the current phase (not one ahead)
+  mbar_wait(fa, (k0 / NS) & 1);
+  mbar_wait(fb, ((k0 + 1) / NS) & 1);
   if (threadIdx.x == 0) wait_at_least(g.count + h, GDN_ROWS);
   consumers_sync(mega::CT);
   if (cw < 2) {  // warp 0: q, warp 1: k
@@ -409,12 +431,13 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, cons
     for (int j = 0; j < 4; ++j) v[j] = bf16_at(src, lane + 32 * j), ss += v[j] * v[j];
     const float r = rsqrtf(mega::warp_sum(ss) + 1e-6f);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) (cw == 0 ? qn : kn)[lane + 32 * j] = cw == 0 ? v[j] * r * 0.08838834764831845f : v[j] * r;
+    for (int j = 0; j < 4; ++j)
+      (cw == 0 ? qn : kn)[lane + 32 * j] = cw == 0 ? v[j] * r * 0.08838834764831845f : v[j] * r;
   } else if (cw == 2 && lane == 0) {
     const float a = bf16_at(y, g.a_off + h) + gdn_param(g.dt_bias, h, g.gate_f32);
-    const float sp = a > 20.f ? a : logf(1.f + expf(a));
-    gates[0] = expf(-expf(gdn_param(g.a_log, h, g.gate_f32)) * sp);
-    gates[1] = __bfloat162float(__float2bfloat16_rn(1.f / (1.f + expf(-bf16_at(y, g.b_off + h)))));
+    const float sp = a > 20.f ? a : logf(1.f + __expf(a));
+    gates[0] = __expf(-__expf(gdn_param(g.a_log, h, g.gate_f32)) * sp);
+    gates[1] = __bfloat162float(__float2bfloat16_rn(tl_div(1.f, 1.f + __expf(-bf16_at(y, g.b_off + h)))));
   }
   float v[4];
 #pragma unroll
@@ -612,19 +635,22 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       const __nv_bfloat16 yb = __float2bfloat16_rn(lane < 2 ? r01 : r23);
       y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
     }
-    if (GDN || DOWN) {  // the chunk's 16 outputs are stored (lanes 0-3 of each warp): count them where awaited
+    if (DOWN || (GDN && gdn_awaited(gdn, p * ROWS))) {  // the chunk's 16 outputs are stored (lanes 0-3 of each
+      // warp): count them where awaited (p is the warpgroup's: the barrier is taken by all of it or none)
       if (lane < 4) __threadfence();
       warpgroup_sync(wg);
       if (GDN && w4 == 0) gdn_arrive(gdn, p * ROWS, lane);  // for the heads that read these rows
-      if (DOWN && w4 == 0 && lane == 0) atomicAdd(dn.count + c / (moe.rows / ROWS), 1u);  // one more of its pair's
+      if (DOWN && w4 == 0 && lane == 0) {  // one more of its pair's: the fence after the barrier, so that it
+        __threadfence();                     // orders the other warps' stores too (the PTX model's cumulativity)
+        atomicAdd(dn.count + c / (moe.rows / ROWS), 1u);
+      }
     }
   }
   if (GDN && blockIdx.x < gdn.hv) {  // the state's two pieces follow the CTA's chunks in the ring
     const int k0 = imin(gdn.waves, chunks_of(blockIdx.x, grid, n_chunks));
-    mbar_wait(&full[k0 % NS], (k0 / NS) & 1);
-    mbar_wait(&full[(k0 + 1) % NS], ((k0 + 1) / NS) & 1);
     gdn_update(gdn, y, xs, reinterpret_cast<const float*>(ring + (k0 % NS) * CHUNK),
-               reinterpret_cast<const float*>(ring + ((k0 + 1) % NS) * CHUNK), warp, lane);
+               reinterpret_cast<const float*>(ring + ((k0 + 1) % NS) * CHUNK), &full[k0 % NS],
+               &full[(k0 + 1) % NS], k0, warp, lane);
   }
   if constexpr (DOWN) {
     const int cpp = moe.rows / ROWS, I = moe.rows / 2, H = dn.dpp * DOWN_ROWS;
@@ -662,6 +688,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     if (threadIdx.x == 0) {
       __threadfence();
       if (atomicAdd(dn.count + MOE_MAX_K, 1u) == gridDim.x - 1) {  // the last CTA: no count is read any more
+        __threadfence();  // (acquire: every CTA's increments are before the zeroes)
         for (int q = 0; q <= moe.top_k; ++q) dn.count[q] = 0u;
         dn.count[MOE_MAX_K] = 0u;
       }

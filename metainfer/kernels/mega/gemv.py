@@ -37,7 +37,7 @@ from metainfer.kernels.common import env_int
 
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
-SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2-6, default 4): same outputs
+SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2, 4 or 6; default 4): same outputs
 DEFINES_ENV = "METAINFER_WGMMA_GEMV_DEFINES"  # more -D flags for gemv.cu's build (A/Bs): "-DGEMV_PRE_EARLY=1"
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
 PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
@@ -130,7 +130,7 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
     """`wanted`, with the DeltaNet decode conv of one decoding row as the epilogue (`project`'s conv)."""
     C, ck = conv_weight.shape
     return (os.environ.get(CONV_ENV, "1") != "0" and w.shape[1] == K and wanted(x, w, s)
-            and slots.shape == (1,) and ck == CONV_K and C <= w.shape[0]
+            and slots.shape == (1,) and slots.dtype == torch.int64 and ck == CONV_K and C <= w.shape[0]
             and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
 
@@ -183,7 +183,7 @@ class _Kernel:
         self.launch_mod = launch
         torch.zeros(1, device=device)  # the primary context exists and is current
         self.drv = launch._Driver()
-        slots = env_int(SLOTS_ENV, 4, 2, 6)
+        slots = ring_slots()
         defines = (f"-DGEMV_SLOTS={slots}", *build_defines())
         self.image = launch.build(main="gemv.cu", defines=defines).read_bytes()
         self.module = ctypes.c_void_p()
@@ -280,6 +280,16 @@ class _Kernel:
         cfg.attrs = ctypes.pointer(attr)
         cfg.n_attrs = int(pdl.enabled())
         self.drv("cuLaunchKernelEx", ctypes.byref(cfg), fn, params, None)
+
+
+def ring_slots() -> int:
+    """METAINFER_WGMMA_GEMV_SLOTS: 2, 4 (the default) or 6. Even only: the two consumer warpgroups take
+    alternate chunks, so with an odd ring a slot's next chunk would be the other warpgroup's, which could pass
+    its mbarrier wait a phase early (gemv.cu's static_assert says why)."""
+    slots = env_int(SLOTS_ENV, 4, 2, 6)
+    if slots % 2:
+        raise ValueError(f"{SLOTS_ENV} must be 2, 4 or 6 (an even ring); got {slots}")
+    return slots
 
 
 def build_defines() -> tuple[str, ...]:
@@ -412,7 +422,7 @@ def project_pre_gdn(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor
     N = w.shape[0]
     if not (wanted_gdn(N, conv, A_log, dt_bias, state, count, hk, hv, b_off, a_off)
             and wanted_pre(rows, tw, residual, norm_weight, new_res, w, s)
-            and wanted_conv(residual, w, s, *conv[:3])):
+            and wanted_conv(residual, w, s, *conv[:3]) and conv[3].dtype in (torch.bool, torch.uint8)):
         return None
     kernel = _kernel(rows.device)
     slots, has = conv[2], conv[3]
@@ -432,6 +442,8 @@ def wanted_moe_down(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.
     switch (off until measured), `wanted_moe`, and the down weights w_down [E + 1, K, I] e4m3 with I = SEG
     (the gate/up's rows / 2) and their [E + 1, K / 128, I / 128] fp32 block scales s_down."""
     if os.environ.get(MOE_DOWN_ENV, "0") != "1" or not wanted_moe(x, logits, top_k, w, s):
+        return False
+    if "-DGEMV_PRE_EARLY=1" in build_defines():  # the next prologue would read tw before this launch writes it
         return False
     E1, rows, k = w.shape
     return (w_down.shape == (E1, k, rows // 2) and rows // 2 == SEG and w_down.dtype == torch.float8_e4m3fn
