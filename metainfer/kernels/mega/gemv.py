@@ -443,7 +443,7 @@ def wanted_moe_down(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.
     (the gate/up's rows / 2) and their [E + 1, K / 128, I / 128] fp32 block scales s_down."""
     if os.environ.get(MOE_DOWN_ENV, "0") != "1" or not wanted_moe(x, logits, top_k, w, s):
         return False
-    if "-DGEMV_PRE_EARLY=1" in build_defines():  # the next prologue would read tw before this launch writes it
+    if "-DGEMV_PRE_EARLY=1" in build_defines():  # the next prologue would read tw before it is written
         return False
     E1, rows, k = w.shape
     return (w_down.shape == (E1, k, rows // 2) and rows // 2 == SEG and w_down.dtype == torch.float8_e4m3fn
