@@ -188,3 +188,20 @@ def test_ring_slots_even_only(monkeypatch):
         monkeypatch.setenv(gemv.SLOTS_ENV, bad)
         with pytest.raises(ValueError, match="SLOTS"):
             gemv.ring_slots()
+
+
+def test_watchdog_report_names_the_wait(monkeypatch):
+    """gemv.cu's watchdog writes [code, CTA, thread, saw, needed, kernel] into pinned host memory before it
+    traps; watchdog_report turns that into a line (the kernels themselves: tests/gpu)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(gemv, "_KERNELS", {})
+    assert gemv.watchdog_report() is None
+    watch = torch.zeros(8, dtype=torch.int32)
+    monkeypatch.setattr(gemv, "_KERNELS", {torch.device("cuda", 0): SimpleNamespace(watch=watch), "x": None})
+    assert gemv.watchdog_report() is None  # nothing recorded
+    watch[:6] = torch.tensor([1, 7, 0, 300, 386, 1], dtype=torch.int32)
+    report = gemv.watchdog_report()
+    assert "CTA 7" in report and "gemv_e4m3_pre_gdn" in report and "saw 300, needed 386" in report
+    watch[:6] = torch.tensor([2, 3, 128, 5, 1, 0], dtype=torch.int32)
+    assert "a full ring slot" in gemv.watchdog_report() and "chunk 5" in gemv.watchdog_report()

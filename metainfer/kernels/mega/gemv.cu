@@ -54,6 +54,13 @@
 #define GEMV_SLOTS 4  // ring slots of 32 KB (fewer: room on the SM for the next kernel's CTAs; gemv.py's SLOTS_ENV)
 #endif
 
+// The watchdog: every wait on another CTA's count or on the ring is bounded (~2^22 polls, seconds); the first
+// thread to give up writes what it waited for into gemv_watch and traps. gemv.py points gemv_watch at pinned host
+// memory, which the host can still read once the trap has ended the context (gemv.watchdog_report).
+__device__ unsigned* gemv_watch;  // [8]: code (1 a count, 2 a full slot, 3 an empty slot), CTA, thread, what it
+                                  // saw (the count; the chunk), what it needed (n; the parity), kernel; or null
+__device__ unsigned gemv_claim;   // the first to give up (device memory: no atomics on the host's)
+
 namespace {
 constexpr int CHUNK = 32768, SEG = 512, NS = GEMV_SLOTS;
 constexpr int MOE_MAX_E = 256, MOE_MAX_K = 16;  // routing: 8 logits a lane; the picks in shared memory
@@ -306,14 +313,34 @@ __device__ __forceinline__ __nv_bfloat16 conv_row(__nv_bfloat16 yb, int n, const
   return __float2bfloat16_rn(c / (1.f + __expf(-c)));
 }
 
-// a count in global memory reaching n (one thread): bounded (~2^22 polls, seconds), so a count that never comes
-// traps instead of hanging the step
-__device__ __forceinline__ void wait_at_least(const unsigned* p, unsigned n) {
+enum : unsigned { WATCH_COUNT = 1, WATCH_FULL = 2, WATCH_EMPTY = 3 };
+constexpr uint32_t WATCH_LIMIT = 1u << 22;
+__device__ __noinline__ void give_up(unsigned code, unsigned saw, unsigned need, unsigned kernel) {
+  unsigned* w = gemv_watch;
+  if (w != nullptr && atomicCAS(&gemv_claim, 0u, 1u) == 0u) {
+    w[1] = blockIdx.x, w[2] = threadIdx.x, w[3] = saw, w[4] = need, w[5] = kernel;
+    __threadfence_system();
+    w[0] = code;
+    __threadfence_system();
+  }
+  __trap();
+}
+// a count in global memory reaching n (one thread): bounded, so that a count that never comes traps (and says so)
+// instead of hanging the step; kernel: which launch (gemv.py's WATCH_KERNELS)
+__device__ __forceinline__ void wait_at_least(const unsigned* p, unsigned n, unsigned kernel) {
   uint32_t i = 0;
-  while (ld_acquire(p) < n)
-    if (++i == (1u << 22)) __trap();
+  for (unsigned v; (v = ld_acquire(p)) < n;)
+    if (++i == WATCH_LIMIT) give_up(WATCH_COUNT, v, n, kernel);
     else __nanosleep(32);
   __threadfence();
+}
+// a ring slot's mbarrier phase (`mbar_wait`, bounded): chunk `it` of this CTA; one try inline
+__device__ __noinline__ void ring_wait_slow(uint64_t* bar, uint32_t parity, unsigned code, unsigned it) {
+  for (uint32_t n = 0; !mega::bar_try(bar, parity);)
+    if (++n == WATCH_LIMIT) give_up(code, it, parity, 0);
+}
+__device__ __forceinline__ void ring_wait(uint64_t* bar, uint32_t parity, unsigned code, unsigned it) {
+  if (!mega::bar_try(bar, parity)) ring_wait_slow(bar, parity, code, it);
 }
 
 // One down chunk's 64 dots (DOWN_ROWS rows of K = 512: the view rows are W's rows; B's columns 0, 1 hold x's first
@@ -420,9 +447,9 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, cons
   const float* rows = (r0 < 64 ? sa : sb) + (r0 % 64) * GDN_D + c0;  // this thread's 16 rows (in one piece)
   consumers_sync(mega::CT);  // both warpgroups are past their chunks: xs is free, and every earlier phase of the
   // state's slots is complete, so each thread's parity wait below is on the current phase (not one ahead)
-  mbar_wait(fa, (k0 / NS) & 1);
-  mbar_wait(fb, ((k0 + 1) / NS) & 1);
-  if (threadIdx.x == 0) wait_at_least(g.count + h, GDN_ROWS);
+  ring_wait(fa, (k0 / NS) & 1, WATCH_FULL, k0);
+  ring_wait(fb, ((k0 + 1) / NS) & 1, WATCH_FULL, k0 + 1);
+  if (threadIdx.x == 0) wait_at_least(g.count + h, GDN_ROWS, 1);
   consumers_sync(mega::CT);
   if (cw < 2) {  // warp 0: q, warp 1: k
     const __nv_bfloat16* src = y + (cw == 0 ? kh : g.hk + kh) * GDN_D;
@@ -521,7 +548,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     // chunk it of this CTA into its slot: the map's view rows v64 .. v64 + 63 and their block scales
     auto land_at = [&](uint32_t it, const CUtensorMap* map, int v64, const float* sc, uint32_t sbytes) {
       const uint32_t slot = it % NS;
-      mbar_wait(&empty[slot], ((it / NS) & 1) ^ 1);
+      ring_wait(&empty[slot], ((it / NS) & 1) ^ 1, WATCH_EMPTY, it);
       mbar_expect_tx(&full[slot], CHUNK + sbytes);
       for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, map, kb * 128, v64, &full[slot]);
       bulk_load(wsc + slot * NB, sc, sbytes, &full[slot]);
@@ -576,7 +603,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
         const float* S = gdn.state + ((size_t)gdn.slots[0] * gdn.hv + blockIdx.x) * GDN_D * GDN_D;
         for (int j = 0; j < 2; ++j, ++k) {
           const uint32_t sl = k % NS;
-          mbar_wait(&empty[sl], ((k / NS) & 1) ^ 1);
+          ring_wait(&empty[sl], ((k / NS) & 1) ^ 1, WATCH_EMPTY, k);
           mbar_expect_tx(&full[sl], CHUNK);
           bulk_load(ring + sl * CHUNK, S + j * (CHUNK / 4), CHUNK, &full[sl]);
         }
@@ -620,7 +647,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     const bool is_conv = lane < 4 && row < conv.n_conv;
     ConvRow cr;
     if (is_conv) cr = conv_loads(row, conv, slot, has);
-    mbar_wait(&full[slot_i], (it / NS) & 1);
+    ring_wait(&full[slot_i], (it / NS) & 1, WATCH_FULL, it);
     const float2 v = mega::wg_dot16(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf, lane);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot_i]);
@@ -660,7 +687,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     for (int d = lo; d < hi;) {  // one pair's part of the run at a time
       const int q = d / dn.dpp, end = min(hi, (q + 1) * dn.dpp), pair = q == 0 ? moe.top_k : q - 1;
       consumers_sync(mega::CT);  // the chunks before are done with x's terms
-      if (threadIdx.x == 0) wait_at_least(dn.count + q, cpp);
+      if (threadIdx.x == 0) wait_at_least(dn.count + q, cpp, 2);
       consumers_sync(mega::CT);
       const float* gu = moe.gu + (size_t)pair * moe.rows;
       for (int i = threadIdx.x; i < I; i += mega::CT) {  // silu(gate) * up, rounded to bf16 (the kernel's x dtype)
@@ -673,7 +700,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       for (int it = first + (d - lo); d < end; ++d, ++it) {
         if ((it & 1) != wg) continue;
         const uint32_t slot_i = it % NS;
-        mbar_wait(&full[slot_i], (it / NS) & 1);
+        ring_wait(&full[slot_i], (it / NS) & 1, WATCH_FULL, it);
         const float2 v = wg_dot64(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot_i]);
@@ -732,6 +759,9 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
   gemv_body<true, false, false, true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe, Gdn{},
                                       &dmap, dn);
 }
+
+// the watchdog's report buffer (gemv.py: pinned host memory, once at load)
+extern "C" __global__ void gemv_set_watch(unsigned* w) { gemv_watch = w; }
 
 // the layout constants the launcher (gemv.py) must agree with
 extern "C" __global__ void gemv_constants(long long* out) {

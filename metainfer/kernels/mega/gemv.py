@@ -188,19 +188,23 @@ class _Kernel:
         self.image = launch.build(main="gemv.cu", defines=defines).read_bytes()
         self.module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
-        self.fn, self.moe_fn, const_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self.fn, self.moe_fn = ctypes.c_void_p(), ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
         self.pre_fn, self.gdn_fn, self.moe_down_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.pre_fn), self.module, b"gemv_e4m3_pre")
         self.drv("cuModuleGetFunction", ctypes.byref(self.gdn_fn), self.module, b"gemv_e4m3_pre_gdn")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_down_fn), self.module, b"moe_gate_up_down_e4m3")
-        self.drv("cuModuleGetFunction", ctypes.byref(const_fn), self.module, b"gemv_constants")
         out = torch.zeros(7, dtype=torch.int64, device=device)
-        args = [ctypes.c_void_p(out.data_ptr())]
-        self.drv("cuLaunchKernel", const_fn, 1, 1, 1, 1, 1, 1, 0,
-                 ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), launch.kernel_params(args),
-                 None)
+        # the watchdog's report: pinned host memory (the device writes it through unified addressing), which
+        # stays readable once a trap has ended the context (watchdog_report)
+        self.watch = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        for name, arg in ((b"gemv_constants", out.data_ptr()), (b"gemv_set_watch", self.watch.data_ptr())):
+            fn = ctypes.c_void_p()
+            self.drv("cuModuleGetFunction", ctypes.byref(fn), self.module, name)
+            self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
+                     launch.kernel_params([ctypes.c_void_p(arg)]), None)
         self.threads, self.smem, conv, moe, pre, gdn, down = out.tolist()
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
                 + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W,
@@ -298,6 +302,25 @@ def build_defines() -> tuple[str, ...]:
 
 
 _KERNELS: dict[torch.device, _Kernel | None] = {}
+WATCH_KERNELS = ("a ring slot's chunk", "gemv_e4m3_pre_gdn: a head's rows",
+                 "moe_gate_up_down_e4m3: a pair's chunks")
+WATCH_CODES = {1: "a count", 2: "a full ring slot", 3: "an empty ring slot"}
+
+
+def watchdog_report() -> str | None:
+    """What gemv.cu's watchdog recorded where a wait gave up (then the kernel trapped and the context is
+    gone; this reads the pinned host copy): which kernel, CTA and thread, and what it saw against what it
+    needed. None where no wait has given up (or gemv.cu is not loaded)."""
+    for dev, k in _KERNELS.items():
+        if k is None or int(k.watch[0]) == 0:
+            continue
+        code, cta, thread, saw, need, kernel = (int(v) for v in k.watch[:6].tolist())
+        what = WATCH_CODES.get(code, f"code {code}")
+        where = WATCH_KERNELS[kernel] if 0 <= kernel < len(WATCH_KERNELS) else f"kernel {kernel}"
+        detail = (f"saw {saw}, needed {need}" if code == 1 else f"chunk {saw} of the CTA, parity {need}")
+        return (f"gemv.cu watchdog on {dev}: CTA {cta} thread {thread} gave up waiting on {what} ({where}): "
+                f"{detail}")
+    return None
 
 
 def _kernel(device: torch.device) -> _Kernel | None:
