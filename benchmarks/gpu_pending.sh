@@ -192,6 +192,8 @@
 #            oracle, profile (see the phase), ~6 min
 #   moedown - (2026-12-04i, not yet run) the experts' down inside the gate/up's launch: GPU tests, A/B, oracle,
 #            ~7 min; fusedboth: both fusions against neither, and their profile, ~5 min
+#   fusions - (2026-12-05) both fusions' GPU tests, then none / each / both in turn (~8 min); fusverify ON="...":
+#            the oracle and the profile with those switches (~3 min): the two calls in place of the three above
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -726,6 +728,41 @@ if has moedown; then  # (built 2026-12-04i on the CPU, not yet run) the experts'
   else
     echo "[moedown] GPU tests failed: no A/B (see moedown_tests.log)"
   fi
+fi
+if has fusions; then  # (2026-12-05: gdnfuse, moedown and fusedboth's A/Bs in one call) each fusion's GPU tests in
+  # processes of their own (a trap ends its process's context, not the other's; gemv.cu's watchdog report is in the
+  # log); then FP8 batch 1 with none, each fusion whose tests passed, and both, in turn x REPS (2), ~8 min.
+  # The oracle and the profile of the winner: PHASES=fusverify ON="VAR ..." (~3 min).
+  ok=()
+  for f in "gdn METAINFER_WGMMA_GEMV_GDN gdn gdn" "moedown METAINFER_WGMMA_GEMV_MOE_DOWN moe_gate_up_down moe_down"; do
+    set -- $f
+    if fusion_tests $1 "$3" "gemv_fusions and $4"; then ok+=("$2"); else echo "[fusions] $1: GPU tests failed"; fi
+  done
+  modes=(none "${ok[@]}")
+  [ ${#ok[@]} = 2 ] && modes+=("${ok[0]},${ok[1]}")
+  for r in $(seq ${REPS:-2}); do
+    for i in "${!modes[@]}"; do
+      sw=(); [[ ${modes[$i]} != none ]] && IFS=, read -ra on <<< "${modes[$i]}" && sw=("${on[@]/%/=1}")
+      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
+        --out $OUT/fus_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[${modes[$i]} $r] /"
+    done
+  done
+  python3 - "$OUT" "${modes[@]}" <<'PY'
+import glob, json, statistics, sys
+out, modes = sys.argv[1], sys.argv[2:]
+for i, mode in enumerate(modes):
+    v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/fus_{i}_*/*.json")]
+    print(f"[fusions] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[fusions] {mode}: none")
+PY
+  (cd $OUT && tar czf fusions.tgz fus_* && rm -rf fus_*)
+fi
+if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel and
+  # batch 8 with them, ~3 min
+  sw=(); for v in ${ON:-METAINFER_WGMMA_GEMV_GDN METAINFER_WGMMA_GEMV_MOE_DOWN}; do sw+=("$v=1"); done
+  env "${sw[@]}" timeout 150 python -m metainfer.cli verify --model dummy:metainfer/configs/qwen3.6-35b-a3b.json \
+    --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_fusions.json 2>&1 | grep -E "verdict" | head -1
+  env "${sw[@]}" timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8 --gen 32 \
+    --out $OUT/fusions_exposed 2>&1 | sed -n '/wall time by kernel/,$p' | head -14 | sed "s/^/[fusions exposed] /"
 fi
 if has fusedboth; then  # (after gdnfuse and moedown passed) both fusions on against both off, alternating x REPS
   # (2), then the exposed profile (batch 1) and batch 8 with both, ~5 min
