@@ -194,6 +194,8 @@
 #            ~7 min; fusedboth: both fusions against neither, and their profile, ~5 min
 #   fusions - (2026-12-05) both fusions' GPU tests, then none / each / both in turn (~8 min); fusverify ON="...":
 #            the oracle and the profile with those switches (~3 min): the two calls in place of the three above
+#   nextl2 - (KB-0110, 2026-12-05, not yet run) the experts' L2 prefetch of the next projection: GPU tests, then
+#            NEXT_L2 0 / 2 / 4 (BASE: switches on in every mode), ~5 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -230,6 +232,16 @@ fusion_tests() {  # $1 name, $2 / $3: -k of tests/gpu/test_gemv_gpu.py / test_en
       && timeout 150 python -m pytest -q -x tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "$3" 2>&1; } \
     | tee $OUT/$1_tests.log | grep -E "passed|failed|rror" | tail -4
   [ "$(grep -c " passed" $OUT/$1_tests.log)" = 2 ] && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/$1_tests.log
+}
+medians() {  # $1: a tag, $2: the runs' folder prefix under $OUT ($OUT/<prefix>_<mode index>_<round>), then the
+  # modes in order -> each mode's median FP8 batch-1 tok/s
+  python3 - "$OUT" "$@" <<'PY'
+import glob, json, statistics, sys
+out, tag, prefix, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+for i, mode in enumerate(modes):
+    v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/{prefix}_{i}_*/*.json")]
+    print(f"[{tag}] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[{tag}] {mode}: none")
+PY
 }
 PHASES=${PHASES:-tests ab}
 if has tests; then
@@ -651,13 +663,7 @@ if has switches; then  # FP8 batch 1: the defaults and each of SWITCHES (space-s
         --out $OUT/sw_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[${modes[$i]} $r] /"
     done
   done
-  python3 - "$OUT" "${modes[@]}" <<'PY'
-import glob, json, statistics, sys
-out, modes = sys.argv[1], sys.argv[2:]
-for i, mode in enumerate(modes):
-    v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/sw_{i}_*/*.json")]
-    print(f"[switches] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[switches] {mode}: none")
-PY
+  medians switches sw "${modes[@]}"
   (cd $OUT && tar czf switches.tgz sw_* && rm -rf sw_*)
 fi
 if has oproj; then  # (2026-12-04g) KB-0066 again: the attention o_proj at batch 1 on the one-wave preloading GEMV
@@ -747,14 +753,27 @@ if has fusions; then  # (2026-12-05: gdnfuse, moedown and fusedboth's A/Bs in on
         --out $OUT/fus_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[${modes[$i]} $r] /"
     done
   done
-  python3 - "$OUT" "${modes[@]}" <<'PY'
-import glob, json, statistics, sys
-out, modes = sys.argv[1], sys.argv[2:]
-for i, mode in enumerate(modes):
-    v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/fus_{i}_*/*.json")]
-    print(f"[fusions] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[fusions] {mode}: none")
-PY
+  medians fusions fus "${modes[@]}"
   (cd $OUT && tar czf fusions.tgz fus_* && rm -rf fus_*)
+fi
+if has nextl2; then  # (KB-0110, built 2026-12-05 on the CPU, not yet run) the experts' launch prefetching the next
+  # layer's first projection into L2 (METAINFER_WGMMA_GEMV_NEXT_L2 chunks a CTA): its GPU tests (a hint: the same
+  # bits), then FP8 batch 1 at 0 and each of NEXT_L2S (2 4) in turn x REPS (2), BASE's switches on in every mode
+  # (e.g. BASE=METAINFER_WGMMA_GEMV_MOE_DOWN=1, whose CTAs the next projection's cannot sit beside), ~5 min
+  if fusion_tests nextl2 "next_l2" "gemv_fusions and next_l2"; then
+    base=(${BASE:-}); modes=(0 ${NEXT_L2S:-2 4})
+    for r in $(seq ${REPS:-2}); do
+      for i in "${!modes[@]}"; do
+        env "${base[@]}" METAINFER_WGMMA_GEMV_NEXT_L2=${modes[$i]} timeout 90 python benchmarks/decode_bench.py \
+          --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/nl2_${i}_$r 2>&1 | grep -E "^\| 1 " \
+          | sed "s/^/[next_l2 ${modes[$i]} ${BASE:-} $r] /"
+      done
+    done
+    medians "next_l2 ${BASE:-}" nl2 "${modes[@]}"
+    (cd $OUT && tar czf nextl2${BASE:+_base}.tgz nl2_* && rm -rf nl2_*)
+  else
+    echo "[nextl2] GPU tests failed: no A/B (see nextl2_tests.log)"
+  fi
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel and
   # batch 8 with them, ~3 min

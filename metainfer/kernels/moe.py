@@ -422,6 +422,7 @@ def moe_routed_rows(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict | None = None,
+    prefetch: tuple[torch.Tensor, int] | None = None,  # the next projection (`gemv.next_l2`; one token)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing and the experts of a decode batch in two launches, the weighted sum left to the
     consumer (`norm.moe_add_rms_norm`): the gate/up kernel routes each (token, slot) itself (no
@@ -442,9 +443,9 @@ def moe_routed_rows(
             and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, gate_up_scale)):  # KB-0096
         if gemv.wanted_moe_down(x, router_logits, top_k, w_gate_up, gate_up_scale, w_down, down_scale):
             y, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale,
-                                        down=(w_down, down_scale))  # the down in the same launch (unmeasured)
+                                        down=(w_down, down_scale), prefetch=prefetch)  # (unmeasured)
             return y.view(T, W, H), tw
-        gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale)
+        gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale, prefetch=prefetch)
         y = _routed_down(gu, w_down, _scale_args(down_scale, w_down), router_logits, top_k, W, fp8, cfg,
                          gu=True)
         return y.view(T, W, H), tw

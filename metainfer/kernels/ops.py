@@ -96,10 +96,12 @@ def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None
     return ref.moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
+def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale=None, down_scale=None,
+                    prefetch=None):
     """Routing + experts with the weighted sum left to `moe_add_rms_norm` (one launch fewer each).
     -> (rows [T, W, H] fp32, weights [T, W] fp32), or None where no kernel serves x (the CPU, the
-    reference path, batches past the per-pair decode path): then use route + `moe_experts`."""
+    reference path, batches past the per-pair decode path): then use route + `moe_experts`.
+    prefetch: the next layer's first projection (`gemv.next_l2`), a hint the kernels may take."""
     k = _kernel("moe_routed_rows", x)
     if not k:
         return None
@@ -107,7 +109,19 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
 
     if not routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn):
         return None
-    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
+    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale, prefetch=prefetch)
+
+
+def first_chunks(weight, weight_scale, gdn_b_off=None):
+    """What an experts' launch may prefetch into L2 of the next layer's first projection (FP8 weight [N, K]
+    on gemv.cu; `gemv.next_l2`): (weight, its chunk rotation: gemv_e4m3_pre_gdn's where the DeltaNet step
+    runs in that launch, gdn_b_off its b rows' offset), or None (BF16 weights)."""
+    if weight_scale is None:
+        return None
+    from metainfer.kernels.mega import gemv
+
+    fused = gdn_b_off is not None and gemv.gdn_enabled()
+    return weight, (gdn_b_off // gemv.CHUNK_ROWS if fused else 0)
 
 
 MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (a combine launch), not `moe_rows` (KB-0035)

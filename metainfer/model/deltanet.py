@@ -50,6 +50,11 @@ class GatedDeltaNet(nn.Module):
         in_proj with the conv epilogue (`Linear.conv_forward`), which takes no e4m3 copy."""
         return self.in_proj if meta.num_decodes == 0 else False
 
+    def first_chunks(self) -> tuple[torch.Tensor, int] | None:
+        """The previous layer's experts' L2 prefetch of in_proj (`ops.first_chunks`)."""
+        b_off, _ = self.in_proj.row_offset("in_proj_b")
+        return ops.first_chunks(self.in_proj.weight, self.in_proj.weight_scale_inv, b_off)
+
     def _decode_fused(self, x: PendingNorm, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                       slots: torch.Tensor, has_state: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:

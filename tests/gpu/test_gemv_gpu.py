@@ -395,6 +395,28 @@ def test_moe_gate_up_down_equals_the_two_launches(E, top_k, ties, monkeypatch):
     assert not gemv.wanted_moe_down(x, logits, top_k, w, s, wd, sd)  # off by default (unmeasured)
 
 
+@pytest.mark.parametrize("down", [False, True])
+def test_moe_next_l2_is_only_a_hint(down, monkeypatch):
+    """The experts' launch prefetching the next projection's first chunks into L2
+    (METAINFER_WGMMA_GEMV_NEXT_L2, rotated as gemv_e4m3_pre_gdn takes them): the same bits as without, with
+    and without the fused down."""
+    x, logits, w, s = _moe_problem(256, 8, 81, False)
+    wd, sd = _down_weights(256, 82)
+    w_next = (torch.randn(12352, 2048, device="cuda") * 0.1).to(torch.float8_e4m3fn)
+    monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1" if down else "0")
+    kw = dict(down=(wd, sd)) if down else {}
+    monkeypatch.setenv(gemv.NEXT_L2_ENV, "0")
+    assert gemv.next_l2((w_next, 768), x.device) is None  # off: nothing to prefetch
+    want = gemv.moe_gate_up(x, logits, 8, w, s, **kw)
+    monkeypatch.setenv(gemv.NEXT_L2_ENV, "6")
+    nx = gemv.next_l2((w_next, 768), x.device)
+    assert nx is not None and (nx.n, nx.rot, nx.k) == (772, 768, 6)
+    for rot in (0, 768):
+        got = gemv.moe_gate_up(x, logits, 8, w, s, prefetch=(w_next, rot), **kw)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), rot
+
+
 def test_moe_gate_up_down_graph_replay(monkeypatch):
     """The fused launch captured in a CUDA graph and replayed with new logits: the eager launch's bits."""
     monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")

@@ -670,3 +670,46 @@ def test_gemv_build_defines_from_the_environment(monkeypatch):
     assert gemv.build_defines() == ("-DGEMV_PRE_EARLY=1", "-DGEMV_PRE_WAVE=9")
     with pytest.raises(ValueError):
         launch.build(main="gemv.cu", defines=("-UGEMV_PRE_EARLY",))
+
+
+def test_experts_are_told_the_next_layers_first_projection(aligned_cfg, monkeypatch):
+    """Each layer's experts get the next layer's first projection (qkv_proj / in_proj, FP8) as the L2
+    prefetch hint of a one-token step (`ops.first_chunks`, gemv.next_l2; KB-0110), rotated as the fused
+    DeltaNet launch takes its chunks where that runs; the last layer's and prefill steps' get none; BF16
+    weights get none."""
+    from metainfer.kernels import ops
+    from metainfer.kernels.mega import gemv
+    from metainfer.llm import LLM
+    from metainfer.model.layers import SparseMoE
+    from metainfer.engine.request import SamplingParams
+
+    seen = []
+    forward = SparseMoE.forward
+
+    def spy(self, x, xq=None, logits=None, prefetch=None):
+        seen.append((self, x.shape[0], prefetch))
+        return forward(self, x, xq, logits, prefetch)
+
+    monkeypatch.setattr(SparseMoE, "forward", spy)
+    llm = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32", quantization="fp8", max_num_seqs=1)
+    llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5]], sampling_params=SamplingParams(max_tokens=3))
+    layers = list(llm.engine.runner.model.layers)
+    after = {id(a.mlp): b for a, b in zip(layers, layers[1:])}
+    decodes = [(m, p) for m, T, p in seen if T == 1]
+    assert decodes and all(p is None for _, T, p in seen if T > 1)
+    for mlp, p in decodes:
+        nxt = after.get(id(mlp))
+        if nxt is None:
+            assert p is None  # the last layer: lm_head comes next
+            continue
+        proj = nxt.self_attn.qkv_proj if nxt.layer_type == "full_attention" else nxt.linear_attn.in_proj
+        assert p is not None and p[0] is proj.weight and p[1] == 0, p
+    w, s = layers[0].linear_attn.in_proj.weight, layers[0].linear_attn.in_proj.weight_scale_inv
+    b_off, _ = layers[0].linear_attn.in_proj.row_offset("in_proj_b")
+    monkeypatch.setattr(gemv, "gdn_enabled", lambda: True)
+    assert ops.first_chunks(w, s, b_off) == (w, b_off // gemv.CHUNK_ROWS)  # the fused launch's order
+    assert ops.first_chunks(w, None) is None
+    assert gemv.next_l2((w, 0), w.device) is None  # off by default (and no gemv.cu on the CPU)
+    monkeypatch.setenv(gemv.NEXT_L2_ENV, "17")
+    with pytest.raises(ValueError, match="NEXT_L2"):
+        gemv.next_l2((w, 0), w.device)

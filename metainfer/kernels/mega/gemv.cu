@@ -131,6 +131,16 @@ struct Down {                  // moe_gate_up_down_e4m3's down projection (see t
   int dpp;                     // down chunks a pair: H / DOWN_ROWS
 };
 
+// The next projection's first chunks into L2 (METAINFER_WGMMA_GEMV_NEXT_L2, KB-0110): the experts' launch, once
+// its producer has issued its last landing, prefetches the chunks the next layer's qkv / in_proj CTA of the same
+// index lands first (chunk (b + k grid + rot) % n for k < k_max), so that the next launch's ring fills from L2
+// where its CTAs cannot sit beside this launch's (both hold 144 KB of shared memory: moe_gate_up_down_e4m3).
+struct Next {
+  const uint8_t* w;  // the next projection's e4m3 weights [N, 2048] (null: none)
+  int n, grid, rot;  // its chunks, grid and chunk rotation (gemv_e4m3_pre_gdn's rot, else 0)
+  int k;             // chunks a CTA to prefetch
+};
+
 // p[i] as fp32, loaded past L1 (the previous kernel's output)
 __device__ __forceinline__ float bf16_at(const __nv_bfloat16* p, int i) {
   return __uint_as_float(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned short*>(p) + i)) << 16);
@@ -523,7 +533,8 @@ template <bool MOE, bool PRE = false, bool GDN = false, bool DOWN = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
                                           const Pre& pre, const Moe& moe, const Gdn& gdn = Gdn{},
-                                          const CUtensorMap* dmap = nullptr, const Down& dn = Down{}) {
+                                          const CUtensorMap* dmap = nullptr, const Down& dn = Down{},
+                                          const Next& nx = Next{}) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
@@ -586,6 +597,9 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
           if (lane == 0) land_at(it, dmap, gd * DOWN_ROWS, dn.ws + (size_t)(gd * DOWN_ROWS / 128) * (SEG / 128), 16);
         }
       }
+      if (lane == 0 && nx.w != nullptr && blockIdx.x < nx.grid)  // every landing issued: the next projection's
+        for (int k = 0, c = blockIdx.x; k < nx.k && c < nx.n; ++k, c += nx.grid)  // first chunks into L2
+          l2_prefetch(nx.w + (size_t)((c + nx.rot) % nx.n) * CHUNK, CHUNK);
       if (blockIdx.x == 0) {
         for (; known < moe.top_k; ++known) {
           const int e = route_next(r, lane);
@@ -747,17 +761,17 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
 // one token's experts' gate/up (x: the normed hidden state), routed here from moe.logits (see the header)
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     moe_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
-                     const __nv_bfloat16* x, const Moe moe) {
-  gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe);
+                     const __nv_bfloat16* x, const Moe moe, const Next nx) {
+  gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe, Gdn{}, nullptr, Down{}, nx);
 }
 
 // moe_gate_up_e4m3 with the experts' down projection after it (Down: see the header)
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     moe_gate_up_down_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
                           const __nv_bfloat16* x, const Moe moe, const __grid_constant__ CUtensorMap dmap,
-                          const Down dn) {
+                          const Down dn, const Next nx) {
   gemv_body<true, false, false, true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe, Gdn{},
-                                      &dmap, dn);
+                                      &dmap, dn, nx);
 }
 
 // the watchdog's report buffer (gemv.py: pinned host memory, once at load)
@@ -772,4 +786,5 @@ extern "C" __global__ void gemv_constants(long long* out) {
   out[4] = static_cast<long long>(sizeof(Pre)) * 100 + PRE_MAX_W;
   out[5] = static_cast<long long>(sizeof(Gdn)) * 100000 + GDN_D * 1000 + GDN_ROWS;
   out[6] = static_cast<long long>(sizeof(Down)) * 1000 + DOWN_ROWS;
+  out[7] = static_cast<long long>(sizeof(Next));
 }

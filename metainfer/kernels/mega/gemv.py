@@ -44,6 +44,7 @@ PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, n
 GDN_ENV = "METAINFER_WGMMA_GEMV_GDN"  # "1": the DeltaNet decode step in the in_proj's launch (unmeasured)
 GDN_WAVES_ENV = "METAINFER_WGMMA_GEMV_GDN_WAVES"  # the chunks every CTA takes before the updaters stop (A/Bs)
 MOE_DOWN_ENV = "METAINFER_WGMMA_GEMV_MOE_DOWN"  # "1": the experts' down in the gate/up's launch (unmeasured)
+NEXT_L2_ENV = "METAINFER_WGMMA_GEMV_NEXT_L2"  # the next projection's chunks a CTA the experts put in L2
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -95,6 +96,11 @@ class _Gdn(ctypes.Structure):  # gemv.cu's Gdn: gemv_e4m3_pre_gdn's decode step
 class _Down(ctypes.Structure):  # gemv.cu's Down: moe_gate_up_down_e4m3's down projection
     _fields_ = [("ws", ctypes.c_void_p), ("out", ctypes.c_void_p), ("count", ctypes.c_void_p),
                 ("dpp", ctypes.c_int)]
+
+
+class _Next(ctypes.Structure):  # gemv.cu's Next: the next projection's first chunks, prefetched into L2
+    _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int), ("grid", ctypes.c_int), ("rot", ctypes.c_int),
+                ("k", ctypes.c_int)]
 
 
 DOWN_ROWS = 64  # gemv.cu's rows a down chunk (K = SEG)
@@ -195,7 +201,7 @@ class _Kernel:
         self.drv("cuModuleGetFunction", ctypes.byref(self.gdn_fn), self.module, b"gemv_e4m3_pre_gdn")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_down_fn), self.module, b"moe_gate_up_down_e4m3")
-        out = torch.zeros(7, dtype=torch.int64, device=device)
+        out = torch.zeros(8, dtype=torch.int64, device=device)
         # the watchdog's report: pinned host memory (the device writes it through unified addressing), which
         # stays readable once a trap has ended the context (watchdog_report)
         self.watch = torch.zeros(8, dtype=torch.int32, pin_memory=True)
@@ -205,14 +211,14 @@ class _Kernel:
             self.drv("cuModuleGetFunction", ctypes.byref(fn), self.module, name)
             self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
                      launch.kernel_params([ctypes.c_void_p(arg)]), None)
-        self.threads, self.smem, conv, moe, pre, gdn, down = out.tolist()
+        self.threads, self.smem, conv, moe, pre, gdn, down, nxt = out.tolist()
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
                 + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W,
                 ctypes.sizeof(_Gdn) * 100000 + GDN_D * 1000 + GDN_ROWS,
-                ctypes.sizeof(_Down) * 1000 + DOWN_ROWS)
-        if (self.threads, conv, moe, pre, gdn, down) != want:
+                ctypes.sizeof(_Down) * 1000 + DOWN_ROWS, ctypes.sizeof(_Next))
+        if (self.threads, conv, moe, pre, gdn, down, nxt) != want:
             raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, -, conv, moe, pre, "
-                               f"gdn, down): {want}")
+                               f"gdn, down, next): {want}")
         for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn, self.moe_down_fn):
             self.drv("cuFuncSetAttribute", fn, 8, self.smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -256,8 +262,9 @@ class _Kernel:
 
     def moe(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
             gu: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, down: tuple | None = None,
-            out: torch.Tensor | None = None) -> None:
-        """moe_gate_up_e4m3, or with down = (w_down, s_down) moe_gate_up_down_e4m3 (its rows into out)."""
+            out: torch.Tensor | None = None, nxt: _Next | None = None) -> None:
+        """moe_gate_up_e4m3, or with down = (w_down, s_down) moe_gate_up_down_e4m3 (its rows into out); nxt:
+        the next projection's chunks to prefetch into L2 (`next_l2`)."""
         E1, rows, _ = w.shape
         m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
         args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m]
@@ -268,7 +275,7 @@ class _Kernel:
             d = _Down(s_down.data_ptr(), out.data_ptr(), self.moe_count.data_ptr(), n)
             args += [self.tensor_map(w_down), d]
             fn = self.moe_down_fn
-        self.launch(fn, args, (top_k + 1) * rows // 16, x.device)
+        self.launch(fn, [*args, nxt or _Next()], (top_k + 1) * rows // 16, x.device)
 
     def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, device: torch.device) -> None:
         """One CTA per SM (at most one per chunk), on the current stream, with the PDL attribute when
@@ -372,8 +379,26 @@ def project_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, no
     return y
 
 
+def next_l2(nxt: tuple[torch.Tensor, int] | None, device: torch.device) -> _Next | None:
+    """The next projection's first chunks for an experts' launch to prefetch into L2 (KB-0110): nxt = (w
+    [N, 2048] e4m3, rot: its chunk rotation, `gdn_schedule`'s where the DeltaNet step is fused, else 0),
+    the chunks k < METAINFER_WGMMA_GEMV_NEXT_L2 (default 0: none) that its CTA of each index lands first.
+    None where there is nothing to prefetch."""
+    k = env_int(NEXT_L2_ENV, 0, 0, 16)
+    if k == 0 or nxt is None:
+        return None
+    w, rot = nxt
+    kernel = _kernel(device)
+    if (kernel is None or w.dim() != 2 or w.shape[1] != K or w.dtype != torch.float8_e4m3fn
+            or w.shape[0] % CHUNK_ROWS or not w.is_contiguous()):
+        return None
+    n = w.shape[0] // CHUNK_ROWS
+    return _Next(w.data_ptr(), n, min(kernel.sms, n), rot % n, k)
+
+
 def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
-                down: tuple[torch.Tensor, torch.Tensor] | None = None
+                down: tuple[torch.Tensor, torch.Tensor] | None = None,
+                prefetch: tuple[torch.Tensor, int] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's experts' gate/up on gemv.cu (the caller checked `wanted_moe`): routed from logits (the
     top_k largest, lowest index on ties, as `routing.softmax_topk`) and the shared expert (w's last).
@@ -381,7 +406,8 @@ def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tens
     routing weights, the shared expert's sigmoid(gate) last; ids [1, top_k + 1] int64).
     down = (w_down, s_down) (the caller checked `wanted_moe_down`): the experts' down projection in the same
     launch, and rows [top_k + 1, K] fp32 in gu's place: each pair's unweighted down of bf16(silu(gate) * up),
-    slot order, the shared expert last, as `moe._routed_down`'s."""
+    slot order, the shared expert last, as `moe._routed_down`'s. prefetch = (w, rot): the next projection,
+    whose first chunks the launch prefetches into L2 once its own are landed (`next_l2`; off by default)."""
     kernel = _kernel(x.device)
     assert kernel is not None, "moe_gate_up() without wanted_moe()"
     W = top_k + 1
@@ -389,7 +415,7 @@ def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tens
     tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
     out = None if down is None else torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
-    kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out)
+    kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out, next_l2(prefetch, x.device))
     return (gu if out is None else out), tw, ids
 
 
