@@ -196,6 +196,8 @@
 #            the oracle and the profile with those switches (~3 min): the two calls in place of the three above
 #   nextl2 - (KB-0110, 2026-12-05, not yet run) the experts' L2 prefetch of the next projection: GPU tests, then
 #            NEXT_L2 0 / 2 / 4 (BASE: switches on in every mode), ~5 min
+#   router - (KB-0111, 2026-12-05, not yet run) the post-mixer norm and router in the experts' launch (the down
+#            fused too): GPU tests, then 0 / 1 (BASE), the oracle, ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -242,6 +244,18 @@ for i, mode in enumerate(modes):
     v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/{prefix}_{i}_*/*.json")]
     print(f"[{tag}] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[{tag}] {mode}: none")
 PY
+}
+switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder prefix: FP8 batch 1 with VAR at each
+  # value in turn x REPS (2), BASE's switches (space-separated VAR=VALUE) on in every run; medians, $OUT/$4*.tgz
+  local base=(${BASE:-}) modes=($3)
+  for r in $(seq ${REPS:-2}); do
+    for i in "${!modes[@]}"; do
+      env "${base[@]}" $2=${modes[$i]} timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+        --no-profile --out $OUT/$4_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$1 ${modes[$i]} ${BASE:-} $r] /"
+    done
+  done
+  medians "$1 ${BASE:-}" $4 "${modes[@]}"
+  (cd $OUT && tar czf $4${BASE:+-base}.tgz $4_* && rm -rf $4_*)  # (not $4_base: rm would take it)
 }
 PHASES=${PHASES:-tests ab}
 if has tests; then
@@ -761,18 +775,22 @@ if has nextl2; then  # (KB-0110, built 2026-12-05 on the CPU, not yet run) the e
   # bits), then FP8 batch 1 at 0 and each of NEXT_L2S (2 4) in turn x REPS (2), BASE's switches on in every mode
   # (e.g. BASE=METAINFER_WGMMA_GEMV_MOE_DOWN=1, whose CTAs the next projection's cannot sit beside), ~5 min
   if fusion_tests nextl2 "next_l2" "gemv_fusions and next_l2"; then
-    base=(${BASE:-}); modes=(0 ${NEXT_L2S:-2 4})
-    for r in $(seq ${REPS:-2}); do
-      for i in "${!modes[@]}"; do
-        env "${base[@]}" METAINFER_WGMMA_GEMV_NEXT_L2=${modes[$i]} timeout 90 python benchmarks/decode_bench.py \
-          --dtype fp8 --batches 1 --gen 32 --no-profile --out $OUT/nl2_${i}_$r 2>&1 | grep -E "^\| 1 " \
-          | sed "s/^/[next_l2 ${modes[$i]} ${BASE:-} $r] /"
-      done
-    done
-    medians "next_l2 ${BASE:-}" nl2 "${modes[@]}"
-    (cd $OUT && tar czf nextl2${BASE:+_base}.tgz nl2_* && rm -rf nl2_*)
+    switch_ab next_l2 METAINFER_WGMMA_GEMV_NEXT_L2 "0 ${NEXT_L2S:-2 4}" nl2
   else
     echo "[nextl2] GPU tests failed: no A/B (see nextl2_tests.log)"
+  fi
+fi
+if has router; then  # (KB-0111, built 2026-12-05 on the CPU, not yet run) the post-mixer add + RMSNorm and the router
+  # inside the experts' launch (METAINFER_WGMMA_GEMV_MOE_ROUTER=1; with the down fused: BASE gets
+  # METAINFER_WGMMA_GEMV_MOE_DOWN=1 and whatever else it holds): its GPU tests, then 0 / 1 in turn x REPS (2), then
+  # the oracle with both switches, ~6 min
+  if fusion_tests router "moe_router" "gemv_fusions and moe_router"; then
+    BASE="METAINFER_WGMMA_GEMV_MOE_DOWN=1 ${BASE:-}" switch_ab router METAINFER_WGMMA_GEMV_MOE_ROUTER "0 1" rt
+    METAINFER_WGMMA_GEMV_MOE_DOWN=1 METAINFER_WGMMA_GEMV_MOE_ROUTER=1 timeout 150 python -m metainfer.cli verify \
+      --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype fp8 --device cuda --suite full \
+      --json $OUT/verify_fp8_router.json 2>&1 | grep -E "verdict" | head -1
+  else
+    echo "[router] GPU tests failed: no A/B (see router_tests.log)"
   fi
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel and

@@ -462,6 +462,37 @@ def moe_routed_rows(
     return y.view(T, W, H), tw
 
 
+def moe_norm_routed_rows(
+    x: torch.Tensor,  # [1, H] the mixer's output
+    residual: torch.Tensor,  # [1, H] the residual stream before the add
+    norm_weight: torch.Tensor,  # [H] the post-mixer RMSNorm's weight
+    eps: float,
+    router_weight: torch.Tensor,  # [E + 1, H] the router (the shared expert's gate last), x's dtype
+    top_k: int,
+    w_gate_up: torch.Tensor,  # [E + 1, 2I, H] e4m3, the shared expert last
+    w_down: torch.Tensor,  # [E + 1, H, I] e4m3
+    gate_up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    prefetch: tuple[torch.Tensor, int] | None = None,  # the next projection (`gemv.next_l2`)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One decode token's post-mixer add + RMSNorm, router and experts (gate/up and down) in one launch
+    (mega/gemv.cu's moe_router_gate_up_down_e4m3, KB-0111, METAINFER_WGMMA_GEMV_MOE_ROUTER=1 with
+    METAINFER_WGMMA_GEMV_MOE_DOWN=1): -> (rows [1, W, H] fp32, weights [1, W] fp32, the new residual [1, H]),
+    as `norm.add_rms_norm_router` then `moe_routed_rows` give them; None where it does not serve the token.
+    Only with the down in the launch: the Triton down reads the logits before its PDL wait, which the launch
+    just before may not write."""
+    if x.shape[0] != 1 or os.environ.get(DOWN_PRELOAD_ENV, "1") == "0":
+        return None
+    logits = torch.empty(1, w_gate_up.shape[0], dtype=torch.bfloat16, device="meta")  # (for the checks)
+    if not (gemv.wanted_moe_router(x, residual, norm_weight, router_weight, top_k, w_gate_up, gate_up_scale)
+            and gemv.wanted_moe_down(x, logits, top_k, w_gate_up, gate_up_scale, w_down, down_scale)):
+        return None
+    y, tw, _, new_res, _ = gemv.moe_router_gate_up(
+        x, residual, norm_weight, eps, router_weight, top_k, w_gate_up, gate_up_scale,
+        down=(w_down, down_scale), prefetch=prefetch)
+    return y.view(1, top_k + 1, x.shape[1]), tw, new_res
+
+
 def moe_pair_rows(
     x: torch.Tensor,  # [T, H]
     w_gate_up: torch.Tensor,  # [E, 2I, H]

@@ -112,6 +112,18 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
     return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale, prefetch=prefetch)
 
 
+def moe_norm_routed_rows(x, residual, norm_weight, eps, router_weight, top_k, w_gate_up, w_down,
+                         gate_up_scale, down_scale, prefetch=None):
+    """One decode token's post-mixer add + RMSNorm, router and experts in one launch: -> (rows [1, W, H]
+    fp32, weights [1, W] fp32, new residual [1, H]) as `add_rms_norm_router` then `moe_routed_rows` give
+    them, or None where no kernel does it (the CPU; the switch off, the default)."""
+    k = _kernel("moe_norm_routed_rows", x)
+    if not k or gate_up_scale is None:
+        return None
+    return k(x, residual, norm_weight, eps, router_weight, top_k, w_gate_up, w_down, gate_up_scale,
+             down_scale, prefetch=prefetch)
+
+
 def first_chunks(weight, weight_scale, gdn_b_off=None):
     """What an experts' launch may prefetch into L2 of the next layer's first projection (FP8 weight [N, K]
     on gemv.cu; `gemv.next_l2`): (weight, its chunk rotation: gemv_e4m3_pre_gdn's where the DeltaNet step

@@ -25,6 +25,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "route": ("metainfer.kernels.routing", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
+    "moe_norm_routed_rows": ("metainfer.kernels.moe", "moe_norm_routed_rows"),
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
     "add_rms_norm_router": ("metainfer.kernels.norm", "add_rms_norm_router"),
     "moe_pair_rows": ("metainfer.kernels.moe", "moe_pair_rows"),

@@ -199,6 +199,23 @@ class SparseMoE(nn.Module):
             return None
         return ops.add_rms_norm_router(x, residual, norm.weight, norm.eps, self.router.weight)
 
+    def norm_route_experts(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor,
+        prefetch: tuple[torch.Tensor, int] | None = None,
+    ) -> tuple[ExpertRows, torch.Tensor] | None:
+        """`norm.add_forward(x, residual)`, the router and the experts of one decode token in one launch
+        (`ops.moe_norm_routed_rows`): -> (the experts' rows, the new residual), or None (then
+        `norm_and_route` and `forward`)."""
+        if not self.fused_shared or self.router.weight_scale_inv is not None or self.w_gate_up_scale is None:
+            return None
+        out = ops.moe_norm_routed_rows(x, residual, norm.weight, norm.eps, self.router.weight, self.top_k,
+                                       self.w_gate_up, self.w_down, self.w_gate_up_scale, self.w_down_scale,
+                                       prefetch=prefetch)
+        if out is None:
+            return None
+        rows, weights, new_res = out
+        return ExpertRows(rows, weights, x.dtype), new_res
+
     def forward(
         self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
         logits: torch.Tensor | None = None, prefetch: tuple[torch.Tensor, int] | None = None,

@@ -62,6 +62,10 @@ class DecoderLayer(nn.Module):
         xq = fp8_copy_buffers(self.mlp.takes_fp8_input(T), T, H, dev)
         post = self.post_attention_layernorm
         prefetch = nxt.mixer.first_chunks() if nxt is not None and T == 1 else None
+        if xq is None and T == 1 and residual is not None:  # the norm, router and experts in one launch
+            fused = self.mlp.norm_route_experts(post, h, residual, prefetch)
+            if fused is not None:
+                return fused
         routed = None if xq is not None else self.mlp.norm_and_route(post, h, residual)
         if routed is not None:  # the norm and the router in one launch (a decode step's few tokens)
             h, residual, logits = routed

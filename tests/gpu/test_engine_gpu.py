@@ -226,15 +226,16 @@ def test_attn_prologue_equals_two_launches(cfg_path, quant, monkeypatch):
     _rows_agree_until_they_part(runs)
 
 
-@pytest.mark.parametrize("fusion", ["gdn", "moe_down", "next_l2"])
+@pytest.mark.parametrize("fusion", ["gdn", "moe_down", "next_l2", "moe_router"])
 def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
     """mega/gemv.cu's fused launches, switch 1 vs 0 (FP8, batch 1, hidden 2048 and experts' I = 512 so that
     gemv.cu serves the in_proj and the experts): "gdn" (METAINFER_WGMMA_GEMV_GDN) the DeltaNet decode step
     inside the in_proj's launch; "moe_down" (METAINFER_WGMMA_GEMV_MOE_DOWN) the experts' down inside the
     gate/up's; "next_l2" (METAINFER_WGMMA_GEMV_NEXT_L2) the experts' launch prefetching the next layer's first
-    projection into L2 (a hint: the same logits). Each gives the two launches' logits to a rounding, every row
-    conditioned on the same tokens within 1e-2 relative RMSE; and the fused launch did run, every time it was
-    asked to (next_l2: in every layer but the last)."""
+    projection into L2 (a hint: the same logits); "moe_router" (METAINFER_WGMMA_GEMV_MOE_ROUTER, the down
+    fused in both runs) the post-mixer norm and router inside the experts' launch. Each gives the two
+    launches' logits to a rounding, every row conditioned on the same tokens within 1e-2 relative RMSE; and
+    the fused launch did run, every time it was asked to (next_l2: in every layer but the last)."""
     from metainfer.kernels import ops
     from metainfer.kernels.mega import gemv
 
@@ -254,6 +255,15 @@ def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
             return out
 
         monkeypatch.setitem(ops._KERNELS, "pending_norm_linear_gdn", counted)
+    elif fusion == "moe_router":
+        monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")  # (the router fusion needs the down in the launch)
+        env, fused = gemv.ROUTER_ENV, gemv.moe_router_gate_up
+
+        def counted(*a, **k):
+            served.append(True)
+            return fused(*a, **k)
+
+        monkeypatch.setattr(gemv, "moe_router_gate_up", counted)
     elif fusion == "next_l2":
         env, fused = gemv.NEXT_L2_ENV, gemv.moe_gate_up
 

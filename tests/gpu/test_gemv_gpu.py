@@ -417,6 +417,69 @@ def test_moe_next_l2_is_only_a_hint(down, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), rot
 
 
+def _router_problem(E: int, seed: int):
+    """The post-mixer add's operands: the mixer's output and the residual [1, K], the norm's weight [K], the
+    router's [E + 1, K] (bf16)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(1, gemv.K, generator=g, device="cuda")).to(torch.bfloat16)
+    res = (torch.randn(1, gemv.K, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    nw = (torch.randn(gemv.K, generator=g, device="cuda") * 0.1).to(torch.bfloat16)
+    rw = (torch.randn(E + 1, gemv.K, generator=g, device="cuda") * 0.03).to(torch.bfloat16)
+    return x, res, nw, rw
+
+
+@pytest.mark.parametrize("E,top_k", [(256, 8), (40, 5)])
+def test_moe_router_in_the_experts_launch(E, top_k, monkeypatch):
+    """moe_router_gate_up_down_e4m3 (KB-0111) against norm.add_rms_norm_router then moe_gate_up(down=), three
+    launches in a row (its counts back at zero after each): the new residual the same bits, the logits within
+    a bf16 rounding (another summation order), and where the unfused logits' top-k is clear of that (a margin
+    of 4 ulps at the k-th), the same picks, weights within 1e-3 and rows within 8e-3."""
+    monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
+    monkeypatch.setenv(gemv.ROUTER_ENV, "1")
+    _, _, w, s = _moe_problem(E, top_k, 91, False)
+    wd, sd = _down_weights(E, 92)
+    kernel = None
+    for step in range(3):
+        x, res, nw, rw = _router_problem(E, 93 + step)
+        assert gemv.wanted_moe_router(x, res, nw, rw, top_k, w, s)
+        fused = gemv.moe_router_gate_up(x, res, nw, 1e-6, rw, top_k, w, s, down=(wd, sd))
+        got, tw, ids, new_res, logits = fused
+        normed, want_res, want_logits = norm.add_rms_norm_router(x, res, nw, 1e-6, rw)
+        want, want_tw, want_ids = gemv.moe_gate_up(normed, want_logits, top_k, w, s, down=(wd, sd))
+        torch.cuda.synchronize()
+        kernel = gemv._kernel(x.device)
+        assert not kernel.router_count.any() and not kernel.moe_count.any(), (step, kernel.router_count)
+        assert torch.equal(new_res, want_res), step
+        lf, wf = logits.float(), want_logits.float()
+        assert ((lf - wf).abs() <= wf.abs() * 2**-7 + 1e-6).all(), (step, (lf - wf).abs().max())
+        top = wf[0, :E].sort(descending=True).values
+        if top[top_k - 1] - top[top_k] > 4 * 2**-7 * top[top_k - 1].abs():
+            assert torch.equal(ids, want_ids), step
+            assert (tw - want_tw).abs().max() < 1e-3, step
+            assert rel_rmse(got, want) < 8e-3, step
+    monkeypatch.delenv(gemv.ROUTER_ENV)
+    assert not gemv.wanted_moe_router(x, res, nw, rw, top_k, w, s)  # off by default (unmeasured)
+
+
+def test_moe_router_graph_replay(monkeypatch):
+    """The fused launch captured in a CUDA graph and replayed with a new mixer output: the eager bits."""
+    monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
+    monkeypatch.setenv(gemv.ROUTER_ENV, "1")
+    _, _, w, s = _moe_problem(256, 8, 95, False)
+    wd, sd = _down_weights(256, 96)
+    x, res, nw, rw = _router_problem(256, 97)
+
+    def step():
+        return gemv.moe_router_gate_up(x, res, nw, 1e-6, rw, 8, w, s, down=(wd, sd))
+
+    eager = step()
+    out = _captured_with_new_input(step, x)
+    again = step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, again))
+    assert not torch.equal(out[3], eager[3])  # a new mixer output, a new residual
+
+
 def test_moe_gate_up_down_graph_replay(monkeypatch):
     """The fused launch captured in a CUDA graph and replayed with new logits: the eager launch's bits."""
     monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")

@@ -677,11 +677,11 @@ def test_experts_are_told_the_next_layers_first_projection(aligned_cfg, monkeypa
     prefetch hint of a one-token step (`ops.first_chunks`, gemv.next_l2; KB-0110), rotated as the fused
     DeltaNet launch takes its chunks where that runs; the last layer's and prefill steps' get none; BF16
     weights get none."""
+    from metainfer.engine.request import SamplingParams
     from metainfer.kernels import ops
     from metainfer.kernels.mega import gemv
     from metainfer.llm import LLM
     from metainfer.model.layers import SparseMoE
-    from metainfer.engine.request import SamplingParams
 
     seen = []
     forward = SparseMoE.forward
@@ -713,3 +713,42 @@ def test_experts_are_told_the_next_layers_first_projection(aligned_cfg, monkeypa
     monkeypatch.setenv(gemv.NEXT_L2_ENV, "17")
     with pytest.raises(ValueError, match="NEXT_L2"):
         gemv.next_l2((w, 0), w.device)
+
+
+def test_norm_router_and_experts_in_one_launch_contract(aligned_cfg, monkeypatch):
+    """KB-0111's model side on the CPU: where `ops.moe_norm_routed_rows` serves a one-token step (the
+    post-mixer add + RMSNorm, the router and the experts in one launch on the H200), each layer takes its
+    rows, routing weights and new residual in place of norm_and_route + the experts, and the engine gives
+    the same greedy tokens and logprobs. A reference stands in for the kernel (the kernel: tests/gpu)."""
+    import torch.nn.functional as F
+
+    from metainfer.engine.request import SamplingParams
+    from metainfer.kernels import ops
+    from metainfer.kernels import reference as ref
+    from metainfer.llm import LLM
+
+    def run():
+        llm = LLM(model=f"dummy:{aligned_cfg}", device="cpu", dtype="float32", quantization="fp8",
+                  max_num_seqs=1)
+        sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+        out = llm.generate(prompt_token_ids=[[3, 1, 4, 1, 5, 9]], sampling_params=sp)[0]
+        return [(t.token_id, t.logprob, t.top) for t in out.logprobs], len(llm.engine.runner.model.layers)
+
+    want, n_layers = run()
+    calls = []
+
+    def fused(x, residual, nw, eps, rw, top_k, w_gu, w_dn, s_gu, s_dn, prefetch=None):
+        calls.append(x.shape[0])
+        normed, new_res = ref.add_rms_norm(x, residual, nw, eps)
+        weights, ids = ref.route_with_shared(F.linear(normed, rw), top_k)
+        rows = ref.moe_expert_rows(normed, ops.ref_dequant_fp8(w_gu, s_gu, x.dtype),
+                                   ops.ref_dequant_fp8(w_dn, s_dn, x.dtype), ids)
+        return rows, weights, new_res
+
+    monkeypatch.setattr(ops, "moe_norm_routed_rows", fused)
+    got, _ = run()
+    assert calls and set(calls) == {1} and len(calls) == 5 * n_layers  # every layer of the 5 decode steps
+    assert [t for t, _, _ in got] == [t for t, _, _ in want]
+    for (_, lp, top), (_, lp_want, top_want) in zip(got, want):  # the same logits to fp32 rounding
+        assert abs(lp - lp_want) < 1e-4 and [i for i, _ in top] == [i for i, _ in top_want], (lp, lp_want)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(top, top_want)) < 1e-4

@@ -205,3 +205,16 @@ def test_watchdog_report_names_the_wait(monkeypatch):
     assert "CTA 7" in report and "gemv_e4m3_pre_gdn" in report and "saw 300, needed 386" in report
     watch[:6] = torch.tensor([2, 3, 128, 5, 1, 0], dtype=torch.int32)
     assert "a full ring slot" in gemv.watchdog_report() and "chunk 5" in gemv.watchdog_report()
+
+
+def test_router_fusion_not_wanted_on_the_cpu_or_off(monkeypatch):
+    """KB-0111's switch is off by default and the CPU never takes it (the kernel: tests/gpu)."""
+    x = torch.zeros(1, gemv.K, dtype=torch.bfloat16)
+    nw = torch.zeros(gemv.K, dtype=torch.bfloat16)
+    rw = torch.zeros(257, gemv.K, dtype=torch.bfloat16)
+    w = torch.zeros(257, 128, 16, dtype=torch.float8_e4m3fn)  # (the shapes are not reached on the CPU)
+    s = torch.zeros(257, 1, 1)
+    monkeypatch.delenv(gemv.ROUTER_ENV, raising=False)
+    assert not gemv.wanted_moe_router(x, x, nw, rw, 8, w, s)
+    monkeypatch.setenv(gemv.ROUTER_ENV, "1")
+    assert not gemv.wanted_moe_router(x, x, nw, rw, 8, w, s)  # a CPU tensor

@@ -69,9 +69,9 @@ static_assert(NS >= 2 && NS <= 6 && NS % 2 == 0, "2, 4 or 6 ring slots");  // ev
 // odd ring the other warpgroup could wait a phase ahead: try_wait.parity passes on the phase before the current)
 constexpr int KK = 2048, ROWS = CHUNK / KK, NB = KK / 128;  // K, rows a chunk, blocks a row
 // shared memory: 1024 (alignment) + the ring and each slot's scales + B's terms (4 KB) + x's block powers of two,
-// x (fp32) and the prologue's block sum + the mbarriers + MOE's picks
+// x (fp32) and the prologue's block sum + the mbarriers (the ring's, and ROUTER's producer-ready) + MOE's picks
 constexpr size_t SMEM = 1024 + (size_t)NS * (CHUNK + NB * 4) + KK * 2 + (NB + KK + mega::NCW) * sizeof(float) +
-                        2 * NS * sizeof(uint64_t) + MOE_MAX_K * sizeof(int);
+                        (2 * NS + 1) * sizeof(uint64_t) + MOE_MAX_K * sizeof(int);
 static_assert(SMEM <= 227 * 1024, "one CTA per SM");
 constexpr int CONV_K = 4;  // the DeltaNet conv's kernel size (the launcher checks it)
 
@@ -129,6 +129,21 @@ struct Down {                  // moe_gate_up_down_e4m3's down projection (see t
   unsigned* count;             // [MOE_MAX_K + 1]: virtual pair q's gate/up chunks stored (q = 0: shared), then
                                // the CTAs done (zero between launches: the last CTA resets them)
   int dpp;                     // down chunks a pair: H / DOWN_ROWS
+};
+
+// The post-mixer residual add, RMSNorm and router inside the experts' launch (METAINFER_WGMMA_GEMV_MOE_ROUTER,
+// KB-0111): every CTA forms x = rms_norm(bf16(mixer + residual)) * (1 + w) for itself (as
+// norm._add_rms_norm_router_kernel; CTA 0 writes the new residual), warp w of CTA b computes router row
+// b + w grid (its weights loaded before the PDL wait) and stores the logit, counting it; the producer routes once
+// all E + 1 are in, in place of the PDL wait. The last CTA to finish zeroes the counts.
+struct Router {
+  const __nv_bfloat16* x;    // [K] the mixer's output
+  const __nv_bfloat16* res;  // [K] the residual stream before the add
+  const __nv_bfloat16* w;    // [K] the post-mixer norm's weight
+  const __nv_bfloat16* rw;   // [E + 1, K] the router's weight (the shared expert's gate last), bf16
+  __nv_bfloat16* new_res;    // [K] res + x (CTA 0)
+  unsigned* count;           // [2]: logits stored, CTAs done (zero between launches: the last CTA resets them)
+  float eps;
 };
 
 // The next projection's first chunks into L2 (METAINFER_WGMMA_GEMV_NEXT_L2, KB-0110): the experts' launch, once
@@ -260,16 +275,11 @@ __device__ __forceinline__ void pre_rows(const Pre& p, const float* tw, float (&
   }
 }
 
-__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
+// x's columns c0 .. c0 + 7 (c0 = 8 t of consumer thread t) = rms_norm(bf16(bf16(acc) + res)) * (1 + w), into xs
+// at xpos; CTA 0 writes bf16(bf16(acc) + res) to new_res (rv, wv: res's and w's 8 columns)
+__device__ void norm_into_xs(const float (&acc)[8], uint4 rv, uint4 wv, __nv_bfloat16* new_res, float eps,
+                             float* xs, float* red, int cw, int lane) {
   const int c0 = threadIdx.x * 8;
-  float acc[8] = {};
-  pre_rows(p, early.tw, acc);
-#if GEMV_PRE_EARLY
-  const uint4 rv = early.res, wv = early.w;
-#else
-  const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
-  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
-#endif
   const uint32_t rw[4] = {rv.x, rv.y, rv.z, rv.w}, ww[4] = {wv.x, wv.y, wv.z, wv.w};
   float r[8], ss = 0.f;
   uint32_t out[4];
@@ -283,12 +293,68 @@ __device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float*
     const uint32_t bits = __bfloat16_as_ushort(rb);
     out[i / 2] = i & 1 ? out[i / 2] | (bits << 16) : bits;
   }
-  if (blockIdx.x == 0) *reinterpret_cast<uint4*>(p.new_res + c0) = make_uint4(out[0], out[1], out[2], out[3]);
-  const float rstd = rsqrtf(mega::block_sum(ss, red, cw, lane) / KK + p.eps);
+  if (blockIdx.x == 0) *reinterpret_cast<uint4*>(new_res + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+  const float rstd = rsqrtf(mega::block_sum(ss, red, cw, lane) / KK + eps);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float w = __uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16);
     xs[mega::xpos(c0 + i)] = __bfloat162float(__float2bfloat16_rn(r[i] * rstd * (1.f + w)));
+  }
+}
+
+__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
+  const int c0 = threadIdx.x * 8;
+  float acc[8] = {};
+  pre_rows(p, early.tw, acc);
+#if GEMV_PRE_EARLY
+  const uint4 rv = early.res, wv = early.w;
+#else
+  const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
+  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
+#endif
+  norm_into_xs(acc, rv, wv, p.new_res, p.eps, xs, red, cw, lane);
+}
+
+// ROUTER's x: the mixer's output (exact in fp32) into norm_into_xs
+__device__ void stage_router(const Router& rt, float* xs, float* red, int cw, int lane) {
+  const int c0 = threadIdx.x * 8;
+  const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(rt.x + c0));
+  const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = __uint_as_float(i & 1 ? xw[i / 2] & 0xffff0000u : xw[i / 2] << 16);
+  norm_into_xs(acc, __ldcg(reinterpret_cast<const uint4*>(rt.res + c0)),
+               __ldg(reinterpret_cast<const uint4*>(rt.w + c0)), rt.new_res, rt.eps, xs, red, cw, lane);
+}
+// ROUTER's row of warp w (rr = b + w grid < E + 1): its 2048 weights, lane l columns 8 (l + 32 j) .. + 7, loaded
+// before the PDL wait (weights); then logit rr = bf16(sum of w * x) over x in xs, stored and counted
+struct RouterRow {
+  uint4 w[KK / 256];
+};
+__device__ __forceinline__ void router_row_load(const Router& rt, int rr, int lane, RouterRow& row) {
+#pragma unroll
+  for (int j = 0; j < KK / 256; ++j)
+    row.w[j] = __ldg(reinterpret_cast<const uint4*>(rt.rw + (size_t)rr * KK) + lane + 32 * j);
+}
+__device__ __forceinline__ void router_row_dot(const Router& rt, const Moe& m, int rr, int lane, const RouterRow& row,
+                                               const float* xs) {
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < KK / 256; ++j) {
+    const int c0 = (lane + 32 * j) * 8;
+    const float4 a = *reinterpret_cast<const float4*>(xs + mega::xpos(c0));
+    const float4 b = *reinterpret_cast<const float4*>(xs + mega::xpos(c0 + 4));
+    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const uint32_t ww[4] = {row.w[j].x, row.w[j].y, row.w[j].z, row.w[j].w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      acc = fmaf(__uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16), xv[i], acc);
+  }
+  acc = mega::warp_sum(acc);
+  if (lane == 0) {
+    const_cast<__nv_bfloat16*>(m.logits)[rr] = __float2bfloat16_rn(acc);
+    __threadfence();
+    atomicAdd(rt.count, 1u);
   }
 }
 
@@ -529,12 +595,12 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, cons
 }
 }  // namespace
 
-template <bool MOE, bool PRE = false, bool GDN = false, bool DOWN = false>
+template <bool MOE, bool PRE = false, bool GDN = false, bool DOWN = false, bool ROUTER = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
                                           const Pre& pre, const Moe& moe, const Gdn& gdn = Gdn{},
                                           const CUtensorMap* dmap = nullptr, const Down& dn = Down{},
-                                          const Next& nx = Next{}) {
+                                          const Next& nx = Next{}, const Router& rt = Router{}) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
@@ -544,7 +610,8 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   float* red = xs + KK;                                      // [NCW] the prologue's block sum
   uint64_t* full = reinterpret_cast<uint64_t*>(red + mega::NCW);
   uint64_t* empty = full + NS;
-  int* pick = reinterpret_cast<int*>(empty + NS);  // MOE: the routed experts
+  uint64_t* rdy = empty + NS;                    // ROUTER: the producer is past its wait on the logits' count
+  int* pick = reinterpret_cast<int*>(rdy + 1);  // MOE: the routed experts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_chunks = n_rows / ROWS, grid = gridDim.x;
   if (threadIdx.x == 0) {
@@ -552,6 +619,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       mbar_init(&full[i], 1);
       mbar_init(&empty[i], 4);  // the chunk's warpgroup
     }
+    mbar_init(rdy, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -572,7 +640,15 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       const int cpp = moe.rows / ROWS;  // chunks a pair; virtual chunk c: pair q - 1 of c / cpp (q = 0: shared)
       for (; c < cpp; c += grid, ++it)  // the shared expert's: static
         if (lane == 0) land(it, moe.E * cpp + c);
-      asm volatile("griddepcontrol.wait;" ::: "memory");  // the router's logits
+      if constexpr (ROUTER) {  // the logits are this launch's consumers': all E + 1 stored (their PDL wait is
+        if (lane == 0) {        // behind every one of them)
+          wait_at_least(rt.count, moe.E + 1, 3);
+          mbar_arrive(rdy);
+        }
+        __syncwarp();
+      } else {
+        asm volatile("griddepcontrol.wait;" ::: "memory");  // the router's logits
+      }
       Route r;
       route_load(moe, r, lane);
       int known = 0;  // picks found
@@ -627,12 +703,17 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   }
   PreEarly early;
   if constexpr (PRE && GEMV_PRE_EARLY) early = pre_early(pre);  // none of it written by the previous kernel
+  const int rr = blockIdx.x + warp * grid;  // ROUTER: this warp's router row (one at most: gemv.py checks)
+  RouterRow rrow;
+  if (ROUTER && rr <= moe.E) router_row_load(rt, rr, lane, rrow);  // weights: before the wait
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   static_assert(KK % (8 * mega::CT) == 0, "whole 16-byte loads of x per consumer thread");
   constexpr int NV = KK / (8 * mega::CT);
   if (PRE) {
     stage_pre(pre, early, xs, red, warp, lane);
+  } else if (ROUTER) {
+    stage_router(rt, xs, red, warp, lane);
   } else {
     uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
 #pragma unroll
@@ -649,6 +730,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     }
   }
   consumers_sync(mega::CT);
+  if (ROUTER && rr <= moe.E) router_row_dot(rt, moe, rr, lane, rrow, xs);
   mega::stage_x8(xs, b8, xf, warp, lane);
   consumers_sync(mega::CT);
   const int wg = warp / 4, w4 = warp & 3;
@@ -735,6 +817,17 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       }
     }
   }
+  if constexpr (ROUTER) {  // the logits' count: zeroed by the last CTA once every CTA's producer is past its wait
+    if (threadIdx.x == 0) {
+      ring_wait(rdy, 0, WATCH_FULL, 0);
+      __threadfence();
+      if (atomicAdd(rt.count + 1, 1u) == gridDim.x - 1) {
+        __threadfence();
+        rt.count[0] = 0u;
+        rt.count[1] = 0u;
+      }
+    }
+  }
 }
 
 // K = 2048 (with the conv epilogue where conv.n_conv > 0)
@@ -774,6 +867,22 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
                                       &dmap, dn, nx);
 }
 
+// moe_gate_up_e4m3 / moe_gate_up_down_e4m3 with the post-mixer add, RMSNorm and router in the same launch (Router:
+// see its struct; moe.logits is where the logits go, x is the consumers' own)
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    moe_router_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const Moe moe,
+                            const Next nx, const Router rt) {
+  gemv_body<true, false, false, false, true>(&wmap, ws, nullptr, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{},
+                                             moe, Gdn{}, nullptr, Down{}, nx, rt);
+}
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    moe_router_gate_up_down_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
+                                 const Moe moe, const __grid_constant__ CUtensorMap dmap, const Down dn,
+                                 const Next nx, const Router rt) {
+  gemv_body<true, false, false, true, true>(&wmap, ws, nullptr, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{},
+                                            moe, Gdn{}, &dmap, dn, nx, rt);
+}
+
 // the watchdog's report buffer (gemv.py: pinned host memory, once at load)
 extern "C" __global__ void gemv_set_watch(unsigned* w) { gemv_watch = w; }
 
@@ -787,4 +896,5 @@ extern "C" __global__ void gemv_constants(long long* out) {
   out[5] = static_cast<long long>(sizeof(Gdn)) * 100000 + GDN_D * 1000 + GDN_ROWS;
   out[6] = static_cast<long long>(sizeof(Down)) * 1000 + DOWN_ROWS;
   out[7] = static_cast<long long>(sizeof(Next));
+  out[8] = static_cast<long long>(sizeof(Router));
 }

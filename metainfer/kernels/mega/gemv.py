@@ -44,6 +44,7 @@ PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, n
 GDN_ENV = "METAINFER_WGMMA_GEMV_GDN"  # "1": the DeltaNet decode step in the in_proj's launch (unmeasured)
 GDN_WAVES_ENV = "METAINFER_WGMMA_GEMV_GDN_WAVES"  # the chunks every CTA takes before the updaters stop (A/Bs)
 MOE_DOWN_ENV = "METAINFER_WGMMA_GEMV_MOE_DOWN"  # "1": the experts' down in the gate/up's launch (unmeasured)
+ROUTER_ENV = "METAINFER_WGMMA_GEMV_MOE_ROUTER"  # "1": the post-mixer norm and router in the experts' launch
 NEXT_L2_ENV = "METAINFER_WGMMA_GEMV_NEXT_L2"  # the next projection's chunks a CTA the experts put in L2
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
@@ -103,6 +104,13 @@ class _Next(ctypes.Structure):  # gemv.cu's Next: the next projection's first ch
                 ("k", ctypes.c_int)]
 
 
+class _Router(ctypes.Structure):  # gemv.cu's Router: the post-mixer add, norm and router (experts' launch)
+    _fields_ = [("x", ctypes.c_void_p), ("res", ctypes.c_void_p), ("w", ctypes.c_void_p),
+                ("rw", ctypes.c_void_p), ("new_res", ctypes.c_void_p), ("count", ctypes.c_void_p),
+                ("eps", ctypes.c_float)]
+
+
+NCW = 8  # gemv.cu's consumer warps a CTA (mega::NCW): ROUTER gives each at most one router row
 DOWN_ROWS = 64  # gemv.cu's rows a down chunk (K = SEG)
 SEG = 512  # a chunk's row bytes in the [64, 512] view: the down projection's K (the experts' I) must be it
 GDN_D = 128  # gemv.cu's DeltaNet head dims (key and value)
@@ -201,7 +209,11 @@ class _Kernel:
         self.drv("cuModuleGetFunction", ctypes.byref(self.gdn_fn), self.module, b"gemv_e4m3_pre_gdn")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_down_fn), self.module, b"moe_gate_up_down_e4m3")
-        out = torch.zeros(8, dtype=torch.int64, device=device)
+        self.router_fn, self.router_down_fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.router_fn), self.module, b"moe_router_gate_up_e4m3")
+        self.drv("cuModuleGetFunction", ctypes.byref(self.router_down_fn), self.module,
+                 b"moe_router_gate_up_down_e4m3")
+        out = torch.zeros(9, dtype=torch.int64, device=device)
         # the watchdog's report: pinned host memory (the device writes it through unified addressing), which
         # stays readable once a trap has ended the context (watchdog_report)
         self.watch = torch.zeros(8, dtype=torch.int32, pin_memory=True)
@@ -211,19 +223,21 @@ class _Kernel:
             self.drv("cuModuleGetFunction", ctypes.byref(fn), self.module, name)
             self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
                      launch.kernel_params([ctypes.c_void_p(arg)]), None)
-        self.threads, self.smem, conv, moe, pre, gdn, down, nxt = out.tolist()
+        self.threads, self.smem, conv, moe, pre, gdn, down, nxt, router = out.tolist()
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
                 + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W,
                 ctypes.sizeof(_Gdn) * 100000 + GDN_D * 1000 + GDN_ROWS,
-                ctypes.sizeof(_Down) * 1000 + DOWN_ROWS, ctypes.sizeof(_Next))
-        if (self.threads, conv, moe, pre, gdn, down, nxt) != want:
+                ctypes.sizeof(_Down) * 1000 + DOWN_ROWS, ctypes.sizeof(_Next), ctypes.sizeof(_Router))
+        if (self.threads, conv, moe, pre, gdn, down, nxt, router) != want:
             raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, -, conv, moe, pre, "
-                               f"gdn, down, next): {want}")
-        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn, self.moe_down_fn):
+                               f"gdn, down, next, router): {want}")
+        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn, self.moe_down_fn, self.router_fn,
+                   self.router_down_fn):
             self.drv("cuFuncSetAttribute", fn, 8, self.smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # moe_gate_up_down_e4m3's counts (each launch leaves them zero; one launch at a time on the device)
         self.moe_count = torch.zeros(MOE_MAX_K + 1, dtype=torch.int32, device=device)
+        self.router_count = torch.zeros(2, dtype=torch.int32, device=device)  # the ROUTER launches' (as it)
         # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
         # with the same shape gets the same bytes back (the launch copies them into its parameters)
         self.maps: dict[tuple[int, int, int], ctypes.Array] = {}
@@ -262,20 +276,28 @@ class _Kernel:
 
     def moe(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
             gu: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, down: tuple | None = None,
-            out: torch.Tensor | None = None, nxt: _Next | None = None) -> None:
+            out: torch.Tensor | None = None, nxt: _Next | None = None, router: tuple | None = None) -> None:
         """moe_gate_up_e4m3, or with down = (w_down, s_down) moe_gate_up_down_e4m3 (its rows into out); nxt:
-        the next projection's chunks to prefetch into L2 (`next_l2`)."""
+        the next projection's chunks to prefetch into L2 (`next_l2`); router = (x, residual, norm weight,
+        eps, router weight, new_res): the moe_router_* forms (x the mixer's output, logits written)."""
         E1, rows, _ = w.shape
         m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
-        args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(x.data_ptr()), m]
-        fn = self.moe_fn
+        args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr())]
+        if router is None:
+            args.append(ctypes.c_void_p(x.data_ptr()))
+        args.append(m)
+        fns = (self.moe_fn, self.moe_down_fn) if router is None else (self.router_fn, self.router_down_fn)
         if down is not None:
             w_down, s_down = down
             n = w_down.shape[1] // DOWN_ROWS  # down chunks a pair
             d = _Down(s_down.data_ptr(), out.data_ptr(), self.moe_count.data_ptr(), n)
             args += [self.tensor_map(w_down), d]
-            fn = self.moe_down_fn
-        self.launch(fn, [*args, nxt or _Next()], (top_k + 1) * rows // 16, x.device)
+        args.append(nxt or _Next())
+        if router is not None:
+            rx, res, nw, eps, rw, new_res = router
+            args.append(_Router(rx.data_ptr(), res.data_ptr(), nw.data_ptr(), rw.data_ptr(),
+                                new_res.data_ptr(), self.router_count.data_ptr(), eps))
+        self.launch(fns[down is not None], args, (top_k + 1) * rows // 16, x.device)
 
     def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, device: torch.device) -> None:
         """One CTA per SM (at most one per chunk), on the current stream, with the PDL attribute when
@@ -310,7 +332,7 @@ def build_defines() -> tuple[str, ...]:
 
 _KERNELS: dict[torch.device, _Kernel | None] = {}
 WATCH_KERNELS = ("a ring slot's chunk", "gemv_e4m3_pre_gdn: a head's rows",
-                 "moe_gate_up_down_e4m3: a pair's chunks")
+                 "moe_gate_up_down_e4m3: a pair's chunks", "moe_router_*: the router's logits")
 WATCH_CODES = {1: "a count", 2: "a full ring slot", 3: "an empty ring slot"}
 
 
@@ -417,6 +439,50 @@ def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tens
     out = None if down is None else torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
     kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out, next_l2(prefetch, x.device))
     return (gu if out is None else out), tw, ids
+
+
+def wanted_moe_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                      router_weight: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether `moe_router_gate_up` serves one token's post-mixer add + RMSNorm, router and experts in one
+    launch: its switch (off until measured), x and residual [1, K] bf16 (the mixer's output and the residual
+    stream), the norm's weight [K] bf16, the router's [E + 1, K] bf16 (the shared expert's gate last, E + 1
+    = w's experts) and `wanted_moe`'s experts, with every router row a consumer warp's."""
+    if os.environ.get(ROUTER_ENV, "0") != "1" or not x.is_cuda or w.dim() != 3:
+        return False
+    E1 = w.shape[0]
+    logits = torch.empty(1, E1, dtype=torch.bfloat16, device="meta")  # (the logits' shape, for wanted_moe)
+    if not wanted_moe(x, logits, top_k, w, s):
+        return False
+    kernel = _kernel(x.device)
+    grid = min(kernel.sms, (top_k + 1) * w.shape[1] // CHUNK_ROWS)
+    same = residual.dtype == norm_weight.dtype == router_weight.dtype == x.dtype
+    return (residual.shape == x.shape and same and residual.is_contiguous() and residual.data_ptr() % 16 == 0
+            and norm_weight.shape == (K,) and norm_weight.is_contiguous() and norm_weight.data_ptr() % 16 == 0
+            and router_weight.shape == (E1, K) and router_weight.is_contiguous()
+            and router_weight.data_ptr() % 16 == 0 and grid * NCW >= E1)
+
+
+def moe_router_gate_up(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       router_weight: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
+                       down: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       prefetch: tuple[torch.Tensor, int] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_gate_up` with the post-mixer add + RMSNorm and the router in the same launch (the caller checked
+    `wanted_moe_router`, and `wanted_moe_down` for down): x the mixer's output [1, K], residual the stream
+    before the add. -> (gu, or with down the rows, as `moe_gate_up`; tw; ids; new residual [1, K] = bf16(x +
+    residual); logits [1, E + 1] bf16), as norm.add_rms_norm_router then `moe_gate_up` give them."""
+    kernel = _kernel(x.device)
+    assert kernel is not None, "moe_router_gate_up() without wanted_moe_router()"
+    W = top_k + 1
+    gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
+    tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
+    out = None if down is None else torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
+    logits = torch.empty(1, w.shape[0], dtype=torch.bfloat16, device=x.device)
+    new_res = torch.empty_like(residual)
+    kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out, next_l2(prefetch, x.device),
+               router=(x, residual, norm_weight, eps, router_weight, new_res))
+    return (gu if out is None else out), tw, ids, new_res, logits
 
 
 def gdn_enabled() -> bool:
