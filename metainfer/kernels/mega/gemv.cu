@@ -135,7 +135,8 @@ struct Down {                  // moe_gate_up_down_e4m3's down projection (see t
 // KB-0111): every CTA forms x = rms_norm(bf16(mixer + residual)) * (1 + w) for itself (as
 // norm._add_rms_norm_router_kernel; CTA 0 writes the new residual), warp w of CTA b computes router row
 // b + w grid (its weights loaded before the PDL wait) and stores the logit, counting it; the producer routes once
-// all E + 1 are in, in place of the PDL wait. The last CTA to finish zeroes the counts.
+// all E + 1 are in (after its own PDL wait, which also orders its reads after the previous launch's reset of the
+// count). The last CTA to finish zeroes the counts, once every CTA's producer has read them (the rdy mbarrier).
 struct Router {
   const __nv_bfloat16* x;    // [K] the mixer's output
   const __nv_bfloat16* res;  // [K] the residual stream before the add
@@ -303,12 +304,12 @@ __device__ void norm_into_xs(const float (&acc)[8], uint4 rv, uint4 wv, __nv_bfl
 }
 
 __device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
-  const int c0 = threadIdx.x * 8;
   float acc[8] = {};
   pre_rows(p, early.tw, acc);
 #if GEMV_PRE_EARLY
   const uint4 rv = early.res, wv = early.w;
 #else
+  const int c0 = threadIdx.x * 8;
   const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
   const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
 #endif
@@ -389,34 +390,42 @@ __device__ __forceinline__ __nv_bfloat16 conv_row(__nv_bfloat16 yb, int n, const
   return __float2bfloat16_rn(c / (1.f + __expf(-c)));
 }
 
-enum : unsigned { WATCH_COUNT = 1, WATCH_FULL = 2, WATCH_EMPTY = 3 };
+enum : unsigned { WATCH_COUNT = 1, WATCH_FULL = 2, WATCH_EMPTY = 3, WATCH_READY = 4 };
 constexpr uint32_t WATCH_LIMIT = 1u << 22;
+// Only the first to give up traps, once its report is out: the others (all the CTAs' waits run out within
+// microseconds of each other) sleep until that trap ends the grid, so that theirs cannot cut the report short
 __device__ __noinline__ void give_up(unsigned code, unsigned saw, unsigned need, unsigned kernel) {
-  unsigned* w = gemv_watch;
-  if (w != nullptr && atomicCAS(&gemv_claim, 0u, 1u) == 0u) {
-    w[1] = blockIdx.x, w[2] = threadIdx.x, w[3] = saw, w[4] = need, w[5] = kernel;
-    __threadfence_system();
-    w[0] = code;
-    __threadfence_system();
+  if (atomicCAS(&gemv_claim, 0u, 1u) == 0u) {
+    if (unsigned* w = gemv_watch) {
+      w[1] = blockIdx.x, w[2] = threadIdx.x, w[3] = saw, w[4] = need, w[5] = kernel;
+      __threadfence_system();
+      w[0] = code;
+      __threadfence_system();
+    }
+    __trap();
   }
-  __trap();
+  for (;;) __nanosleep(1u << 20);
 }
 // a count in global memory reaching n (one thread): bounded, so that a count that never comes traps (and says so)
 // instead of hanging the step; kernel: which launch (gemv.py's WATCH_KERNELS)
+// (relaxed polls, then a fence: the acquire; an ld.acquire each poll would invalidate the SM's L1 each time)
 __device__ __forceinline__ void wait_at_least(const unsigned* p, unsigned n, unsigned kernel) {
   uint32_t i = 0;
-  for (unsigned v; (v = ld_acquire(p)) < n;)
+  for (unsigned v; (v = ld_relaxed_u32(p)) < n;)
     if (++i == WATCH_LIMIT) give_up(WATCH_COUNT, v, n, kernel);
     else __nanosleep(32);
   __threadfence();
 }
-// a ring slot's mbarrier phase (`mbar_wait`, bounded): chunk `it` of this CTA; one try inline
-__device__ __noinline__ void ring_wait_slow(uint64_t* bar, uint32_t parity, unsigned code, unsigned it) {
+// an mbarrier phase (`mbar_wait`, bounded): a ring slot's (chunk `it` of this CTA), or ROUTER's producer-ready
+// (kernel 3); one try inline
+__device__ __noinline__ void ring_wait_slow(uint64_t* bar, uint32_t parity, unsigned code, unsigned it,
+                                            unsigned kernel) {
   for (uint32_t n = 0; !mega::bar_try(bar, parity);)
-    if (++n == WATCH_LIMIT) give_up(code, it, parity, 0);
+    if (++n == WATCH_LIMIT) give_up(code, it, parity, kernel);
 }
-__device__ __forceinline__ void ring_wait(uint64_t* bar, uint32_t parity, unsigned code, unsigned it) {
-  if (!mega::bar_try(bar, parity)) ring_wait_slow(bar, parity, code, it);
+__device__ __forceinline__ void ring_wait(uint64_t* bar, uint32_t parity, unsigned code, unsigned it,
+                                          unsigned kernel = 0) {
+  if (!mega::bar_try(bar, parity)) ring_wait_slow(bar, parity, code, it, kernel);
 }
 
 // One down chunk's 64 dots (DOWN_ROWS rows of K = 512: the view rows are W's rows; B's columns 0, 1 hold x's first
@@ -640,14 +649,13 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       const int cpp = moe.rows / ROWS;  // chunks a pair; virtual chunk c: pair q - 1 of c / cpp (q = 0: shared)
       for (; c < cpp; c += grid, ++it)  // the shared expert's: static
         if (lane == 0) land(it, moe.E * cpp + c);
-      if constexpr (ROUTER) {  // the logits are this launch's consumers': all E + 1 stored (their PDL wait is
-        if (lane == 0) {        // behind every one of them)
+      asm volatile("griddepcontrol.wait;" ::: "memory");  // the router's logits (ROUTER: the count's last reset)
+      if constexpr (ROUTER) {  // the logits are this launch's consumers': all E + 1 stored
+        if (lane == 0) {
           wait_at_least(rt.count, moe.E + 1, 3);
           mbar_arrive(rdy);
         }
         __syncwarp();
-      } else {
-        asm volatile("griddepcontrol.wait;" ::: "memory");  // the router's logits
       }
       Route r;
       route_load(moe, r, lane);
@@ -819,7 +827,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   }
   if constexpr (ROUTER) {  // the logits' count: zeroed by the last CTA once every CTA's producer is past its wait
     if (threadIdx.x == 0) {
-      ring_wait(rdy, 0, WATCH_FULL, 0);
+      ring_wait(rdy, 0, WATCH_READY, 0, 3);
       __threadfence();
       if (atomicAdd(rt.count + 1, 1u) == gridDim.x - 1) {
         __threadfence();
@@ -867,14 +875,9 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
                                       &dmap, dn, nx);
 }
 
-// moe_gate_up_e4m3 / moe_gate_up_down_e4m3 with the post-mixer add, RMSNorm and router in the same launch (Router:
-// see its struct; moe.logits is where the logits go, x is the consumers' own)
-extern "C" __global__ void __launch_bounds__(mega::NT, 1)
-    moe_router_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const Moe moe,
-                            const Next nx, const Router rt) {
-  gemv_body<true, false, false, false, true>(&wmap, ws, nullptr, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{},
-                                             moe, Gdn{}, nullptr, Down{}, nx, rt);
-}
+// moe_gate_up_down_e4m3 with the post-mixer add, RMSNorm and router in the same launch (Router: see its struct;
+// moe.logits is where the logits go, x is the consumers' own). Only with the down: the Triton down after
+// moe_gate_up_e4m3 reads the logits before its PDL wait, which this launch would write just before it.
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     moe_router_gate_up_down_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
                                  const Moe moe, const __grid_constant__ CUtensorMap dmap, const Down dn,

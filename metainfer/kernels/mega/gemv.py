@@ -209,8 +209,7 @@ class _Kernel:
         self.drv("cuModuleGetFunction", ctypes.byref(self.gdn_fn), self.module, b"gemv_e4m3_pre_gdn")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
         self.drv("cuModuleGetFunction", ctypes.byref(self.moe_down_fn), self.module, b"moe_gate_up_down_e4m3")
-        self.router_fn, self.router_down_fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self.drv("cuModuleGetFunction", ctypes.byref(self.router_fn), self.module, b"moe_router_gate_up_e4m3")
+        self.router_down_fn = ctypes.c_void_p()
         self.drv("cuModuleGetFunction", ctypes.byref(self.router_down_fn), self.module,
                  b"moe_router_gate_up_down_e4m3")
         out = torch.zeros(9, dtype=torch.int64, device=device)
@@ -231,8 +230,7 @@ class _Kernel:
         if (self.threads, conv, moe, pre, gdn, down, nxt, router) != want:
             raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, -, conv, moe, pre, "
                                f"gdn, down, next, router): {want}")
-        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn, self.moe_down_fn, self.router_fn,
-                   self.router_down_fn):
+        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn, self.moe_down_fn, self.router_down_fn):
             self.drv("cuFuncSetAttribute", fn, 8, self.smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # moe_gate_up_down_e4m3's counts (each launch leaves them zero; one launch at a time on the device)
@@ -279,14 +277,16 @@ class _Kernel:
             out: torch.Tensor | None = None, nxt: _Next | None = None, router: tuple | None = None) -> None:
         """moe_gate_up_e4m3, or with down = (w_down, s_down) moe_gate_up_down_e4m3 (its rows into out); nxt:
         the next projection's chunks to prefetch into L2 (`next_l2`); router = (x, residual, norm weight,
-        eps, router weight, new_res): the moe_router_* forms (x the mixer's output, logits written)."""
+        eps, router weight, new_res): moe_router_gate_up_down_e4m3 (x the mixer's output, logits written; down
+        required)."""
         E1, rows, _ = w.shape
         m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
         args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr())]
         if router is None:
             args.append(ctypes.c_void_p(x.data_ptr()))
         args.append(m)
-        fns = (self.moe_fn, self.moe_down_fn) if router is None else (self.router_fn, self.router_down_fn)
+        assert router is None or down is not None, "the router's launch takes the down too"
+        fns = (self.moe_fn, self.moe_down_fn) if router is None else (None, self.router_down_fn)
         if down is not None:
             w_down, s_down = down
             n = w_down.shape[1] // DOWN_ROWS  # down chunks a pair
@@ -333,7 +333,7 @@ def build_defines() -> tuple[str, ...]:
 _KERNELS: dict[torch.device, _Kernel | None] = {}
 WATCH_KERNELS = ("a ring slot's chunk", "gemv_e4m3_pre_gdn: a head's rows",
                  "moe_gate_up_down_e4m3: a pair's chunks", "moe_router_*: the router's logits")
-WATCH_CODES = {1: "a count", 2: "a full ring slot", 3: "an empty ring slot"}
+WATCH_CODES = {1: "a count", 2: "a full ring slot", 3: "an empty ring slot", 4: "its producer's ready"}
 
 
 def watchdog_report() -> str | None:
@@ -346,7 +346,8 @@ def watchdog_report() -> str | None:
         code, cta, thread, saw, need, kernel = (int(v) for v in k.watch[:6].tolist())
         what = WATCH_CODES.get(code, f"code {code}")
         where = WATCH_KERNELS[kernel] if 0 <= kernel < len(WATCH_KERNELS) else f"kernel {kernel}"
-        detail = (f"saw {saw}, needed {need}" if code == 1 else f"chunk {saw} of the CTA, parity {need}")
+        detail = (f"saw {saw}, needed {need}" if code == 1 else "its producer never passed the logits' count"
+                  if code == 4 else f"chunk {saw} of the CTA, parity {need}")
         return (f"gemv.cu watchdog on {dev}: CTA {cta} thread {thread} gave up waiting on {what} ({where}): "
                 f"{detail}")
     return None
@@ -464,25 +465,26 @@ def wanted_moe_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
 
 def moe_router_gate_up(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        router_weight: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
-                       down: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       down: tuple[torch.Tensor, torch.Tensor],
                        prefetch: tuple[torch.Tensor, int] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_gate_up` with the post-mixer add + RMSNorm and the router in the same launch (the caller checked
-    `wanted_moe_router`, and `wanted_moe_down` for down): x the mixer's output [1, K], residual the stream
-    before the add. -> (gu, or with down the rows, as `moe_gate_up`; tw; ids; new residual [1, K] = bf16(x +
-    residual); logits [1, E + 1] bf16), as norm.add_rms_norm_router then `moe_gate_up` give them."""
+    """`moe_gate_up(down=)` with the post-mixer add + RMSNorm and the router in the same launch (the caller
+    checked `wanted_moe_router` and `wanted_moe_down`; the down is required: the Triton down reads the logits
+    before its PDL wait): x the mixer's output [1, K], residual the stream before the add. -> (the rows, tw,
+    ids as `moe_gate_up(down=)`; new residual [1, K] = bf16(x + residual); logits [1, E + 1] bf16), as
+    norm.add_rms_norm_router then `moe_gate_up(down=)` give them."""
     kernel = _kernel(x.device)
     assert kernel is not None, "moe_router_gate_up() without wanted_moe_router()"
     W = top_k + 1
     gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
     tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
-    out = None if down is None else torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
+    out = torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
     logits = torch.empty(1, w.shape[0], dtype=torch.bfloat16, device=x.device)
     new_res = torch.empty_like(residual)
     kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out, next_l2(prefetch, x.device),
                router=(x, residual, norm_weight, eps, router_weight, new_res))
-    return (gu if out is None else out), tw, ids, new_res, logits
+    return out, tw, ids, new_res, logits
 
 
 def gdn_enabled() -> bool:
