@@ -198,6 +198,8 @@
 #            NEXT_L2 0 / 2 / 4 (BASE: switches on in every mode), ~5 min
 #   router - (KB-0111, 2026-12-05, not yet run) the post-mixer norm and router in the experts' launch (the down
 #            fused too): GPU tests, then 0 / 1 (BASE), the oracle, ~6 min
+#   reduceearly - (KB-0112, 2026-12-05, not yet run) the attention reduce releasing the o_proj early: the engine
+#            test, then 0 / 1 (BASE), ~4 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -791,6 +793,17 @@ if has router; then  # (KB-0111, built 2026-12-05 on the CPU, not yet run) the p
       --json $OUT/verify_fp8_router.json 2>&1 | grep -E "verdict" | head -1
   else
     echo "[router] GPU tests failed: no A/B (see router_tests.log)"
+  fi
+fi
+if has reduceearly; then  # (KB-0112, built 2026-12-05 on the CPU, not yet run) the decode attention reduce releasing
+  # the o_proj before its PDL wait (METAINFER_ATTN_REDUCE_EARLY=1): the engine's logits with it on and off, then
+  # 0 / 1 in turn x REPS (2) with BASE, ~4 min
+  timeout 200 python -m pytest -q -x tests/gpu/test_engine_gpu.py -p no:cacheprovider -k "gemv_fusions and reduce_early" \
+    2>&1 | tee $OUT/reduceearly_tests.log | grep -E "passed|failed|rror" | tail -2
+  if grep -q " passed" $OUT/reduceearly_tests.log && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/reduceearly_tests.log; then
+    switch_ab reduce_early METAINFER_ATTN_REDUCE_EARLY "0 1" re
+  else
+    echo "[reduceearly] GPU test failed: no A/B (see reduceearly_tests.log)"
   fi
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel and

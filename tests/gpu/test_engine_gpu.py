@@ -226,7 +226,7 @@ def test_attn_prologue_equals_two_launches(cfg_path, quant, monkeypatch):
     _rows_agree_until_they_part(runs)
 
 
-@pytest.mark.parametrize("fusion", ["gdn", "moe_down", "next_l2", "moe_router"])
+@pytest.mark.parametrize("fusion", ["gdn", "moe_down", "next_l2", "moe_router", "reduce_early"])
 def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
     """mega/gemv.cu's fused launches, switch 1 vs 0 (FP8, batch 1, hidden 2048 and experts' I = 512 so that
     gemv.cu serves the in_proj and the experts): "gdn" (METAINFER_WGMMA_GEMV_GDN) the DeltaNet decode step
@@ -235,7 +235,8 @@ def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
     projection into L2 (a hint: the same logits); "moe_router" (METAINFER_WGMMA_GEMV_MOE_ROUTER, the down
     fused in both runs) the post-mixer norm and router inside the experts' launch. Each gives the two
     launches' logits to a rounding, every row conditioned on the same tokens within 1e-2 relative RMSE; and
-    the fused launch did run, every time it was asked to (next_l2: in every layer but the last)."""
+    the fused launch did run, every time it was asked to (next_l2: in every layer but the last);
+    "reduce_early" (METAINFER_ATTN_REDUCE_EARLY) the decode reduce releasing the o_proj before its wait."""
     from metainfer.kernels import ops
     from metainfer.kernels.mega import gemv
 
@@ -255,6 +256,16 @@ def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
             return out
 
         monkeypatch.setitem(ops._KERNELS, "pending_norm_linear_gdn", counted)
+    elif fusion == "reduce_early":
+        from metainfer.kernels import attention
+
+        env, fused = attention.REDUCE_EARLY_ENV, attention.reduce_early
+
+        def counted():
+            served.append(fused())
+            return served[-1]
+
+        monkeypatch.setattr(attention, "reduce_early", counted)
     elif fusion == "moe_router":
         monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")  # (the router fusion needs the down in the launch)
         env, fused = gemv.ROUTER_ENV, gemv.moe_router_gate_up
