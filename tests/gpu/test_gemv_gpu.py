@@ -432,7 +432,7 @@ def _router_problem(E: int, seed: int):
 def test_moe_router_in_the_experts_launch(E, top_k, monkeypatch):
     """moe_router_gate_up_down_e4m3 (KB-0111) against norm.add_rms_norm_router then moe_gate_up(down=), three
     launches in a row (its counts back at zero after each): the new residual the same bits, the logits within
-    a bf16 rounding (another summation order), and where the unfused logits' top-k is clear of that (a margin
+    a bf16 rounding (another summation order; 1e-3 absolute near zero), and where the unfused logits' top-k is clear of that (a margin
     of 4 ulps at the k-th), the same picks, weights within 1e-3 and rows within 8e-3."""
     monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
     monkeypatch.setenv(gemv.ROUTER_ENV, "1")
@@ -451,7 +451,8 @@ def test_moe_router_in_the_experts_launch(E, top_k, monkeypatch):
         assert not kernel.router_count.any() and not kernel.moe_count.any(), (step, kernel.router_count)
         assert torch.equal(new_res, want_res), step
         lf, wf = logits.float(), want_logits.float()
-        assert ((lf - wf).abs() <= wf.abs() * 2**-7 + 1e-6).all(), (step, (lf - wf).abs().max())
+        # (a bf16 rounding of fp32 sums in two orders; near zero the sums' own error, ~1e-4 for 2,048 terms)
+        assert ((lf - wf).abs() <= wf.abs() * 2**-7 + 1e-3).all(), (step, (lf - wf).abs().max())
         top = wf[0, :E].sort(descending=True).values
         if top[top_k - 1] - top[top_k] > 4 * 2**-7 * top[top_k - 1].abs():
             assert torch.equal(ids, want_ids), step
