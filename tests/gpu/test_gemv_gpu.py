@@ -430,10 +430,11 @@ def _router_problem(E: int, seed: int):
 
 @pytest.mark.parametrize("E,top_k", [(256, 8), (40, 5)])
 def test_moe_router_in_the_experts_launch(E, top_k, monkeypatch):
-    """moe_router_gate_up_down_e4m3 (KB-0111) against norm.add_rms_norm_router then moe_gate_up(down=), three
-    launches in a row (its counts back at zero after each): the new residual the same bits, the logits within
-    a bf16 rounding (another summation order; 1e-3 absolute near zero), and where the unfused logits' top-k is clear of that (a margin
-    of 4 ulps at the k-th), the same picks, weights within 1e-3 and rows within 8e-3."""
+    """moe_router_gate_up_down_e4m3 (KB-0111) against norm.add_rms_norm_router then moe_gate_up(down=),
+    three launches in a row (its counts back at zero after each): the new residual the same bits, the logits
+    within a bf16 rounding (another summation order; 1e-3 absolute near zero), and where the unfused logits'
+    top-k is clear of that (a margin of 4 ulps at the k-th), the same picks, weights within 1e-3 and rows
+    within 8e-3."""
     monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
     monkeypatch.setenv(gemv.ROUTER_ENV, "1")
     _, _, w, s = _moe_problem(E, top_k, 91, False)
