@@ -27,7 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_smoke import env_info  # noqa: E402
 
-from metainfer.bench.critical_path import compact_timeline, device_intervals, exposed_table  # noqa: E402
+from metainfer.bench.critical_path import (  # noqa: E402
+    compact_timeline,
+    device_intervals,
+    exposed_table,
+    layer_table,
+    print_layer_table,
+)
 from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling  # noqa: E402
 from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
@@ -387,6 +393,9 @@ def main() -> None:
         for row in exposed[:16]:
             print(f"  {row['exposed_us_per_step']:8.1f} us exposed {row['busy_us_per_step']:8.1f} us busy"
                   f"  x{row['calls_per_step']:<3.0f} {row['kernel'][:60]}")
+    timeline = res.get(f"timeline_bs{args.profile_batch}")
+    if timeline:
+        print_layer_table(layer_table(timeline))
 
 
 if __name__ == "__main__":

@@ -813,6 +813,7 @@ if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the bat
     --dtype fp8 --device cuda --suite full --json $OUT/verify_fp8_fusions.json 2>&1 | grep -E "verdict" | head -1
   env "${sw[@]}" timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8 --gen 32 \
     --out $OUT/fusions_exposed 2>&1 | sed -n '/wall time by kernel/,$p' | head -14 | sed "s/^/[fusions exposed] /"
+  python -m metainfer.bench.critical_path $OUT/fusions_exposed/decode_bench_fp8.json | sed "s/^/[fusions layers] /"
 fi
 if has fusedboth; then  # (after gdnfuse and moedown passed) both fusions on against both off, alternating x REPS
   # (2), then the exposed profile (batch 1) and batch 8 with both, ~5 min

@@ -10,12 +10,18 @@ first kernel's start to the last kernel's end, so the table answers "which kerne
 step wait on" where the durations cannot.
 
 `exposed_table(intervals, steps)` aggregates per kernel name: calls, exposed and busy (duration)
-microseconds per step; `compact_timeline` keeps the intervals themselves. Intervals come from the
-profiler's device events (start, end in µs).
+microseconds per step; `compact_timeline` keeps the intervals themselves; `layer_table` splits a kept
+timeline into layers (each ending with its experts' gate/up) and gives each kind of layer its median
+exposed time per kernel, the view in which a fusion shows which part of a layer it took away. Intervals
+come from the profiler's device events (start, end in µs). `python -m metainfer.bench.critical_path
+decode_bench.json` prints the layer table of a decode_bench JSON's timeline.
 """
 
 from __future__ import annotations
 
+import re
+import statistics
+import sys
 from collections.abc import Iterable
 
 GAP = "(no kernel running)"
@@ -70,3 +76,72 @@ def device_intervals(events) -> list[tuple[str, float, float]]:
         if getattr(ev, "device_type", None) == DeviceType.CUDA and ev.time_range.end > ev.time_range.start:
             out.append((ev.name[:90], float(ev.time_range.start), float(ev.time_range.end)))
     return out
+
+
+def layer_table(timeline: dict, anchor: str = "gate_up", marker: str = "_decode_split") -> dict[str, dict]:
+    """A `compact_timeline`'s kernels split into layer periods, each ending with a kernel whose name matches
+    `anchor` (the experts' gate/up: one a layer, whatever else is fused around it) and running from the end
+    of the one before: the previous layer's tail (its experts' down), then this layer's input projection,
+    mixer, norm and router. A period holding a kernel that matches `marker` is an "attention" one, else
+    "deltanet". -> {kind: {"periods": n, "period_us": median, "kernels": [{"kernel", "exposed_us": median
+    over the periods, "calls": per period}, ...] in the order they end}}. Each kernel's exposed time is as in
+    `exposed_table`; a gap inside a period is a GAP row. Periods holding a kernel seen in under a quarter of
+    them are left out: a step's first (its inputs, the embedding, layer 0's plain projection) and those
+    across the step boundary."""
+    names = timeline["names"]
+    periods: list[list[tuple[str, float]]] = []
+    cur: list[tuple[str, float]] = []
+    latest = None
+    for idx, start, end in sorted(timeline["events"], key=lambda e: e[1]):
+        name = names[idx]
+        if latest is not None and start > latest:
+            cur.append((GAP, start - latest))
+        cur.append((name, max(0.0, end - max(start, latest if latest is not None else start))))
+        latest = end if latest is None else max(latest, end)
+        if re.search(anchor, name):
+            periods.append(cur)
+            cur = []
+    seen_in: dict[str, int] = {}
+    for p in periods:
+        for n in {n for n, _ in p}:
+            seen_in[n] = seen_in.get(n, 0) + 1
+    regular = [p for p in periods if all(4 * seen_in[n] >= len(periods) for n, _ in p)]
+    out: dict[str, dict] = {}
+    for kind in ("deltanet", "attention"):
+        group = [p for p in regular if any(re.search(marker, n) for n, _ in p) == (kind == "attention")]
+        if not group:
+            continue
+        order: list[str] = []
+        per: dict[str, list[float]] = {}
+        calls: dict[str, int] = {}
+        for p in group:
+            total: dict[str, float] = {}
+            for n, x in p:
+                if n not in order:
+                    order.append(n)
+                total[n] = total.get(n, 0.0) + x
+                calls[n] = calls.get(n, 0) + 1
+            for n, x in total.items():
+                per.setdefault(n, []).append(x)
+        rows = [{"kernel": n, "exposed_us": statistics.median(per[n] + [0.0] * (len(group) - len(per[n]))),
+                 "calls": calls[n] / len(group)} for n in order]
+        period = statistics.median(sum(x for _, x in p) for p in group)
+        out[kind] = {"periods": len(group), "period_us": period, "kernels": rows}
+    return out
+
+
+def print_layer_table(table: dict[str, dict]) -> None:
+    for kind, t in table.items():
+        print(f"{kind} layers ({t['periods']} periods): {t['period_us']:.1f} us a layer (median), by kernel:")
+        for r in t["kernels"]:
+            print(f"  {r['exposed_us']:7.2f} us  x{r['calls']:<4.2g} {r['kernel'][:70]}")
+
+
+if __name__ == "__main__":  # python -m metainfer.bench.critical_path decode_bench.json [anchor]
+    import json
+
+    res = json.load(open(sys.argv[1]))
+    timeline = next((v for k, v in res.items() if k.startswith("timeline_bs")), None)
+    if timeline is None:
+        sys.exit(f"{sys.argv[1]}: no timeline (decode_bench's profile with PDL on keeps one)")
+    print_layer_table(layer_table(timeline, *sys.argv[2:3]))

@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from metainfer.bench.critical_path import GAP, compact_timeline, device_intervals, exposed_table
+from metainfer.bench.critical_path import (
+    GAP,
+    compact_timeline,
+    device_intervals,
+    exposed_table,
+    layer_table,
+)
 
 
 def _by_name(rows):
@@ -74,3 +80,53 @@ def test_compact_timeline_keeps_the_intervals_in_start_order():
     assert tl["names"] == ["a", "b"]
     assert tl["events"] == [[0, 0.0, 2.5], [1, 1.0, 5.0], [1, 6.0, 7.0]]
     assert compact_timeline([]) == {"names": [], "events": []}
+
+
+def _layers(kinds, steps=3, t0=0.0):
+    """A PDL-chained timeline of `steps` steps: a step's head (its inputs: "embed"), then one period a layer
+    (the previous layer's "down", the mixer's kernels, "gate_up"), then "lm_head"; each kernel starts 1 µs
+    before the one before it ends. -> (compact timeline, {kind: the period's kernels, exposed µs})."""
+    mixers = {"deltanet": [("in_proj", 9.0), ("gdn", 4.0)],
+              "attention": [("qkv", 7.0), ("_decode_split_kernel", 6.0), ("o_proj", 7.0)]}
+    def layer(kind):
+        return [("down", 5.0), *mixers[kind], ("router", 2.0), ("gate_up", 9.0)]
+
+    ivs, t = [], t0
+    for _ in range(steps):
+        for name, d in [("embed", 2.0)] + [k for kind in kinds for k in layer(kind)] + [("lm_head", 240.0)]:
+            ivs.append((name, t - 1.0, t + d))
+            t += d
+        t += 30.0  # between steps: the host
+    want = {kind: layer(kind) for kind in set(kinds)}
+    return compact_timeline(ivs), want
+
+
+def test_layer_table_splits_the_step_into_layers():
+    """Each layer's period ends with its gate/up and holds the previous layer's down; the kinds apart (by
+    the attention split kernel); a step's first period (its head) and the tail after the last gate/up are
+    left out; the medians are the kernels' exposed times."""
+    kinds = ["deltanet", "deltanet", "deltanet", "attention"] * 4
+    timeline, want = _layers(kinds)
+    table = layer_table(timeline)
+    assert set(table) == {"deltanet", "attention"}
+    assert table["deltanet"]["periods"] == 3 * 11 and table["attention"]["periods"] == 3 * 4  # 1 a step out
+    for kind, rows in want.items():
+        got = [(r["kernel"], r["exposed_us"]) for r in table[kind]["kernels"]]
+        assert got == [(n, pytest.approx(x)) for n, x in rows], kind
+        assert table[kind]["period_us"] == pytest.approx(sum(x for _, x in rows))
+        assert all(r["calls"] == 1 for r in table[kind]["kernels"])
+
+
+def test_layer_table_counts_a_gap_inside_a_period():
+    """A gap between two kernels of a layer is a GAP row of that layer (and the kernel after it, no longer
+    overlapping the one before, is exposed for its whole interval)."""
+    timeline, _ = _layers(["deltanet"] * 6, steps=2)
+    names, events = timeline["names"], timeline["events"]
+    gdn = names.index("gdn")
+    shifted, late = [], 0.0
+    for i, s, e in events:  # every gdn starts 2 µs after the in_proj ends: a 2 µs gap, everything after later
+        if i == gdn:
+            late += 3.0
+        shifted.append([i, s + late, e + late])
+    rows = {r["kernel"]: r for r in layer_table({"names": names, "events": shifted})["deltanet"]["kernels"]}
+    assert rows[GAP]["exposed_us"] == pytest.approx(2.0) and rows["gdn"]["exposed_us"] == pytest.approx(5.0)
