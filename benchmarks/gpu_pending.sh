@@ -200,6 +200,8 @@
 #            fused too): GPU tests, then 0 / 1 (BASE), the oracle, ~6 min
 #   reduceearly - (KB-0112, 2026-12-05, not yet run) the attention reduce releasing the o_proj early: the engine
 #            test, then 0 / 1 (BASE), ~4 min
+#   moeslots - (KB-0113, 2026-12-05, not yet run) the experts' launches on a 6-slot ring of their own: the GPU
+#            test, then 4 / 6 (BASE), ~4 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -804,6 +806,17 @@ if has reduceearly; then  # (KB-0112, built 2026-12-05 on the CPU, not yet run) 
     switch_ab reduce_early METAINFER_ATTN_REDUCE_EARLY "0 1" re
   else
     echo "[reduceearly] GPU test failed: no A/B (see reduceearly_tests.log)"
+  fi
+fi
+if has moeslots; then  # (KB-0113, built 2026-12-05 on the CPU, not yet run) the experts' launches with their own
+  # 6-slot ring (METAINFER_WGMMA_GEMV_MOE_SLOTS; the rest keep 4): its GPU test (the same bits), then 4 / 6 in turn
+  # x REPS (2) with BASE, ~4 min
+  timeout 120 python -m pytest -q -x tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k "own_ring" 2>&1 \
+    | tee $OUT/moeslots_tests.log | grep -E "passed|failed|rror" | tail -2
+  if grep -q " passed" $OUT/moeslots_tests.log && ! grep -qE "[0-9]+ (failed|errors?)\b" $OUT/moeslots_tests.log; then
+    switch_ab moe_slots METAINFER_WGMMA_GEMV_MOE_SLOTS "4 6" ms
+  else
+    echo "[moeslots] GPU test failed: no A/B (see moeslots_tests.log)"
   fi
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel and

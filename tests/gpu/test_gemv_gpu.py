@@ -482,6 +482,28 @@ def test_moe_router_graph_replay(monkeypatch):
     assert not torch.equal(out[3], eager[3])  # a new mixer output, a new residual
 
 
+@pytest.mark.parametrize("down", [False, True])
+def test_moe_own_ring_gives_the_same_bits(down, monkeypatch):
+    """The experts' launches from a build with their own ring (METAINFER_WGMMA_GEMV_MOE_SLOTS=6, KB-0113): the
+    same bits as the default ring's (a chunk's dots do not depend on the slot it lands in), with and without
+    the fused down; the other kernels keep the default ring's build."""
+    x, logits, w, s = _moe_problem(256, 8, 101, False)
+    wd, sd = _down_weights(256, 102)
+    monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")
+    kw = dict(down=(wd, sd)) if down else {}
+    monkeypatch.setattr(gemv, "_KERNELS", {})
+    want = gemv.moe_gate_up(x, logits, 8, w, s, **kw)
+    base = gemv._kernel(x.device)
+    monkeypatch.setattr(gemv, "_KERNELS", {})
+    monkeypatch.setenv(gemv.MOE_SLOTS_ENV, "6")
+    got = gemv.moe_gate_up(x, logits, 8, w, s, **kw)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    k6 = gemv._kernel(x.device)
+    assert k6.smem_of[k6.moe_fn.value] == base.smem + 2 * 32 * 1024 + 2 * 16 * 4 + 2 * 2 * 8  # 2 more slots
+    assert k6.smem_of[k6.fn.value] == base.smem
+
+
 def test_moe_gate_up_down_graph_replay(monkeypatch):
     """The fused launch captured in a CUDA graph and replayed with new logits: the eager launch's bits."""
     monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")

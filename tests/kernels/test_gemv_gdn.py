@@ -218,3 +218,17 @@ def test_router_fusion_not_wanted_on_the_cpu_or_off(monkeypatch):
     assert not gemv.wanted_moe_router(x, x, nw, rw, 8, w, s)
     monkeypatch.setenv(gemv.ROUTER_ENV, "1")
     assert not gemv.wanted_moe_router(x, x, nw, rw, 8, w, s)  # a CPU tensor
+
+
+def test_moe_ring_slots(monkeypatch):
+    """The experts' own ring (KB-0113) follows METAINFER_WGMMA_GEMV_SLOTS unless set; even only."""
+    monkeypatch.delenv(gemv.SLOTS_ENV, raising=False)
+    monkeypatch.delenv(gemv.MOE_SLOTS_ENV, raising=False)
+    assert gemv.moe_ring_slots() == 4
+    monkeypatch.setenv(gemv.SLOTS_ENV, "6")
+    assert gemv.moe_ring_slots() == 6
+    monkeypatch.setenv(gemv.MOE_SLOTS_ENV, "2")
+    assert gemv.moe_ring_slots() == 2
+    monkeypatch.setenv(gemv.MOE_SLOTS_ENV, "5")
+    with pytest.raises(ValueError, match="MOE_SLOTS"):
+        gemv.moe_ring_slots()

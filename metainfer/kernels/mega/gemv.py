@@ -38,6 +38,7 @@ from metainfer.kernels.common import env_int
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
 SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2, 4 or 6; default 4): same outputs
+MOE_SLOTS_ENV = "METAINFER_WGMMA_GEMV_MOE_SLOTS"  # the experts' launches' own ring (default: SLOTS's)
 DEFINES_ENV = "METAINFER_WGMMA_GEMV_DEFINES"  # more -D flags for gemv.cu's build (A/Bs): "-DGEMV_PRE_EARLY=1"
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
 PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
@@ -187,51 +188,31 @@ def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tenso
             and _kernel(x.device) is not None)
 
 
+KERNEL_NAMES = ("gemv_e4m3", "gemv_e4m3_pre", "gemv_e4m3_pre_gdn", "moe_gate_up_e4m3",
+                "moe_gate_up_down_e4m3", "moe_router_gate_up_down_e4m3")
+
+
 class _Kernel:
     """gemv.cu loaded on one device."""
 
     def __init__(self, device: torch.device) -> None:
         from metainfer.kernels.mega import launch
-        from metainfer.kernels.mega import program as P
 
         self.launch_mod = launch
         torch.zeros(1, device=device)  # the primary context exists and is current
         self.drv = launch._Driver()
-        slots = ring_slots()
-        defines = (f"-DGEMV_SLOTS={slots}", *build_defines())
-        self.image = launch.build(main="gemv.cu", defines=defines).read_bytes()
-        self.module = ctypes.c_void_p()
-        self.drv("cuModuleLoadData", ctypes.byref(self.module), self.image)
-        self.fn, self.moe_fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self.drv("cuModuleGetFunction", ctypes.byref(self.fn), self.module, b"gemv_e4m3")
-        self.pre_fn, self.gdn_fn, self.moe_down_fn = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self.drv("cuModuleGetFunction", ctypes.byref(self.pre_fn), self.module, b"gemv_e4m3_pre")
-        self.drv("cuModuleGetFunction", ctypes.byref(self.gdn_fn), self.module, b"gemv_e4m3_pre_gdn")
-        self.drv("cuModuleGetFunction", ctypes.byref(self.moe_fn), self.module, b"moe_gate_up_e4m3")
-        self.drv("cuModuleGetFunction", ctypes.byref(self.moe_down_fn), self.module, b"moe_gate_up_down_e4m3")
-        self.router_down_fn = ctypes.c_void_p()
-        self.drv("cuModuleGetFunction", ctypes.byref(self.router_down_fn), self.module,
-                 b"moe_router_gate_up_down_e4m3")
-        out = torch.zeros(9, dtype=torch.int64, device=device)
         # the watchdog's report: pinned host memory (the device writes it through unified addressing), which
         # stays readable once a trap has ended the context (watchdog_report)
         self.watch = torch.zeros(8, dtype=torch.int32, pin_memory=True)
-        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-        for name, arg in ((b"gemv_constants", out.data_ptr()), (b"gemv_set_watch", self.watch.data_ptr())):
-            fn = ctypes.c_void_p()
-            self.drv("cuModuleGetFunction", ctypes.byref(fn), self.module, name)
-            self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
-                     launch.kernel_params([ctypes.c_void_p(arg)]), None)
-        self.threads, self.smem, conv, moe, pre, gdn, down, nxt, router = out.tolist()
-        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
-                + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W,
-                ctypes.sizeof(_Gdn) * 100000 + GDN_D * 1000 + GDN_ROWS,
-                ctypes.sizeof(_Down) * 1000 + DOWN_ROWS, ctypes.sizeof(_Next), ctypes.sizeof(_Router))
-        if (self.threads, conv, moe, pre, gdn, down, nxt, router) != want:
-            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, -, conv, moe, pre, "
-                               f"gdn, down, next, router): {want}")
-        for fn in (self.fn, self.pre_fn, self.gdn_fn, self.moe_fn, self.moe_down_fn, self.router_down_fn):
-            self.drv("cuFuncSetAttribute", fn, 8, self.smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self.smem_of: dict[int, int] = {}  # each function's dynamic shared memory (its module's ring)
+        slots, moe_slots = ring_slots(), moe_ring_slots()
+        fns = self._load(device, slots)
+        if moe_slots != slots:  # the experts' launches from a build with their own ring (KB-0113)
+            fns.update({k: v for k, v in self._load(device, moe_slots).items() if k.startswith("moe_")})
+        self.fn, self.pre_fn, self.gdn_fn = fns["gemv_e4m3"], fns["gemv_e4m3_pre"], fns["gemv_e4m3_pre_gdn"]
+        self.moe_fn, self.moe_down_fn = fns["moe_gate_up_e4m3"], fns["moe_gate_up_down_e4m3"]
+        self.router_down_fn = fns["moe_router_gate_up_down_e4m3"]
+        self.smem = self.smem_of[self.fn.value]
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # moe_gate_up_down_e4m3's counts (each launch leaves them zero; one launch at a time on the device)
         self.moe_count = torch.zeros(MOE_MAX_K + 1, dtype=torch.int32, device=device)
@@ -239,6 +220,39 @@ class _Kernel:
         # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
         # with the same shape gets the same bytes back (the launch copies them into its parameters)
         self.maps: dict[tuple[int, int, int], ctypes.Array] = {}
+
+    def _load(self, device: torch.device, slots: int) -> dict[str, ctypes.c_void_p]:
+        """gemv.cu built with a ring of `slots` slots, loaded: -> its kernels by name (their shared memory in
+        smem_of), its layout constants checked against the host's structs, its watchdog pointed at watch."""
+        from metainfer.kernels.mega import program as P
+
+        image = self.launch_mod.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={slots}", *build_defines()))
+        module = ctypes.c_void_p()
+        self.drv("cuModuleLoadData", ctypes.byref(module), image.read_bytes())
+        self.modules = [*getattr(self, "modules", []), module]  # (kept loaded for the process)
+        fns = {}
+        for name in KERNEL_NAMES:
+            fns[name] = ctypes.c_void_p()
+            self.drv("cuModuleGetFunction", ctypes.byref(fns[name]), module, name.encode())
+        out = torch.zeros(9, dtype=torch.int64, device=device)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        for name, arg in ((b"gemv_constants", out.data_ptr()), (b"gemv_set_watch", self.watch.data_ptr())):
+            fn = ctypes.c_void_p()
+            self.drv("cuModuleGetFunction", ctypes.byref(fn), module, name)
+            self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
+                     self.launch_mod.kernel_params([ctypes.c_void_p(arg)]), None)
+        self.threads, smem, conv, moe, pre, gdn, down, nxt, router = out.tolist()
+        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K, ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100
+                + MOE_MAX_K, ctypes.sizeof(_Pre) * 100 + PRE_MAX_W,
+                ctypes.sizeof(_Gdn) * 100000 + GDN_D * 1000 + GDN_ROWS,
+                ctypes.sizeof(_Down) * 1000 + DOWN_ROWS, ctypes.sizeof(_Next), ctypes.sizeof(_Router))
+        if (self.threads, conv, moe, pre, gdn, down, nxt, router) != want:
+            raise RuntimeError(f"gemv.cu's constants {out.tolist()} differ from (threads, -, conv, moe, pre, "
+                               f"gdn, down, next, router): {want}")
+        for fn in fns.values():
+            self.drv("cuFuncSetAttribute", fn, 8, smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+            self.smem_of[fn.value] = smem
+        return fns
 
     def tensor_map(self, w: torch.Tensor) -> ctypes.Array:
         key = (w.data_ptr(), *w.shape)
@@ -306,7 +320,7 @@ class _Kernel:
         cfg = _Config()
         cfg.grid[:] = (min(self.sms, chunks), 1, 1)
         cfg.block[:] = (self.threads, 1, 1)
-        cfg.smem = self.smem
+        cfg.smem = self.smem_of[fn.value]
         cfg.stream = torch.cuda.current_stream(device).cuda_stream
         attr = _Attr(id=_PDL_ATTR)
         attr.value.val = 1
@@ -322,6 +336,17 @@ def ring_slots() -> int:
     slots = env_int(SLOTS_ENV, 4, 2, 6)
     if slots % 2:
         raise ValueError(f"{SLOTS_ENV} must be 2, 4 or 6 (an even ring); got {slots}")
+    return slots
+
+
+def moe_ring_slots() -> int:
+    """METAINFER_WGMMA_GEMV_MOE_SLOTS: the experts' launches' own ring (2, 4 or 6; default: the others', 4;
+    KB-0113). Their CTAs cannot sit beside the next projection's at 4 slots either, so a deeper ring costs
+    them no co-residency there, and 6 slots hold every chunk of a CTA's (the model's 576 over 132 CTAs: 4-5)
+    in flight at once."""
+    slots = env_int(MOE_SLOTS_ENV, ring_slots(), 2, 6)
+    if slots % 2:
+        raise ValueError(f"{MOE_SLOTS_ENV} must be 2, 4 or 6 (an even ring); got {slots}")
     return slots
 
 
