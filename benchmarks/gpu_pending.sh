@@ -202,6 +202,8 @@
 #            test, then 0 / 1 (BASE), ~4 min
 #   moeslots - (KB-0113, 2026-12-05, not yet run) the experts' launches on a 6-slot ring of their own: the GPU
 #            test, then 4 / 6 (BASE), ~4 min
+#   bf16gemv - (KB-0114, 2026-12-05, not yet run) the BF16 qkv / in_proj with their input norm on gemv.cu: GPU
+#            tests, BF16 batch 1 0 / 1, the BF16 oracle, ~6 min
 #   PHASES="tests ab" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -245,16 +247,16 @@ medians() {  # $1: a tag, $2: the runs' folder prefix under $OUT ($OUT/<prefix>_
 import glob, json, statistics, sys
 out, tag, prefix, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 for i, mode in enumerate(modes):
-    v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/{prefix}_{i}_*/*.json")]
+    v = [json.load(open(f))["decode"][0]["decode_tok_s"] for f in glob.glob(f"{out}/{prefix}_{i}_*/decode_bench_*.json")]
     print(f"[{tag}] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[{tag}] {mode}: none")
 PY
 }
-switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder prefix: FP8 batch 1 with VAR at each
-  # value in turn x REPS (2), BASE's switches (space-separated VAR=VALUE) on in every run; medians, $OUT/$4*.tgz
+switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder prefix: batch 1 (AB_DTYPE, fp8) with VAR
+  # at each value in turn x REPS (2), BASE's switches (space-separated VAR=VALUE) on in every run; medians, $OUT/$4*.tgz
   local base=(${BASE:-}) modes=($3)
   for r in $(seq ${REPS:-2}); do
     for i in "${!modes[@]}"; do
-      env "${base[@]}" $2=${modes[$i]} timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 \
+      env "${base[@]}" $2=${modes[$i]} timeout 90 python benchmarks/decode_bench.py --dtype ${AB_DTYPE:-fp8} --batches 1 --gen 32 \
         --no-profile --out $OUT/$4_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[$1 ${modes[$i]} ${BASE:-} $r] /"
     done
   done
@@ -817,6 +819,18 @@ if has moeslots; then  # (KB-0113, built 2026-12-05 on the CPU, not yet run) the
     switch_ab moe_slots METAINFER_WGMMA_GEMV_MOE_SLOTS "4 6" ms
   else
     echo "[moeslots] GPU test failed: no A/B (see moeslots_tests.log)"
+  fi
+fi
+if has bf16gemv; then  # (KB-0114, built 2026-12-05 on the CPU, not yet run) the BF16 model's qkv / in_proj with their
+  # input norm on gemv.cu (gemv_bf16_pre, METAINFER_WGMMA_GEMV_BF16=1): its GPU tests, then BF16 batch 1 0 / 1 in turn
+  # x REPS (2), then the oracle (BF16) with it, ~6 min
+  if fusion_tests bf16gemv "bf16" "gemv_fusions and bf16_gemv"; then
+    AB_DTYPE=bfloat16 switch_ab bf16_gemv METAINFER_WGMMA_GEMV_BF16 "0 1" bg
+    METAINFER_WGMMA_GEMV_BF16=1 timeout 150 python -m metainfer.cli verify \
+      --model dummy:metainfer/configs/qwen3.6-35b-a3b.json --dtype bfloat16 --device cuda --suite full \
+      --json $OUT/verify_bf16_gemv.json 2>&1 | grep -E "verdict" | head -1
+  else
+    echo "[bf16gemv] GPU tests failed: no A/B (see bf16gemv_tests.log)"
   fi
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel and

@@ -221,7 +221,7 @@ def pending_norm_linear(rows, weights, residual, norm_weight, eps, new_res, weig
     the new residual; conv: (conv_weight, conv_state, slots, has_state), as `linear_conv_update`'s): -> y, or
     None where no kernel serves it (then the caller runs the norm, then the projection)."""
     k = _kernel("pending_norm_linear", rows)
-    if not k or scale_inv is None:
+    if not k:
         return None
     return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=conv)
 

@@ -226,7 +226,8 @@ def test_attn_prologue_equals_two_launches(cfg_path, quant, monkeypatch):
     _rows_agree_until_they_part(runs)
 
 
-@pytest.mark.parametrize("fusion", ["gdn", "moe_down", "next_l2", "moe_router", "reduce_early"])
+@pytest.mark.parametrize("fusion",
+                         ["gdn", "moe_down", "next_l2", "moe_router", "reduce_early", "bf16_gemv"])
 def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
     """mega/gemv.cu's fused launches, switch 1 vs 0 (FP8, batch 1, hidden 2048 and experts' I = 512 so that
     gemv.cu serves the in_proj and the experts): "gdn" (METAINFER_WGMMA_GEMV_GDN) the DeltaNet decode step
@@ -236,7 +237,8 @@ def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
     fused in both runs) the post-mixer norm and router inside the experts' launch. Each gives the two
     launches' logits to a rounding, every row conditioned on the same tokens within 1e-2 relative RMSE; and
     the fused launch did run, every time it was asked to (next_l2: in every layer but the last);
-    "reduce_early" (METAINFER_ATTN_REDUCE_EARLY) the decode reduce releasing the o_proj before its wait."""
+    "reduce_early" (METAINFER_ATTN_REDUCE_EARLY) the decode reduce releasing the o_proj before its wait;
+    "bf16_gemv" (METAINFER_WGMMA_GEMV_BF16, a BF16 model) the qkv / in_proj with their norm on gemv.cu."""
     from metainfer.kernels import ops
     from metainfer.kernels.mega import gemv
 
@@ -256,6 +258,17 @@ def test_gemv_fusions_equal_two_launches(fusion, tmp_path, monkeypatch):
             return out
 
         monkeypatch.setitem(ops._KERNELS, "pending_norm_linear_gdn", counted)
+    elif fusion == "bf16_gemv":
+        kw["quantization"] = None
+        env, fused = gemv.BF16_ENV, gemv.project_pre
+
+        def counted(*a, **k):
+            out = fused(*a, **k)
+            served.append(out is not None)
+            return out
+
+        ops.use_kernels(True)  # the registry loaded before its entry is wrapped
+        monkeypatch.setitem(ops._KERNELS, "pending_norm_linear", counted)
     elif fusion == "reduce_early":
         from metainfer.kernels import attention
 

@@ -228,6 +228,57 @@ def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
     assert gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s) is None  # off: the caller's norm
 
 
+@pytest.mark.parametrize("n,conv", [(9216, False), (12352, True), (1032, False)])
+def test_bf16_pre_prologue_equals_the_norm_then_the_projection(n, conv, monkeypatch):
+    """gemv_bf16_pre (METAINFER_WGMMA_GEMV_BF16=1, KB-0114): bf16 weights, 8 rows a chunk, the same prologue
+    and conv epilogue, against norm.moe_add_rms_norm then an fp32 product rounded to bf16 (and the conv of
+    `weight_stream.linear_conv_update`): within 8e-3 (bf16 products are exact in wgmma's fp32 accumulation;
+    the norm's sum reduces in another order); N = 1,032 leaves a last round of few chunks. Off: None."""
+    from metainfer.kernels import norm, weight_stream
+
+    monkeypatch.setenv(gemv.BF16_ENV, "1")
+    rows, tw, residual, nw = _pre_problem(41 + n % 7)
+    g = torch.Generator(device="cuda").manual_seed(42)
+    w = (torch.randn(n, gemv.K, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    want_h, want_res = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
+    new_res = torch.empty_like(residual)
+    if not conv:
+        got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, None)
+        want = (want_h.float() @ w.float().T).to(torch.bfloat16)
+        assert got is not None
+        err = rel_rmse(got.float(), want.float())
+        assert err < 8e-3, err
+    else:
+        C = 8192
+        cw = (torch.randn(C, 4, device="cuda") * 0.5).to(torch.bfloat16)
+        state = torch.randn(5, 3, C, device="cuda").to(torch.bfloat16)
+        ref_state = state.clone()
+        slots, has = torch.tensor([2], device="cuda"), torch.tensor([True], device="cuda")
+        got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, None, conv=(cw, state, slots, has))
+        want = weight_stream.linear_conv_update(want_h, w, None, cw, ref_state, slots, has)
+        assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
+        assert rel_rmse(state.float(), ref_state.float()) < 8e-3
+    assert rel_rmse(new_res.float(), want_res.float()) < 1e-3
+    monkeypatch.setenv(gemv.BF16_ENV, "0")
+    assert gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, None) is None  # off: the caller's norm
+
+
+def test_bf16_pre_graph_replay(monkeypatch):
+    """gemv_bf16_pre captured in a CUDA graph and replayed with new rows: the same bits as eager."""
+    monkeypatch.setenv(gemv.BF16_ENV, "1")
+    rows, tw, residual, nw = _pre_problem(51)
+    w = (torch.randn(9216, gemv.K, device="cuda") * 0.05).to(torch.bfloat16)
+    new_res = torch.empty_like(residual)
+
+    def step():
+        return gemv.project_pre(rows * 1.0, tw, residual, nw, 1e-6, new_res, w, None)
+
+    eager = step()
+    out = _captured_with_new_input(step, rows)
+    again = step()
+    assert torch.equal(out, again) and not torch.equal(out, eager)
+
+
 def test_pre_prologue_graph_replay(monkeypatch):
     """The prologue's kernel captured in a CUDA graph and replayed with new rows: the same bits as eager."""
     monkeypatch.setenv(gemv.PRE_ENV, "1")

@@ -232,3 +232,16 @@ def test_moe_ring_slots(monkeypatch):
     monkeypatch.setenv(gemv.MOE_SLOTS_ENV, "5")
     with pytest.raises(ValueError, match="MOE_SLOTS"):
         gemv.moe_ring_slots()
+
+
+def test_bf16_weights_wanted_only_with_their_switch(monkeypatch):
+    """KB-0114: gemv.cu takes bf16 weights (no scales, N a multiple of 8) only with
+    METAINFER_WGMMA_GEMV_BF16=1, and never on the CPU; e4m3 weights still need their scales (the kernel
+    itself: tests/gpu)."""
+    x = torch.zeros(1, gemv.K, dtype=torch.bfloat16)
+    w16 = torch.zeros(1032, gemv.K, dtype=torch.bfloat16)
+    w8 = torch.zeros(1024, gemv.K, dtype=torch.float8_e4m3fn)
+    monkeypatch.delenv(gemv.BF16_ENV, raising=False)
+    assert not gemv.wanted(x, w16, None) and not gemv.wanted(x, w8, None)
+    monkeypatch.setenv(gemv.BF16_ENV, "1")
+    assert not gemv.wanted(x, w16, None)  # a CPU tensor

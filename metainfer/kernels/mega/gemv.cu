@@ -604,12 +604,14 @@ __device__ void gdn_update(const Gdn& g, const __nv_bfloat16* y, float* sc, cons
 }
 }  // namespace
 
-template <bool MOE, bool PRE = false, bool GDN = false, bool DOWN = false, bool ROUTER = false>
+template <bool MOE, bool PRE = false, bool GDN = false, bool DOWN = false, bool ROUTER = false, bool W16 = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
                                           const Pre& pre, const Moe& moe, const Gdn& gdn = Gdn{},
                                           const CUtensorMap* dmap = nullptr, const Down& dn = Down{},
                                           const Next& nx = Next{}, const Router& rt = Router{}) {
+  static_assert(!W16 || !(MOE || GDN || DOWN || ROUTER), "bf16 weights: the projections (KB-0114) only");
+  constexpr int RPC = W16 ? 8 : ROWS;  // W's rows a chunk: 8 of bf16, 16 of e4m3 (32 KB either way)
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
@@ -622,7 +624,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   uint64_t* rdy = empty + NS;                    // ROUTER: the producer is past its wait on the logits' count
   int* pick = reinterpret_cast<int*>(rdy + 1);  // MOE: the routed experts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n_chunks = n_rows / ROWS, grid = gridDim.x;
+  const int n_chunks = n_rows / RPC, grid = gridDim.x;
   if (threadIdx.x == 0) {
     for (int i = 0; i < NS; ++i) {
       mbar_init(&full[i], 1);
@@ -639,10 +641,13 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       ring_wait(&empty[slot], ((it / NS) & 1) ^ 1, WATCH_EMPTY, it);
       mbar_expect_tx(&full[slot], CHUNK + sbytes);
       for (int kb = 0; kb < SEG / 128; ++kb) tma_2d(ring + slot * CHUNK + kb * 8192, map, kb * 128, v64, &full[slot]);
-      bulk_load(wsc + slot * NB, sc, sbytes, &full[slot]);
+      if (sbytes) bulk_load(wsc + slot * NB, sc, sbytes, &full[slot]);
     };
     // W's chunk g (its rows g * ROWS..)
-    auto land = [&](uint32_t it, int g) { land_at(it, wmap, g * 64, ws + (size_t)(g * ROWS / 128) * NB, NB * 4); };
+    auto land = [&](uint32_t it, int g) {  // (bf16: no block scales)
+      if constexpr (W16) land_at(it, wmap, g * 64, nullptr, 0);
+      else land_at(it, wmap, g * 64, ws + (size_t)(g * ROWS / 128) * NB, NB * 4);
+    };
     int c = blockIdx.x;
     uint32_t it = 0;
     if constexpr (MOE) {
@@ -739,7 +744,8 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   }
   consumers_sync(mega::CT);
   if (ROUTER && rr <= moe.E) router_row_dot(rt, moe, rr, lane, rrow, xs);
-  mega::stage_x8(xs, b8, xf, warp, lane);
+  if constexpr (W16) mega::stage_xb16(xs, b8, threadIdx.x);
+  else mega::stage_x8(xs, b8, xf, warp, lane);
   consumers_sync(mega::CT);
   const int wg = warp / 4, w4 = warp & 3;
   const long long slot = conv.n_conv ? conv.slots[0] : 0;  // (after the wait: the step's inputs)
@@ -747,11 +753,22 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   for (int it = wg, c; (c = chunk_at<GDN>(it, n_chunks, gdn)) >= 0; it += 2) {
     const uint32_t slot_i = it % NS;
     const int p = GDN ? (c + gdn.rot) % n_chunks : c;  // W's chunk (MOE: c, virtual)
-    const int row = p * 16 + 4 * w4 + (lane & 3);  // lanes 0-3 store the warp's 4 rows
-    const bool is_conv = lane < 4 && row < conv.n_conv;
+    // e4m3: lanes 0-3 store the warp's 4 rows; bf16: lanes 0-1 its 2
+    const int row = W16 ? p * 8 + 2 * w4 + (lane & 1) : p * 16 + 4 * w4 + (lane & 3);
+    const bool is_conv = lane < (W16 ? 2 : 4) && row < conv.n_conv;
     ConvRow cr;
     if (is_conv) cr = conv_loads(row, conv, slot, has);
     ring_wait(&full[slot_i], (it / NS) & 1, WATCH_FULL, it);
+    if constexpr (W16) {  // rows 2 w4 (.x) and 2 w4 + 1 (.y) on every lane
+      const float2 v = mega::wg_dot8_bf16(ring + slot_i * CHUNK, b8, lane);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot_i]);
+      if (lane < 2) {
+        const __nv_bfloat16 yb = __float2bfloat16_rn(lane ? v.y : v.x);
+        y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
+      }
+      continue;
+    }
     const float2 v = mega::wg_dot16(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf, lane);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot_i]);
@@ -850,6 +867,14 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     gemv_e4m3_pre(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, __nv_bfloat16* y,
                   int n_rows, const Conv conv, const Pre pre) {
   gemv_body<false, true>(&wmap, ws, nullptr, y, n_rows, conv, pre, Moe{});
+}
+
+// gemv_e4m3_pre of bf16 weights (KB-0114; W [N, 2048] bf16, N a multiple of 8, no scales): the BF16 model's qkv /
+// in_proj with the input norm as the x prologue and the decode conv as the epilogue
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    gemv_bf16_pre(const __grid_constant__ CUtensorMap wmap, __nv_bfloat16* y, int n_rows, const Conv conv,
+                  const Pre pre) {
+  gemv_body<false, true, false, false, false, true>(&wmap, nullptr, nullptr, y, n_rows, conv, pre, Moe{});
 }
 
 // gemv_e4m3_pre with the DeltaNet decode step after it (Gdn: see the header)

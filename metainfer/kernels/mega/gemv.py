@@ -45,6 +45,7 @@ PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, n
 GDN_ENV = "METAINFER_WGMMA_GEMV_GDN"  # "1": the DeltaNet decode step in the in_proj's launch (unmeasured)
 GDN_WAVES_ENV = "METAINFER_WGMMA_GEMV_GDN_WAVES"  # the chunks every CTA takes before the updaters stop (A/Bs)
 MOE_DOWN_ENV = "METAINFER_WGMMA_GEMV_MOE_DOWN"  # "1": the experts' down in the gate/up's launch (unmeasured)
+BF16_ENV = "METAINFER_WGMMA_GEMV_BF16"  # "1": the BF16 qkv / in_proj with their input norm too (KB-0114)
 ROUTER_ENV = "METAINFER_WGMMA_GEMV_MOE_ROUTER"  # "1": the post-mixer norm and router in the experts' launch
 NEXT_L2_ENV = "METAINFER_WGMMA_GEMV_NEXT_L2"  # the next projection's chunks a CTA the experts put in L2
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
@@ -128,15 +129,19 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
-    """Whether `project` serves x [1, K] @ dequant(w [N, K] e4m3, s [N / 128, K / 128])^T (the caller has
-    checked the dtypes and shapes fp8_linear asserts)."""
-    if not enabled() or not x.is_cuda or x.shape[0] != 1 or x.dtype != torch.bfloat16:
+def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> bool:
+    """Whether gemv.cu serves x [1, K] @ dequant(w [N, K] e4m3, s [N / 128, K / 128])^T (N a multiple of 16;
+    the caller has checked the dtypes and shapes fp8_linear asserts), or with METAINFER_WGMMA_GEMV_BF16=1
+    x @ w^T for w [N, K] bf16 and s None (N a multiple of 8: `project_pre` only, KB-0114)."""
+    if not enabled() or not x.is_cuda or x.shape[0] != 1 or x.dtype != torch.bfloat16 or w.dim() != 2:
         return False
     N, k = w.shape
-    return (k == K and N % 16 == 0 and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and w.data_ptr() % 16 == 0 and s.is_contiguous()
-            and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    if w.dtype == torch.bfloat16:
+        weights = s is None and N % 8 == 0 and os.environ.get(BF16_ENV, "0") == "1"
+    else:
+        weights = w.dtype == torch.float8_e4m3fn and s is not None and N % 16 == 0 and s.is_contiguous()
+    return (weights and k == K and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0 and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and _kernel(x.device) is not None)
 
 
@@ -188,7 +193,7 @@ def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tenso
             and _kernel(x.device) is not None)
 
 
-KERNEL_NAMES = ("gemv_e4m3", "gemv_e4m3_pre", "gemv_e4m3_pre_gdn", "moe_gate_up_e4m3",
+KERNEL_NAMES = ("gemv_e4m3", "gemv_e4m3_pre", "gemv_e4m3_pre_gdn", "gemv_bf16_pre", "moe_gate_up_e4m3",
                 "moe_gate_up_down_e4m3", "moe_router_gate_up_down_e4m3")
 
 
@@ -210,6 +215,7 @@ class _Kernel:
         if moe_slots != slots:  # the experts' launches from a build with their own ring (KB-0113)
             fns.update({k: v for k, v in self._load(device, moe_slots).items() if k.startswith("moe_")})
         self.fn, self.pre_fn, self.gdn_fn = fns["gemv_e4m3"], fns["gemv_e4m3_pre"], fns["gemv_e4m3_pre_gdn"]
+        self.bf16_pre_fn = fns["gemv_bf16_pre"]
         self.moe_fn, self.moe_down_fn = fns["moe_gate_up_e4m3"], fns["moe_gate_up_down_e4m3"]
         self.router_down_fn = fns["moe_router_gate_up_down_e4m3"]
         self.smem = self.smem_of[self.fn.value]
@@ -275,6 +281,11 @@ class _Kernel:
             rows, tw, res, nw, eps, new_res = pre
             p = _Pre(rows.data_ptr(), tw.data_ptr(), res.data_ptr(), nw.data_ptr(), new_res.data_ptr(), eps,
                      rows.shape[1])
+            if w.dtype == torch.bfloat16:  # 32 KB chunks of 8 rows, no scales
+                assert gdn is None and s is None
+                self.launch(self.bf16_pre_fn, [tmap, ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv, p],
+                            N // 8, x.device)
+                return
             args = [tmap, ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(N), cv,
                     p]
             if gdn is not None:
@@ -410,12 +421,13 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
 
 
 def project_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                eps: float, new_res: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
+                eps: float, new_res: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
                 conv: tuple | None = None) -> torch.Tensor | None:
     """One decode token's projection whose x is the previous MoE's rows summed into the residual and this
     layer's input RMSNorm, computed in gemv.cu's x prologue (norm.moe_add_rms_norm's steps; new_res gets the
     new residual): -> y [1, N] bf16, or None where the kernel does not serve it (`wanted_pre`; with conv,
-    `wanted_conv`: then y[:, :C] is the decode conv of itself, as `project`'s conv)."""
+    `wanted_conv`: then y[:, :C] is the decode conv of itself, as `project`'s conv). w: e4m3 with its block
+    scales s, or bf16 with s None (gemv_bf16_pre, METAINFER_WGMMA_GEMV_BF16=1)."""
     if not wanted_pre(rows, tw, residual, norm_weight, new_res, w, s):
         return None
     if conv is not None and not wanted_conv(residual, w, s, *conv[:3]):

@@ -386,4 +386,52 @@ __device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws
     v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
   return make_float2(v0, v1);
 }
+
+// ---- bf16 GEMV chunks on wgmma (gemv.cu's gemv_bf16_pre, KB-0114; first written for the megakernel's router and
+// BF16 lm_head, KB-0087, where it ran on the H200 and passed the oracle) ---------------------------------------
+// An 8-row chunk of K = 2048 bf16 is A of m64n8k16: W's row-major [8, 2048] viewed as [64, 256] (view row
+// m = 8 r + s: W row r's K segment s of 256), landed by TMA as e4m3's chunks are (4 K blocks of [64][128 B],
+// 128-byte swizzled). B is x in bf16, 8 columns n = s (segment s; no swizzle, [512 / 16][8][16 B], the same bytes
+// as e4m3's B). D[m][n] is used where n = m % 8. No block scales: one accumulator chain over K.
+
+// xs (fp32, permuted: xpos; bf16 values) -> B (the layout above); thread ct: columns 8 ct .. 8 ct + 7. Made
+// visible to wgmma (the caller's barrier follows)
+__device__ void stage_xb16(const float* xs, uint8_t* b, int ct) {
+  const int e0 = 8 * ct, sg = e0 / 256, k0 = e0 % 256;
+  const float4 a = *reinterpret_cast<const float4*>(xs + xpos(e0));  // (xpos keeps 4 columns together)
+  const float4 c = *reinterpret_cast<const float4*>(xs + xpos(e0 + 4));
+  const __nv_bfloat162 p0 = __floats2bfloat162_rn(a.x, a.y), p1 = __floats2bfloat162_rn(a.z, a.w);
+  const __nv_bfloat162 p2 = __floats2bfloat162_rn(c.x, c.y), p3 = __floats2bfloat162_rn(c.z, c.w);
+  uint4 v;
+  v.x = *reinterpret_cast<const uint32_t*>(&p0), v.y = *reinterpret_cast<const uint32_t*>(&p1);
+  v.z = *reinterpret_cast<const uint32_t*>(&p2), v.w = *reinterpret_cast<const uint32_t*>(&p3);
+  *reinterpret_cast<uint4*>(b + (k0 / 8) * 128 + sg * 16) = v;
+  fence_proxy_async();
+}
+
+// One bf16 chunk's 8 dots on the calling warpgroup (warps w4 = 0..3 of it, all converged), b8: x (stage_xb16).
+// -> on every lane of warp w4: rows 2 w4 (.x) and 2 w4 + 1 (.y)
+__device__ __forceinline__ float2 wg_dot8_bf16(const uint8_t* chunk, const uint8_t* b8, int lane) {
+  // (the descriptors' start address field is addr >> 4, and shared addresses stay below 2^18: offsets add there)
+  const uint64_t da0 = smem_desc(smem_u32(chunk), 16, 1024, 1), db0 = smem_desc(smem_u32(b8), 128, 0, 0);
+  float acc[4];
+  wgmma_fence();
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // 16 columns: +32 bytes within A's swizzled rows, B's next 2 core matrices
+      const uint64_t da = da0 + ((kb * 8192 + j * 32) >> 4), db = db0 + ((kb * 8 + j * 2) * 128 >> 4);
+      if (kb == 0 && j == 0) wgmma_m64n8k16_bf16<0>(acc, da, db);
+      else wgmma_m64n8k16_bf16<1>(acc, da, db);
+    }
+  wgmma_commit_wait();
+  // this lane's D: view rows 16 w4 + g (W row 2 w4) and + 8 (row 2 w4 + 1), both segment g; columns 2 t, 2 t + 1
+  const int g = lane >> 2, t = lane & 3;
+  float v0 = 0.f, v1 = 0.f;
+  if ((g >> 1) == t) v0 = g & 1 ? acc[1] : acc[0], v1 = g & 1 ? acc[3] : acc[2];
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1)  // the 8 segments of both rows
+    v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+  return make_float2(v0, v1);
+}
 }  // namespace mega

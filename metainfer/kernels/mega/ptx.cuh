@@ -153,6 +153,15 @@ __device__ __forceinline__ void wgmma_m64n8k32(float (&d)[4], uint64_t da, uint6
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "l"(da), "l"(db), "n"(SCALE_D));
 }
+// D (64 x 8, fp32) (+)= A . B, K = 16, both bf16 (K-major) from descriptors; SCALE_D 0: D = A . B (gemv.cu's
+// bf16 chunks; its first form ran in the megakernel, KB-0087, oracle PASS)
+template <int SCALE_D>
+__device__ __forceinline__ void wgmma_m64n8k16_bf16(float (&d)[4], uint64_t da, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, %4, %5, %6, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(da), "l"(db), "n"(SCALE_D));
+}
 // D (64 x 16, fp32: 8 per thread) (+)= A . B, K = 32, both e4m3 from descriptors (gemv.cu's K = 4096 chunks)
 template <int SCALE_D>
 __device__ __forceinline__ void wgmma_m64n16k32(float (&d)[8], uint64_t da, uint64_t db) {
