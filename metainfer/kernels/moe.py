@@ -412,6 +412,16 @@ def routed_rows_ok(T: int, fp8: bool) -> bool:
     return fp8 and 0 < T <= routed_max_t() and os.environ.get(ROUTED_ENV, "1") != "0"
 
 
+def routed_rows_bf16_ok(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, shared: bool,
+                        w_gate_up: torch.Tensor) -> bool:
+    """Whether `moe_routed_rows` serves one token of BF16 experts: only on gemv.cu (its gate/up routed in
+    the producer, KB-0114, METAINFER_WGMMA_GEMV_BF16=1), never on the Triton routed gate/up (slower for
+    BF16: KB-0093)."""
+    return (x.shape[0] == 1 and shared and w_gate_up.dtype == torch.bfloat16
+            and os.environ.get(DOWN_PRELOAD_ENV, "1") != "0"
+            and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, None))
+
+
 def moe_routed_rows(
     x: torch.Tensor,  # [T, H]
     router_logits: torch.Tensor,  # [T, E] (+1 column, the shared expert's gate, when shared)

@@ -105,9 +105,10 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
     k = _kernel("moe_routed_rows", x)
     if not k:
         return None
-    from metainfer.kernels.moe import routed_rows_ok
+    from metainfer.kernels.moe import routed_rows_bf16_ok, routed_rows_ok
 
-    if not routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn):
+    if not (routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn)
+            or routed_rows_bf16_ok(x, router_logits, top_k, shared, w_gate_up)):
         return None
     return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale, prefetch=prefetch)
 

@@ -149,6 +149,38 @@ def test_moe_gate_up_routes_and_projects(E, top_k, ties, monkeypatch):
         assert rel_rmse(gu[j], _reference(x, w[e], s[e])[0]) < 5e-3
 
 
+@pytest.mark.parametrize("E,top_k,ties", [(256, 8, False), (256, 8, True), (40, 5, True)])
+def test_moe_gate_up_bf16_routes_and_projects(E, top_k, ties, monkeypatch):
+    """moe_gate_up_bf16 (METAINFER_WGMMA_GEMV_BF16=1, KB-0114): bf16 experts, 8 rows a chunk; the picks
+    equal the Triton routing's exactly, the weights within 1e-5, each pair's fp32 rows against an fp32
+    product within 1e-4 (bf16 products are exact, the sums' order differs); then `moe_routed_rows` (with the
+    Triton down) on it against the BF16 path of today (`moe_rows`: the route launch and the pair kernels)
+    within 8e-3."""
+    from metainfer.kernels import moe, ops, routing
+
+    monkeypatch.setenv(gemv.BF16_ENV, "1")
+    x, logits, _, _ = _moe_problem(E, top_k, seed=E + top_k + 7, ties=ties)
+    g = torch.Generator(device="cuda").manual_seed(E + 3)
+    w = (torch.randn(E + 1, 1024, gemv.K, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    w_dn = (torch.randn(E + 1, gemv.K, 512, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    assert gemv.wanted_moe(x, logits, top_k, w, None)
+    gu, tw, ids = gemv.moe_gate_up(x, logits, top_k, w, None)
+    want_tw, want_ids = routing.route_topk(logits, top_k, shared=True)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(tw, want_tw, rtol=1e-5, atol=1e-7)
+    for j, e in enumerate(ids[0].tolist()):
+        assert rel_rmse(gu[j], w[e].float() @ x[0].float()) < 1e-4
+    assert moe.routed_rows_bf16_ok(x, logits, top_k, True, w)
+    rows, tw2 = moe.moe_routed_rows(x, logits, top_k, True, w, w_dn)
+    ops.use_kernels(True)  # (the registry, for moe_rows)
+    want_rows, want_tw2 = ops.moe_rows(x, logits, top_k, w, w_dn)
+    assert rel_rmse(rows, want_rows.view_as(rows).float()) < 8e-3
+    assert torch.allclose(tw2, want_tw2, rtol=1e-5, atol=1e-7)
+    monkeypatch.setenv(gemv.BF16_ENV, "0")
+    assert not gemv.wanted_moe(x, logits, top_k, w, None)
+    assert not moe.routed_rows_bf16_ok(x, logits, top_k, True, w)
+
+
 @pytest.mark.parametrize("ties", [False, True])
 def test_moe_routed_rows_on_gemv_equal_the_triton_path(ties, monkeypatch):
     """`moe_routed_rows` at one token with the gate/up on gemv.cu (the down kernel forms silu(gate) * up from

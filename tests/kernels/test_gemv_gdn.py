@@ -245,3 +245,9 @@ def test_bf16_weights_wanted_only_with_their_switch(monkeypatch):
     assert not gemv.wanted(x, w16, None) and not gemv.wanted(x, w8, None)
     monkeypatch.setenv(gemv.BF16_ENV, "1")
     assert not gemv.wanted(x, w16, None)  # a CPU tensor
+    from metainfer.kernels import moe
+
+    logits = torch.zeros(1, 41, dtype=torch.bfloat16)
+    experts = torch.zeros(41, 128, gemv.K, dtype=torch.bfloat16)
+    assert not gemv.wanted_moe(x, logits, 5, experts, None)
+    assert not moe.routed_rows_bf16_ok(x, logits, 5, True, experts)  # (then moe_rows, as before)

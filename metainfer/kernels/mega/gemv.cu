@@ -610,7 +610,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
                                           const Pre& pre, const Moe& moe, const Gdn& gdn = Gdn{},
                                           const CUtensorMap* dmap = nullptr, const Down& dn = Down{},
                                           const Next& nx = Next{}, const Router& rt = Router{}) {
-  static_assert(!W16 || !(MOE || GDN || DOWN || ROUTER), "bf16 weights: the projections (KB-0114) only");
+  static_assert(!W16 || !(GDN || DOWN || ROUTER), "bf16 weights: the projections and the gate/up (KB-0114)");
   constexpr int RPC = W16 ? 8 : ROWS;  // W's rows a chunk: 8 of bf16, 16 of e4m3 (32 KB either way)
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
@@ -651,7 +651,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     int c = blockIdx.x;
     uint32_t it = 0;
     if constexpr (MOE) {
-      const int cpp = moe.rows / ROWS;  // chunks a pair; virtual chunk c: pair q - 1 of c / cpp (q = 0: shared)
+      const int cpp = moe.rows / RPC;  // chunks a pair; virtual chunk c: pair q - 1 of c / cpp (q = 0: shared)
       for (; c < cpp; c += grid, ++it)  // the shared expert's: static
         if (lane == 0) land(it, moe.E * cpp + c);
       asm volatile("griddepcontrol.wait;" ::: "memory");  // the router's logits (ROUTER: the count's last reset)
@@ -763,7 +763,11 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       const float2 v = mega::wg_dot8_bf16(ring + slot_i * CHUNK, b8, lane);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[slot_i]);
-      if (lane < 2) {
+      if (MOE && lane < 2) {  // pair q - 1's row (q = 0: the shared pair, top_k)
+        const int cpp = moe.rows / RPC, q = c / cpp;
+        const int pair = q == 0 ? moe.top_k : q - 1;
+        moe.gu[(size_t)pair * moe.rows + (c - q * cpp) * RPC + 2 * w4 + lane] = lane ? v.y : v.x;
+      } else if (lane < 2) {
         const __nv_bfloat16 yb = __float2bfloat16_rn(lane ? v.y : v.x);
         y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
       }
@@ -889,6 +893,15 @@ extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     moe_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
                      const __nv_bfloat16* x, const Moe moe, const Next nx) {
   gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe, Gdn{}, nullptr, Down{}, nx);
+}
+
+// moe_gate_up_e4m3 of bf16 weights (KB-0114; w [E + 1, rows, 2048] bf16, 8 rows a chunk, no scales): the BF16
+// model's experts' gate/up, routed in the producer as the e4m3 form is
+extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+    moe_gate_up_bf16(const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* x, const Moe moe,
+                     const Next nx) {
+  gemv_body<true, false, false, false, false, true>(&wmap, nullptr, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{},
+                                                    Pre{}, moe, Gdn{}, nullptr, Down{}, nx);
 }
 
 // moe_gate_up_e4m3 with the experts' down projection after it (Down: see the header)

@@ -176,25 +176,30 @@ def wanted_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, nor
             and wanted(residual, w, s))
 
 
-def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor) -> bool:
+def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor,
+               s: torch.Tensor | None) -> bool:
     """Whether `moe_gate_up` serves one token's routed and shared experts' gate/up: its switch, x [1, K]
     bf16, logits [1, E + 1] bf16 (the shared expert's gate last), w [E + 1, rows, K] e4m3 (the shared expert
     at E), rows a multiple of 128, s its [E + 1, rows / 128, K / 128] block scales, E <= MOE_MAX_E,
-    top_k < MOE_MAX_K."""
+    top_k < MOE_MAX_K; or (METAINFER_WGMMA_GEMV_BF16=1, KB-0114) w bf16 and s None."""
     if os.environ.get(MOE_ENV, "1") == "0" or not enabled() or not x.is_cuda or w.dim() != 3:
         return False
     E1, rows, k = w.shape
-    return (x.shape == (1, K) and x.dtype == logits.dtype == torch.bfloat16 and logits.shape == (1, E1)
-            and 0 < top_k < min(MOE_MAX_K, E1) and E1 - 1 <= MOE_MAX_E and k == K and rows % 128 == 0
-            and w.dtype == torch.float8_e4m3fn and w.is_contiguous() and s.is_contiguous()
-            and s.shape == (E1, rows // 128, K // 128) and s.dtype == torch.float32
-            and x.is_contiguous() and logits.is_contiguous() and x.data_ptr() % 16 == 0
-            and w.data_ptr() % 16 == 0 and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    if w.dtype == torch.bfloat16:
+        weights = s is None and os.environ.get(BF16_ENV, "0") == "1"
+    else:
+        weights = (w.dtype == torch.float8_e4m3fn and s is not None and s.is_contiguous()
+                   and s.shape == (E1, rows // 128, K // 128) and s.dtype == torch.float32)
+    return (weights and x.shape == (1, K) and x.dtype == logits.dtype == torch.bfloat16
+            and logits.shape == (1, E1) and 0 < top_k < min(MOE_MAX_K, E1) and E1 - 1 <= MOE_MAX_E and k == K
+            and rows % 128 == 0 and w.is_contiguous() and x.is_contiguous() and logits.is_contiguous()
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and _kernel(x.device) is not None)
 
 
 KERNEL_NAMES = ("gemv_e4m3", "gemv_e4m3_pre", "gemv_e4m3_pre_gdn", "gemv_bf16_pre", "moe_gate_up_e4m3",
-                "moe_gate_up_down_e4m3", "moe_router_gate_up_down_e4m3")
+                "moe_gate_up_down_e4m3", "moe_router_gate_up_down_e4m3", "moe_gate_up_bf16")
 
 
 class _Kernel:
@@ -218,6 +223,7 @@ class _Kernel:
         self.bf16_pre_fn = fns["gemv_bf16_pre"]
         self.moe_fn, self.moe_down_fn = fns["moe_gate_up_e4m3"], fns["moe_gate_up_down_e4m3"]
         self.router_down_fn = fns["moe_router_gate_up_down_e4m3"]
+        self.moe_bf16_fn = fns["moe_gate_up_bf16"]
         self.smem = self.smem_of[self.fn.value]
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # moe_gate_up_down_e4m3's counts (each launch leaves them zero; one launch at a time on the device)
@@ -306,6 +312,11 @@ class _Kernel:
         required)."""
         E1, rows, _ = w.shape
         m = _Moe(logits.data_ptr(), gu.data_ptr(), tw.data_ptr(), ids.data_ptr(), E1 - 1, top_k, rows)
+        if w.dtype == torch.bfloat16:  # moe_gate_up_bf16: 8 rows a chunk, no scales (KB-0114)
+            assert s is None and down is None and router is None
+            args = [self.tensor_map(w), ctypes.c_void_p(x.data_ptr()), m, nxt or _Next()]
+            self.launch(self.moe_bf16_fn, args, (top_k + 1) * rows // 8, x.device)
+            return
         args = [self.tensor_map(w), ctypes.c_void_p(s.data_ptr())]
         if router is None:
             args.append(ctypes.c_void_p(x.data_ptr()))
@@ -456,7 +467,7 @@ def next_l2(nxt: tuple[torch.Tensor, int] | None, device: torch.device) -> _Next
     return _Next(w.data_ptr(), n, min(kernel.sms, n), rot % n, k)
 
 
-def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor,
+def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor | None,
                 down: tuple[torch.Tensor, torch.Tensor] | None = None,
                 prefetch: tuple[torch.Tensor, int] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
