@@ -265,7 +265,7 @@ def test_bf16_pre_prologue_equals_the_norm_then_the_projection(n, conv, monkeypa
     """gemv_bf16_pre (METAINFER_WGMMA_GEMV_BF16=1, KB-0114): bf16 weights, 8 rows a chunk, the same prologue
     and conv epilogue, against norm.moe_add_rms_norm then an fp32 product rounded to bf16 (and the conv of
     `weight_stream.linear_conv_update`): within 8e-3 (bf16 products are exact in wgmma's fp32 accumulation;
-    the norm's sum reduces in another order); N = 1,032 leaves a last round of few chunks. Off: None."""
+    the norm's sum reduces in another order); N = 1,032: an odd chunk count (129, one round). Off: None."""
     from metainfer.kernels import norm, weight_stream
 
     monkeypatch.setenv(gemv.BF16_ENV, "1")
@@ -570,6 +570,8 @@ def test_moe_own_ring_gives_the_same_bits(down, monkeypatch):
     """The experts' launches from a build with their own ring (METAINFER_WGMMA_GEMV_MOE_SLOTS=6, KB-0113): the
     same bits as the default ring's (a chunk's dots do not depend on the slot it lands in), with and without
     the fused down; the other kernels keep the default ring's build."""
+    monkeypatch.delenv(gemv.SLOTS_ENV, raising=False)
+    monkeypatch.delenv(gemv.MOE_SLOTS_ENV, raising=False)
     x, logits, w, s = _moe_problem(256, 8, 101, False)
     wd, sd = _down_weights(256, 102)
     monkeypatch.setenv(gemv.MOE_DOWN_ENV, "1")

@@ -141,7 +141,8 @@ def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> bool:
     else:
         weights = w.dtype == torch.float8_e4m3fn and s is not None and N % 16 == 0 and s.is_contiguous()
     return (weights and k == K and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and w.data_ptr() % 16 == 0 and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and _kernel(x.device) is not None)
 
 
@@ -229,9 +230,10 @@ class _Kernel:
         # moe_gate_up_down_e4m3's counts (each launch leaves them zero; one launch at a time on the device)
         self.moe_count = torch.zeros(MOE_MAX_K + 1, dtype=torch.int32, device=device)
         self.router_count = torch.zeros(2, dtype=torch.int32, device=device)  # the ROUTER launches' (as it)
-        # each weight's TMA map, by (address, rows, columns): a map holds only those, so a reused address
-        # with the same shape gets the same bytes back (the launch copies them into its parameters)
-        self.maps: dict[tuple[int, int, int], ctypes.Array] = {}
+        # each weight's TMA map, by (address, bytes): a map holds only those (the [bytes / 512, 512] view), so a
+        # reused address of the same size gets the same map back, whatever the dtype (the launch copies it
+        # into its parameters); a shape key let a bf16 weight take an e4m3 one's map (half its rows)
+        self.maps: dict[tuple[int, int], ctypes.Array] = {}
 
     def _load(self, device: torch.device, slots: int) -> dict[str, ctypes.c_void_p]:
         """gemv.cu built with a ring of `slots` slots, loaded: -> its kernels by name (their shared memory in
@@ -267,7 +269,7 @@ class _Kernel:
         return fns
 
     def tensor_map(self, w: torch.Tensor) -> ctypes.Array:
-        key = (w.data_ptr(), *w.shape)
+        key = (w.data_ptr(), w.numel() * w.element_size())
         tmap = self.maps.get(key)
         if tmap is None:
             raw = self.launch_mod.encode_tensor_map(self.drv, w, 512, 64)
@@ -426,6 +428,7 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
     y[:, :C] becomes the decode conv + SiLU of itself, the slot's conv state updated in place
     (`weight_stream.linear_conv_update`'s epilogue)."""
     assert y.is_contiguous() and y.shape == (1, w.shape[0]) and y.dtype == torch.bfloat16, (y.shape, y.dtype)
+    assert w.dtype == torch.float8_e4m3fn, "bf16 weights: project_pre only (gemv_bf16_pre)"
     kernel = _kernel(x.device)
     assert kernel is not None, "project() without wanted()"
     kernel(x, w, s, y, conv)
