@@ -230,9 +230,9 @@ class _Kernel:
         # moe_gate_up_down_e4m3's counts (each launch leaves them zero; one launch at a time on the device)
         self.moe_count = torch.zeros(MOE_MAX_K + 1, dtype=torch.int32, device=device)
         self.router_count = torch.zeros(2, dtype=torch.int32, device=device)  # the ROUTER launches' (as it)
-        # each weight's TMA map, by (address, bytes): a map holds only those (the [bytes / 512, 512] view), so a
-        # reused address of the same size gets the same map back, whatever the dtype (the launch copies it
-        # into its parameters); a shape key let a bf16 weight take an e4m3 one's map (half its rows)
+        # each weight's TMA map, by (address, bytes): a map holds only those (the [bytes / 512, 512] view),
+        # so a reused address of the same size gets the same map back, whatever the dtype (the launch copies
+        # it into its parameters); a shape key let a bf16 weight take an e4m3 one's map (half its rows)
         self.maps: dict[tuple[int, int], ctypes.Array] = {}
 
     def _load(self, device: torch.device, slots: int) -> dict[str, ctypes.c_void_p]:
