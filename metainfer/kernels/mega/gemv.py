@@ -216,6 +216,7 @@ class _Kernel:
         # stays readable once a trap has ended the context (watchdog_report)
         self.watch = torch.zeros(8, dtype=torch.int32, pin_memory=True)
         self.smem_of: dict[int, int] = {}  # each function's dynamic shared memory (its module's ring)
+        self.modules: list[ctypes.c_void_p] = []  # (loaded for the process)
         slots, moe_slots = ring_slots(), moe_ring_slots()
         fns = self._load(device, slots)
         if moe_slots != slots:  # the experts' launches from a build with their own ring (KB-0113)
@@ -243,7 +244,7 @@ class _Kernel:
         image = self.launch_mod.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={slots}", *build_defines()))
         module = ctypes.c_void_p()
         self.drv("cuModuleLoadData", ctypes.byref(module), image.read_bytes())
-        self.modules = [*getattr(self, "modules", []), module]  # (kept loaded for the process)
+        self.modules.append(module)
         fns = {}
         for name in KERNEL_NAMES:
             fns[name] = ctypes.c_void_p()
