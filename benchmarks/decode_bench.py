@@ -31,6 +31,7 @@ from metainfer.bench.critical_path import (  # noqa: E402
     compact_timeline,
     device_intervals,
     exposed_table,
+    layer_floor_bytes,
     layer_table,
     print_layer_table,
 )
@@ -394,8 +395,9 @@ def main() -> None:
             print(f"  {row['exposed_us_per_step']:8.1f} us exposed {row['busy_us_per_step']:8.1f} us busy"
                   f"  x{row['calls_per_step']:<3.0f} {row['kernel'][:60]}")
     timeline = res.get(f"timeline_bs{args.profile_batch}")
-    if timeline:
-        print_layer_table(layer_table(timeline))
+    if timeline and args.profile_batch == 1:
+        floors = layer_floor_bytes(cfg, quant is not None, args.prompt_len + args.gen // 2)
+        print_layer_table(layer_table(timeline), floors, DEFAULT_BANDWIDTH_TB_S)
 
 
 if __name__ == "__main__":

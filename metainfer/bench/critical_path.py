@@ -130,9 +130,38 @@ def layer_table(timeline: dict, anchor: str = "gate_up", marker: str = "_decode_
     return out
 
 
-def print_layer_table(table: dict[str, dict]) -> None:
+def layer_floor_bytes(cfg, fp8: bool, context: int) -> dict[str, float]:
+    """The bytes one batch-1 decode step must move per layer of each kind (weights, state, KV cache; the
+    activations are noise): {"deltanet": in_proj, out_proj, the router (BF16), the 8 routed and the shared
+    experts' gate/up and down, the DeltaNet and conv states read and written; "attention": qkv, o_proj, the
+    router, the experts, the KV cache of `context` tokens}. FP8: e4m3 projections and experts."""
+    w = 1 if fp8 else 2
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    router = (cfg.num_experts + 1) * H * 2
+    experts = (cfg.num_experts_per_tok + 1) * 3 * I * H * w
+    in_proj = (cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads) * H * w
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 * 2
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * 2 * 2
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return {"deltanet": in_proj + cfg.linear_value_dim * H * w + router + experts + state + conv,
+            "attention": ((2 * hq + 2 * hkv) * d * H + hq * d * H) * w + router + experts
+            + context * hkv * d * 2 * 2}
+
+
+def print_layer_table(table: dict[str, dict], floor_bytes: dict[str, float] | None = None,
+                      tb_s: float | None = None) -> None:
+    """`layer_table`'s rows; with floor_bytes (`layer_floor_bytes`) each kind's byte floor at tb_s TB/s
+    (default: the roofline's bandwidth)."""
+    from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S
+
+    tb_s = tb_s or DEFAULT_BANDWIDTH_TB_S
     for kind, t in table.items():
-        print(f"{kind} layers ({t['periods']} periods): {t['period_us']:.1f} us a layer (median), by kernel:")
+        floor = ""
+        if floor_bytes and kind in floor_bytes:
+            f_us = floor_bytes[kind] / (tb_s * 1e6)
+            floor = f", floor {f_us:.1f} us at {tb_s} TB/s ({100 * f_us / t['period_us']:.0f} %)"
+        print(f"{kind} layers ({t['periods']} periods): {t['period_us']:.1f} us a layer (median){floor}, "
+              "by kernel:")
         for r in t["kernels"]:
             print(f"  {r['exposed_us']:7.2f} us  x{r['calls']:<4.2g} {r['kernel'][:70]}")
 
@@ -140,8 +169,16 @@ def print_layer_table(table: dict[str, dict]) -> None:
 if __name__ == "__main__":  # python -m metainfer.bench.critical_path decode_bench.json [anchor]
     import json
 
+    from metainfer.config import ModelConfig
+
     res = json.load(open(sys.argv[1]))
-    timeline = next((v for k, v in res.items() if k.startswith("timeline_bs")), None)
+    timeline = res.get("timeline_bs1")
     if timeline is None:
-        sys.exit(f"{sys.argv[1]}: no timeline (decode_bench's profile with PDL on keeps one)")
-    print_layer_table(layer_table(timeline, *sys.argv[2:3]))
+        sys.exit(f"{sys.argv[1]}: no batch-1 timeline (decode_bench's profile with PDL on keeps one)")
+    floors = None
+    try:  # the run's config, where this checkout has it (the JSON holds its path)
+        floors = layer_floor_bytes(ModelConfig.from_hf(res["config"]), res["dtype"] == "fp8",
+                                   res["decode"][0]["prompt_len"] + res["decode"][0]["gen"] // 2)
+    except (KeyError, IndexError, OSError):
+        pass
+    print_layer_table(layer_table(timeline, *sys.argv[2:3]), floors)

@@ -130,3 +130,22 @@ def test_layer_table_counts_a_gap_inside_a_period():
         shifted.append([i, s + late, e + late])
     rows = {r["kernel"]: r for r in layer_table({"names": names, "events": shifted})["deltanet"]["kernels"]}
     assert rows[GAP]["exposed_us"] == pytest.approx(2.0) and rows["gdn"]["exposed_us"] == pytest.approx(5.0)
+
+
+def test_layer_floor_bytes_of_the_model():
+    """The full config's per-layer bytes, written out by hand (FP8 batch 1, 1,024 tokens of context):
+    DeltaNet in_proj 12,352 x 2,048, out_proj 4,096 x 2,048, the BF16 router 257 x 2,048 x 2, 9 experts'
+    gate/up and down 9 x 3 x 512 x 2,048, the fp32 state 32 x 128 x 128 x 4 read and written, the conv
+    state 3 x 8,192 x 2 read and written; attention qkv 9,216 x 2,048, o_proj 4,096 x 2,048, the router,
+    the experts and the KV cache 1,024 x 2 x 256 x 2 x 2. BF16 doubles the projections and experts."""
+    from metainfer.bench.critical_path import layer_floor_bytes
+    from metainfer.config import FULL_CONFIG, ModelConfig
+
+    cfg = ModelConfig.from_hf(FULL_CONFIG)
+    router, experts = 257 * 2048 * 2, 9 * 3 * 512 * 2048
+    deltanet = 12352 * 2048 + 4096 * 2048 + router + experts + 32 * 128 * 128 * 4 * 2 + 3 * 8192 * 2 * 2
+    attention = 9216 * 2048 + 4096 * 2048 + router + experts + 1024 * 2 * 256 * 2 * 2
+    assert layer_floor_bytes(cfg, True, 1024) == {"deltanet": deltanet, "attention": attention}
+    bf16 = layer_floor_bytes(cfg, False, 1024)
+    assert bf16["deltanet"] == deltanet + 12352 * 2048 + 4096 * 2048 + experts
+    assert deltanet / 4.3e6 == pytest.approx(15.66, abs=0.01)  # µs at 4.3 TB/s
