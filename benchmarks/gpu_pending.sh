@@ -263,6 +263,20 @@ switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder pr
   medians "$1 ${BASE:-}" $4 "${modes[@]}"
   (cd $OUT && tar czf $4${BASE:+-base}.tgz $4_* && rm -rf $4_*)  # (not $4_base: rm would take it)
 }
+modes_ab() {  # $1 tag, $2 the runs' folder prefix, then the modes ("default", or VAR=VALUE joined by commas): FP8
+  # batch 1 in each mode in turn x REPS (2), fresh processes; medians, $OUT/$1.tgz
+  local tag=$1 prefix=$2; shift 2
+  local modes=("$@")
+  for r in $(seq ${REPS:-2}); do
+    for i in "${!modes[@]}"; do
+      sw=(); [[ ${modes[$i]} != default ]] && IFS=, read -ra sw <<< "${modes[$i]}"
+      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
+        --out $OUT/${prefix}_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[${modes[$i]} $r] /"
+    done
+  done
+  medians $tag $prefix "${modes[@]}"
+  (cd $OUT && tar czf $tag.tgz ${prefix}_* && rm -rf ${prefix}_*)
+}
 PHASES=${PHASES:-tests ab}
 if has tests; then
   timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider -k "gated or compiles" 2>&1 \
@@ -675,16 +689,7 @@ if has bf16ab; then  # (built 2026-12-04g) BF16 batch 1 with KB-0100's state pre
 fi
 if has switches; then  # FP8 batch 1: the defaults and each of SWITCHES (space-separated VAR=VALUE; a comma joins
   # several into one mode: "A=1,B=2") in turn, x REPS (2) rounds, fresh processes; then each mode's median, ~45 s a run
-  modes=(default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=2 METAINFER_WGMMA_GEMV_SLOTS=6})  # (even rings only)
-  for r in $(seq ${REPS:-2}); do
-    for i in "${!modes[@]}"; do
-      sw=(); [[ ${modes[$i]} != default ]] && IFS=, read -ra sw <<< "${modes[$i]}"
-      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
-        --out $OUT/sw_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[${modes[$i]} $r] /"
-    done
-  done
-  medians switches sw "${modes[@]}"
-  (cd $OUT && tar czf switches.tgz sw_* && rm -rf sw_*)
+  modes_ab switches sw default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=2 METAINFER_WGMMA_GEMV_SLOTS=6}  # (even rings)
 fi
 if has oproj; then  # (2026-12-04g) KB-0066 again: the attention o_proj at batch 1 on the one-wave preloading GEMV
   # (slower then, beside the Triton qkv; gdnpre's switch turned from neutral to +2 % beside gemv.cu), FP8 x REPS (3)
@@ -762,19 +767,11 @@ if has fusions; then  # (2026-12-05: gdnfuse, moedown and fusedboth's A/Bs in on
   ok=()
   for f in "gdn METAINFER_WGMMA_GEMV_GDN gdn gdn" "moedown METAINFER_WGMMA_GEMV_MOE_DOWN moe_gate_up_down moe_down"; do
     set -- $f
-    if fusion_tests $1 "$3" "gemv_fusions and $4"; then ok+=("$2"); else echo "[fusions] $1: GPU tests failed"; fi
+    if fusion_tests $1 "$3" "gemv_fusions and $4"; then ok+=("$2=1"); else echo "[fusions] $1: GPU tests failed"; fi
   done
-  modes=(none "${ok[@]}")
+  modes=(default "${ok[@]}")
   [ ${#ok[@]} = 2 ] && modes+=("${ok[0]},${ok[1]}")
-  for r in $(seq ${REPS:-2}); do
-    for i in "${!modes[@]}"; do
-      sw=(); [[ ${modes[$i]} != none ]] && IFS=, read -ra on <<< "${modes[$i]}" && sw=("${on[@]/%/=1}")
-      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
-        --out $OUT/fus_${i}_$r 2>&1 | grep -E "^\| 1 " | sed "s/^/[${modes[$i]} $r] /"
-    done
-  done
-  medians fusions fus "${modes[@]}"
-  (cd $OUT && tar czf fusions.tgz fus_* && rm -rf fus_*)
+  modes_ab fusions fus "${modes[@]}"
 fi
 if has nextl2; then  # (KB-0110, built 2026-12-05 on the CPU, not yet run) the experts' launch prefetching the next
   # layer's first projection into L2 (METAINFER_WGMMA_GEMV_NEXT_L2 chunks a CTA): its GPU tests (a hint: the same

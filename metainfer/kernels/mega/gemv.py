@@ -485,13 +485,19 @@ def moe_gate_up(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tens
     whose first chunks the launch prefetches into L2 once its own are landed (`next_l2`; off by default)."""
     kernel = _kernel(x.device)
     assert kernel is not None, "moe_gate_up() without wanted_moe()"
-    W = top_k + 1
-    gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
-    tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
-    ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
-    out = None if down is None else torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
+    gu, tw, ids, out = _moe_outputs(top_k + 1, w, down, x.device)
     kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out, next_l2(prefetch, x.device))
     return (gu if out is None else out), tw, ids
+
+
+def _moe_outputs(W: int, w: torch.Tensor, down: tuple | None, device: torch.device) -> tuple:
+    """The experts' launches' outputs for W pairs: gu [W, rows] fp32, tw [1, W] fp32, ids [1, W] int64, and
+    with down the rows [W, K] fp32 (else None)."""
+    gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=device)
+    tw = torch.empty(1, W, dtype=torch.float32, device=device)
+    ids = torch.empty(1, W, dtype=torch.int64, device=device)
+    out = None if down is None else torch.empty(W, down[0].shape[1], dtype=torch.float32, device=device)
+    return gu, tw, ids, out
 
 
 def wanted_moe_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -527,11 +533,7 @@ def moe_router_gate_up(x: torch.Tensor, residual: torch.Tensor, norm_weight: tor
     norm.add_rms_norm_router then `moe_gate_up(down=)` give them."""
     kernel = _kernel(x.device)
     assert kernel is not None, "moe_router_gate_up() without wanted_moe_router()"
-    W = top_k + 1
-    gu = torch.empty(W, w.shape[1], dtype=torch.float32, device=x.device)
-    tw = torch.empty(1, W, dtype=torch.float32, device=x.device)
-    ids = torch.empty(1, W, dtype=torch.int64, device=x.device)
-    out = torch.empty(W, down[0].shape[1], dtype=torch.float32, device=x.device)
+    gu, tw, ids, out = _moe_outputs(top_k + 1, w, down, x.device)
     logits = torch.empty(1, w.shape[0], dtype=torch.bfloat16, device=x.device)
     new_res = torch.empty_like(residual)
     kernel.moe(x, logits, top_k, w, s, gu, tw, ids, down, out, next_l2(prefetch, x.device),
