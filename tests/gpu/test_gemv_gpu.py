@@ -226,13 +226,30 @@ def _pre_problem(seed: int):
     return rows, tw, residual, nw
 
 
+def _check_pre_conv(pre: tuple, want_h: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> None:
+    """project_pre of the in_proj with its decode conv (pre: rows, tw, residual, norm weight, new_res) against
+    `weight_stream.linear_conv_update` of the normed x (want_h): outputs and conv states within 8e-3."""
+    from metainfer.kernels import weight_stream
+
+    rows, tw, residual, nw, new_res = pre
+    C = 8192
+    cw = (torch.randn(C, 4, device="cuda") * 0.5).to(torch.bfloat16)
+    state = torch.randn(5, 3, C, device="cuda").to(torch.bfloat16)
+    ref_state = state.clone()
+    slots, has = torch.tensor([2], device="cuda"), torch.tensor([True], device="cuda")
+    got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s, conv=(cw, state, slots, has))
+    want = weight_stream.linear_conv_update(want_h, w, s, cw, ref_state, slots, has)
+    assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
+    assert rel_rmse(state.float(), ref_state.float()) < 8e-3
+
+
 @pytest.mark.parametrize("conv", [False, True])
 def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
     """gemv_e4m3_pre (METAINFER_WGMMA_GEMV_PRE=1): the previous MoE's rows summed into the residual and the
     input RMSNorm in the x prologue, against norm.moe_add_rms_norm then the projection (gemv.cu's plain form;
     with conv, the in_proj and its decode conv): outputs within 8e-3 (the norm's sum of squares reduces in
     another order: a bf16 step in x here and there), the new residual the same bits but for rare elements."""
-    from metainfer.kernels import norm, weight_stream
+    from metainfer.kernels import norm
 
     monkeypatch.setenv(gemv.PRE_ENV, "1")
     rows, tw, residual, nw = _pre_problem(21 + conv)
@@ -245,15 +262,7 @@ def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
         assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
     else:
         _, w, s = _problem(12352, seed=23)
-        C = 8192
-        cw = (torch.randn(C, 4, device="cuda") * 0.5).to(torch.bfloat16)
-        state = torch.randn(5, 3, C, device="cuda").to(torch.bfloat16)
-        ref_state = state.clone()
-        slots, has = torch.tensor([2], device="cuda"), torch.tensor([True], device="cuda")
-        got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s, conv=(cw, state, slots, has))
-        want = weight_stream.linear_conv_update(want_h, w, s, cw, ref_state, slots, has)
-        assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
-        assert rel_rmse(state.float(), ref_state.float()) < 8e-3
+        _check_pre_conv((rows, tw, residual, nw, new_res), want_h, w, s)
     assert rel_rmse(new_res.float(), want_res.float()) < 1e-3
     assert (new_res != want_res).float().mean() < 0.01
     monkeypatch.setenv(gemv.PRE_ENV, "0")
@@ -266,7 +275,7 @@ def test_bf16_pre_prologue_equals_the_norm_then_the_projection(n, conv, monkeypa
     and conv epilogue, against norm.moe_add_rms_norm then an fp32 product rounded to bf16 (and the conv of
     `weight_stream.linear_conv_update`): within 8e-3 (bf16 products are exact in wgmma's fp32 accumulation;
     the norm's sum reduces in another order); N = 1,032: an odd chunk count (129, one round). Off: None."""
-    from metainfer.kernels import norm, weight_stream
+    from metainfer.kernels import norm
 
     monkeypatch.setenv(gemv.BF16_ENV, "1")
     rows, tw, residual, nw = _pre_problem(41 + n % 7)
@@ -281,15 +290,7 @@ def test_bf16_pre_prologue_equals_the_norm_then_the_projection(n, conv, monkeypa
         err = rel_rmse(got.float(), want.float())
         assert err < 8e-3, err
     else:
-        C = 8192
-        cw = (torch.randn(C, 4, device="cuda") * 0.5).to(torch.bfloat16)
-        state = torch.randn(5, 3, C, device="cuda").to(torch.bfloat16)
-        ref_state = state.clone()
-        slots, has = torch.tensor([2], device="cuda"), torch.tensor([True], device="cuda")
-        got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, None, conv=(cw, state, slots, has))
-        want = weight_stream.linear_conv_update(want_h, w, None, cw, ref_state, slots, has)
-        assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
-        assert rel_rmse(state.float(), ref_state.float()) < 8e-3
+        _check_pre_conv((rows, tw, residual, nw, new_res), want_h, w, None)
     assert rel_rmse(new_res.float(), want_res.float()) < 1e-3
     monkeypatch.setenv(gemv.BF16_ENV, "0")
     assert gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, None) is None  # off: the caller's norm
