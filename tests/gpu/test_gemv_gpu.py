@@ -136,17 +136,25 @@ def test_moe_gate_up_routes_and_projects(E, top_k, ties, monkeypatch):
     """mega/gemv.cu's experts' gate/up for one token (METAINFER_WGMMA_GEMV_MOE=1): its picks equal the Triton
     routing's (`routing.route_topk`, ties to the lowest index) exactly, its weights within 1e-5, and each
     pair's rows (routed in slot order, then the shared expert) against float64 within 5e-3."""
-    from metainfer.kernels import routing
 
     monkeypatch.setenv(gemv.MOE_ENV, "1")
     x, logits, w, s = _moe_problem(E, top_k, seed=E + top_k, ties=ties)
+    gu, ids = _moe_routed_like_triton(x, logits, top_k, w, s)
+    for j, e in enumerate(ids[0].tolist()):
+        assert rel_rmse(gu[j], _reference(x, w[e], s[e])[0]) < 5e-3
+
+
+def _moe_routed_like_triton(x, logits, top_k, w, s):
+    """gemv.moe_gate_up (wanted) with the Triton routing's picks exactly and its weights within 1e-5:
+    -> (gu, ids)."""
+    from metainfer.kernels import routing
+
     assert gemv.wanted_moe(x, logits, top_k, w, s)
     gu, tw, ids = gemv.moe_gate_up(x, logits, top_k, w, s)
     want_tw, want_ids = routing.route_topk(logits, top_k, shared=True)
     assert torch.equal(ids, want_ids)
     assert torch.allclose(tw, want_tw, rtol=1e-5, atol=1e-7)
-    for j, e in enumerate(ids[0].tolist()):
-        assert rel_rmse(gu[j], _reference(x, w[e], s[e])[0]) < 5e-3
+    return gu, ids
 
 
 @pytest.mark.parametrize("E,top_k,ties", [(256, 8, False), (256, 8, True), (40, 5, True)])
@@ -156,18 +164,14 @@ def test_moe_gate_up_bf16_routes_and_projects(E, top_k, ties, monkeypatch):
     product within 1e-4 (bf16 products are exact, the sums' order differs); then `moe_routed_rows` (with the
     Triton down) on it against the BF16 path of today (`moe_rows`: the route launch and the pair kernels)
     within 8e-3."""
-    from metainfer.kernels import moe, ops, routing
+    from metainfer.kernels import moe, ops
 
     monkeypatch.setenv(gemv.BF16_ENV, "1")
     x, logits, _, _ = _moe_problem(E, top_k, seed=E + top_k + 7, ties=ties)
     g = torch.Generator(device="cuda").manual_seed(E + 3)
     w = (torch.randn(E + 1, 1024, gemv.K, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
     w_dn = (torch.randn(E + 1, gemv.K, 512, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
-    assert gemv.wanted_moe(x, logits, top_k, w, None)
-    gu, tw, ids = gemv.moe_gate_up(x, logits, top_k, w, None)
-    want_tw, want_ids = routing.route_topk(logits, top_k, shared=True)
-    assert torch.equal(ids, want_ids)
-    assert torch.allclose(tw, want_tw, rtol=1e-5, atol=1e-7)
+    gu, ids = _moe_routed_like_triton(x, logits, top_k, w, None)
     for j, e in enumerate(ids[0].tolist()):
         assert rel_rmse(gu[j], w[e].float() @ x[0].float()) < 1e-4
     assert moe.routed_rows_bf16_ok(x, logits, top_k, True, w)
