@@ -633,7 +633,8 @@ GNORM_ENV = "METAINFER_GNORM_MAX_T"  # the most tokens gated_norm_linear takes (
 # H200 (2026-12-01c): FP8 batch 1 479 -> 509 tok/s, but batch 2 778 -> 754 and 4 1,203 -> 1,030 (the
 # per-token reductions of a [16, 32, 128] tile); BF16 batch 1 400 -> 405. The batched-dot form for 2-16
 # tokens (2026-12-01d, KB-0069): decode batches 2 / 4 / 8 slower (778 -> 700, 1,198 -> 1,106, 1,764 ->
-# 1,676), the 5-token verify faster (4.32 -> 4.14 ms); so the bound stays 1 (gpu_pending.sh at 570d1a8: PHASES=gprof profiles both)
+# 1,676), the 5-token verify faster (4.32 -> 4.14 ms); so the bound stays 1 (gpu_pending.sh at 570d1a8:
+# PHASES=gprof profiles both)
 GNORM_DEFAULT_T = 1
 GNORM_MAX_T = 16
 GNORM_MMA_MAX_TILE = 128 * 1024  # the MMA form's weight tile (BLOCK_N x HEADS x D) bytes: shared memory bound

@@ -1,0 +1,238 @@
+// Part of gemv.cu (one translation unit: gemv.cu includes its parts in order): what the consumers read before
+// their chunks and write after them: the routing, the x prologues, the router's rows, the conv epilogue.
+#pragma once
+
+namespace {
+// p[i] as fp32, loaded past L1 (the previous kernel's output)
+__device__ __forceinline__ float bf16_at(const __nv_bfloat16* p, int i) {
+  return __uint_as_float(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned short*>(p) + i)) << 16);
+}
+
+// an order-preserving key of a float (-0 as +0; 0 is below every float's key: a removed pick)
+__device__ __forceinline__ uint32_t order_key(float v) {
+  const uint32_t b = __float_as_uint(v + 0.f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Routing by the producer warp (lane l holds experts l + 32 i): the top_k experts by router logit, largest first,
+// the lowest index among equal logits (the picks of routing.softmax_topk, which ranks the same logits the same way).
+// The picks need no exp and no sum; each is found when the producer first needs it (route_next), so a CTA whose
+// next chunk belongs to pair 0 or 1 lands it after one or two rounds; CTA 0 then writes the weights (route_weights).
+struct Route {
+  uint32_t key[MOE_MAX_E / 32];  // order_key of the logits; 0: not an expert, or picked
+};
+__device__ __forceinline__ void route_load(const Moe& m, Route& r, int lane) {
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i) {
+    const int e = lane + 32 * i;
+    r.key[i] = e < m.E ? order_key(bf16_at(m.logits, e)) : 0u;
+  }
+}
+// the next pick (the same on every lane), removed from r
+__device__ __forceinline__ int route_next(Route& r, int lane) {
+  uint32_t bk = 0u;
+  int bi = 0;
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i)  // the lane's largest (its lowest index among equal keys)
+    if (r.key[i] > bk) bk = r.key[i], bi = i;
+  const uint32_t kmax = __reduce_max_sync(0xffffffffu, bk);
+  const int best = static_cast<int>(
+      __reduce_min_sync(0xffffffffu, bk == kmax ? static_cast<uint32_t>(lane + 32 * bi) : ~0u));
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i)
+    if (lane + 32 * i == best) r.key[i] = 0u;
+  return best;
+}
+// CTA 0, all picks known: tw (the picks' softmax probabilities over the E logits, renormalised; the shared expert's
+// sigmoid(gate) last) and ids
+__device__ void route_weights(const Moe& m, const int* pick, int lane) {
+  float l[MOE_MAX_E / 32], mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i) {
+    l[i] = lane + 32 * i < m.E ? bf16_at(m.logits, lane + 32 * i) : -INFINITY;
+    mx = fmaxf(mx, l[i]);
+  }
+  mx = mega::warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < MOE_MAX_E / 32; ++i) sum += lane + 32 * i < m.E ? expf(l[i] - mx) : 0.f;
+  sum = mega::warp_sum(sum);
+  const float p = lane < m.top_k ? expf(bf16_at(m.logits, pick[lane]) - mx) / sum : 0.f;
+  const float psum = mega::warp_sum(p);
+  if (lane < m.top_k) m.tw[lane] = p / psum, m.ids[lane] = pick[lane];
+  if (lane == m.top_k) m.tw[lane] = 1.f / (1.f + expf(-bf16_at(m.logits, m.E))), m.ids[lane] = m.E;
+}
+
+// Pre's x into xs (fp32 of the bf16 values, at mega::xpos): consumer thread t holds columns 8 t .. 8 t + 7
+// What the prologue may read before griddepcontrol.wait (GEMV_PRE_EARLY): the residual (written by the post-
+// attention / post-DeltaNet norm three launches back), the norm's weight and the routing weights (written by the
+// gate/up kernel two launches back); only the rows come from the launch just before (the experts' down). Not so
+// beside moe_gate_up_down_e4m3, whose CTA 0 writes the routing weights late in the launch just before: gemv.py
+// refuses that pair.
+struct PreEarly {
+  uint4 res, w;
+  float tw[GEMV_PRE_WAVE];  // the first rows' weights (pre_rows)
+};
+__device__ __forceinline__ PreEarly pre_early(const Pre& p) {
+  const int c0 = threadIdx.x * 8;
+  PreEarly e;
+  e.res = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
+  e.w = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
+#pragma unroll
+  for (int j = 0; j < GEMV_PRE_WAVE; ++j) e.tw[j] = j < p.W ? __ldcg(p.tw + j) : 0.f;
+  return e;
+}
+
+// the sum of the W rows' columns c0..c0 + 7 weighted by tw, in slot order. GEMV_PRE_EARLY: the first
+// GEMV_PRE_WAVE rows' loads all issued before the first FMA (one round trip: the per-row loop below issues the
+// model's 9 rows in two waves, 8 then 1). A wave of 9 takes the kernel from 94 to 114 registers; all 16 rows
+// unrolled together took 168, room the next kernel's CTAs need beside it under PDL.
+__device__ __forceinline__ void pre_rows(const Pre& p, const float* tw, float (&acc)[8]) {
+  const int c0 = threadIdx.x * 8;
+  int j0 = 0;
+#if GEMV_PRE_EARLY
+  float4 a[GEMV_PRE_WAVE], b[GEMV_PRE_WAVE];
+#pragma unroll
+  for (int j = 0; j < GEMV_PRE_WAVE; ++j)
+    if (j < p.W) {
+      a[j] = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0));
+      b[j] = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0) + 1);
+    }
+#pragma unroll
+  for (int j = 0; j < GEMV_PRE_WAVE; ++j)
+    if (j < p.W) {
+      const float v[8] = {a[j].x, a[j].y, a[j].z, a[j].w, b[j].x, b[j].y, b[j].z, b[j].w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(tw[j], v[i], acc[i]);
+    }
+  j0 = GEMV_PRE_WAVE;
+#pragma unroll 1  // rows past the wave (none in the model): one at a time, not hoisted into the wave
+#else
+#pragma unroll
+#endif
+  for (int j = j0; j < PRE_MAX_W; ++j) {
+    if (j < p.W) {
+      const float t = __ldcg(p.tw + j);
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0) + 1);
+      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(t, v[i], acc[i]);
+    }
+  }
+}
+
+// x's columns c0 .. c0 + 7 (c0 = 8 t of consumer thread t) = rms_norm(bf16(bf16(acc) + res)) * (1 + w), into xs
+// at xpos; CTA 0 writes bf16(bf16(acc) + res) to new_res (rv, wv: res's and w's 8 columns)
+__device__ void norm_into_xs(const float (&acc)[8], uint4 rv, uint4 wv, __nv_bfloat16* new_res, float eps,
+                             float* xs, float* red, int cw, int lane) {
+  const int c0 = threadIdx.x * 8;
+  const uint32_t rw[4] = {rv.x, rv.y, rv.z, rv.w}, ww[4] = {wv.x, wv.y, wv.z, wv.w};
+  float r[8], ss = 0.f;
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float res = __uint_as_float(i & 1 ? rw[i / 2] & 0xffff0000u : rw[i / 2] << 16);
+    const float sum = __bfloat162float(__float2bfloat16_rn(acc[i]));  // the combine's rounding
+    const __nv_bfloat16 rb = __float2bfloat16_rn(sum + res);
+    r[i] = __bfloat162float(rb);
+    ss = fmaf(r[i], r[i], ss);
+    const uint32_t bits = __bfloat16_as_ushort(rb);
+    out[i / 2] = i & 1 ? out[i / 2] | (bits << 16) : bits;
+  }
+  if (blockIdx.x == 0) *reinterpret_cast<uint4*>(new_res + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+  const float rstd = rsqrtf(mega::block_sum(ss, red, cw, lane) / KK + eps);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float w = __uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16);
+    xs[mega::xpos(c0 + i)] = __bfloat162float(__float2bfloat16_rn(r[i] * rstd * (1.f + w)));
+  }
+}
+
+__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
+  float acc[8] = {};
+  pre_rows(p, early.tw, acc);
+#if GEMV_PRE_EARLY
+  const uint4 rv = early.res, wv = early.w;
+#else
+  const int c0 = threadIdx.x * 8;
+  const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
+  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
+#endif
+  norm_into_xs(acc, rv, wv, p.new_res, p.eps, xs, red, cw, lane);
+}
+
+// ROUTER's x: the mixer's output (exact in fp32) into norm_into_xs
+__device__ void stage_router(const Router& rt, float* xs, float* red, int cw, int lane) {
+  const int c0 = threadIdx.x * 8;
+  const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(rt.x + c0));
+  const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = __uint_as_float(i & 1 ? xw[i / 2] & 0xffff0000u : xw[i / 2] << 16);
+  norm_into_xs(acc, __ldcg(reinterpret_cast<const uint4*>(rt.res + c0)),
+               __ldg(reinterpret_cast<const uint4*>(rt.w + c0)), rt.new_res, rt.eps, xs, red, cw, lane);
+}
+// ROUTER's row of warp w (rr = b + w grid < E + 1): its 2048 weights, lane l columns 8 (l + 32 j) .. + 7, loaded
+// before the PDL wait (weights); then logit rr = bf16(sum of w * x) over x in xs, stored and counted
+struct RouterRow {
+  uint4 w[KK / 256];
+};
+__device__ __forceinline__ void router_row_load(const Router& rt, int rr, int lane, RouterRow& row) {
+#pragma unroll
+  for (int j = 0; j < KK / 256; ++j)
+    row.w[j] = __ldg(reinterpret_cast<const uint4*>(rt.rw + (size_t)rr * KK) + lane + 32 * j);
+}
+__device__ __forceinline__ void router_row_dot(const Router& rt, const Moe& m, int rr, int lane, const RouterRow& row,
+                                               const float* xs) {
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < KK / 256; ++j) {
+    const int c0 = (lane + 32 * j) * 8;
+    const float4 a = *reinterpret_cast<const float4*>(xs + mega::xpos(c0));
+    const float4 b = *reinterpret_cast<const float4*>(xs + mega::xpos(c0 + 4));
+    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const uint32_t ww[4] = {row.w[j].x, row.w[j].y, row.w[j].z, row.w[j].w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      acc = fmaf(__uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16), xv[i], acc);
+  }
+  acc = mega::warp_sum(acc);
+  if (lane == 0) {
+    const_cast<__nv_bfloat16*>(m.logits)[rr] = __float2bfloat16_rn(acc);
+    __threadfence();
+    atomicAdd(rt.count, 1u);
+  }
+}
+
+// The conv epilogue's loads for row n (a row < n_conv), issued before the chunk's dots so that their latency
+// hides behind them: the row's conv weights and its slot's state (zeros without one)
+struct ConvRow {
+  float w[CONV_K];
+  __nv_bfloat16 prev[CONV_K - 1];
+};
+__device__ __forceinline__ ConvRow conv_loads(int n, const Conv& cv, long long slot, bool has) {
+  ConvRow r;
+  const __nv_bfloat16* wn = cv.w + n * CONV_K;
+  const __nv_bfloat16* sb = cv.state + slot * cv.s_slot + n;
+#pragma unroll
+  for (int j = 0; j < CONV_K; ++j) r.w[j] = __bfloat162float(wn[j]);
+#pragma unroll
+  for (int j = 0; j < CONV_K - 1; ++j) r.prev[j] = has ? sb[j * cv.s_k] : __float2bfloat16_rn(0.f);
+  return r;
+}
+
+// row n (< n_conv) from its bf16 projection yb: silu(bf16(yb w[3] + sum_j prev[j] w[j])), the state shifted
+__device__ __forceinline__ __nv_bfloat16 conv_row(__nv_bfloat16 yb, int n, const ConvRow& r, const Conv& cv,
+                                                  long long slot) {
+  float c = __bfloat162float(yb) * r.w[CONV_K - 1];
+#pragma unroll
+  for (int j = 0; j < CONV_K - 1; ++j) c = fmaf(__bfloat162float(r.prev[j]), r.w[j], c);
+  __nv_bfloat16* sb = cv.state + slot * cv.s_slot + n;
+#pragma unroll
+  for (int j = 1; j < CONV_K - 1; ++j) sb[(j - 1) * cv.s_k] = r.prev[j];
+  sb[(CONV_K - 2) * cv.s_k] = yb;
+  c = __bfloat162float(__float2bfloat16_rn(c));  // the conv weight's dtype
+  return __float2bfloat16_rn(c / (1.f + __expf(-c)));
+}
+}  // namespace
