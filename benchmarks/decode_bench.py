@@ -15,6 +15,7 @@ time split by kernel where PDL overlaps them (metainfer/bench/critical_path.py).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -53,21 +54,28 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 248000) -> list[
 def decode_run(llm: LLM, batch: int, prompt_len: int, gen: int, seed: int) -> dict:
     eng = llm.engine
     sp = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-    for p in random_prompts(batch, prompt_len, seed):
-        eng.add_request(p, sp)
-    steps, other = [], 0.0
+    vocab = min(248000, eng.model_config.vocab_size)  # (the full config's; a test's tiny one is smaller)
+    ids = [eng.add_request(p, sp) for p in random_prompts(batch, prompt_len, seed, vocab)]
+    steps, other, tokens, errors = [], 0.0, {}, []
     while eng.has_unfinished():
         decode_only = not eng.scheduler.waiting and all(
             r.num_computed_tokens == r.num_tokens - 1 for r in eng.scheduler.running
         )
         n = len(eng.scheduler.running)
         t0 = time.perf_counter()
-        eng.step()
+        outs = eng.step()
         dt = time.perf_counter() - t0
+        for o in outs:
+            if o.finished:
+                tokens[o.request_id] = o.token_ids
+            if o.error:
+                errors.append(o.error)
         if decode_only and n == batch:
             steps.append(dt)
         else:
             other += dt
+    if not steps:
+        raise RuntimeError(f"no decode step of {batch} sequences timed (errors: {errors[:3]})")
     steady = steps[3:] or steps
     med = statistics.median(steady)
     return {
@@ -79,6 +87,9 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, gen: int, seed: int) -> di
         "step_ms_p90": sorted(steady)[int(0.9 * (len(steady) - 1))] * 1e3,
         "decode_tok_s": batch / med,
         "non_decode_s": other,
+        # the greedy outputs' fingerprint (requests in order): two kernel paths that agree give the same
+        "tokens_sha1": hashlib.sha1(json.dumps([tokens.get(i) for i in ids]).encode()).hexdigest()[:12],
+        "errors": errors[:3],
     }
 
 

@@ -17,6 +17,8 @@
 #              tests, BF16 batch 1 0 / 1, the BF16 oracle, ~6 min
 #   fusverify - ON="VAR ..." (the winners): the FP8 oracle with them, the batch-1 wall time by kernel, the layer
 #              table and batch 8, ~3 min
+# The A/Bs run in one process (benchmarks/ab_inproc.py: the decode graphs captured again for each mode, IREPS (3)
+# interleaved rounds), in fresh processes (REPS, 2) where that fails, INPROC=0 or FRESH=1 asks for both.
 # Judgement and profiles:
 #   verify   - the oracle (FP8, BF16) with every switch of ON="..." set to 1, ~2 min
 #   switches - FP8 batch 1 with the defaults and each of SWITCHES ("A=1 B=2", a comma joins: "A=1,B=2"), x REPS
@@ -59,7 +61,7 @@ gpu_tests() {  # $1 name, $2 / $3: -k of tests/gpu/test_gemv_gpu.py / test_engin
     passed $OUT/$1_engine_tests.log || ok=1
     tail -1 $OUT/$1_engine_tests.log | sed "s/^/[$1 engine tests] /"
   fi
-  [[ $ok == 0 ]] || echo "[$1] GPU tests failed: no A/B (see $1_tests.log / $1_engine_tests.log)"
+  [[ $ok == 0 ]] || echo "[$1] GPU tests failed (see $1_tests.log / $1_engine_tests.log)"
   return $ok
 }
 medians() {  # $1: a tag, $2: the runs' folder prefix under $OUT ($OUT/<prefix>_<mode index>_<round>), then the
@@ -72,37 +74,48 @@ for i, mode in enumerate(modes):
     print(f"[{tag}] {mode}: median {statistics.median(v):.1f} tok/s, runs {v}" if v else f"[{tag}] {mode}: none")
 PY
 }
-switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder prefix: batch 1 (AB_DTYPE, fp8) with VAR
-  # at each value in turn x REPS (2), BASE's switches (space-separated VAR=VALUE) on in every run; medians, $OUT/$4*.tgz
-  local base=(${BASE:-}) modes=($3)
-  for r in $(seq ${REPS:-2}); do
-    for i in "${!modes[@]}"; do
-      env "${base[@]}" $2=${modes[$i]} timeout 90 python benchmarks/decode_bench.py --dtype ${AB_DTYPE:-fp8} --batches 1 --gen 32 \
-        --no-profile --out $OUT/$4_${i}_$r 2>&1 | grep -E "^\| 1 " | tag "$1 ${modes[$i]} ${BASE:-} $r"
-    done
-  done
-  medians "$1 ${BASE:-}" $4 "${modes[@]}"
-  (cd $OUT && tar czf $4${BASE:+-base}.tgz $4_* && rm -rf $4_*)  # (not $4_base: rm would take it)
+inproc_ab() {  # $1 tag, then the modes: benchmarks/ab_inproc.py (one process, the decode graphs captured again for
+  # each mode, IREPS (3) interleaved rounds of --gen 64; AB_DTYPE, fp8) -> 0 when it wrote its JSON ($OUT/$1_inproc/)
+  local tag=$1; shift
+  [[ ${INPROC:-1} == 1 ]] || return 1
+  timeout ${INPROC_LIMIT:-360} python benchmarks/ab_inproc.py --dtype ${AB_DTYPE:-fp8} --rounds ${IREPS:-3} --gen 64 \
+    --modes "$@" --out $OUT/${tag}_inproc > $OUT/${tag}_inproc.log 2>&1
+  grep -E "^\| " $OUT/${tag}_inproc.log | tag "$tag in-process"
+  [ -f $OUT/${tag}_inproc/ab_inproc_${AB_DTYPE:-fp8}.json ] \
+    || { tail -3 $OUT/${tag}_inproc.log | tag "$tag in-process failed"; false; }
 }
-modes_ab() {  # $1 tag, $2 the runs' folder prefix, then the modes ("default", or VAR=VALUE joined by commas): FP8
-  # batch 1 in each mode in turn x REPS (2), fresh processes; medians, $OUT/$1.tgz
+modes_ab() {  # $1 tag, $2 the runs' folder prefix, then the modes ("default", or VAR=VALUE joined by commas): batch
+  # 1 (AB_DTYPE, fp8) in each mode, in one process (inproc_ab); in fresh processes, each mode in turn x REPS (2)
+  # where that failed, x FRESH_REPS (1) where FRESH=1 asks for both (the fresh runs' medians, $OUT/$1.tgz)
   local tag=$1 prefix=$2; shift 2
   local modes=("$@")
-  for r in $(seq ${REPS:-2}); do
+  local reps=${REPS:-2}
+  if inproc_ab $tag "${modes[@]}"; then
+    [[ ${FRESH:-0} == 1 ]] || return 0
+    reps=${FRESH_REPS:-1}  # a cross-check of the in-process figures
+  fi
+  for r in $(seq $reps); do
     for i in "${!modes[@]}"; do
       sw=(); [[ ${modes[$i]} != default ]] && IFS=, read -ra sw <<< "${modes[$i]}"
-      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --gen 32 --no-profile \
-        --out $OUT/${prefix}_${i}_$r 2>&1 | grep -E "^\| 1 " | tag "${modes[$i]} $r"
+      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype ${AB_DTYPE:-fp8} --batches 1 --gen 32 \
+        --no-profile --out $OUT/${prefix}_${i}_$r 2>&1 | grep -E "^\| 1 " | tag "${modes[$i]} $r"
     done
   done
   medians $tag $prefix "${modes[@]}"
   (cd $OUT && tar czf $tag.tgz ${prefix}_* && rm -rf ${prefix}_*)
 }
+switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder prefix: modes_ab with VAR at each value,
+  # BASE's switches (space-separated VAR=VALUE) on in every mode
+  local modes=() v
+  for v in $3; do modes+=("$(echo ${BASE:-} $2=$v | tr ' ' ,)"); done
+  modes_ab "$1" $4 "${modes[@]}"
+}
 PHASES=${PHASES:?PHASES: one or more of the phases above}
 
 if has fusions; then  # KB-0108 / KB-0109: each fusion's GPU tests in processes of their own (a trap ends its
-  # process's context, not the other's), then FP8 batch 1 with none, each fusion whose tests passed, and both, in
-  # turn x REPS (2), ~8 min. The oracle and the profile of the winners: PHASES=fusverify ON="VAR ..." (~3 min).
+  # process's context, not the other's), then FP8 batch 1 with none, each fusion whose tests passed, and both: in
+  # one process (3 rounds) and, to cross-check that tool's first GPU run, in fresh processes (1 round), ~8 min.
+  # The oracle and the profile of the winners: PHASES=fusverify ON="VAR ..." (~3 min).
   ok=()
   for f in "gdn METAINFER_WGMMA_GEMV_GDN gdn gdn" "moedown METAINFER_WGMMA_GEMV_MOE_DOWN moe_gate_up_down moe_down"; do
     set -- $f
@@ -110,7 +123,8 @@ if has fusions; then  # KB-0108 / KB-0109: each fusion's GPU tests in processes 
   done
   modes=(default "${ok[@]}")
   [ ${#ok[@]} = 2 ] && modes+=("${ok[0]},${ok[1]}")
-  modes_ab fusions fus "${modes[@]}"
+  gpu_tests recapture - "recaptured" || INPROC=0  # the in-process A/B's seam, first time on a GPU
+  FRESH=${FRESH:-1} modes_ab fusions fus "${modes[@]}"  # (both: ab_inproc.py's first GPU run)
 fi
 if has router; then  # KB-0111: the post-mixer add + RMSNorm and the router inside the experts' launch
   # (METAINFER_WGMMA_GEMV_MOE_ROUTER=1, with the down fused: BASE gets METAINFER_WGMMA_GEMV_MOE_DOWN=1 and whatever
@@ -247,4 +261,9 @@ if has pdlchain; then
   for r in ${PDL_ROWS:-}; do  # e.g. "12352 9216 4608 4096": in_proj, qkv, the 9 downs, a K = 4096 projection's bytes
     timeout 60 /tmp/stream_chain $OUT/stream_chain_pdl_$r.json pdlsize $r 2>&1 | grep " us per " | tee -a $OUT/stream_chain_pdlsize.log
   done
+fi
+n=$(find $OUT -type f | wc -l)
+if (( n > 8 )); then  # the device returns 8 files a call: everything in one archive
+  (cd $OUT && tar czf all.tgz --exclude=all.tgz . && find . -mindepth 1 ! -name all.tgz -delete)
+  echo "[out] $n files into \$OUT/all.tgz"
 fi

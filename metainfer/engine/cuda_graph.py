@@ -136,6 +136,18 @@ class DecodeGraphs:
         self._fill([], 0)  # all rows are padding
         capture_graphs(self.device, self.sizes, lambda bs: None, self._forward, self.graphs, self.outputs)
 
+    def recapture(self) -> None:
+        """The graphs dropped and captured again, so that kernel switches read while capturing take their
+        current values (benchmarks/ab_inproc.py's in-process A/B). Between steps only: no replay in flight
+        and no output of an earlier replay still to be read."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.hidden.clear()
+        self.last_hidden = None
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+        self.capture()
+
     def sync_tables(self, slot: int, owner_key: str, block_ids: list[int]) -> None:
         """Writes the blocks of the request now holding `slot` that the device table lacks.
         `owner_key` must change whenever the slot's blocks are reassigned (new request, preemption)."""

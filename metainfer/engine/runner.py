@@ -149,6 +149,14 @@ class ModelRunner:
             self.mtp.graphs = g
         self.warmup_s = self._start_warmup() if self.device.type == "cuda" and ecfg.warmup else 0.0
 
+    def recapture_decode(self) -> None:
+        """The decode graphs captured again (`DecodeGraphs.recapture`): the decode kernels' switches, read
+        at capture, take their current values. The prefill and MTP graphs stay as they are. Between steps
+        only."""
+        self._hidden = None
+        if self.decode is not None:
+            self.decode.recapture()
+
     def _decode_path(self) -> DecodeGraphs | None:
         """Persistent-buffer decode (CUDA graphs when the decode kernels are all present)."""
         if self.ecfg.extra.get("no_decode_buffers"):

@@ -86,6 +86,33 @@ def test_graph_replay_equals_eager(cfg_path, quant):
         assert torch.equal(x, y), rel_rmse(x, y)
 
 
+def test_decode_graphs_recaptured_give_the_same_bits(tmp_path, monkeypatch):
+    """ModelRunner.recapture_decode (benchmarks/ab_inproc.py's A/B in one process): the graphs captured again,
+    with gemv.cu reloaded in between, replay the first capture's logits bit for bit; a switch moved before the
+    recapture takes effect (METAINFER_WGMMA_GEMV=0: the Triton projections, other bits, close logits)."""
+    from metainfer.kernels.mega import gemv
+
+    prompts = _prompts(3)
+    p = tmp_path / "config.json"  # hidden 2048: gemv.cu serves the projections
+    p.write_text(json.dumps(dict(SMALL, hidden_size=2048, num_hidden_layers=4)))
+    llm = LLM(model=f"dummy:{p}", device="cuda", dtype="bfloat16", quantization="fp8", max_num_seqs=1,
+              max_model_len=512)
+    first = [_run(llm, [p], n=12) for p in prompts]
+    gemv.reset()
+    llm.engine.runner.recapture_decode()
+    assert llm.engine.runner.decode.graphs
+    again = [_run(llm, [p], n=12) for p in prompts]
+    for (ao, al), (bo, bl) in zip(first, again):
+        assert ao[0].token_ids == bo[0].token_ids and torch.equal(al[0], bl[0])
+    monkeypatch.setenv(gemv.ENV, "0")
+    llm.engine.runner.recapture_decode()
+    triton = [_run(llm, [p], n=12) for p in prompts]
+    # the first decode step (row 1: row 0 is the prefill's) has the same inputs either way: close, not equal
+    firsts = [(a[1][0][1], b[1][0][1]) for a, b in zip(first, triton)]
+    assert all(rel_rmse(x, y) < 2e-2 for x, y in firsts), [rel_rmse(x, y) for x, y in firsts]
+    assert not all(torch.equal(x, y) for x, y in firsts), "the switch did not reach the recaptured graph"
+
+
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_prefill_graph_replay_equals_its_eager_layout(cfg_path, quant):
     """Lone prompts (3, 100, 128, 300 tokens) through the lone-prefill graphs (sizes 128, 512): the

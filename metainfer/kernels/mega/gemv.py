@@ -403,6 +403,17 @@ def watchdog_report() -> str | None:
     return None
 
 
+LOAD_ENVS = (SLOTS_ENV, MOE_SLOTS_ENV, DEFINES_ENV)  # read when gemv.cu is built and loaded (then `reset`)
+
+
+def reset() -> None:
+    """Forgets the loaded kernels: the next call builds (or finds in the cubin cache) and loads gemv.cu for
+    the ring sizes and -D flags the environment says now (an in-process A/B of METAINFER_WGMMA_GEMV_SLOTS,
+    _MOE_SLOTS or _DEFINES: benchmarks/ab_inproc.py). The modules loaded before stay loaded; graphs captured
+    with them must be dropped first."""
+    _KERNELS.clear()
+
+
 def _kernel(device: torch.device) -> _Kernel | None:
     """The device's loaded kernel, built at the first call (outside a graph capture: one that finds it
     unbuilt runs the Triton kernel this time); None where it cannot run (before sm_90, no nvcc, a failed

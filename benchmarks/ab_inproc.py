@@ -1,0 +1,165 @@
+"""An A/B of decode-kernel switches in one process: one engine, the decode graphs captured again for each
+mode, the modes interleaved over rounds. Against `gpu_pending.sh`'s fresh process a run (~45 s each on the
+H200, mostly the engine's start), a mode's run here costs its capture and its decode (~3-5 s), so one call
+measures more rounds of more modes.
+
+A mode is "default" or VAR=VALUE pairs joined by commas. Before each run the mode's variables are set (the
+others of every mode restored to the values the process started with), gemv.cu reloaded where one of its
+load-time switches moved (gemv.LOAD_ENVS), and the decode graphs captured again
+(ModelRunner.recapture_decode). So only switches read while the decode step is captured (or run eagerly)
+compare this way; not those read when the model is loaded (METAINFER_FP8_LM_HEAD) or the prefill graphs
+captured. Each run is decode_bench's `decode_run` (a fresh 1k-token prompt, greedy, ignore_eos): the
+engine's step time, as the fresh-process A/B measures it, plus the graph's replay time and the greedy
+tokens' fingerprint (modes that compute the same give the same; a difference is reported, not judged: that
+is the oracle's job).
+
+    python benchmarks/ab_inproc.py --dtype fp8 --rounds 3 --modes default METAINFER_WGMMA_GEMV_GDN=1 \\
+        "METAINFER_WGMMA_GEMV_GDN=1,METAINFER_WGMMA_GEMV_MOE_DOWN=1" --out $OUT/ab
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_bench import decode_run, graph_replay_ms  # noqa: E402
+from engine_smoke import env_info  # noqa: E402
+
+from metainfer.config import FULL_CONFIG  # noqa: E402
+from metainfer.kernels.mega import gemv  # noqa: E402
+from metainfer.llm import LLM  # noqa: E402
+
+
+def parse_mode(mode: str) -> dict[str, str]:
+    """ "default" -> {}; "A=1,B=x" -> {"A": "1", "B": "x"}."""
+    if mode == "default":
+        return {}
+    out = {}
+    for part in mode.split(","):
+        name, eq, value = part.partition("=")
+        if not eq or not name or not name.isidentifier():
+            raise ValueError(f"mode {mode!r}: {part!r} is not VAR=VALUE")
+        out[name] = value
+    return out
+
+
+class Switches:
+    """Sets one mode's variables at a time; every variable any mode names goes back to the process's own
+    value (or unset) before the next mode's are set."""
+
+    def __init__(self, modes: list[dict[str, str]]) -> None:
+        self.names = sorted({n for m in modes for n in m})
+        self.start = {n: os.environ.get(n) for n in self.names}
+        self.current: dict[str, str] = {}
+
+    def apply(self, mode: dict[str, str]) -> bool:
+        """-> whether a gemv.cu load-time switch changed (the kernels must be reloaded)."""
+        before = {n: os.environ.get(n) for n in gemv.LOAD_ENVS}
+        for n in self.names:
+            v = mode.get(n, self.start[n])
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+        self.current = dict(mode)
+        return before != {n: os.environ.get(n) for n in gemv.LOAD_ENVS}
+
+    def restore(self) -> None:
+        self.apply({})
+
+
+def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, prompt_len: int, gen: int,
+             seed: int) -> dict:
+    t0 = time.perf_counter()
+    if switches.apply(mode):
+        gemv.reset()
+    llm.engine.runner.recapture_decode()
+    capture_s = time.perf_counter() - t0
+    r = decode_run(llm, batch, prompt_len, gen, seed)
+    r["capture_s"] = capture_s
+    if batch == 1 and llm.engine.runner.device.type == "cuda":
+        r["graph_replay_ms"] = graph_replay_ms(llm, 1)
+    return r
+
+
+def summarise(modes: list[str], runs: list[dict]) -> list[dict]:
+    """Each mode's median tok/s, step and replay ms over its runs, its greedy fingerprints, and whether they
+    match the first mode's."""
+    base = {r["tokens_sha1"] for r in runs if r["mode"] == modes[0]}
+    rows = []
+    for m in modes:
+        mine = [r for r in runs if r["mode"] == m]
+        replay = [r["graph_replay_ms"] for r in mine if r.get("graph_replay_ms")]
+        shas = sorted({r["tokens_sha1"] for r in mine})
+        rows.append({
+            "mode": m,
+            "runs": len(mine),
+            "tok_s_median": statistics.median(r["decode_tok_s"] for r in mine),
+            "tok_s_all": [round(r["decode_tok_s"], 1) for r in mine],
+            "step_ms_median": statistics.median(r["step_ms_median"] for r in mine),
+            "graph_replay_ms_median": statistics.median(replay) if replay else None,
+            "tokens_sha1": shas,
+            "tokens_as_first_mode": set(shas) == base,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(FULL_CONFIG))
+    ap.add_argument("--dtype", default="fp8", choices=["bfloat16", "fp8"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--modes", nargs="+", default=["default"], help='"default" or VAR=VALUE[,VAR=VALUE]')
+    ap.add_argument("--rounds", type=int, default=3, help="each mode once a round, in order")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=0, help="default: prompt + gen + 64")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args(argv)
+    modes = list(dict.fromkeys(args.modes))
+    parsed = [parse_mode(m) for m in modes]
+    switches = Switches(parsed)
+    t0 = time.perf_counter()
+    llm = LLM(model=f"dummy:{args.config}", device=args.device, dtype="bfloat16",
+              quantization="fp8" if args.dtype == "fp8" else None,
+              max_model_len=args.max_model_len or args.prompt_len + args.gen + 64, max_num_seqs=args.batch,
+              max_num_batched_tokens=8192)
+    print(f"engine init {time.perf_counter() - t0:.1f}s; modes {modes}, {args.rounds} rounds", flush=True)
+    runs: list[dict] = []
+    try:
+        for rnd in range(args.rounds):
+            for mode, sw in zip(modes, parsed):
+                # the same prompt for every mode of a round (its greedy tokens comparable), a new one a round
+                r = run_mode(llm, sw, switches, args.batch, args.prompt_len, args.gen, seed=1000 + rnd)
+                r.update(mode=mode, round=rnd)
+                runs.append(r)
+                print(f"[{mode} {rnd}] {r['decode_tok_s']:.1f} tok/s, step {r['step_ms_median']:.3f} ms, "
+                      f"replay {r.get('graph_replay_ms') or 0:.3f} ms, tokens {r['tokens_sha1']}, "
+                      f"capture {r['capture_s']:.1f}s", flush=True)
+    finally:
+        switches.restore()
+    res = {"env": env_info(), "config": args.config, "dtype": args.dtype, "batch": args.batch,
+           "prompt_len": args.prompt_len, "gen": args.gen, "rounds": args.rounds, "runs": runs,
+           "summary": summarise(modes, runs)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"ab_inproc_{args.dtype}.json").write_text(json.dumps(res, indent=1))
+    print(f"\n[{args.dtype} batch {args.batch}] | mode | tok/s (median) | runs | step ms | replay ms "
+          f"| tokens as {modes[0]} |")
+    for s in res["summary"]:
+        replay = f"{s['graph_replay_ms_median']:.3f}" if s["graph_replay_ms_median"] else "-"
+        same = "yes" if s["tokens_as_first_mode"] else "NO"
+        print(f"| {s['mode']} | {s['tok_s_median']:.1f} | {s['tok_s_all']} | {s['step_ms_median']:.3f} "
+              f"| {replay} | {same} |")
+    return res
+
+
+if __name__ == "__main__":
+    main()
