@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_bench import decode_run, graph_replay_ms  # noqa: E402
+from decode_bench import decode_run, graph_replay_ms, profile_decode  # noqa: E402
 from engine_smoke import env_info  # noqa: E402
 
+from metainfer.bench.critical_path import layer_table  # noqa: E402
 from metainfer.config import FULL_CONFIG  # noqa: E402
 from metainfer.kernels.mega import gemv  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
@@ -88,6 +89,20 @@ def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, pro
     return r
 
 
+def profile_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, prompt_len: int) -> dict:
+    """One profiled decode (decode_bench's profile_decode, PDL as the engine runs it) in the mode: its
+    kernels' exposed times and, at batch 1, the layer table (the median DeltaNet and attention layer, by
+    kernel: critical_path.layer_table)."""
+    if switches.apply(mode):
+        gemv.reset()
+    llm.engine.runner.recapture_decode()
+    _rows, exposed, timeline = profile_decode(llm, prompt_len, batch=batch)
+    out = {"exposed": exposed[:16]}
+    if timeline and batch == 1:
+        out["layers"] = layer_table(timeline)
+    return out
+
+
 def summarise(modes: list[str], runs: list[dict]) -> list[dict]:
     """Each mode's median tok/s, step and replay ms over its runs, its greedy fingerprints, and whether they
     match the first mode's."""
@@ -121,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=0, help="default: prompt + gen + 64")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rounds, one profiled decode a mode: its layer table (batch 1)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
     modes = list(dict.fromkeys(args.modes))
@@ -143,11 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[{mode} {rnd}] {r['decode_tok_s']:.1f} tok/s, step {r['step_ms_median']:.3f} ms, "
                       f"replay {r.get('graph_replay_ms') or 0:.3f} ms, tokens {r['tokens_sha1']}, "
                       f"capture {r['capture_s']:.1f}s", flush=True)
+        profiles = {}
+        if args.profile and llm.engine.runner.device.type == "cuda":  # (the profile is of CUDA kernels)
+            profiles = {m: profile_mode(llm, sw, switches, args.batch, args.prompt_len)
+                        for m, sw in zip(modes, parsed)}
     finally:
         switches.restore()
     res = {"env": env_info(), "config": args.config, "dtype": args.dtype, "batch": args.batch,
            "prompt_len": args.prompt_len, "gen": args.gen, "rounds": args.rounds, "runs": runs,
-           "summary": summarise(modes, runs)}
+           "summary": summarise(modes, runs), "profiles": profiles}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"ab_inproc_{args.dtype}.json").write_text(json.dumps(res, indent=1))
@@ -158,6 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
         same = "yes" if s["tokens_as_first_mode"] else "NO"
         print(f"| {s['mode']} | {s['tok_s_median']:.1f} | {s['tok_s_all']} | {s['step_ms_median']:.3f} "
               f"| {replay} | {same} |")
+    for m, prof in profiles.items():  # the layers' kernels side by side (exposed us, medians)
+        for kind, t in prof.get("layers", {}).items():
+            parts = ", ".join(f"{k['kernel'][:28]} {k['exposed_us']:.2f}" for k in t["kernels"])
+            print(f"[{m}] {kind} layer {t['period_us']:.1f} us: {parts}")
     return res
 
 

@@ -51,11 +51,15 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 248000) -> list[
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
+def prompt_vocab(llm: LLM) -> int:
+    """The prompts' token ids: below 248,000 (the full config's vocabulary), or a test model's smaller one."""
+    return min(248000, llm.engine.model_config.vocab_size)
+
+
 def decode_run(llm: LLM, batch: int, prompt_len: int, gen: int, seed: int) -> dict:
     eng = llm.engine
     sp = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-    vocab = min(248000, eng.model_config.vocab_size)  # (the full config's; a test's tiny one is smaller)
-    ids = [eng.add_request(p, sp) for p in random_prompts(batch, prompt_len, seed, vocab)]
+    ids = [eng.add_request(p, sp) for p in random_prompts(batch, prompt_len, seed, prompt_vocab(llm))]
     steps, other, tokens, errors = [], 0.0, {}, []
     while eng.has_unfinished():
         decode_only = not eng.scheduler.waiting and all(
@@ -141,7 +145,7 @@ def profile_decode(llm: LLM, prompt_len: int, steps: int = 6,
     eng = llm.engine
     prefill_steps = -(-batch * prompt_len // eng.ecfg.max_num_batched_tokens)  # the first decode meanwhile
     params = SamplingParams(max_tokens=prefill_steps + steps + 8, temperature=0.0, ignore_eos=True)
-    for p in random_prompts(batch, prompt_len, seed=7):
+    for p in random_prompts(batch, prompt_len, seed=7, vocab=prompt_vocab(llm)):
         eng.add_request(p, params)
     for _ in range(64):  # every prefill done and a few decode steps (chunked prefills take several)
         sch = eng.scheduler

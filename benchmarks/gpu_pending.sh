@@ -75,12 +75,13 @@ for i, mode in enumerate(modes):
 PY
 }
 inproc_ab() {  # $1 tag, then the modes: benchmarks/ab_inproc.py (one process, the decode graphs captured again for
-  # each mode, IREPS (3) interleaved rounds of --gen 64; AB_DTYPE, fp8) -> 0 when it wrote its JSON ($OUT/$1_inproc/)
+  # each mode, IREPS (3) interleaved rounds of --gen 64; AB_DTYPE, fp8; IPROFILE=1: then each mode's layer table)
+  # -> 0 when it wrote its JSON ($OUT/$1_inproc/)
   local tag=$1; shift
   [[ ${INPROC:-1} == 1 ]] || return 1
   timeout ${INPROC_LIMIT:-360} python benchmarks/ab_inproc.py --dtype ${AB_DTYPE:-fp8} --rounds ${IREPS:-3} --gen 64 \
-    --modes "$@" --out $OUT/${tag}_inproc > $OUT/${tag}_inproc.log 2>&1
-  grep -E "^\| " $OUT/${tag}_inproc.log | tag "$tag in-process"
+    ${IPROFILE:+--profile} --modes "$@" --out $OUT/${tag}_inproc > $OUT/${tag}_inproc.log 2>&1
+  grep -E "^\| | layer [0-9.]+ us: " $OUT/${tag}_inproc.log | tag "$tag in-process"
   [ -f $OUT/${tag}_inproc/ab_inproc_${AB_DTYPE:-fp8}.json ] \
     || { tail -3 $OUT/${tag}_inproc.log | tag "$tag in-process failed"; false; }
 }
@@ -124,7 +125,7 @@ if has fusions; then  # KB-0108 / KB-0109: each fusion's GPU tests in processes 
   modes=(default "${ok[@]}")
   [ ${#ok[@]} = 2 ] && modes+=("${ok[0]},${ok[1]}")
   gpu_tests recapture - "recaptured" || INPROC=0  # the in-process A/B's seam, first time on a GPU
-  FRESH=${FRESH:-1} modes_ab fusions fus "${modes[@]}"  # (both: ab_inproc.py's first GPU run)
+  IPROFILE=1 FRESH=${FRESH:-1} modes_ab fusions fus "${modes[@]}"  # (both: ab_inproc.py's first GPU run)
 fi
 if has router; then  # KB-0111: the post-mixer add + RMSNorm and the router inside the experts' launch
   # (METAINFER_WGMMA_GEMV_MOE_ROUTER=1, with the down fused: BASE gets METAINFER_WGMMA_GEMV_MOE_DOWN=1 and whatever
