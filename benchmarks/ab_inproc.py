@@ -36,9 +36,13 @@ from metainfer.config import FULL_CONFIG  # noqa: E402
 from metainfer.kernels.mega import gemv  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 
+# switches this A/B cannot compare: read when the model is loaded or a table first used (so every mode would
+# run the first mode's setting), or only by prefill, which it does not time
+NOT_IN_PROCESS = ("METAINFER_FP8_LM_HEAD", "METAINFER_FP8_TUNED", "METAINFER_MOE_TUNED", "METAINFER_CACHE")
+
 
 def parse_mode(mode: str) -> dict[str, str]:
-    """ "default" -> {}; "A=1,B=x" -> {"A": "1", "B": "x"}."""
+    """ "default" -> {}; "A=1,B=x" -> {"A": "1", "B": "x"}; a switch this A/B cannot compare is refused."""
     if mode == "default":
         return {}
     out = {}
@@ -46,8 +50,18 @@ def parse_mode(mode: str) -> dict[str, str]:
         name, eq, value = part.partition("=")
         if not eq or not name or not name.isidentifier():
             raise ValueError(f"mode {mode!r}: {part!r} is not VAR=VALUE")
+        if name in NOT_IN_PROCESS or "PREFILL" in name:
+            raise ValueError(f"mode {mode!r}: {name} is read at load or by prefill only: A/B it in fresh "
+                             "processes")
         out[name] = value
     return out
+
+
+def round_order(n_modes: int, rnd: int) -> list[int]:
+    """The modes' order in round rnd: as given in even rounds, reversed in odd ones, so that no mode always
+    runs first (after the engine's start, or after the same other mode)."""
+    order = list(range(n_modes))
+    return order[::-1] if rnd % 2 else order
 
 
 class Switches:
@@ -72,7 +86,8 @@ class Switches:
         return before != {n: os.environ.get(n) for n in gemv.LOAD_ENVS}
 
     def restore(self) -> None:
-        self.apply({})
+        if self.apply({}):
+            gemv.reset()
 
 
 def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, prompt_len: int, gen: int,
@@ -110,6 +125,8 @@ def summarise(modes: list[str], runs: list[dict]) -> list[dict]:
     rows = []
     for m in modes:
         mine = [r for r in runs if r["mode"] == m]
+        if not mine:
+            continue
         replay = [r["graph_replay_ms"] for r in mine if r.get("graph_replay_ms")]
         shas = sorted({r["tokens_sha1"] for r in mine})
         rows.append({
@@ -121,6 +138,7 @@ def summarise(modes: list[str], runs: list[dict]) -> list[dict]:
             "graph_replay_ms_median": statistics.median(replay) if replay else None,
             "tokens_sha1": shas,
             "tokens_as_first_mode": set(shas) == base,
+            "runs_with_errors": sum(bool(r.get("errors")) for r in mine),
         })
     return rows
 
@@ -131,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="fp8", choices=["bfloat16", "fp8"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--modes", nargs="+", default=["default"], help='"default" or VAR=VALUE[,VAR=VALUE]')
-    ap.add_argument("--rounds", type=int, default=3, help="each mode once a round, in order")
+    ap.add_argument("--rounds", type=int, default=3, help="each mode once a round (odd rounds reversed)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=64)
@@ -149,36 +167,57 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=args.max_model_len or args.prompt_len + args.gen + 64, max_num_seqs=args.batch,
               max_num_batched_tokens=8192)
     print(f"engine init {time.perf_counter() - t0:.1f}s; modes {modes}, {args.rounds} rounds", flush=True)
-    runs: list[dict] = []
-    try:
-        for rnd in range(args.rounds):
-            for mode, sw in zip(modes, parsed):
-                # the same prompt for every mode of a round (its greedy tokens comparable), a new one a round
-                r = run_mode(llm, sw, switches, args.batch, args.prompt_len, args.gen, seed=1000 + rnd)
-                r.update(mode=mode, round=rnd)
-                runs.append(r)
-                print(f"[{mode} {rnd}] {r['decode_tok_s']:.1f} tok/s, step {r['step_ms_median']:.3f} ms, "
-                      f"replay {r.get('graph_replay_ms') or 0:.3f} ms, tokens {r['tokens_sha1']}, "
-                      f"capture {r['capture_s']:.1f}s", flush=True)
-        profiles = {}
-        if args.profile and llm.engine.runner.device.type == "cuda":  # (the profile is of CUDA kernels)
-            profiles = {m: profile_mode(llm, sw, switches, args.batch, args.prompt_len)
-                        for m, sw in zip(modes, parsed)}
-    finally:
-        switches.restore()
-    res = {"env": env_info(), "config": args.config, "dtype": args.dtype, "batch": args.batch,
-           "prompt_len": args.prompt_len, "gen": args.gen, "rounds": args.rounds, "runs": runs,
-           "summary": summarise(modes, runs), "profiles": profiles}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"ab_inproc_{args.dtype}.json").write_text(json.dumps(res, indent=1))
+    res = {"env": env_info(), "config": args.config, "dtype": args.dtype, "batch": args.batch,
+           "prompt_len": args.prompt_len, "gen": args.gen, "rounds": args.rounds, "runs": [], "summary": [],
+           "profiles": {}, "failed": []}
+
+    def save() -> None:  # after every run: a later failure or timeout keeps what was measured
+        res["summary"] = summarise(modes, res["runs"])
+        (out / f"ab_inproc_{args.dtype}.json").write_text(json.dumps(res, indent=1))
+
+    try:
+        # a discarded first run: the first measured one does not follow the engine's start
+        run_mode(llm, parsed[0], switches, args.batch, args.prompt_len, min(args.gen, 16), seed=999)
+        for rnd in range(args.rounds):
+            for i in round_order(len(modes), rnd):
+                # the same prompt for every mode of a round (its greedy tokens comparable), a new one a round
+                try:
+                    r = run_mode(llm, parsed[i], switches, args.batch, args.prompt_len, args.gen,
+                                 seed=1000 + rnd)
+                except RuntimeError as e:  # decode_run's failed steps (after a CUDA error: no more runs)
+                    res["failed"].append({"mode": modes[i], "round": rnd, "error": repr(e)[:300]})
+                    print(f"[{modes[i]} {rnd}] failed: {e!r}"[:300], flush=True)
+                    save()
+                    if "CUDA" in str(e) or "cuda" in str(e):
+                        raise
+                    continue
+                r.update(mode=modes[i], round=rnd)
+                res["runs"].append(r)
+                save()
+                print(f"[{modes[i]} {rnd}] {r['decode_tok_s']:.1f} tok/s, step {r['step_ms_median']:.3f} ms, "
+                      f"replay {r.get('graph_replay_ms') or 0:.3f} ms, tokens {r['tokens_sha1']}, "
+                      f"capture {r['capture_s']:.1f}s{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
+                      flush=True)
+        if args.profile and llm.engine.runner.device.type == "cuda":  # (the profile is of CUDA kernels)
+            for m, sw in zip(modes, parsed):
+                res["profiles"][m] = profile_mode(llm, sw, switches, args.batch, args.prompt_len)
+                save()
+    finally:
+        switches.restore()
+    save()
+    profiles = res["profiles"]
     print(f"\n[{args.dtype} batch {args.batch}] | mode | tok/s (median) | runs | step ms | replay ms "
           f"| tokens as {modes[0]} |")
     for s in res["summary"]:
         replay = f"{s['graph_replay_ms_median']:.3f}" if s["graph_replay_ms_median"] else "-"
         same = "yes" if s["tokens_as_first_mode"] else "NO"
+        errs = f" ERRORS in {s['runs_with_errors']} runs" if s["runs_with_errors"] else ""
         print(f"| {s['mode']} | {s['tok_s_median']:.1f} | {s['tok_s_all']} | {s['step_ms_median']:.3f} "
-              f"| {replay} | {same} |")
+              f"| {replay} | {same}{errs} |")
+    for f in res["failed"]:
+        print(f"| {f['mode']} | failed in round {f['round']}: {f['error'][:120]} |")
     for m, prof in profiles.items():  # the layers' kernels side by side (exposed us, medians)
         for kind, t in prof.get("layers", {}).items():
             parts = ", ".join(f"{k['kernel'][:28]} {k['exposed_us']:.2f}" for k in t["kernels"])

@@ -18,7 +18,8 @@
 #   fusverify - ON="VAR ..." (the winners): the FP8 oracle with them, the batch-1 wall time by kernel, the layer
 #              table and batch 8, ~3 min
 # The A/Bs run in one process (benchmarks/ab_inproc.py: the decode graphs captured again for each mode, IREPS (3)
-# interleaved rounds), in fresh processes (REPS, 2) where that fails, INPROC=0 or FRESH=1 asks for both.
+# interleaved rounds), in fresh processes (REPS, 2) where that fails, INPROC=0 or FRESH=1 asks for both. Past
+# DEADLINE (540 s) nothing long starts; more than 8 files in $OUT go back as $OUT/all.tgz.
 # Judgement and profiles:
 #   verify   - the oracle (FP8, BF16) with every switch of ON="..." set to 1, ~2 min
 #   switches - FP8 batch 1 with the defaults and each of SWITCHES ("A=1 B=2", a comma joins: "A=1,B=2"), x REPS
@@ -37,7 +38,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 MODEL=dummy:metainfer/configs/qwen3.6-35b-a3b.json
 has() { [[ " $PHASES " == *" $1 "* ]]; }  # a phase named exactly (not a substring of another)
-tag() { while IFS= read -r l; do echo "[$1] $l"; done; }  # each line prefixed (a tag may hold any character)
+tag() { while IFS= read -r l || [[ -n $l ]]; do echo "[$1] $l"; done; }  # each line prefixed (any tag)
+DEADLINE=${DEADLINE:-540}  # seconds into the call past which nothing long starts (the device stops it at 600)
+left() { echo $((DEADLINE - SECONDS)); }
+pack_out() {  # the device returns 8 files a call: more than that, all in one archive (built outside $OUT)
+  local n
+  n=$(find $OUT -type f | wc -l)
+  if (( n > 8 )); then
+    tar czf /tmp/out_all.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/out_all.tgz $OUT/all.tgz \
+      && echo "[out] $n files into \$OUT/all.tgz"
+  fi
+}
+trap pack_out EXIT
 oracle() {  # $1 dtype, $2 the verdict's JSON name under $OUT, then the switches (VAR=VALUE) -> the verdict line
   local dt=$1 name=$2; shift 2
   env "$@" timeout 150 python -m metainfer.cli verify --model $MODEL --dtype $dt --device cuda --suite full \
@@ -50,6 +62,7 @@ gpu_tests() {  # $1 name, $2 / $3: -k of tests/gpu/test_gemv_gpu.py / test_engin
   # that ran pass; the kernel's tests first with a short limit (a hang there costs 90 s, not the phase), the
   # engine's only after them; each log holds gemv.cu's watchdog report if one fired
   local ok=0
+  (( $(left) > 120 )) || { echo "[$1] no time left for its GPU tests"; return 1; }
   if [[ $2 != - ]]; then
     timeout 90 python -m pytest -q -x tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k "$2" > $OUT/$1_tests.log 2>&1
     passed $OUT/$1_tests.log || ok=1
@@ -77,13 +90,17 @@ PY
 inproc_ab() {  # $1 tag, then the modes: benchmarks/ab_inproc.py (one process, the decode graphs captured again for
   # each mode, IREPS (3) interleaved rounds of --gen 64; AB_DTYPE, fp8; IPROFILE=1: then each mode's layer table)
   # -> 0 when it wrote its JSON ($OUT/$1_inproc/)
-  local tag=$1; shift
+  local tag=$1 rc limit; shift
   [[ ${INPROC:-1} == 1 ]] || return 1
-  timeout ${INPROC_LIMIT:-360} python benchmarks/ab_inproc.py --dtype ${AB_DTYPE:-fp8} --rounds ${IREPS:-3} --gen 64 \
+  limit=$(( $(left) < ${INPROC_LIMIT:-360} ? $(left) : ${INPROC_LIMIT:-360} ))
+  (( limit > 90 )) || { echo "[$tag] no time left for the in-process A/B"; return 1; }
+  timeout $limit python benchmarks/ab_inproc.py --dtype ${AB_DTYPE:-fp8} --rounds ${IREPS:-3} --gen ${AB_GEN:-64} \
     ${IPROFILE:+--profile} --modes "$@" --out $OUT/${tag}_inproc > $OUT/${tag}_inproc.log 2>&1
-  grep -E "^\| | layer [0-9.]+ us: " $OUT/${tag}_inproc.log | tag "$tag in-process"
-  [ -f $OUT/${tag}_inproc/ab_inproc_${AB_DTYPE:-fp8}.json ] \
-    || { tail -3 $OUT/${tag}_inproc.log | tag "$tag in-process failed"; false; }
+  rc=$?
+  grep -E "^\| |^\[(fp8|bfloat16) batch| layer [0-9.]+ us: " $OUT/${tag}_inproc.log | tag "$tag in-process"
+  # (a partial JSON stays for the record; only a whole run counts)
+  [[ $rc == 0 && -f $OUT/${tag}_inproc/ab_inproc_${AB_DTYPE:-fp8}.json ]] \
+    || { tail -3 $OUT/${tag}_inproc.log | tag "$tag in-process failed (rc $rc)"; false; }
 }
 modes_ab() {  # $1 tag, $2 the runs' folder prefix, then the modes ("default", or VAR=VALUE joined by commas): batch
   # 1 (AB_DTYPE, fp8) in each mode, in one process (inproc_ab); in fresh processes, each mode in turn x REPS (2)
@@ -95,13 +112,16 @@ modes_ab() {  # $1 tag, $2 the runs' folder prefix, then the modes ("default", o
     [[ ${FRESH:-0} == 1 ]] || return 0
     reps=${FRESH_REPS:-1}  # a cross-check of the in-process figures
   fi
+  local fit=$(( $(left) / (60 * ${#modes[@]}) ))  # the rounds of fresh processes (~50 s each) that fit
+  (( fit < reps )) && { echo "[$tag] time for $fit of $reps fresh rounds"; reps=$fit; }
   for r in $(seq $reps); do
     for i in "${!modes[@]}"; do
       sw=(); [[ ${modes[$i]} != default ]] && IFS=, read -ra sw <<< "${modes[$i]}"
-      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype ${AB_DTYPE:-fp8} --batches 1 --gen 32 \
-        --no-profile --out $OUT/${prefix}_${i}_$r 2>&1 | grep -E "^\| 1 " | tag "${modes[$i]} $r"
+      env "${sw[@]}" timeout 90 python benchmarks/decode_bench.py --dtype ${AB_DTYPE:-fp8} --batches 1 \
+        --gen ${AB_GEN:-64} --no-profile --out $OUT/${prefix}_${i}_$r 2>&1 | grep -E "^\| 1 " | tag "${modes[$i]} $r"
     done
   done
+  (( reps > 0 )) || return 0
   medians $tag $prefix "${modes[@]}"
   (cd $OUT && tar czf $tag.tgz ${prefix}_* && rm -rf ${prefix}_*)
 }
@@ -124,8 +144,10 @@ if has fusions; then  # KB-0108 / KB-0109: each fusion's GPU tests in processes 
   done
   modes=(default "${ok[@]}")
   [ ${#ok[@]} = 2 ] && modes+=("${ok[0]},${ok[1]}")
-  gpu_tests recapture - "recaptured" || INPROC=0  # the in-process A/B's seam, first time on a GPU
-  IPROFILE=1 FRESH=${FRESH:-1} modes_ab fusions fus "${modes[@]}"  # (both: ab_inproc.py's first GPU run)
+  if [ ${#ok[@]} -gt 0 ]; then
+    gpu_tests recapture - "recaptured" || INPROC=0  # the in-process A/B's seam, first time on a GPU
+    IPROFILE=1 FRESH=${FRESH:-1} modes_ab fusions fus "${modes[@]}"  # (both: ab_inproc.py's first GPU run)
+  fi
 fi
 if has router; then  # KB-0111: the post-mixer add + RMSNorm and the router inside the experts' launch
   # (METAINFER_WGMMA_GEMV_MOE_ROUTER=1, with the down fused: BASE gets METAINFER_WGMMA_GEMV_MOE_DOWN=1 and whatever
@@ -262,9 +284,4 @@ if has pdlchain; then
   for r in ${PDL_ROWS:-}; do  # e.g. "12352 9216 4608 4096": in_proj, qkv, the 9 downs, a K = 4096 projection's bytes
     timeout 60 /tmp/stream_chain $OUT/stream_chain_pdl_$r.json pdlsize $r 2>&1 | grep " us per " | tee -a $OUT/stream_chain_pdlsize.log
   done
-fi
-n=$(find $OUT -type f | wc -l)
-if (( n > 8 )); then  # the device returns 8 files a call: everything in one archive
-  (cd $OUT && tar czf all.tgz --exclude=all.tgz . && find . -mindepth 1 ! -name all.tgz -delete)
-  echo "[out] $n files into \$OUT/all.tgz"
 fi

@@ -138,14 +138,15 @@ class DecodeGraphs:
 
     def recapture(self) -> None:
         """The graphs dropped and captured again, so that kernel switches read while capturing take their
-        current values (benchmarks/ab_inproc.py's in-process A/B). Between steps only: no replay in flight
-        and no output of an earlier replay still to be read."""
+        current values (benchmarks/ab_inproc.py's in-process A/B). With no request running only: the
+        capture rewrites the padding inputs and the token buffer's rows."""
         self.graphs.clear()
         self.outputs.clear()
         self.hidden.clear()
         self.last_hidden = None
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the old graphs' pool (else each recapture keeps one more)
         self.capture()
 
     def sync_tables(self, slot: int, owner_key: str, block_ids: list[int]) -> None:

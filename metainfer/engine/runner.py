@@ -151,8 +151,8 @@ class ModelRunner:
 
     def recapture_decode(self) -> None:
         """The decode graphs captured again (`DecodeGraphs.recapture`): the decode kernels' switches, read
-        at capture, take their current values. The prefill and MTP graphs stay as they are. Between steps
-        only."""
+        at capture, take their current values. The prefill and MTP graphs stay as they are. With no request
+        running only."""
         self._hidden = None
         if self.decode is not None:
             self.decode.recapture()

@@ -22,9 +22,13 @@ def test_parse_mode():
     assert ab_inproc.parse_mode("default") == {}
     assert ab_inproc.parse_mode("A=1,B=x/y") == {"A": "1", "B": "x/y"}
     assert ab_inproc.parse_mode("A=") == {"A": ""}
-    for bad in ("A", "=1", "A=1,", "1A=2"):
-        with pytest.raises(ValueError):
+    for bad in ("A", "=1", "A=1,", "1A=2", "METAINFER_FP8_LM_HEAD=1", "METAINFER_PDL_PREFILL=1"):
+        with pytest.raises(ValueError):  # (the last two: read at load / by prefill only)
             ab_inproc.parse_mode(bad)
+
+
+def test_round_order_alternates():
+    assert [ab_inproc.round_order(3, r) for r in range(3)] == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
 
 
 def test_switches_restore_and_report_reloads(monkeypatch):
@@ -59,10 +63,11 @@ def test_runs_on_the_cpu(tmp_path, monkeypatch):
     res = ab_inproc.main(["--config", str(cfg), "--device", "cpu", "--dtype", "bfloat16", "--rounds", "2",
                           "--modes", "default", "MI_TEST_MODE=1", "--prompt-len", "12", "--gen", "8",
                           "--out", str(tmp_path / "out")])
-    assert [c["mode"] for c in captures] == [None, "1", None, "1"]  # each run captured under its own mode
+    # a discarded warm-up run, then each run captured under its own mode, odd rounds reversed
+    assert [c["mode"] for c in captures] == [None, None, "1", "1", None]
     assert "MI_TEST_MODE" not in __import__("os").environ
     assert [(r["mode"], r["round"]) for r in res["runs"]] == [
-        ("default", 0), ("MI_TEST_MODE=1", 0), ("default", 1), ("MI_TEST_MODE=1", 1)]
+        ("default", 0), ("MI_TEST_MODE=1", 0), ("MI_TEST_MODE=1", 1), ("default", 1)]
     for r in res["runs"]:
         assert r["decode_tok_s"] > 0 and r["steps"] >= 4 and not r["errors"]
     # the switch does nothing here: the same greedy tokens within a round, new prompts each round
@@ -72,3 +77,24 @@ def test_runs_on_the_cpu(tmp_path, monkeypatch):
     assert summary["MI_TEST_MODE=1"]["tokens_as_first_mode"] and summary["default"]["runs"] == 2
     saved = json.loads((tmp_path / "out" / "ab_inproc_bfloat16.json").read_text())
     assert saved["summary"] == json.loads(json.dumps(res["summary"]))
+
+
+def test_a_failed_run_is_recorded_and_the_rest_measured(tmp_path, monkeypatch):
+    """A mode whose run fails (decode_run's RuntimeError, not CUDA's) is listed as failed; the other modes'
+    runs go on, and the JSON holds what was measured."""
+    cfg = write_config(tmp_path)
+    real = ab_inproc.decode_run
+
+    def flaky(llm, batch, prompt_len, gen, seed):
+        if __import__("os").environ.get("MI_TEST_BAD") == "1":
+            raise RuntimeError("no decode step of 1 sequences timed (errors: ['boom'])")
+        return real(llm, batch, prompt_len, gen, seed)
+
+    monkeypatch.setattr(ab_inproc, "decode_run", flaky)
+    res = ab_inproc.main(["--config", str(cfg), "--device", "cpu", "--dtype", "bfloat16", "--rounds", "2",
+                          "--modes", "default", "MI_TEST_BAD=1", "--prompt-len", "12", "--gen", "6",
+                          "--out", str(tmp_path / "out")])
+    assert [r["mode"] for r in res["runs"]] == ["default", "default"]
+    assert [(f["mode"], f["round"]) for f in res["failed"]] == [("MI_TEST_BAD=1", 0), ("MI_TEST_BAD=1", 1)]
+    saved = json.loads((tmp_path / "out" / "ab_inproc_bfloat16.json").read_text())
+    assert [s["mode"] for s in saved["summary"]] == ["default"] and len(saved["failed"]) == 2

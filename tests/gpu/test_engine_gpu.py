@@ -98,12 +98,17 @@ def test_decode_graphs_recaptured_give_the_same_bits(tmp_path, monkeypatch):
     llm = LLM(model=f"dummy:{p}", device="cuda", dtype="bfloat16", quantization="fp8", max_num_seqs=1,
               max_model_len=512)
     first = [_run(llm, [p], n=12) for p in prompts]
+    if gemv._kernel(torch.device("cuda")) is None:
+        pytest.skip("gemv.cu cannot be built here (nvcc, sm_90): no switch to move")
+
+    def same_as_first(runs):
+        for (ao, al), (bo, bl) in zip(first, runs):
+            assert ao[0].token_ids == bo[0].token_ids and torch.equal(al[0], bl[0])
+
     gemv.reset()
     llm.engine.runner.recapture_decode()
     assert llm.engine.runner.decode.graphs
-    again = [_run(llm, [p], n=12) for p in prompts]
-    for (ao, al), (bo, bl) in zip(first, again):
-        assert ao[0].token_ids == bo[0].token_ids and torch.equal(al[0], bl[0])
+    same_as_first([_run(llm, [p], n=12) for p in prompts])
     monkeypatch.setenv(gemv.ENV, "0")
     llm.engine.runner.recapture_decode()
     triton = [_run(llm, [p], n=12) for p in prompts]
@@ -111,6 +116,9 @@ def test_decode_graphs_recaptured_give_the_same_bits(tmp_path, monkeypatch):
     firsts = [(a[1][0][1], b[1][0][1]) for a, b in zip(first, triton)]
     assert all(rel_rmse(x, y) < 2e-2 for x, y in firsts), [rel_rmse(x, y) for x, y in firsts]
     assert not all(torch.equal(x, y) for x, y in firsts), "the switch did not reach the recaptured graph"
+    monkeypatch.delenv(gemv.ENV)  # and back (A -> B -> A, as the A/B's rounds go): the first bits again
+    llm.engine.runner.recapture_decode()
+    same_as_first([_run(llm, [p], n=12) for p in prompts])
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
