@@ -32,6 +32,7 @@ from metainfer.bench.critical_path import (  # noqa: E402
     compact_timeline,
     device_intervals,
     exposed_table,
+    launch_overhead,
     layer_floor_bytes,
     layer_table,
     print_layer_table,
@@ -368,6 +369,10 @@ def main() -> None:
             res["profile_pdl"] = os.environ.get("METAINFER_PDL", "1") != "0"  # on: kernel times overlap
             res[f"exposed_bs{pb}"] = exposed
             res[f"timeline_bs{pb}"] = timeline  # the profiled steps' kernels, for offline study
+            dec = next((r for r in res["decode"] if r["batch"] == pb), None)
+            if dec is not None and exposed:  # the step past its byte floor, per launch
+                res[f"launch_overhead_bs{pb}"] = launch_overhead(exposed, dec["step_ms_median"] * 1e3,
+                                                                 1e6 * pb / dec["ceiling_tok_s"])
         except Exception as e:  # profiling is optional
             res["profile_error"] = repr(e)
     if 1 in batches:
@@ -417,6 +422,10 @@ def main() -> None:
         for row in exposed[:16]:
             print(f"  {row['exposed_us_per_step']:8.1f} us exposed {row['busy_us_per_step']:8.1f} us busy"
                   f"  x{row['calls_per_step']:<3.0f} {row['kernel'][:60]}")
+    lo = res.get(f"launch_overhead_bs{args.profile_batch}")
+    if lo:
+        print(f"batch {args.profile_batch}: {lo['launches']:.0f} kernel launches a step; the step is "
+              f"{lo['over_floor_us']:.0f} us over its byte floor: {lo['us_per_launch']:.2f} us a launch")
     timeline = res.get(f"timeline_bs{args.profile_batch}")
     if timeline and args.profile_batch == 1:
         floors = layer_floor_bytes(cfg, quant is not None, args.prompt_len + args.gen // 2)

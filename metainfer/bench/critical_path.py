@@ -54,6 +54,18 @@ def exposed_table(intervals: Iterable[tuple[str, float, float]], steps: int) -> 
     return sorted(out, key=lambda r: -r["exposed_us_per_step"])
 
 
+def launch_overhead(exposed: list[dict], step_us: float, floor_us: float) -> dict:
+    """The step's time past its byte floor, per kernel launch: the batch-1 step's fixed cost per launch,
+    which fusions (fewer launches) and faster hand-offs (less a launch) each cut. exposed: an `exposed_table`
+    (its kernels' calls a step; memcpys, memsets and gaps are not launches); step_us: the step's wall time;
+    floor_us: its bytes at the bandwidth. -> {"launches", "over_floor_us", "us_per_launch"}"""
+    launches = sum(r["calls_per_step"] for r in exposed
+                   if r["kernel"] != GAP and not r["kernel"].startswith(("Memcpy", "Memset")))
+    over = step_us - floor_us
+    per = over / launches if launches else 0.0
+    return {"launches": launches, "over_floor_us": over, "us_per_launch": per}
+
+
 def compact_timeline(intervals: Iterable[tuple[str, float, float]], digits: int = 2) -> dict:
     """The intervals in start order, for offline study (which kernel waits on which): {"names": the
     distinct names, "events": [[name index, start, end], ...]} with times in µs from the first start,

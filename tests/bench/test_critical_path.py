@@ -11,6 +11,7 @@ from metainfer.bench.critical_path import (
     compact_timeline,
     device_intervals,
     exposed_table,
+    launch_overhead,
     layer_table,
 )
 
@@ -149,3 +150,13 @@ def test_layer_floor_bytes_of_the_model():
     bf16 = layer_floor_bytes(cfg, False, 1024)
     assert bf16["deltanet"] == deltanet + 12352 * 2048 + 4096 * 2048 + experts
     assert deltanet / 4.3e6 == pytest.approx(15.66, abs=0.01)  # µs at 4.3 TB/s
+
+
+def test_launch_overhead_counts_kernels_only():
+    exposed = [{"kernel": "gemv_e4m3_pre", "calls_per_step": 39.0}, {"kernel": GAP, "calls_per_step": 0.0},
+               {"kernel": "Memset (Device)", "calls_per_step": 2.0},
+               {"kernel": "_gdn_decode_kernel", "calls_per_step": 30.0},
+               {"kernel": "Memcpy HtoD (Pinned -> Device)", "calls_per_step": 1.0}]
+    o = launch_overhead(exposed, step_us=1660.0, floor_us=845.0)
+    assert o["launches"] == 69 and o["over_floor_us"] == 815.0 and abs(o["us_per_launch"] - 815 / 69) < 1e-9
+    assert launch_overhead([], 10.0, 5.0)["us_per_launch"] == 0.0
