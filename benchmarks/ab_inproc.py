@@ -71,7 +71,6 @@ class Switches:
     def __init__(self, modes: list[dict[str, str]]) -> None:
         self.names = sorted({n for m in modes for n in m})
         self.start = {n: os.environ.get(n) for n in self.names}
-        self.current: dict[str, str] = {}
 
     def apply(self, mode: dict[str, str]) -> bool:
         """-> whether a gemv.cu load-time switch changed (the kernels must be reloaded)."""
@@ -82,8 +81,14 @@ class Switches:
                 os.environ.pop(n, None)
             else:
                 os.environ[n] = v
-        self.current = dict(mode)
         return before != {n: os.environ.get(n) for n in gemv.LOAD_ENVS}
+
+    def enter(self, llm: LLM, mode: dict[str, str]) -> None:
+        """The mode's variables set, gemv.cu reloaded if they moved a load-time one, the decode graphs
+        captured again under them."""
+        if self.apply(mode):
+            gemv.reset()
+        llm.engine.runner.recapture_decode()
 
     def restore(self) -> None:
         if self.apply({}):
@@ -93,9 +98,7 @@ class Switches:
 def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, prompt_len: int, gen: int,
              seed: int) -> dict:
     t0 = time.perf_counter()
-    if switches.apply(mode):
-        gemv.reset()
-    llm.engine.runner.recapture_decode()
+    switches.enter(llm, mode)
     capture_s = time.perf_counter() - t0
     r = decode_run(llm, batch, prompt_len, gen, seed)
     r["capture_s"] = capture_s
@@ -108,9 +111,7 @@ def profile_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int,
     """One profiled decode (decode_bench's profile_decode, PDL as the engine runs it) in the mode: its
     kernels' exposed times and, at batch 1, the layer table (the median DeltaNet and attention layer, by
     kernel: critical_path.layer_table)."""
-    if switches.apply(mode):
-        gemv.reset()
-    llm.engine.runner.recapture_decode()
+    switches.enter(llm, mode)
     _rows, exposed, timeline = profile_decode(llm, prompt_len, batch=batch)
     out = {"exposed": exposed[:16]}
     if timeline and batch == 1:
