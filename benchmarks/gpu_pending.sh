@@ -20,6 +20,7 @@
 # The A/Bs run in one process (benchmarks/ab_inproc.py: the decode graphs captured again for each mode, IREPS (3)
 # interleaved rounds), in fresh processes (REPS, 2) where that fails, INPROC=0 or FRESH=1 asks for both. Past
 # DEADLINE (540 s) nothing long starts; more than 8 files in $OUT go back as $OUT/all.tgz.
+#   rest     - (after the fusions measured slower) moeslots, nextl2, reduceearly and router in one A/B, ~6 min
 # Judgement and profiles:
 #   verify   - the oracle (FP8, BF16) with every switch of ON="..." set to 1, ~2 min
 #   switches - FP8 batch 1 with the defaults and each of SWITCHES ("A=1 B=2", a comma joins: "A=1,B=2"), x REPS
@@ -148,6 +149,19 @@ if has fusions; then  # KB-0108 / KB-0109: each fusion's GPU tests in processes 
     gpu_tests recapture - "recaptured" || INPROC=0  # the in-process A/B's seam, first time on a GPU
     IPROFILE=1 FRESH=${FRESH:-1} modes_ab fusions fus "${modes[@]}"  # (both: ab_inproc.py's first GPU run)
   fi
+fi
+if has rest; then  # (2026-12-05b, after KB-0108 / KB-0109 measured slower) the other FP8 switches in one in-process
+  # A/B against the defaults: KB-0113 (MOE_SLOTS 6), KB-0110 (NEXT_L2 2, 4; in moe_gate_up_e4m3), KB-0112
+  # (REDUCE_EARLY), KB-0111 (the router in the experts' launch, with the down fused: against the down alone);
+  # each only where its GPU tests pass, ~6 min
+  modes=(default)
+  gpu_tests moeslots "own_ring" - && modes+=(METAINFER_WGMMA_GEMV_MOE_SLOTS=6)
+  gpu_tests nextl2 "next_l2" "gemv_fusions and next_l2" \
+    && modes+=(METAINFER_WGMMA_GEMV_NEXT_L2=2 METAINFER_WGMMA_GEMV_NEXT_L2=4)
+  gpu_tests reduceearly - "gemv_fusions and reduce_early" && modes+=(METAINFER_ATTN_REDUCE_EARLY=1)
+  gpu_tests router "moe_router" "gemv_fusions and moe_router" && modes+=(METAINFER_WGMMA_GEMV_MOE_DOWN=1 \
+    METAINFER_WGMMA_GEMV_MOE_DOWN=1,METAINFER_WGMMA_GEMV_MOE_ROUTER=1)
+  [ ${#modes[@]} -gt 1 ] && IPROFILE=1 modes_ab rest rst "${modes[@]}"
 fi
 if has router; then  # KB-0111: the post-mixer add + RMSNorm and the router inside the experts' launch
   # (METAINFER_WGMMA_GEMV_MOE_ROUTER=1, with the down fused: BASE gets METAINFER_WGMMA_GEMV_MOE_DOWN=1 and whatever
