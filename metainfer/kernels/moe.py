@@ -453,7 +453,7 @@ def moe_routed_rows(
             and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, gate_up_scale)):  # KB-0096
         if gemv.wanted_moe_down(x, router_logits, top_k, w_gate_up, gate_up_scale, w_down, down_scale):
             y, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale,
-                                        down=(w_down, down_scale), prefetch=prefetch)  # (unmeasured)
+                                        down=(w_down, down_scale), prefetch=prefetch)  # (slower, KB-0109)
             return y.view(T, W, H), tw
         gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale, prefetch=prefetch)
         y = _routed_down(gu, w_down, _scale_args(down_scale, w_down), router_logits, top_k, W, fp8, cfg,

@@ -13,13 +13,14 @@ so the next kernel's CTA fits beside it) FP8 batch 1 went 531 -> 541-542 tok/s (
 Launched through the driver on the current torch stream with the programmatic-stream-serialization attribute
 when `pdl.enabled()`; CUDA graphs record it like any kernel.
 
-Two fused launches, built 2026-12-04i on a CPU-only day and not yet run on a GPU (off until measured):
-`project_pre_gdn` (METAINFER_WGMMA_GEMV_GDN=1) takes the DeltaNet decode step into the in_proj's launch,
-and `moe_gate_up(down=)` (METAINFER_WGMMA_GEMV_MOE_DOWN=1) the experts' down into the gate/up's: one kernel
-boundary fewer each (the 2026-12-04h profile: the DeltaNet step 4.3-4.7 us exposed a layer over a 1 us byte
-floor, the down 3.7-6.2 over 2.2). Their consumers wait on per-head / per-pair counts in global memory that
-the chunks' warpgroups add to; every wait is bounded (it traps rather than hangs), and each launch leaves its
-counts zero.
+Measured slower on the H200 (2026-12-05b, all off; their GPU tests pass): two fused launches whose consumers
+wait on per-head / per-pair counts in global memory (every wait bounded: it traps rather than hangs; each
+launch leaves its counts zero): `project_pre_gdn` (METAINFER_WGMMA_GEMV_GDN=1, KB-0108: the DeltaNet decode
+step in the in_proj's launch, FP8 batch 1 601 -> 569 tok/s) and `moe_gate_up(down=)`
+(METAINFER_WGMMA_GEMV_MOE_DOWN=1, KB-0109: the experts' down in the gate/up's, -> 557); beside them the router
+in the experts' launch (KB-0111), the next projection's L2 prefetch (KB-0110), the experts' own 6-slot ring
+(KB-0113) and bf16 weights (KB-0114). A launch whose CTAs wait on other CTAs holds its SMs through its tail;
+the PDL chain of separate launches, weights streaming before each wait, stays faster. Their removal is next.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ MOE_SLOTS_ENV = "METAINFER_WGMMA_GEMV_MOE_SLOTS"  # the experts' launches' own r
 DEFINES_ENV = "METAINFER_WGMMA_GEMV_DEFINES"  # more -D flags for gemv.cu's build (A/Bs): "-DGEMV_PRE_EARLY=1"
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
 PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
-GDN_ENV = "METAINFER_WGMMA_GEMV_GDN"  # "1": the DeltaNet decode step in the in_proj's launch (unmeasured)
+GDN_ENV = "METAINFER_WGMMA_GEMV_GDN"  # "1": the DeltaNet step in the in_proj's launch (slower, KB-0108)
 GDN_WAVES_ENV = "METAINFER_WGMMA_GEMV_GDN_WAVES"  # the chunks every CTA takes before the updaters stop (A/Bs)
-MOE_DOWN_ENV = "METAINFER_WGMMA_GEMV_MOE_DOWN"  # "1": the experts' down in the gate/up's launch (unmeasured)
+MOE_DOWN_ENV = "METAINFER_WGMMA_GEMV_MOE_DOWN"  # "1": the experts' down in the gate/up's (slower, KB-0109)
 BF16_ENV = "METAINFER_WGMMA_GEMV_BF16"  # "1": the BF16 qkv / in_proj with their input norm too (KB-0114)
 ROUTER_ENV = "METAINFER_WGMMA_GEMV_MOE_ROUTER"  # "1": the post-mixer norm and router in the experts' launch
 NEXT_L2_ENV = "METAINFER_WGMMA_GEMV_NEXT_L2"  # the next projection's chunks a CTA the experts put in L2
