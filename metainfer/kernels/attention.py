@@ -208,7 +208,7 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, gate_ptr, so_t, so_h, sg_t, sg_h, num_splits,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-    GATE: tl.constexpr = 0, seq_lens_ptr=None, ACTIVE_N: tl.constexpr = 0, EARLY: tl.constexpr = 0,
+    GATE: tl.constexpr = 0, seq_lens_ptr=None, ACTIVE_N: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     """Merges each (row, head)'s num_splits partial outputs by their log-sum-exps, gated into out.
@@ -216,10 +216,7 @@ def _decode_reduce_kernel(
     splits that held keys are read, as many as `_split_range` gives the row's length (seq_lens_ptr; the
     split count follows the block-table capacity, so at 1k tokens of an 8k-capacity table 17 of 128),
     and each chunk's log-sum-exps and partial outputs load together, merged by a running max: one
-    round trip a chunk (a single chunk: the same sums as the two passes). EARLY (KB-0112,
-    METAINFER_ATTN_REDUCE_EARLY): the next kernel (the o_proj, whose weights load before its wait) released
-    before this one's wait, so that its weights stream during the split kernel (`pdl.release`)."""
-    pdl.release(USE_PDL, EARLY)
+    round trip a chunk (a single chunk: the same sums as the two passes)."""
     pdl.wait(USE_PDL)
     # part_o: [B, HQ, num_splits, D] fp32; part_lse: [B, HQ, num_splits]; out: [B, HQ, D]
     b = tl.program_id(0).to(tl.int64)
@@ -395,17 +392,8 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         _decode_reduce_kernel[(nd, Hq)](
             part_o, part_lse, out, g_ptr, out.stride(0), out.stride(1), sg_t, sg_h, ns,
             HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, GATE=has_gate, seq_lens_ptr=meta.seq_lens,
-            ACTIVE_N=cfg.block_n if active else 0, EARLY=int(reduce_early()), num_warps=4, **pdl.kw(),
+            ACTIVE_N=cfg.block_n if active else 0, num_warps=4, **pdl.kw(),
         )
-
-
-REDUCE_EARLY_ENV = "METAINFER_ATTN_REDUCE_EARLY"  # "1": the reduce releases the o_proj early (KB-0112)
-
-
-def reduce_early() -> bool:
-    """Whether the decode reduce releases the next kernel (the o_proj) before its PDL wait: off by default
-    (measured slower, KB-0112: FP8 batch 1 601 -> 578 tok/s); only with PDL."""
-    return os.environ.get(REDUCE_EARLY_ENV, "0") == "1" and pdl.enabled()
 
 
 PROLOGUE_ENV = "METAINFER_ATTN_PROLOGUE"  # "1": decode steps fold qk_norm_rope into the split kernel

@@ -7,10 +7,9 @@ until every earlier kernel on the stream has finished and its writes are visible
 most one kernel runs ahead, and before its wait it touches no memory but the model's weights
 (or what READ_BEFORE_WAIT names for it: memory its predecessor does not write): no read of an output
 not yet written, no write over an input still being read (tests/kernels/test_pdl.py checks the
-kernels' source). The one exception, behind a switch: a kernel of EARLY_KERNELS may release the next
-one before its own wait (`release`), where that next kernel reads only weights before its wait. Most
-kernels wait first; `weight_stream._gemv_kernel` loads its weight tile first, so the bytes stream while
-the previous kernel runs. Kernels from elsewhere (cuBLAS, torch) are
+kernels' source; releasing the next kernel before the wait, KB-0112, measured slower and was
+removed). Most kernels wait first; `weight_stream._gemv_kernel` loads its weight tile first, so the
+bytes stream while the previous kernel runs. Kernels from elsewhere (cuBLAS, torch) are
 launched without the attribute and serialise as usual; a PDL kernel after one of them waits for
 it to complete. CUDA-graph capture records the programmatic edges.
 
@@ -94,19 +93,6 @@ def off_for(max_chunk: int):
 def kw() -> dict:
     """Launch keyword arguments: {USE_PDL: 1, launch_pdl: True} when enabled, else {}."""
     return {"USE_PDL": 1, "launch_pdl": True} if enabled() else {}
-
-
-EARLY_KERNELS = frozenset({"_decode_reduce_kernel"})  # may release the next kernel before their wait
-
-
-@triton.jit
-def release(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
-    """(EARLY, before `wait`; the kernels of EARLY_KERNELS only) the next kernel released before this one's
-    wait, so that it may start while the kernel before this one still runs: two kernels ahead, not one. Only
-    where the next kernel touches nothing but its weights before its own wait (the attention o_proj after the
-    decode reduce, KB-0112); its wait still waits for this kernel, and this kernel's for the one before."""
-    if USE_PDL and EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -69,34 +69,6 @@ def test_read_before_wait_names_real_parameters():
         assert ptrs <= params and all(p.endswith("_ptr") for p in ptrs), (name, ptrs - params)
 
 
-def test_early_release_only_where_allowed(monkeypatch):
-    """`pdl.release` (the next kernel released before this one's wait: two kernels ahead) is called only by
-    the kernels of pdl.EARLY_KERNELS, right before their wait, under a constexpr of their own (KB-0112);
-    the decode reduce takes it only with METAINFER_ATTN_REDUCE_EARLY=1 and PDL on."""
-    from metainfer.kernels import attention
-
-    seen = set()
-    for path in KERNEL_FILES:
-        for fn in _kernels(ast.parse(path.read_text())):
-            body = [ast.unparse(st) for st in fn.body]
-            releases = [i for i, st in enumerate(body) if st.startswith("pdl.release(")]
-            if not releases:
-                continue
-            seen.add(fn.name)
-            assert fn.name in pdl.EARLY_KERNELS, fn.name
-            assert len(releases) == 1 and body[releases[0] + 1] == "pdl.wait(USE_PDL)", (fn.name, body[:4])
-    assert seen == set(pdl.EARLY_KERNELS)
-    monkeypatch.delenv(attention.REDUCE_EARLY_ENV, raising=False)
-    assert not attention.reduce_early()  # off by default
-    monkeypatch.setenv(attention.REDUCE_EARLY_ENV, "1")
-    monkeypatch.setattr(pdl, "_SUPPORTED", False)
-    assert not attention.reduce_early()  # nothing to release without PDL
-    monkeypatch.setattr(pdl, "_SUPPORTED", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv(pdl.ENV, raising=False)
-    assert attention.reduce_early()
-
-
 def test_the_before_wait_check_rejects():
     """The check above fails on a store, or a load of anything but the weights, before the wait."""
     bad_ones = ("tl.store(y_ptr + 1, v)", "v = tl.load(x_ptr + offs)", "v = tl.load(w_ptr + offs)",
