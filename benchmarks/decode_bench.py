@@ -224,24 +224,16 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
     gnorm = batch <= ws.gnorm_max_t()  # the DeltaNet out_proj with its gated norm (else a projection)
     wg = fp8 and batch == 1 and gemv.enabled()  # the qkv on mega/gemv.cu (KB-0094)
     wg_conv = wg and os.environ.get(gemv.CONV_ENV, "1") != "0"  # and the DeltaNet in_proj
-    gdn = wg_conv and gemv.gdn_enabled()  # the in_proj with the DeltaNet step (gemv_e4m3_pre_gdn, KB-0108)
     return {
         "_skinny_kernel": ("dense projections" + ("" if fused else " + router"),
                            w * (n_lin * ((not wg_conv) * in_proj + (not gnorm) * out_proj)
                                 + n_full * ((not wg) * qkv + o_proj))
                            + (not fused) * L * router),
-        "gemv_e4m3": ("FP8 wgmma projections: qkv" + (" + in_proj" if wg_conv and not gdn else ""),
-                      w * (wg * n_full * qkv + (wg_conv and not gdn) * n_lin * in_proj)),
+        "gemv_e4m3": ("FP8 wgmma projections: qkv" + (" + in_proj" if wg_conv else ""),
+                      w * (wg * n_full * qkv + wg_conv * n_lin * in_proj)),
         "_add_rms_norm_router_kernel": ("add + RMSNorm + MoE router", L * router),
         "_gnorm_gemv_kernel": ("DeltaNet gated RMSNorm + out_proj", w * n_lin * out_proj),
         "_pair_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
-        # (gemv.cu's fused forms: a kernel takes the longest key its name holds)
-        "moe_router_gate_up_down": ("add + RMSNorm + router + experts gate/up + down on gemv.cu",
-                                    L * (router + w * slots * 3 * I * H)),
-        "moe_gate_up_down": ("experts gate/up + down on gemv.cu", L * w * slots * 3 * I * H),
-        "gemv_e4m3_pre_gdn": ("FP8 in_proj + DeltaNet step on gemv.cu", n_lin * (w * in_proj + 2 * state)),
-        "moe_gate_up_bf16": ("experts gate/up (routed + shared) on gemv.cu", L * w * slots * 2 * I * H),
-        "gemv_bf16_pre": ("BF16 qkv + in_proj on gemv.cu", w * (n_full * qkv + n_lin * in_proj)),
         "moe_gate_up_e4m3": ("experts gate/up (routed + shared) on gemv.cu", L * w * slots * 2 * I * H),
         "_grouped_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
         "_pair_down": ("experts down", L * w * slots * H * I),

@@ -2,25 +2,16 @@
 # On the H200: the switches built but not yet measured, and the judgement runs after them, in as few calls as
 # possible (OUT set; .whl carried). PHASES picks the parts, each well under the 10-minute call limit.
 #
-# Queued (built on CPU-only days, not yet run on a GPU; see benchmarks/results/2026-12-05a/README.md):
-#   fusions  - KB-0108 (the DeltaNet step in the in_proj's launch) and KB-0109 (the experts' down in the gate/up's
-#              launch): each one's GPU tests in a process of its own, then FP8 batch 1 with none / each that passed
-#              / both, in turn x REPS (2), ~8 min
-#   router   - KB-0111 (the post-mixer norm and router in the experts' launch; needs KB-0109): GPU tests, then 0 / 1
-#              with the down fused and BASE, the oracle, ~6 min
-#   moeslots - KB-0113 (the experts' launches on a 6-slot ring of their own): GPU test, then 4 / 6 with BASE, ~4 min
-#   nextl2   - KB-0110 (the experts' launch prefetching the next projection into L2): GPU tests, then 0 and each of
-#              NEXT_L2S (2 4) with BASE (e.g. BASE=METAINFER_WGMMA_GEMV_MOE_DOWN=1), ~5 min
-#   reduceearly - KB-0112 (the attention reduce releasing the o_proj before its PDL wait): the engine test, then
-#              0 / 1 with BASE, ~4 min
-#   bf16gemv - KB-0114 (the BF16 qkv / in_proj with their input norm, and the experts' gate/up, on gemv.cu): GPU
-#              tests, BF16 batch 1 0 / 1, the BF16 oracle, ~6 min
-#   fusverify - ON="VAR ..." (the winners): the FP8 oracle with them, the batch-1 wall time by kernel, the layer
-#              table and batch 8, ~3 min
+#   check    - after the seven switches' removal (2026-12-05b): gemv.cu's GPU tests, the engine's graph, PDL and
+#              recapture tests, the FP8 oracle, then default / 2 slots / 2 slots again in one process (2 slots
+#              gave other greedy tokens than 4 on 2026-12-05b, where the ring's depth should change no bit), ~5 min
+# The queue is otherwise empty: the seven experiments built on CPU-only days (KB-0108 to KB-0114) were measured on
+# 2026-12-05b, all slower, and removed (their phases: `git show 68438ee:benchmarks/gpu_pending.sh`).
+#   fusverify - ON="VAR ..." (a candidate's switches): the FP8 oracle with them, the batch-1 wall time by kernel,
+#              the layer table and batch 8, ~3 min
 # The A/Bs run in one process (benchmarks/ab_inproc.py: the decode graphs captured again for each mode, IREPS (3)
 # interleaved rounds), in fresh processes (REPS, 2) where that fails, INPROC=0 or FRESH=1 asks for both. Past
 # DEADLINE (540 s) nothing long starts; more than 8 files in $OUT go back as $OUT/all.tgz.
-#   rest     - (after the fusions measured slower) moeslots, nextl2, reduceearly and router in one A/B, ~6 min
 # Judgement and profiles:
 #   verify   - the oracle (FP8, BF16) with every switch of ON="..." set to 1, ~2 min
 #   switches - FP8 batch 1 with the defaults and each of SWITCHES ("A=1 B=2", a comma joins: "A=1,B=2"), x REPS
@@ -33,7 +24,7 @@
 # Phases measured earlier (their switches since made defaults or removed; the commands of the results pages
 # before 2026-12-05b) are in this file's history: `git show 570d1a8:benchmarks/gpu_pending.sh`.
 #
-#   PHASES=fusions bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
+#   PHASES=check bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -134,70 +125,14 @@ switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder pr
 }
 PHASES=${PHASES:?PHASES: one or more of the phases above}
 
-if has fusions; then  # KB-0108 / KB-0109: each fusion's GPU tests in processes of their own (a trap ends its
-  # process's context, not the other's), then FP8 batch 1 with none, each fusion whose tests passed, and both: in
-  # one process (3 rounds) and, to cross-check that tool's first GPU run, in fresh processes (1 round), ~8 min.
-  # The oracle and the profile of the winners: PHASES=fusverify ON="VAR ..." (~3 min).
-  ok=()
-  for f in "gdn METAINFER_WGMMA_GEMV_GDN gdn gdn" "moedown METAINFER_WGMMA_GEMV_MOE_DOWN moe_gate_up_down moe_down"; do
-    set -- $f
-    gpu_tests $1 "$3" "gemv_fusions and $4" && ok+=("$2=1")
-  done
-  modes=(default "${ok[@]}")
-  [ ${#ok[@]} = 2 ] && modes+=("${ok[0]},${ok[1]}")
-  if [ ${#ok[@]} -gt 0 ]; then
-    gpu_tests recapture - "recaptured" || INPROC=0  # the in-process A/B's seam, first time on a GPU
-    IPROFILE=1 FRESH=${FRESH:-1} modes_ab fusions fus "${modes[@]}"  # (both: ab_inproc.py's first GPU run)
-  fi
-fi
-if has rest; then  # (2026-12-05b, after KB-0108 / KB-0109 measured slower) the other FP8 switches in one in-process
-  # A/B against the defaults: KB-0113 (MOE_SLOTS 6), KB-0110 (NEXT_L2 2, 4; in moe_gate_up_e4m3), KB-0112
-  # (REDUCE_EARLY), KB-0111 (the router in the experts' launch, with the down fused: against the down alone);
-  # each only where its GPU tests pass, ~6 min
-  modes=(default)
-  gpu_tests moeslots "own_ring" - && modes+=(METAINFER_WGMMA_GEMV_MOE_SLOTS=6)
-  gpu_tests nextl2 "next_l2" "gemv_fusions and next_l2" \
-    && modes+=(METAINFER_WGMMA_GEMV_NEXT_L2=2 METAINFER_WGMMA_GEMV_NEXT_L2=4)
-  gpu_tests reduceearly - "gemv_fusions and reduce_early" && modes+=(METAINFER_ATTN_REDUCE_EARLY=1)
-  gpu_tests router "moe_router" "gemv_fusions and moe_router" && modes+=(METAINFER_WGMMA_GEMV_MOE_DOWN=1 \
-    METAINFER_WGMMA_GEMV_MOE_DOWN=1,METAINFER_WGMMA_GEMV_MOE_ROUTER=1)
-  [ ${#modes[@]} -gt 1 ] && IPROFILE=1 modes_ab rest rst "${modes[@]}"
-fi
-if has router; then  # KB-0111: the post-mixer add + RMSNorm and the router inside the experts' launch
-  # (METAINFER_WGMMA_GEMV_MOE_ROUTER=1, with the down fused: BASE gets METAINFER_WGMMA_GEMV_MOE_DOWN=1 and whatever
-  # else it holds): its GPU tests, then 0 / 1 in turn x REPS (2), then the oracle with both switches, ~6 min
-  if gpu_tests router "moe_router" "gemv_fusions and moe_router"; then
-    BASE="METAINFER_WGMMA_GEMV_MOE_DOWN=1 ${BASE:-}" switch_ab router METAINFER_WGMMA_GEMV_MOE_ROUTER "0 1" rt
-    oracle fp8 verify_fp8_router METAINFER_WGMMA_GEMV_MOE_DOWN=1 METAINFER_WGMMA_GEMV_MOE_ROUTER=1
-  fi
-fi
-if has moeslots; then  # KB-0113: the experts' launches with their own 6-slot ring (METAINFER_WGMMA_GEMV_MOE_SLOTS;
-  # the rest keep 4): its GPU test (the same bits), then 4 / 6 in turn x REPS (2) with BASE, ~4 min
-  gpu_tests moeslots "own_ring" - && switch_ab moe_slots METAINFER_WGMMA_GEMV_MOE_SLOTS "4 6" ms
-fi
-if has nextl2; then  # KB-0110: the experts' launch prefetching the next layer's first projection into L2
-  # (METAINFER_WGMMA_GEMV_NEXT_L2 chunks a CTA): its GPU tests (a hint: the same bits), then FP8 batch 1 at 0 and
-  # each of NEXT_L2S (2 4) in turn x REPS (2), BASE's switches on in every mode (e.g.
-  # BASE=METAINFER_WGMMA_GEMV_MOE_DOWN=1, whose CTAs the next projection's cannot sit beside), ~5 min
-  gpu_tests nextl2 "next_l2" "gemv_fusions and next_l2" \
-    && switch_ab next_l2 METAINFER_WGMMA_GEMV_NEXT_L2 "0 ${NEXT_L2S:-2 4}" nl2
-fi
-if has reduceearly; then  # KB-0112: the decode attention reduce releasing the o_proj before its PDL wait
-  # (METAINFER_ATTN_REDUCE_EARLY=1): the engine's logits with it on and off, then 0 / 1 in turn x REPS (2) with
-  # BASE, ~4 min
-  gpu_tests reduceearly - "gemv_fusions and reduce_early" && switch_ab reduce_early METAINFER_ATTN_REDUCE_EARLY "0 1" re
-fi
-if has bf16gemv; then  # KB-0114: the BF16 model's qkv / in_proj with their input norm and its experts' gate/up on
-  # gemv.cu (METAINFER_WGMMA_GEMV_BF16=1): its GPU tests, then BF16 batch 1 0 / 1 in turn x REPS (2), then the
-  # oracle (BF16) with it, ~6 min
-  if gpu_tests bf16gemv "bf16" "gemv_fusions and bf16_gemv"; then
-    AB_DTYPE=bfloat16 switch_ab bf16_gemv METAINFER_WGMMA_GEMV_BF16 "0 1" bg
-    oracle bfloat16 verify_bf16_gemv METAINFER_WGMMA_GEMV_BF16=1
-  fi
+if has check; then
+  gpu_tests check "gemv or moe or conv" "graph_replay_equals_eager or pdl_equals or recaptured"
+  oracle fp8 verify_fp8_check
+  IPROFILE= modes_ab check chk default METAINFER_WGMMA_GEMV_SLOTS=2 METAINFER_WGMMA_GEMV_SLOTS=2,X_SAME=1
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel, the
   # layer table and batch 8 with them, ~3 min
-  sw=(); for v in ${ON:-METAINFER_WGMMA_GEMV_GDN METAINFER_WGMMA_GEMV_MOE_DOWN}; do sw+=("$v=1"); done
+  sw=(); for v in ${ON:?ON: the switches to judge}; do sw+=("$v=1"); done
   oracle fp8 verify_fp8_fusions "${sw[@]}"
   env "${sw[@]}" timeout 100 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8 --gen 32 \
     --out $OUT/fusions_exposed 2>&1 | sed -n '/wall time by kernel/,$p' | head -14 | sed "s/^/[fusions exposed] /"

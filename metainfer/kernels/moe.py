@@ -412,16 +412,6 @@ def routed_rows_ok(T: int, fp8: bool) -> bool:
     return fp8 and 0 < T <= routed_max_t() and os.environ.get(ROUTED_ENV, "1") != "0"
 
 
-def routed_rows_bf16_ok(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, shared: bool,
-                        w_gate_up: torch.Tensor) -> bool:
-    """Whether `moe_routed_rows` serves one token of BF16 experts: only on gemv.cu (its gate/up routed in
-    the producer, KB-0114, METAINFER_WGMMA_GEMV_BF16=1), never on the Triton routed gate/up (slower for
-    BF16: KB-0093)."""
-    return (x.shape[0] == 1 and shared and w_gate_up.dtype == torch.bfloat16
-            and os.environ.get(DOWN_PRELOAD_ENV, "1") != "0"
-            and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, None))
-
-
 def moe_routed_rows(
     x: torch.Tensor,  # [T, H]
     router_logits: torch.Tensor,  # [T, E] (+1 column, the shared expert's gate, when shared)
@@ -432,7 +422,6 @@ def moe_routed_rows(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict | None = None,
-    prefetch: tuple[torch.Tensor, int] | None = None,  # the next projection (`gemv.next_l2`; one token)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing and the experts of a decode batch in two launches, the weighted sum left to the
     consumer (`norm.moe_add_rms_norm`): the gate/up kernel routes each (token, slot) itself (no
@@ -451,11 +440,7 @@ def moe_routed_rows(
     cfg = config or pair_config(T, fp8)
     if (T == 1 and shared and os.environ.get(DOWN_PRELOAD_ENV, "1") != "0"
             and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, gate_up_scale)):  # KB-0096
-        if gemv.wanted_moe_down(x, router_logits, top_k, w_gate_up, gate_up_scale, w_down, down_scale):
-            y, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale,
-                                        down=(w_down, down_scale), prefetch=prefetch)  # (slower, KB-0109)
-            return y.view(T, W, H), tw
-        gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale, prefetch=prefetch)
+        gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale)
         y = _routed_down(gu, w_down, _scale_args(down_scale, w_down), router_logits, top_k, W, fp8, cfg,
                          gu=True)
         return y.view(T, W, H), tw
@@ -470,37 +455,6 @@ def moe_routed_rows(
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H), tw
-
-
-def moe_norm_routed_rows(
-    x: torch.Tensor,  # [1, H] the mixer's output
-    residual: torch.Tensor,  # [1, H] the residual stream before the add
-    norm_weight: torch.Tensor,  # [H] the post-mixer RMSNorm's weight
-    eps: float,
-    router_weight: torch.Tensor,  # [E + 1, H] the router (the shared expert's gate last), x's dtype
-    top_k: int,
-    w_gate_up: torch.Tensor,  # [E + 1, 2I, H] e4m3, the shared expert last
-    w_down: torch.Tensor,  # [E + 1, H, I] e4m3
-    gate_up_scale: torch.Tensor,
-    down_scale: torch.Tensor,
-    prefetch: tuple[torch.Tensor, int] | None = None,  # the next projection (`gemv.next_l2`)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """One decode token's post-mixer add + RMSNorm, router and experts (gate/up and down) in one launch
-    (mega/gemv.cu's moe_router_gate_up_down_e4m3, KB-0111, METAINFER_WGMMA_GEMV_MOE_ROUTER=1 with
-    METAINFER_WGMMA_GEMV_MOE_DOWN=1): -> (rows [1, W, H] fp32, weights [1, W] fp32, the new residual [1, H]),
-    as `norm.add_rms_norm_router` then `moe_routed_rows` give them; None where it does not serve the token.
-    Only with the down in the launch: the Triton down reads the logits before its PDL wait, which the launch
-    just before may not write."""
-    if x.shape[0] != 1 or os.environ.get(DOWN_PRELOAD_ENV, "1") == "0":
-        return None
-    logits = torch.empty(1, w_gate_up.shape[0], dtype=torch.bfloat16, device="meta")  # (for the checks)
-    if not (gemv.wanted_moe_router(x, residual, norm_weight, router_weight, top_k, w_gate_up, gate_up_scale)
-            and gemv.wanted_moe_down(x, logits, top_k, w_gate_up, gate_up_scale, w_down, down_scale)):
-        return None
-    y, tw, _, new_res, _ = gemv.moe_router_gate_up(
-        x, residual, norm_weight, eps, router_weight, top_k, w_gate_up, gate_up_scale,
-        down=(w_down, down_scale), prefetch=prefetch)
-    return y.view(1, top_k + 1, x.shape[1]), tw, new_res
 
 
 def moe_pair_rows(

@@ -96,45 +96,18 @@ def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None
     return ref.moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale=None, down_scale=None,
-                    prefetch=None):
+def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
     """Routing + experts with the weighted sum left to `moe_add_rms_norm` (one launch fewer each).
     -> (rows [T, W, H] fp32, weights [T, W] fp32), or None where no kernel serves x (the CPU, the
-    reference path, batches past the per-pair decode path): then use route + `moe_experts`.
-    prefetch: the next layer's first projection (`gemv.next_l2`), a hint the kernels may take."""
+    reference path, batches past the per-pair decode path): then use route + `moe_experts`."""
     k = _kernel("moe_routed_rows", x)
     if not k:
         return None
-    from metainfer.kernels.moe import routed_rows_bf16_ok, routed_rows_ok
+    from metainfer.kernels.moe import routed_rows_ok
 
-    if not (routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn)
-            or routed_rows_bf16_ok(x, router_logits, top_k, shared, w_gate_up)):
+    if not routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn):
         return None
-    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale, prefetch=prefetch)
-
-
-def moe_norm_routed_rows(x, residual, norm_weight, eps, router_weight, top_k, w_gate_up, w_down,
-                         gate_up_scale, down_scale, prefetch=None):
-    """One decode token's post-mixer add + RMSNorm, router and experts in one launch: -> (rows [1, W, H]
-    fp32, weights [1, W] fp32, new residual [1, H]) as `add_rms_norm_router` then `moe_routed_rows` give
-    them, or None where no kernel does it (the CPU; the switch off, the default)."""
-    k = _kernel("moe_norm_routed_rows", x)
-    if not k or gate_up_scale is None:
-        return None
-    return k(x, residual, norm_weight, eps, router_weight, top_k, w_gate_up, w_down, gate_up_scale,
-             down_scale, prefetch=prefetch)
-
-
-def first_chunks(weight, weight_scale, gdn_b_off=None):
-    """What an experts' launch may prefetch into L2 of the next layer's first projection (FP8 weight [N, K]
-    on gemv.cu; `gemv.next_l2`): (weight, its chunk rotation: gemv_e4m3_pre_gdn's where the DeltaNet step
-    runs in that launch, gdn_b_off its b rows' offset), or None (BF16 weights)."""
-    if weight_scale is None:
-        return None
-    from metainfer.kernels.mega import gemv
-
-    fused = gdn_b_off is not None and gemv.gdn_enabled()
-    return weight, (gdn_b_off // gemv.CHUNK_ROWS if fused else 0)
+    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
 
 
 MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (a combine launch), not `moe_rows` (KB-0035)
@@ -222,20 +195,9 @@ def pending_norm_linear(rows, weights, residual, norm_weight, eps, new_res, weig
     the new residual; conv: (conv_weight, conv_state, slots, has_state), as `linear_conv_update`'s): -> y, or
     None where no kernel serves it (then the caller runs the norm, then the projection)."""
     k = _kernel("pending_norm_linear", rows)
-    if not k:
-        return None
-    return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=conv)
-
-
-def pending_norm_linear_gdn(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv, gdn):
-    """`pending_norm_linear` of a DeltaNet in_proj with its decode conv, and the layer's decode step in the
-    same launch: gdn = (A_log, dt_bias, ssm_state, count, hk, hv, b_off, a_off), `gdn_decode_gated` on the
-    projection's q, k, v, a, b (count: the layer's [hv] int32 arrival counters, zeros). -> (y, core [1, hv,
-    dv]), or None where no kernel does both (then the caller runs the projection, then the step)."""
-    k = _kernel("pending_norm_linear_gdn", rows)
     if not k or scale_inv is None:
         return None
-    return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv, gdn)
+    return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=conv)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

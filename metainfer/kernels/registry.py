@@ -25,7 +25,6 @@ KERNELS: dict[str, tuple[str, str]] = {
     "route": ("metainfer.kernels.routing", "route_topk"),
     "moe_experts": ("metainfer.kernels.moe", "moe_experts"),
     "moe_routed_rows": ("metainfer.kernels.moe", "moe_routed_rows"),
-    "moe_norm_routed_rows": ("metainfer.kernels.moe", "moe_norm_routed_rows"),
     "moe_add_rms_norm": ("metainfer.kernels.norm", "moe_add_rms_norm"),
     "add_rms_norm_router": ("metainfer.kernels.norm", "add_rms_norm_router"),
     "moe_pair_rows": ("metainfer.kernels.moe", "moe_pair_rows"),
@@ -36,7 +35,6 @@ KERNELS: dict[str, tuple[str, str]] = {
     "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
     "gated_norm_linear": ("metainfer.kernels.weight_stream", "gated_norm_linear"),
     "pending_norm_linear": ("metainfer.kernels.mega.gemv", "project_pre"),
-    "pending_norm_linear_gdn": ("metainfer.kernels.mega.gemv", "project_pre_gdn"),
     "decode_inputs": ("metainfer.kernels.decode_io", "decode_inputs"),
     "argmax_rows": ("metainfer.kernels.decode_io", "argmax_rows"),
 }

@@ -33,10 +33,6 @@ class GatedAttention(nn.Module):
         """The projection that takes the step's normed input (where a norm's e4m3 copy would go)."""
         return self.qkv_proj
 
-    def first_chunks(self) -> tuple[torch.Tensor, int] | None:
-        """The previous layer's experts' L2 prefetch of qkv_proj (`ops.first_chunks`)."""
-        return ops.first_chunks(self.qkv_proj.weight, self.qkv_proj.weight_scale_inv)
-
     def forward(
         self,
         x: torch.Tensor,  # [T, H]

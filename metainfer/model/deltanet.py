@@ -14,7 +14,7 @@ from torch import nn
 
 from metainfer.config import ModelConfig
 from metainfer.kernels import ops
-from metainfer.model.layers import Linear, PendingNorm, fp8_copy_buffers
+from metainfer.model.layers import Linear, fp8_copy_buffers
 from metainfer.model.meta import ForwardMeta
 
 
@@ -42,65 +42,19 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
         self.out_proj = Linear(self.value_dim, {"out_proj": H})
-        # the fused decode step's per-head arrival counters (`_decode_fused`); zero between launches
-        self.register_buffer("gdn_arrivals", torch.zeros(self.hv, dtype=torch.int32), persistent=False)
 
     def input_proj(self, meta: ForwardMeta) -> Linear | bool:
         """The projection that takes the step's normed input as is, or False: a step with decodes runs
         in_proj with the conv epilogue (`Linear.conv_forward`), which takes no e4m3 copy."""
         return self.in_proj if meta.num_decodes == 0 else False
 
-    def first_chunks(self) -> tuple[torch.Tensor, int] | None:
-        """The previous layer's experts' L2 prefetch of in_proj (`ops.first_chunks`)."""
-        b_off, _ = self.in_proj.row_offset("in_proj_b")
-        return ops.first_chunks(self.in_proj.weight, self.in_proj.weight_scale_inv, b_off)
-
-    def _decode_fused(self, x: PendingNorm, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                      slots: torch.Tensor, has_state: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One decode token's in_proj (its input norm pending: the x prologue), its conv and the gated delta
-        rule in one launch (mega/gemv.cu's gemv_e4m3_pre_gdn, METAINFER_WGMMA_GEMV_GDN=1): -> (proj, core
-        [1, Hv, Dv]), or None where no kernel does it."""
-        if self.in_proj.weight_scale_inv is None:
-            return None
-        b_off, _ = self.in_proj.row_offset("in_proj_b")
-        a_off, _ = self.in_proj.row_offset("in_proj_a")
-        return ops.pending_norm_linear_gdn(
-            *x.operands(), self.in_proj.weight, self.in_proj.weight_scale_inv,
-            conv=(self.conv_weight, conv_state, slots, has_state),
-            gdn=(self.A_log, self.dt_bias, ssm_state, self.gdn_arrivals, self.hk, self.hv, b_off, a_off))
-
     def forward(
-        self, x: torch.Tensor | PendingNorm, meta: ForwardMeta, conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
+        self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor,
         xq: tuple[torch.Tensor, torch.Tensor] | None = None,  # x's e4m3 copy from its norm, for in_proj
     ) -> torch.Tensor:  # [T, H] -> [T, H]
         T = x.shape[0]
         nd = meta.num_decodes
         slots, has_state = meta.state_slots[:nd], meta.has_state[:nd]
-        fused = (self._decode_fused(x, conv_state, ssm_state, slots, has_state)
-                 if nd == T == 1 and isinstance(x, PendingNorm) else None)
-        if fused is not None:
-            proj, core = fused
-            z = self.in_proj.split(proj)[1]
-        else:
-            core, z = self._mix(x, meta, conv_state, ssm_state, xq, slots, has_state)
-        # KB-0052: the gated norm's e4m3 copy for out_proj (a head's row must be whole 128-column groups)
-        hq = fp8_copy_buffers(self.out_proj if self.dv % 128 == 0 else False, T, self.value_dim, x.device,
-                              "gated_rms_norm")
-        z = z.view(T, self.hv, self.dv)
-        if hq is None:  # a decode step's few tokens: the norm as out_proj's prologue, one launch
-            y = ops.gated_norm_linear(core, z, self.norm_weight, self.eps, self.out_proj.weight,
-                                      self.out_proj.weight_scale_inv)
-            if y is not None:
-                return y
-        h = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, xq_out=hq)
-        return self.out_proj(h.view(T, self.value_dim), hq)
-
-    def _mix(self, x, meta: ForwardMeta, conv_state, ssm_state, xq, slots, has_state):
-        """in_proj, the conv and the gated delta rule of every row: -> (core [T, Hv, Dv], z [T, Hv * Dv])."""
-        T = x.shape[0]
-        nd = meta.num_decodes
         if nd:  # the decode rows' qkv columns come back convolved (conv states updated)
             proj = self.in_proj.conv_forward(x, self.conv_weight, conv_state, slots, has_state)
         else:
@@ -153,4 +107,14 @@ class GatedDeltaNet(nn.Module):
                 core[s0:],
                 gating=(self.A_log, self.dt_bias),
             )
-        return core, z
+        # KB-0052: the gated norm's e4m3 copy for out_proj (a head's row must be whole 128-column groups)
+        hq = fp8_copy_buffers(self.out_proj if self.dv % 128 == 0 else False, T, self.value_dim, x.device,
+                              "gated_rms_norm")
+        z = z.view(T, self.hv, self.dv)
+        if hq is None:  # a decode step's few tokens: the norm as out_proj's prologue, one launch
+            y = ops.gated_norm_linear(core, z, self.norm_weight, self.eps, self.out_proj.weight,
+                                      self.out_proj.weight_scale_inv)
+            if y is not None:
+                return y
+        h = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, xq_out=hq)
+        return self.out_proj(h.view(T, self.value_dim), hq)

@@ -199,31 +199,13 @@ class SparseMoE(nn.Module):
             return None
         return ops.add_rms_norm_router(x, residual, norm.weight, norm.eps, self.router.weight)
 
-    def norm_route_experts(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor,
-        prefetch: tuple[torch.Tensor, int] | None = None,
-    ) -> tuple[ExpertRows, torch.Tensor] | None:
-        """`norm.add_forward(x, residual)`, the router and the experts of one decode token in one launch
-        (`ops.moe_norm_routed_rows`): -> (the experts' rows, the new residual), or None (then
-        `norm_and_route` and `forward`)."""
-        if not self.fused_shared or self.router.weight_scale_inv is not None or self.w_gate_up_scale is None:
-            return None
-        out = ops.moe_norm_routed_rows(x, residual, norm.weight, norm.eps, self.router.weight, self.top_k,
-                                       self.w_gate_up, self.w_down, self.w_gate_up_scale, self.w_down_scale,
-                                       prefetch=prefetch)
-        if out is None:
-            return None
-        rows, weights, new_res = out
-        return ExpertRows(rows, weights, x.dtype), new_res
-
     def forward(
         self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-        logits: torch.Tensor | None = None, prefetch: tuple[torch.Tensor, int] | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
         """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm). xq: x's
         e4m3 copy from its norm, taken by the grouped FP8 experts; logits: the router's output for x
-        where `norm_and_route` computed it; prefetch: the next layer's first projection (its mixer's
-        `first_chunks`), which the one-token experts' launch may prefetch into L2."""
+        where `norm_and_route` computed it."""
         scales = (self.w_gate_up_scale, self.w_down_scale)
         if logits is None and self.fused_shared and self.router.weight_scale_inv is None:
             routed = ops.router_topk(x, self.router.weight, self.top_k, True)  # routing in its launch
@@ -234,8 +216,7 @@ class SparseMoE(nn.Module):
         if logits is None:
             logits = self.router(x)  # [T, E+1]
         if self.fused_shared:
-            part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales,
-                                       prefetch=prefetch)
+            part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
             if part is None:  # the route launch, then the experts; the sum still in the next norm
                 part = ops.moe_rows(x, logits, self.top_k, self.w_gate_up, self.w_down, *scales, xq=xq)
             if part is not None:

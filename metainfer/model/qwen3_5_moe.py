@@ -31,10 +31,6 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg)
         self.mlp = SparseMoE(cfg)
 
-    @property
-    def mixer(self) -> GatedAttention | GatedDeltaNet:
-        return self.self_attn if self.layer_type == FULL else self.linear_attn
-
     def forward(
         self,
         x: torch.Tensor | ExpertRows,  # [T, H] this layer's input (previous layer's MLP output)
@@ -42,10 +38,9 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         meta: ForwardMeta,
         caches: CacheTensors,
-        nxt: DecoderLayer | None = None,  # the next layer (its first projection: the experts' L2 prefetch)
     ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         T, H, dev = positions.shape[0], self.input_layernorm.weight.shape[0], positions.device
-        mixer = self.mixer
+        mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
         if isinstance(x, ExpertRows) and residual is not None and ops.pending_norm_ok(x.rows, T):
             norm = self.input_layernorm  # its norm left to the mixer's first projection (its x prologue)
             h = PendingNorm(x, residual, norm.weight, norm.eps, torch.empty_like(residual))
@@ -61,17 +56,12 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, meta, caches.conv[i], caches.ssm[i], xq=xq)
         xq = fp8_copy_buffers(self.mlp.takes_fp8_input(T), T, H, dev)
         post = self.post_attention_layernorm
-        prefetch = nxt.mixer.first_chunks() if nxt is not None and T == 1 else None
-        if xq is None and T == 1 and residual is not None:  # the norm, router and experts in one launch
-            fused = self.mlp.norm_route_experts(post, h, residual, prefetch)
-            if fused is not None:
-                return fused
         routed = None if xq is not None else self.mlp.norm_and_route(post, h, residual)
         if routed is not None:  # the norm and the router in one launch (a decode step's few tokens)
             h, residual, logits = routed
-            return self.mlp(h, logits=logits, prefetch=prefetch), residual
+            return self.mlp(h, logits=logits), residual
         h, residual = post.add_forward(h, residual, xq_out=xq)
-        return self.mlp(h, xq, prefetch=prefetch), residual
+        return self.mlp(h, xq), residual
 
 
 class Qwen3_5MoeModel(nn.Module):
@@ -103,9 +93,8 @@ class Qwen3_5MoeModel(nn.Module):
         with pdl.off_for(meta.prefill_max_len()):
             x = self.embed_tokens(input_ids)
             residual = None
-            for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                x, residual = layer(x, residual, positions, meta, caches, nxt=nxt)
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, meta, caches)
             h, _ = self.norm.add_forward(x, residual)
         return h
 

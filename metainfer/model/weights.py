@@ -128,8 +128,6 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)
     for mod in model.modules():  # buffers computed, not loaded
-        if hasattr(mod, "gdn_arrivals"):
-            mod.gdn_arrivals.zero_()
         if hasattr(mod, "inv_freq"):
             from metainfer.kernels.ops import rope_inv_freq
 

@@ -34,8 +34,8 @@ def test_round_order_alternates():
 def test_switches_restore_and_report_reloads(monkeypatch):
     monkeypatch.setenv("MI_TEST_A", "start")
     monkeypatch.delenv("MI_TEST_B", raising=False)
-    monkeypatch.delenv(gemv.MOE_SLOTS_ENV, raising=False)
-    modes = [{}, {"MI_TEST_A": "1"}, {"MI_TEST_B": "2", gemv.MOE_SLOTS_ENV: "6"}]
+    monkeypatch.delenv(gemv.SLOTS_ENV, raising=False)
+    modes = [{}, {"MI_TEST_A": "1"}, {"MI_TEST_B": "2", gemv.SLOTS_ENV: "6"}]
     sw = ab_inproc.Switches(modes)
     import os
 
@@ -44,7 +44,7 @@ def test_switches_restore_and_report_reloads(monkeypatch):
     assert os.environ["MI_TEST_A"] == "start" and os.environ["MI_TEST_B"] == "2"
     assert sw.apply(modes[0]) is True  # and back
     assert os.environ["MI_TEST_A"] == "start" and "MI_TEST_B" not in os.environ
-    assert gemv.MOE_SLOTS_ENV not in os.environ
+    assert gemv.SLOTS_ENV not in os.environ
 
 
 def test_runs_on_the_cpu(tmp_path, monkeypatch):

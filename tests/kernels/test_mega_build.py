@@ -85,9 +85,7 @@ def test_gemv_builds_without_spills(tmp_path, monkeypatch, defines):
     cmd = launch.nvcc_command(tmp_path / "g.cubin", main="gemv.cu", defines=defines)
     res = subprocess.run([*cmd[:1], "-Xptxas", "-v", *cmd[1:]], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "warning" not in res.stderr.lower(), res.stderr[-3000:]
-    for name in ("'gemv_e4m3'", "'gemv_e4m3_pre'", "'gemv_e4m3_pre_gdn'", "'moe_gate_up_e4m3'",
-                 "'moe_gate_up_down_e4m3'", "'moe_router_gate_up_down_e4m3'", "'gemv_bf16_pre'",
-                 "'moe_gate_up_bf16'"):
+    for name in ("'gemv_e4m3'", "'gemv_e4m3_pre'", "'moe_gate_up_e4m3'"):
         fn = res.stderr[res.stderr.index(name):]
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", fn)
         assert frame and frame.groups() == ("0", "0", "0"), fn[:500]

@@ -1,5 +1,5 @@
 // Part of gemv.cu (one translation unit: gemv.cu includes its parts in order): what the consumers read before
-// their chunks and write after them: the routing, the x prologues, the router's rows, the conv epilogue.
+// their chunks and write after them: the routing, the x prologue, the conv epilogue.
 #pragma once
 
 namespace {
@@ -66,9 +66,7 @@ __device__ void route_weights(const Moe& m, const int* pick, int lane) {
 // Pre's x into xs (fp32 of the bf16 values, at mega::xpos): consumer thread t holds columns 8 t .. 8 t + 7
 // What the prologue may read before griddepcontrol.wait (GEMV_PRE_EARLY): the residual (written by the post-
 // attention / post-DeltaNet norm three launches back), the norm's weight and the routing weights (written by the
-// gate/up kernel two launches back); only the rows come from the launch just before (the experts' down). Not so
-// beside moe_gate_up_down_e4m3, whose CTA 0 writes the routing weights late in the launch just before: gemv.py
-// refuses that pair.
+// gate/up kernel two launches back); only the rows come from the launch just before (the experts' down).
 struct PreEarly {
   uint4 res, w;
   float tw[GEMV_PRE_WAVE];  // the first rows' weights (pre_rows)
@@ -122,11 +120,16 @@ __device__ __forceinline__ void pre_rows(const Pre& p, const float* tw, float (&
   }
 }
 
-// x's columns c0 .. c0 + 7 (c0 = 8 t of consumer thread t) = rms_norm(bf16(bf16(acc) + res)) * (1 + w), into xs
-// at xpos; CTA 0 writes bf16(bf16(acc) + res) to new_res (rv, wv: res's and w's 8 columns)
-__device__ void norm_into_xs(const float (&acc)[8], uint4 rv, uint4 wv, __nv_bfloat16* new_res, float eps,
-                             float* xs, float* red, int cw, int lane) {
+__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
   const int c0 = threadIdx.x * 8;
+  float acc[8] = {};
+  pre_rows(p, early.tw, acc);
+#if GEMV_PRE_EARLY
+  const uint4 rv = early.res, wv = early.w;
+#else
+  const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
+  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
+#endif
   const uint32_t rw[4] = {rv.x, rv.y, rv.z, rv.w}, ww[4] = {wv.x, wv.y, wv.z, wv.w};
   float r[8], ss = 0.f;
   uint32_t out[4];
@@ -140,68 +143,12 @@ __device__ void norm_into_xs(const float (&acc)[8], uint4 rv, uint4 wv, __nv_bfl
     const uint32_t bits = __bfloat16_as_ushort(rb);
     out[i / 2] = i & 1 ? out[i / 2] | (bits << 16) : bits;
   }
-  if (blockIdx.x == 0) *reinterpret_cast<uint4*>(new_res + c0) = make_uint4(out[0], out[1], out[2], out[3]);
-  const float rstd = rsqrtf(mega::block_sum(ss, red, cw, lane) / KK + eps);
+  if (blockIdx.x == 0) *reinterpret_cast<uint4*>(p.new_res + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+  const float rstd = rsqrtf(mega::block_sum(ss, red, cw, lane) / KK + p.eps);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float w = __uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16);
     xs[mega::xpos(c0 + i)] = __bfloat162float(__float2bfloat16_rn(r[i] * rstd * (1.f + w)));
-  }
-}
-
-__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
-  float acc[8] = {};
-  pre_rows(p, early.tw, acc);
-#if GEMV_PRE_EARLY
-  const uint4 rv = early.res, wv = early.w;
-#else
-  const int c0 = threadIdx.x * 8;
-  const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
-  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
-#endif
-  norm_into_xs(acc, rv, wv, p.new_res, p.eps, xs, red, cw, lane);
-}
-
-// ROUTER's x: the mixer's output (exact in fp32) into norm_into_xs
-__device__ void stage_router(const Router& rt, float* xs, float* red, int cw, int lane) {
-  const int c0 = threadIdx.x * 8;
-  const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(rt.x + c0));
-  const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = __uint_as_float(i & 1 ? xw[i / 2] & 0xffff0000u : xw[i / 2] << 16);
-  norm_into_xs(acc, __ldcg(reinterpret_cast<const uint4*>(rt.res + c0)),
-               __ldg(reinterpret_cast<const uint4*>(rt.w + c0)), rt.new_res, rt.eps, xs, red, cw, lane);
-}
-// ROUTER's row of warp w (rr = b + w grid < E + 1): its 2048 weights, lane l columns 8 (l + 32 j) .. + 7, loaded
-// before the PDL wait (weights); then logit rr = bf16(sum of w * x) over x in xs, stored and counted
-struct RouterRow {
-  uint4 w[KK / 256];
-};
-__device__ __forceinline__ void router_row_load(const Router& rt, int rr, int lane, RouterRow& row) {
-#pragma unroll
-  for (int j = 0; j < KK / 256; ++j)
-    row.w[j] = __ldg(reinterpret_cast<const uint4*>(rt.rw + (size_t)rr * KK) + lane + 32 * j);
-}
-__device__ __forceinline__ void router_row_dot(const Router& rt, const Moe& m, int rr, int lane, const RouterRow& row,
-                                               const float* xs) {
-  float acc = 0.f;
-#pragma unroll
-  for (int j = 0; j < KK / 256; ++j) {
-    const int c0 = (lane + 32 * j) * 8;
-    const float4 a = *reinterpret_cast<const float4*>(xs + mega::xpos(c0));
-    const float4 b = *reinterpret_cast<const float4*>(xs + mega::xpos(c0 + 4));
-    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    const uint32_t ww[4] = {row.w[j].x, row.w[j].y, row.w[j].z, row.w[j].w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      acc = fmaf(__uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16), xv[i], acc);
-  }
-  acc = mega::warp_sum(acc);
-  if (lane == 0) {
-    const_cast<__nv_bfloat16*>(m.logits)[rr] = __float2bfloat16_rn(acc);
-    __threadfence();
-    atomicAdd(rt.count, 1u);
   }
 }
 

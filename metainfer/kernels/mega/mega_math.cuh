@@ -334,8 +334,8 @@ __device__ __forceinline__ float x8_terms(const float* xs, int c0, uint32_t& hi,
 
 // xs (fp32, permuted: xpos) -> B's two terms b8 and the blocks' 2^-e xf (warp cw: blocks cw and cw + 8, lane 4
 // columns of each); made visible to wgmma (the caller's barrier follows)
-__device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int lane, int n_blocks = X8_K / 128) {
-  for (int b = cw; b < n_blocks; b += NCW) {  // (n_blocks < 16: x's first 128 n_blocks columns only)
+__device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int lane) {
+  for (int b = cw; b < X8_K / 128; b += NCW) {
     const int c0 = b * 128 + lane * 4;
     uint32_t hi, lo;
     const float f = x8_terms(xs, c0, hi, lo);
@@ -350,11 +350,11 @@ __device__ void stage_x8(const float* xs, uint8_t* b8, float* xf, int cw, int la
 // One chunk's 16 dots on the calling warpgroup (warps w4 = 0..3 of it, all converged): ws the chunk's 16 block
 // scales, b8 and xf x's terms and powers of two (stage_x8). -> on lanes 0 and 16 of warp w4: rows 4 w4 + lane / 16
 // (.x) and that + 2 (.y)
-// The [64 view rows, 512] chunk times B (x's terms, 8 columns) on wgmma: acc[kb] = the 128-column block kb's D
-// fragment (view rows 16 w4 + lane / 4 and + 8, columns 2 (lane % 4), + 1), one accumulator chain per block
-__device__ __forceinline__ void wg_mma_chunk(const uint8_t* chunk, const uint8_t* b8, float (&acc)[4][4]) {
+__device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf,
+                                          int lane) {
   // (the descriptors' start address field is addr >> 4, and shared addresses stay below 2^18: offsets add there)
   const uint64_t da0 = smem_desc(smem_u32(chunk), 16, 1024, 1), db0 = smem_desc(smem_u32(b8), 128, 0, 0);
+  float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
   wgmma_fence();
 #pragma unroll
   for (int kb = 0; kb < 4; ++kb)
@@ -365,12 +365,6 @@ __device__ __forceinline__ void wg_mma_chunk(const uint8_t* chunk, const uint8_t
       else wgmma_m64n8k32<1>(acc[kb], da, db);
     }
   wgmma_commit_wait();
-}
-
-__device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws, const uint8_t* b8, const float* xf,
-                                          int lane) {
-  float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
-  wg_mma_chunk(chunk, b8, acc);
   // this lane's D: view rows 16 w4 + g and + 8 (segment g % 4), columns 2 t, 2 t + 1 (segment t's hi, lo)
   const int g = lane >> 2, t = lane & 3;
   float v0 = 0.f, v1 = 0.f;
@@ -383,54 +377,6 @@ __device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws
   if ((g & 3) != t) v0 = v1 = 0.f;
 #pragma unroll
   for (int o = 1; o < 16; o <<= 1)  // the 4 segments of rows 4 w4 + lane / 16 (and + 2) in each half-warp
-    v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
-  return make_float2(v0, v1);
-}
-
-// ---- bf16 GEMV chunks on wgmma (gemv.cu's gemv_bf16_pre, KB-0114; first written for the megakernel's router and
-// BF16 lm_head, KB-0087, where it ran on the H200 and passed the oracle) ---------------------------------------
-// An 8-row chunk of K = 2048 bf16 is A of m64n8k16: W's row-major [8, 2048] viewed as [64, 256] (view row
-// m = 8 r + s: W row r's K segment s of 256), landed by TMA as e4m3's chunks are (4 K blocks of [64][128 B],
-// 128-byte swizzled). B is x in bf16, 8 columns n = s (segment s; no swizzle, [512 / 16][8][16 B], the same bytes
-// as e4m3's B). D[m][n] is used where n = m % 8. No block scales: one accumulator chain over K.
-
-// xs (fp32, permuted: xpos; bf16 values) -> B (the layout above); thread ct: columns 8 ct .. 8 ct + 7. Made
-// visible to wgmma (the caller's barrier follows)
-__device__ void stage_xb16(const float* xs, uint8_t* b, int ct) {
-  const int e0 = 8 * ct, sg = e0 / 256, k0 = e0 % 256;
-  const float4 a = *reinterpret_cast<const float4*>(xs + xpos(e0));  // (xpos keeps 4 columns together)
-  const float4 c = *reinterpret_cast<const float4*>(xs + xpos(e0 + 4));
-  const __nv_bfloat162 p0 = __floats2bfloat162_rn(a.x, a.y), p1 = __floats2bfloat162_rn(a.z, a.w);
-  const __nv_bfloat162 p2 = __floats2bfloat162_rn(c.x, c.y), p3 = __floats2bfloat162_rn(c.z, c.w);
-  uint4 v;
-  v.x = *reinterpret_cast<const uint32_t*>(&p0), v.y = *reinterpret_cast<const uint32_t*>(&p1);
-  v.z = *reinterpret_cast<const uint32_t*>(&p2), v.w = *reinterpret_cast<const uint32_t*>(&p3);
-  *reinterpret_cast<uint4*>(b + (k0 / 8) * 128 + sg * 16) = v;
-  fence_proxy_async();
-}
-
-// One bf16 chunk's 8 dots on the calling warpgroup (warps w4 = 0..3 of it, all converged), b8: x (stage_xb16).
-// -> on every lane of warp w4: rows 2 w4 (.x) and 2 w4 + 1 (.y)
-__device__ __forceinline__ float2 wg_dot8_bf16(const uint8_t* chunk, const uint8_t* b8, int lane) {
-  // (the descriptors' start address field is addr >> 4, and shared addresses stay below 2^18: offsets add there)
-  const uint64_t da0 = smem_desc(smem_u32(chunk), 16, 1024, 1), db0 = smem_desc(smem_u32(b8), 128, 0, 0);
-  float acc[4];
-  wgmma_fence();
-#pragma unroll
-  for (int kb = 0; kb < 4; ++kb)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // 16 columns: +32 bytes within A's swizzled rows, B's next 2 core matrices
-      const uint64_t da = da0 + ((kb * 8192 + j * 32) >> 4), db = db0 + ((kb * 8 + j * 2) * 128 >> 4);
-      if (kb == 0 && j == 0) wgmma_m64n8k16_bf16<0>(acc, da, db);
-      else wgmma_m64n8k16_bf16<1>(acc, da, db);
-    }
-  wgmma_commit_wait();
-  // this lane's D: view rows 16 w4 + g (W row 2 w4) and + 8 (row 2 w4 + 1), both segment g; columns 2 t, 2 t + 1
-  const int g = lane >> 2, t = lane & 3;
-  float v0 = 0.f, v1 = 0.f;
-  if ((g >> 1) == t) v0 = g & 1 ? acc[1] : acc[0], v1 = g & 1 ? acc[3] : acc[2];
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1)  // the 8 segments of both rows
     v0 += __shfl_xor_sync(0xffffffffu, v0, o), v1 += __shfl_xor_sync(0xffffffffu, v1, o);
   return make_float2(v0, v1);
 }

@@ -1,0 +1,41 @@
+"""mega/gemv.py's host side on the CPU: the ring sizes it builds gemv.cu with, and the watchdog's report (the
+kernels themselves run in tests/gpu/test_gemv_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from metainfer.kernels.mega import gemv
+
+
+def test_ring_slots_even_only(monkeypatch):
+    """gemv.cu's two warpgroups take alternate chunks: with an odd ring a slot's next chunk would be the other
+    warpgroup's, which could pass its mbarrier wait a phase early (a review found it; 3 and 5 slots had been
+    measured, KB-0106). The launcher refuses odd rings before nvcc runs."""
+    monkeypatch.delenv(gemv.SLOTS_ENV, raising=False)
+    assert gemv.ring_slots() == 4
+    monkeypatch.setenv(gemv.SLOTS_ENV, "6")
+    assert gemv.ring_slots() == 6
+    for bad in ("3", "5", "8"):
+        monkeypatch.setenv(gemv.SLOTS_ENV, bad)
+        with pytest.raises(ValueError, match="SLOTS"):
+            gemv.ring_slots()
+
+
+def test_watchdog_report_names_the_wait(monkeypatch):
+    """gemv.cu's watchdog writes [code, CTA, thread, chunk, parity] into pinned host memory before it traps;
+    watchdog_report turns that into a line."""
+    monkeypatch.setattr(gemv, "_KERNELS", {})
+    assert gemv.watchdog_report() is None
+    watch = torch.zeros(8, dtype=torch.int32)
+    monkeypatch.setattr(gemv, "_KERNELS", {torch.device("cuda", 0): SimpleNamespace(watch=watch), "x": None})
+    assert gemv.watchdog_report() is None  # nothing recorded
+    watch[:5] = torch.tensor([2, 3, 128, 5, 1], dtype=torch.int32)
+    report = gemv.watchdog_report()
+    assert "CTA 3" in report and "thread 128" in report
+    assert "a full ring slot" in report and "chunk 5" in report
+    watch[0] = 3
+    assert "an empty ring slot" in gemv.watchdog_report()
