@@ -2,9 +2,9 @@
 # On the H200: the switches built but not yet measured, and the judgement runs after them, in as few calls as
 # possible (OUT set; .whl carried). PHASES picks the parts, each well under the 10-minute call limit.
 #
-#   check    - after the seven switches' removal (2026-12-05b): gemv.cu's GPU tests, the engine's graph, PDL and
-#              recapture tests, the FP8 oracle, then default / 2 slots / 2 slots again in one process (2 slots
-#              gave other greedy tokens than 4 on 2026-12-05b, where the ring's depth should change no bit), ~5 min
+#   check    - gemv.cu's GPU tests, the engine's graph, PDL and recapture tests, the FP8 oracle, then default /
+#              6 slots / 6 slots again in one process (the same greedy tokens? 2 slots gave tokens that differ
+#              from run to run on 2026-12-05b and is refused since), ~5 min
 # The queue is otherwise empty: the seven experiments built on CPU-only days (KB-0108 to KB-0114) were measured on
 # 2026-12-05b, all slower, and removed (their phases: `git show 68438ee:benchmarks/gpu_pending.sh`).
 #   fusverify - ON="VAR ..." (a candidate's switches): the FP8 oracle with them, the batch-1 wall time by kernel,
@@ -125,10 +125,10 @@ switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder pr
 }
 PHASES=${PHASES:?PHASES: one or more of the phases above}
 
-if has check; then
+if has check; then  # (run 2026-12-05b: tests pass, oracle PASS, 2 slots nondeterministic, refused since)
   gpu_tests check "gemv or moe or conv" "graph_replay_equals_eager or pdl_equals or recaptured"
   oracle fp8 verify_fp8_check
-  IPROFILE= modes_ab check chk default METAINFER_WGMMA_GEMV_SLOTS=2 METAINFER_WGMMA_GEMV_SLOTS=2,X_SAME=1
+  IPROFILE= modes_ab check chk default METAINFER_WGMMA_GEMV_SLOTS=6 METAINFER_WGMMA_GEMV_SLOTS=6,X_SAME=1
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel, the
   # layer table and batch 8 with them, ~3 min
@@ -144,7 +144,7 @@ if has verify; then
 fi
 if has switches; then  # FP8 batch 1: the defaults and each of SWITCHES (space-separated VAR=VALUE; a comma joins
   # several into one mode: "A=1,B=2") in turn, x REPS (2) rounds, fresh processes; then each mode's median, ~45 s a run
-  modes_ab switches sw default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=2 METAINFER_WGMMA_GEMV_SLOTS=6}  # (even rings)
+  modes_ab switches sw default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=6}
 fi
 if has final1; then
   [[ ${FINAL_GEMV:-0} == 1 ]] && timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_kernels_b_gpu.py \

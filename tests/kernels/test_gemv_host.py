@@ -14,12 +14,13 @@ from metainfer.kernels.mega import gemv
 def test_ring_slots_even_only(monkeypatch):
     """gemv.cu's two warpgroups take alternate chunks: with an odd ring a slot's next chunk would be the other
     warpgroup's, which could pass its mbarrier wait a phase early (a review found it; 3 and 5 slots had been
-    measured, KB-0106). The launcher refuses odd rings before nvcc runs."""
+    measured, KB-0106). The launcher refuses odd rings before nvcc runs, and 2 slots (nondeterministic tokens
+    on the H200, 2026-12-05b)."""
     monkeypatch.delenv(gemv.SLOTS_ENV, raising=False)
     assert gemv.ring_slots() == 4
     monkeypatch.setenv(gemv.SLOTS_ENV, "6")
     assert gemv.ring_slots() == 6
-    for bad in ("3", "5", "8"):
+    for bad in ("2", "3", "5", "8"):
         monkeypatch.setenv(gemv.SLOTS_ENV, bad)
         with pytest.raises(ValueError, match="SLOTS"):
             gemv.ring_slots()

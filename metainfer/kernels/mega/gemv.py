@@ -34,7 +34,7 @@ from metainfer.kernels.common import env_int
 
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
-SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (2, 4 or 6; default 4): same outputs
+SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (4 or 6; default 4): same outputs
 DEFINES_ENV = "METAINFER_WGMMA_GEMV_DEFINES"  # more -D flags for gemv.cu's build (A/Bs): "-DGEMV_PRE_EARLY=1"
 MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
 PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
@@ -248,12 +248,14 @@ class _Kernel:
 
 
 def ring_slots() -> int:
-    """METAINFER_WGMMA_GEMV_SLOTS: 2, 4 (the default) or 6. Even only: the two consumer warpgroups take
-    alternate chunks, so with an odd ring a slot's next chunk would be the other warpgroup's, which could pass
-    its mbarrier wait a phase early (gemv.cu's static_assert says why)."""
+    """METAINFER_WGMMA_GEMV_SLOTS: 4 (the default) or 6. Even only: the two consumer warpgroups take alternate
+    chunks, so with an odd ring a slot's next chunk would be the other warpgroup's, which could pass its
+    mbarrier wait a phase early (gemv.cu's static_assert says why). Not 2: on the H200 (2026-12-05b) a 2-slot
+    ring gave greedy tokens that differ from run to run of the same mode, a race not yet found; 4 slots gave
+    the same tokens in every run and process."""
     slots = env_int(SLOTS_ENV, 4, 2, 6)
-    if slots % 2:
-        raise ValueError(f"{SLOTS_ENV} must be 2, 4 or 6 (an even ring); got {slots}")
+    if slots not in (4, 6):
+        raise ValueError(f"{SLOTS_ENV} must be 4 or 6 (an even ring; 2 races, 2026-12-05b); got {slots}")
     return slots
 
 

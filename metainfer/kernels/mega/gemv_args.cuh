@@ -5,7 +5,7 @@
 namespace {
 constexpr int CHUNK = 32768, SEG = 512, NS = GEMV_SLOTS;
 constexpr int MOE_MAX_E = 256, MOE_MAX_K = 16;  // routing: 8 logits a lane; the picks in shared memory
-static_assert(NS >= 2 && NS <= 6 && NS % 2 == 0, "2, 4 or 6 ring slots");  // even: the two warpgroups take
+static_assert(NS >= 2 && NS <= 6 && NS % 2 == 0, "2, 4 or 6 ring slots (gemv.py refuses 2: it races)");  // even: the two warpgroups take
 // alternate chunks, so a slot's successive chunks are one warpgroup's, which waits their phases in order (with an
 // odd ring the other warpgroup could wait a phase ahead: try_wait.parity passes on the phase before the current)
 constexpr int KK = 2048, ROWS = CHUNK / KK, NB = KK / 128;  // K, rows a chunk, blocks a row
