@@ -5,6 +5,13 @@
 #   check    - gemv.cu's GPU tests, the engine's graph, PDL and recapture tests, the FP8 oracle, then default /
 #              6 slots / 6 slots again in one process (the same greedy tokens? 2 slots gave tokens that differ
 #              from run to run on 2026-12-05b and is refused since), ~5 min
+#   taill2   - gemv.cu's producers prefetching the chunks past their ring into L2 before the PDL wait
+#              (-DGEMV_TAIL_L2=1 projections, 2 the experts' routed, 3 both): gemv.cu's GPU tests under 3, then the
+#              in-process A/B with layer tables (the same greedy tokens as the default: the prefetch moves no bit),
+#              and every ring at 6 slots (the chunks past 4 in the ring itself; the same tokens too)
+#   tune     - the small kernels' launch configs re-swept where they run, beside their neighbours (in-process,
+#              IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
+#              the attention decode split's keys a step, shortest split and warps
 # The queue is otherwise empty: the seven experiments built on CPU-only days (KB-0108 to KB-0114) were measured on
 # 2026-12-05b, all slower, and removed (their phases: `git show 68438ee:benchmarks/gpu_pending.sh`).
 #   fusverify - ON="VAR ..." (a candidate's switches): the FP8 oracle with them, the batch-1 wall time by kernel,
@@ -129,6 +136,18 @@ if has check; then  # (run 2026-12-05b: tests pass, oracle PASS, 2 slots nondete
   gpu_tests check "gemv or moe or conv" "graph_replay_equals_eager or pdl_equals or recaptured"
   oracle fp8 verify_fp8_check
   IPROFILE= modes_ab check chk default METAINFER_WGMMA_GEMV_SLOTS=6 METAINFER_WGMMA_GEMV_SLOTS=6,X_SAME=1
+fi
+if has taill2; then
+  D=METAINFER_WGMMA_GEMV_DEFINES
+  (export $D=-DGEMV_TAIL_L2=3; gpu_tests taill2 "gemv or moe or conv" "recaptured")
+  IPROFILE=1 modes_ab taill2 tl default $D=-DGEMV_TAIL_L2=1 $D=-DGEMV_TAIL_L2=2 $D=-DGEMV_TAIL_L2=3 \
+    METAINFER_WGMMA_GEMV_SLOTS=6
+fi
+if has tune; then
+  IREPS=${IREPS:-2} modes_ab tune tn default METAINFER_GDN_BLOCK_V=16 METAINFER_GDN_BLOCK_V=64 \
+    METAINFER_GDN_WARPS=2 METAINFER_GDN_WARPS=8 METAINFER_NORM_ROUTER_BLOCK_E=1 METAINFER_NORM_ROUTER_BLOCK_E=4 \
+    METAINFER_NORM_ROUTER_WARPS=2 METAINFER_NORM_ROUTER_WARPS=8 METAINFER_ATTN_DECODE=block_n=32 \
+    METAINFER_ATTN_DECODE=min_split_tokens=128 METAINFER_ATTN_DECODE=num_warps=8
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel, the
   # layer table and batch 8 with them, ~3 min

@@ -24,6 +24,15 @@ BLOCK_V = 32
 NUM_WARPS = 4
 ONEPASS_ENV = "METAINFER_GDN_ONEPASS"  # "1": the decode step's loads first, its reductions independent
 PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "0": the state read after the PDL wait (default: before, KB-0100)
+BLOCK_V_ENV, WARPS_ENV = "METAINFER_GDN_BLOCK_V", "METAINFER_GDN_WARPS"  # the decode launch's config (A/Bs)
+
+
+def decode_launch() -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the decode kernel: the defaults, or METAINFER_GDN_BLOCK_V / _WARPS."""
+    bv, w = env_int(BLOCK_V_ENV, BLOCK_V, 1, 128), env_int(WARPS_ENV, NUM_WARPS, 1, 16)
+    if bv & (bv - 1) or w & (w - 1):
+        raise ValueError(f"{BLOCK_V_ENV} / {WARPS_ENV}: powers of two; got {bv}, {w}")
+    return bv, w
 
 
 def onepass() -> int:
@@ -190,7 +199,7 @@ def gdn_decode(
     has_state: torch.Tensor,  # [B] bool; False: the step starts from a zero state
 ) -> torch.Tensor:
     """S = S * exp(g); S += k (x) beta (v - S^T k); out = S^T q, with l2-normalised q, k. -> [B, Hv, Dv]."""
-    return _launch(q, k, v, g, beta, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS)
+    return _launch(q, k, v, g, beta, ssm_state, slots, has_state, *decode_launch())
 
 
 def gdn_decode_gated(
@@ -206,7 +215,7 @@ def gdn_decode_gated(
     has_state: torch.Tensor,  # [B] bool
 ) -> torch.Tensor:
     """`gdn_decode` with the gating folded in: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
-    return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias)
+    return _launch(q, k, v, a, b, ssm_state, slots, has_state, *decode_launch(), A_log, dt_bias)
 
 
 # ---- short chunks: the decode update looped over each sequence's tokens -------------------------

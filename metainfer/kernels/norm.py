@@ -29,6 +29,8 @@ ROUTER_BLOCK_E = 2
 ROUTER_MAX_T = 16
 ROUTER_DEFAULT_T = 8  # H200 (KB-0064): FP8 batch 1 456 -> 482 tok/s, 8 1,753 -> 1,790; 16: -2 % at 16
 ROUTER_T_ENV = "METAINFER_NORM_ROUTER_MAX_T"
+ROUTER_BLOCK_ENV = "METAINFER_NORM_ROUTER_BLOCK_E"  # the add+norm+router launch's rows a program (A/Bs)
+ROUTER_WARPS_ENV = "METAINFER_NORM_ROUTER_WARPS"
 
 
 @triton.jit
@@ -314,11 +316,15 @@ def add_rms_norm_router(
     new_res = torch.empty(T, N, dtype=x.dtype, device=x.device)
     logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
     block_r = triton.next_power_of_2(T)
-    _add_rms_norm_router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
+    block_e = env_int(ROUTER_BLOCK_ENV, ROUTER_BLOCK_E, 1, 64)
+    warps = env_int(ROUTER_WARPS_ENV, 4 if block_r <= 2 else 8, 1, 16)
+    if block_e & (block_e - 1) or warps & (warps - 1):
+        raise ValueError(f"{ROUTER_BLOCK_ENV} / {ROUTER_WARPS_ENV}: powers of two; got {block_e}, {warps}")
+    _add_rms_norm_router_kernel[(triton.cdiv(E, block_e),)](
         x, residual, weight, router_weight, out, new_res, logits, T, x.stride(0), residual.stride(0), N, E,
         eps,
-        BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(N), BLOCK_E=ROUTER_BLOCK_E,
-        num_warps=4 if block_r <= 2 else 8, **pdl.kw(),
+        BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(N), BLOCK_E=block_e,
+        num_warps=warps, **pdl.kw(),
     )
     return out, new_res, logits
 

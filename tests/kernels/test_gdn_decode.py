@@ -65,6 +65,22 @@ def test_gdn_decode_default_launcher():
     assert rel_rmse(got, want) < 1e-5 and rel_rmse(state, want_state) < 1e-5
 
 
+@pytest.mark.parametrize("block_v,warps", [("4", "2"), ("16", "1")])
+def test_gdn_decode_launch_config_from_the_environment(block_v, warps, monkeypatch):
+    """METAINFER_GDN_BLOCK_V / _WARPS (the A/Bs' launch config) reach the launch: the same result; a value
+    that is not a power of two is refused."""
+    monkeypatch.setenv(gdn.BLOCK_V_ENV, block_v)
+    monkeypatch.setenv(gdn.WARPS_ENV, warps)
+    assert gdn.decode_launch() == (int(block_v), int(warps))
+    q, k, v, g, beta, state, slots, has = _inputs(2, 2, 4, 16, 24, S=3, dtype=torch.float32, seed=5)
+    want, want_state = _reference(q, k, v, g, beta, state, slots, has)
+    got = gdn.gdn_decode(q, k, v, g, beta, state, slots, has)
+    assert rel_rmse(got, want) < 1e-5 and rel_rmse(state, want_state) < 1e-5
+    monkeypatch.setenv(gdn.BLOCK_V_ENV, "24")
+    with pytest.raises(ValueError, match="powers of two"):
+        gdn.decode_launch()
+
+
 def test_registered():
     from metainfer.kernels import registry
 

@@ -82,6 +82,13 @@ def test_add_rms_norm_router(T, N, E, dtype, monkeypatch):
     _close(out, want_out, dtype)
     _close(logits, torch.nn.functional.linear(want_out, rw), dtype)
     assert norm.add_rms_norm_router(x, r, w, 1e-6, rw.double()) is None  # a router in another dtype
+    monkeypatch.setenv(norm.ROUTER_BLOCK_ENV, "4")  # the A/Bs' launch config: the same logits
+    monkeypatch.setenv(norm.ROUTER_WARPS_ENV, "2")
+    _close(norm.add_rms_norm_router(x, r, w, 1e-6, rw)[2], logits, dtype)
+    monkeypatch.setenv(norm.ROUTER_BLOCK_ENV, "3")
+    with pytest.raises(ValueError, match="powers of two"):
+        norm.add_rms_norm_router(x, r, w, 1e-6, rw)
+    monkeypatch.delenv(norm.ROUTER_BLOCK_ENV)
     monkeypatch.setenv(norm.ROUTER_T_ENV, str(T - 1))
     assert norm.add_rms_norm_router(x, r, w, 1e-6, rw) is None
 
