@@ -9,6 +9,9 @@
 #              (-DGEMV_TAIL_L2=1 projections, 2 the experts' routed, 3 both): gemv.cu's GPU tests under 3, then the
 #              in-process A/B with layer tables (the same greedy tokens as the default: the prefetch moves no bit),
 #              and every ring at 6 slots (the chunks past 4 in the ring itself; the same tokens too)
+#   early    - wg_dot16's 4 wgmma chains issued in turn (-DMEGA_WG_INTERLEAVE=1) and the experts' down releasing
+#              the qkv / in_proj at its start (METAINFER_MOE_DOWN_EARLY=1): GPU tests under both, then the
+#              in-process A/B with layer tables (neither moves a bit: the same tokens as the default)
 #   tune     - the small kernels' launch configs re-swept where they run, beside their neighbours (in-process,
 #              IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
 #              the attention decode split's keys a step, shortest split and warps
@@ -142,6 +145,13 @@ if has taill2; then
   (export $D=-DGEMV_TAIL_L2=3; gpu_tests taill2 "gemv or moe or conv" "recaptured")
   IPROFILE=1 modes_ab taill2 tl default $D=-DGEMV_TAIL_L2=1 $D=-DGEMV_TAIL_L2=2 $D=-DGEMV_TAIL_L2=3 \
     METAINFER_WGMMA_GEMV_SLOTS=6
+fi
+if has early; then
+  D=METAINFER_WGMMA_GEMV_DEFINES
+  (export $D=-DMEGA_WG_INTERLEAVE=1 METAINFER_MOE_DOWN_EARLY=1
+   gpu_tests early "gemv or moe or conv" "pdl_equals or graph_replay_equals_eager")
+  IPROFILE=1 modes_ab early er default $D=-DMEGA_WG_INTERLEAVE=1 METAINFER_MOE_DOWN_EARLY=1 \
+    $D=-DMEGA_WG_INTERLEAVE=1,METAINFER_MOE_DOWN_EARLY=1
 fi
 if has tune; then
   IREPS=${IREPS:-2} modes_ab tune tn default METAINFER_GDN_BLOCK_V=16 METAINFER_GDN_BLOCK_V=64 \

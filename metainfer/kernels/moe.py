@@ -202,7 +202,7 @@ def _routed_down_kernel(
     act_ptr, w_ptr, s_ptr, logits_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn, stride_lt,
     SLOTS: tl.constexpr, ROUTE_K: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
     I_P2: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, GU: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    EARLY: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     """`_pair_down_rows_kernel` for the routed rows path (after `_pair_gate_up_kernel` with
     ROUTE_K), its weights loaded BEFORE the PDL wait: the program finds its (token, slot)'s expert
@@ -215,6 +215,7 @@ def _routed_down_kernel(
     route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`).
     GU: act_ptr holds each pair's gate and up dots in fp32 ([T * SLOTS, 2 I], mega/gemv.cu's
     `moe_gate_up`), the activation formed here as `_pair_gate_up_kernel` forms it (bf16)."""
+    pdl.release(USE_PDL, EARLY)
     pair = tl.program_id(0)
     t = pair // SLOTS
     if ROUTE_K:
@@ -312,6 +313,15 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor)
     return y
 
 
+DOWN_EARLY_ENV = "METAINFER_MOE_DOWN_EARLY"  # "1": the down releases the next kernel at its start (A/Bs)
+
+
+def down_early() -> int:
+    """1 where `_routed_down_kernel` releases the next kernel (the qkv / in_proj) at its start, so that its
+    CTAs come in as the gate/up's leave (`pdl.release`): METAINFER_MOE_DOWN_EARLY=1 and PDL on; else 0."""
+    return int(os.environ.get(DOWN_EARLY_ENV, "0") == "1" and pdl.enabled())
+
+
 def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg: dict,
                  gu: bool = False) -> torch.Tensor:
     """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits (or,
@@ -330,7 +340,7 @@ def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg
         act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
         E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)), GU=int(gu),
-        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
+        EARLY=down_early(), num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
         **pdl.kw(),
     )
     return y

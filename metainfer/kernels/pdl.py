@@ -7,9 +7,10 @@ until every earlier kernel on the stream has finished and its writes are visible
 most one kernel runs ahead, and before its wait it touches no memory but the model's weights
 (or what READ_BEFORE_WAIT names for it: memory its predecessor does not write): no read of an output
 not yet written, no write over an input still being read (tests/kernels/test_pdl.py checks the
-kernels' source; releasing the next kernel before the wait, KB-0112, measured slower and was
-removed). Most kernels wait first; `weight_stream._gemv_kernel` loads its weight tile first, so the
-bytes stream while the previous kernel runs. Kernels from elsewhere (cuBLAS, torch) are
+kernels' source). The exception, behind a switch: a kernel of EARLY_KERNELS may release the next one
+at its start (`release`; KB-0112 measured it slower for the attention reduce). Most kernels wait
+first; `weight_stream._gemv_kernel` loads its weight tile first, so the bytes stream while the
+previous kernel runs. Kernels from elsewhere (cuBLAS, torch) are
 launched without the attribute and serialise as usual; a PDL kernel after one of them waits for
 it to complete. CUDA-graph capture records the programmatic edges.
 
@@ -93,6 +94,21 @@ def off_for(max_chunk: int):
 def kw() -> dict:
     """Launch keyword arguments: {USE_PDL: 1, launch_pdl: True} when enabled, else {}."""
     return {"USE_PDL": 1, "launch_pdl": True} if enabled() else {}
+
+
+EARLY_KERNELS = frozenset({"_routed_down_kernel"})  # may release the next kernel before their wait (A/Bs)
+
+
+@triton.jit
+def release(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+    """(EARLY; first statement of the kernels of EARLY_KERNELS only) the next kernel released at this one's
+    start, so that its CTAs may come in and stream their weights while the kernel before this one still runs:
+    two kernels ahead, not one. Only where every kernel that can follow touches nothing before its own wait
+    that the kernel before this one writes (the experts' down: the qkv / in_proj's weights, or a kernel that
+    waits first); its wait still waits for this kernel, and this kernel's for the one before. KB-0112 measured
+    it slower for the attention reduce (the o_proj's preload beside the split kernel)."""
+    if USE_PDL and EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

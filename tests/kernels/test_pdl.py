@@ -69,6 +69,35 @@ def test_read_before_wait_names_real_parameters():
         assert ptrs <= params and all(p.endswith("_ptr") for p in ptrs), (name, ptrs - params)
 
 
+def test_early_release_only_where_allowed(monkeypatch):
+    """`pdl.release` (the next kernel released at this one's start: two kernels ahead) is the first statement
+    of the kernels of pdl.EARLY_KERNELS only, under a constexpr of their own; the experts' down takes it only
+    with METAINFER_MOE_DOWN_EARLY=1 and PDL on."""
+    from metainfer.kernels import moe
+
+    seen = set()
+    for path in KERNEL_FILES:
+        for fn in _kernels(ast.parse(path.read_text())):
+            body = [ast.unparse(st) for st in fn.body]
+            releases = [i for i, st in enumerate(body) if "pdl.release(" in st]
+            if not releases:
+                continue
+            seen.add(fn.name)
+            doc = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+            assert fn.name in pdl.EARLY_KERNELS and releases == [int(doc)], (fn.name, body[:3])
+            assert body[int(doc)] == "pdl.release(USE_PDL, EARLY)", body[int(doc)]
+    assert seen == set(pdl.EARLY_KERNELS)
+    monkeypatch.delenv(moe.DOWN_EARLY_ENV, raising=False)
+    assert moe.down_early() == 0  # off by default
+    monkeypatch.setenv(moe.DOWN_EARLY_ENV, "1")
+    monkeypatch.setattr(pdl, "_SUPPORTED", False)
+    assert moe.down_early() == 0  # nothing to release without PDL
+    monkeypatch.setattr(pdl, "_SUPPORTED", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    assert moe.down_early() == 1
+
+
 def test_the_before_wait_check_rejects():
     """The check above fails on a store, or a load of anything but the weights, before the wait."""
     bad_ones = ("tl.store(y_ptr + 1, v)", "v = tl.load(x_ptr + offs)", "v = tl.load(w_ptr + offs)",
