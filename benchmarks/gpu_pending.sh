@@ -12,6 +12,9 @@
 #   early    - wg_dot16's 4 wgmma chains issued in turn (-DMEGA_WG_INTERLEAVE=1) and the experts' down releasing
 #              the qkv / in_proj at its start (METAINFER_MOE_DOWN_EARLY=1): GPU tests under both, then the
 #              in-process A/B with layer tables (neither moves a bit: the same tokens as the default)
+#   early2   - the next kernel released at a kernel's start (pdl.EARLY_KERNELS' switches, gemv.cu's -DGEMV_EARLY=1
+#              for the projections) on top of the experts' down's (METAINFER_MOE_DOWN_EARLY=1): GPU tests with all
+#              on, then the in-process A/B with layer tables (no bit moves: the same tokens as the default)
 #   tune     - the small kernels' launch configs re-swept where they run, beside their neighbours (in-process,
 #              IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
 #              the attention decode split's keys a step, shortest split and warps
@@ -152,6 +155,13 @@ if has early; then
    gpu_tests early "gemv or moe or conv" "pdl_equals or graph_replay_equals_eager")
   IPROFILE=1 modes_ab early er default $D=-DMEGA_WG_INTERLEAVE=1 METAINFER_MOE_DOWN_EARLY=1 \
     $D=-DMEGA_WG_INTERLEAVE=1,METAINFER_MOE_DOWN_EARLY=1
+fi
+if has early2; then
+  D=METAINFER_WGMMA_GEMV_DEFINES B=METAINFER_MOE_DOWN_EARLY=1
+  (export $D=-DGEMV_EARLY=1 $B METAINFER_ROUTER_EARLY=1 METAINFER_GDN_EARLY=1
+   gpu_tests early2 "gemv or moe or conv" "pdl_equals or graph_replay_equals_eager")
+  IPROFILE=1 modes_ab early2 e2 default $B $B,METAINFER_ROUTER_EARLY=1 $B,METAINFER_GDN_EARLY=1 \
+    $B,$D=-DGEMV_EARLY=1 $B,METAINFER_ROUTER_EARLY=1,METAINFER_GDN_EARLY=1,$D=-DGEMV_EARLY=1
 fi
 if has tune; then
   IREPS=${IREPS:-2} modes_ab tune tn default METAINFER_GDN_BLOCK_V=16 METAINFER_GDN_BLOCK_V=64 \

@@ -134,12 +134,13 @@ def _gdn_decode_kernel(
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr = 0,
-    ONEPASS: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    ONEPASS: tl.constexpr = 0, EARLY: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     """q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state [S, HV, DK, DV] fp32; out [B, HV, DV].
     GATED: see `_delta_token`. PRELOAD: the state block is read before the PDL wait (the kernel
     before this one, the projection, writes neither the states nor the slot inputs, which the
     step's first copies wrote)."""
+    pdl.release(USE_PDL, EARLY)  # (pdl.EARLY_KERNELS)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kk, kmask, vv, vmask = _lanes(DK, DV, BLOCK_K, BLOCK_V)
@@ -183,7 +184,7 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
         PRELOAD=int(os.environ.get(PRELOAD_ENV, "1") != "0"),
-        ONEPASS=onepass(), num_warps=num_warps, **pdl.kw(),
+        ONEPASS=onepass(), EARLY=pdl.early("_gdn_decode_kernel"), num_warps=num_warps, **pdl.kw(),
     )
     return out
 

@@ -313,15 +313,6 @@ def _pair_down_rows(act, w_down, dn, ids, fp8: bool, cfg: dict, x: torch.Tensor)
     return y
 
 
-DOWN_EARLY_ENV = "METAINFER_MOE_DOWN_EARLY"  # "1": the down releases the next kernel at its start (A/Bs)
-
-
-def down_early() -> int:
-    """1 where `_routed_down_kernel` releases the next kernel (the qkv / in_proj) at its start, so that its
-    CTAs come in as the gate/up's leave (`pdl.release`): METAINFER_MOE_DOWN_EARLY=1 and PDL on; else 0."""
-    return int(os.environ.get(DOWN_EARLY_ENV, "0") == "1" and pdl.enabled())
-
-
 def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg: dict,
                  gu: bool = False) -> torch.Tensor:
     """`_routed_down_kernel`: each pair's unweighted down projection, routed from the logits (or,
@@ -340,7 +331,7 @@ def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg
         act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
         E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)), GU=int(gu),
-        EARLY=down_early(), num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
+        EARLY=pdl.early("_routed_down_kernel"), num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
         **pdl.kw(),
     )
     return y

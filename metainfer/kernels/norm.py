@@ -120,13 +120,15 @@ def _add_rms_norm_kernel(
 def _add_rms_norm_router_kernel(
     x_ptr, res_ptr, w_ptr, rw_ptr, out_ptr, new_res_ptr, logits_ptr,
     n_rows, sx0, sr0, N, E, eps,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, EARLY: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
     """`_add_rms_norm_kernel` of all n_rows <= BLOCK_R rows, then the MoE router of its output:
     logits [n_rows, E] = out @ rw^T (rw [E, N] in out's dtype; fp32 sums rounded to logits' dtype, as
     the router's linear gives them). Program p owns router rows [p * BLOCK_E, (p + 1) * BLOCK_E) and
     loads them before the PDL wait (weights); every program normalises the few rows itself (L2 hits)
     and program 0 stores out and new_res. One launch and one wave in place of two launches."""
+    pdl.release(USE_PDL, EARLY)  # (pdl.EARLY_KERNELS)
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_N)
@@ -324,7 +326,7 @@ def add_rms_norm_router(
         x, residual, weight, router_weight, out, new_res, logits, T, x.stride(0), residual.stride(0), N, E,
         eps,
         BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(N), BLOCK_E=block_e,
-        num_warps=warps, **pdl.kw(),
+        EARLY=pdl.early("_add_rms_norm_router_kernel"), num_warps=warps, **pdl.kw(),
     )
     return out, new_res, logits
 

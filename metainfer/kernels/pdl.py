@@ -96,7 +96,17 @@ def kw() -> dict:
     return {"USE_PDL": 1, "launch_pdl": True} if enabled() else {}
 
 
-EARLY_KERNELS = frozenset({"_routed_down_kernel"})  # may release the next kernel before their wait (A/Bs)
+# may release the next kernel at their start (A/Bs), each behind its switch (`early`)
+EARLY_KERNELS = {
+    "_routed_down_kernel": "METAINFER_MOE_DOWN_EARLY",  # the next: the qkv / in_proj (its weights)
+    "_add_rms_norm_router_kernel": "METAINFER_ROUTER_EARLY",  # the experts' gate/up (the shared expert's)
+    "_gdn_decode_kernel": "METAINFER_GDN_EARLY",  # the out_proj (its weights)
+}
+
+
+def early(kernel: str) -> int:
+    """The EARLY constexpr of a kernel of EARLY_KERNELS: 1 where its switch is "1" and PDL is on."""
+    return int(os.environ.get(EARLY_KERNELS[kernel], "0") == "1" and enabled())
 
 
 @triton.jit
@@ -104,9 +114,10 @@ def release(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
     """(EARLY; first statement of the kernels of EARLY_KERNELS only) the next kernel released at this one's
     start, so that its CTAs may come in and stream their weights while the kernel before this one still runs:
     two kernels ahead, not one. Only where every kernel that can follow touches nothing before its own wait
-    that the kernel before this one writes (the experts' down: the qkv / in_proj's weights, or a kernel that
-    waits first); its wait still waits for this kernel, and this kernel's for the one before. KB-0112 measured
-    it slower for the attention reduce (the o_proj's preload beside the split kernel)."""
+    that the kernel before this one writes (weights, the DeltaNet states, or a kernel that waits first; not
+    the experts' gate/up, whose down reads the router's logits before its wait); its wait still waits for this
+    kernel, and this kernel's for the one before. KB-0112 measured it slower for the attention reduce (the
+    o_proj's preload beside the split kernel)."""
     if USE_PDL and EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 

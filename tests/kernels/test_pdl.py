@@ -72,9 +72,7 @@ def test_read_before_wait_names_real_parameters():
 def test_early_release_only_where_allowed(monkeypatch):
     """`pdl.release` (the next kernel released at this one's start: two kernels ahead) is the first statement
     of the kernels of pdl.EARLY_KERNELS only, under a constexpr of their own; the experts' down takes it only
-    with METAINFER_MOE_DOWN_EARLY=1 and PDL on."""
-    from metainfer.kernels import moe
-
+    with its switch (METAINFER_MOE_DOWN_EARLY, ...) set and PDL on."""
     seen = set()
     for path in KERNEL_FILES:
         for fn in _kernels(ast.parse(path.read_text())):
@@ -87,15 +85,21 @@ def test_early_release_only_where_allowed(monkeypatch):
             assert fn.name in pdl.EARLY_KERNELS and releases == [int(doc)], (fn.name, body[:3])
             assert body[int(doc)] == "pdl.release(USE_PDL, EARLY)", body[int(doc)]
     assert seen == set(pdl.EARLY_KERNELS)
-    monkeypatch.delenv(moe.DOWN_EARLY_ENV, raising=False)
-    assert moe.down_early() == 0  # off by default
-    monkeypatch.setenv(moe.DOWN_EARLY_ENV, "1")
-    monkeypatch.setattr(pdl, "_SUPPORTED", False)
-    assert moe.down_early() == 0  # nothing to release without PDL
-    monkeypatch.setattr(pdl, "_SUPPORTED", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv(pdl.ENV, raising=False)
-    assert moe.down_early() == 1
+    for kernel, env in pdl.EARLY_KERNELS.items():
+        monkeypatch.delenv(env, raising=False)
+        assert pdl.early(kernel) == 0  # off by default
+        monkeypatch.setenv(env, "1")
+        monkeypatch.setattr(pdl, "_SUPPORTED", False)
+        assert pdl.early(kernel) == 0  # nothing to release without PDL
+        monkeypatch.setattr(pdl, "_SUPPORTED", True)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.delenv(pdl.ENV, raising=False)
+        assert pdl.early(kernel) == 1
+        monkeypatch.setattr(pdl, "_SUPPORTED", None)
+        monkeypatch.delenv(env)
+    # the experts' gate/up releases its down only after its own wait: the down reads the router's logits (two
+    # kernels back) before its wait
+    assert "moe_gate_up" not in " ".join(pdl.EARLY_KERNELS)
 
 
 def test_the_before_wait_check_rejects():

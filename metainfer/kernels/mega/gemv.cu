@@ -42,6 +42,10 @@
                         // the ring's first fill, which it can land only once the consumers, past the wait and the
                         // prologue, free slots; bit 2: MOE's, its routed ones once picked (gemv.py's DEFINES_ENV)
 #endif
+#ifndef GEMV_EARLY
+#define GEMV_EARLY 0  // 1: a projection (not MOE: its down reads the router's logits before its wait) releases the
+                      // next kernel at its start, not after its wait (pdl.py's EARLY_KERNELS; gemv.py's DEFINES_ENV)
+#endif
 #ifndef GEMV_SLOTS
 #define GEMV_SLOTS 4  // ring slots of 32 KB (fewer: room on the SM for the next kernel's CTAs; gemv.py's SLOTS_ENV)
 #endif
@@ -71,6 +75,9 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   uint64_t* full = reinterpret_cast<uint64_t*>(red + mega::NCW);
   uint64_t* empty = full + NS;
   int* pick = reinterpret_cast<int*>(empty + NS);  // MOE: the routed experts
+#if GEMV_EARLY
+  if (!MOE && threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_chunks = n_rows / ROWS, grid = gridDim.x;
   if (threadIdx.x == 0) {

@@ -13,9 +13,6 @@
 #ifndef MEGA_MMA
 #define MEGA_MMA 0  // 1: the tensor-core consumers (tile_mma; launch(mma=True) loads that build). One kind per
 #endif              // build: both in one kernel cost 5 KB more code, and the step's time follows code (KB-0077)
-#ifndef MEGA_WG_INTERLEAVE
-#define MEGA_WG_INTERLEAVE 0  // 1: wg_dot16 issues its 4 accumulator chains' wgmmas in turn, not chain by chain
-#endif
 #ifndef MEGA_WGMMA
 #define MEGA_WGMMA 1  // the e4m3 GEMVs of K = 2048 and the experts' gate/up on FP8 wgmma (W as A, x as two e4m3
 #endif                // terms: mega_math.cuh's wg_dot16); 0: on the CUDA cores (or mma.sync: MEGA_MMA)

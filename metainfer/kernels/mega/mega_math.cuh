@@ -356,18 +356,10 @@ __device__ __forceinline__ float2 wg_dot16(const uint8_t* chunk, const float* ws
   const uint64_t da0 = smem_desc(smem_u32(chunk), 16, 1024, 1), db0 = smem_desc(smem_u32(b8), 128, 0, 0);
   float acc[4][4];  // one chain per 128-column block of a segment (block scales per 128 columns)
   wgmma_fence();
-#if MEGA_WG_INTERLEAVE  // the 4 chains' steps issued in turn (each chain's own order kept: the same sums)
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) {
-#else  // each chain's 4 steps back to back
 #pragma unroll
   for (int kb = 0; kb < 4; ++kb)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#endif
-      // 32 columns: +32 bytes within A's swizzled rows, B's next 2 core matrices
+    for (int j = 0; j < 4; ++j) {  // 32 columns: +32 bytes within A's swizzled rows, B's next 2 core matrices
       const uint64_t da = da0 + ((kb * 8192 + j * 32) >> 4), db = db0 + ((kb * 8 + j * 2) * 128 >> 4);
       if (j == 0) wgmma_m64n8k32<0>(acc[kb], da, db);
       else wgmma_m64n8k32<1>(acc[kb], da, db);
