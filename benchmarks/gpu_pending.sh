@@ -5,21 +5,15 @@
 #   check    - gemv.cu's GPU tests, the engine's graph, PDL and recapture tests, the FP8 oracle, then default /
 #              6 slots / 6 slots again in one process (the same greedy tokens? 2 slots gave tokens that differ
 #              from run to run on 2026-12-05b and is refused since), ~5 min
-#   taill2   - gemv.cu's producers prefetching the chunks past their ring into L2 before the PDL wait
-#              (-DGEMV_TAIL_L2=1 projections, 2 the experts' routed, 3 both): gemv.cu's GPU tests under 3, then the
-#              in-process A/B with layer tables (the same greedy tokens as the default: the prefetch moves no bit),
-#              and every ring at 6 slots (the chunks past 4 in the ring itself; the same tokens too)
-#   early    - wg_dot16's 4 wgmma chains issued in turn (-DMEGA_WG_INTERLEAVE=1) and the experts' down releasing
-#              the qkv / in_proj at its start (METAINFER_MOE_DOWN_EARLY=1): GPU tests under both, then the
-#              in-process A/B with layer tables (neither moves a bit: the same tokens as the default)
 #   early2   - the next kernel released at a kernel's start (pdl.EARLY_KERNELS' switches, gemv.cu's -DGEMV_EARLY=1
 #              for the projections) on top of the experts' down's (METAINFER_MOE_DOWN_EARLY=1): GPU tests with all
 #              on, then the in-process A/B with layer tables (no bit moves: the same tokens as the default)
-#   tune     - the small kernels' launch configs re-swept where they run, beside their neighbours (in-process,
-#              IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
+#   tune     - (run 2026-12-05c: the defaults held, KB-0117) the small kernels' launch configs re-swept where they
+#              run, beside their neighbours (in-process, IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
 #              the attention decode split's keys a step, shortest split and warps
-# The queue is otherwise empty: the seven experiments built on CPU-only days (KB-0108 to KB-0114) were measured on
-# 2026-12-05b, all slower, and removed (their phases: `git show 68438ee:benchmarks/gpu_pending.sh`).
+# The seven experiments built on CPU-only days (KB-0108 to KB-0114) were measured on 2026-12-05b, all slower, and
+# removed (their phases: `git show 68438ee:benchmarks/gpu_pending.sh`); 2026-12-05c's taill2 and early (KB-0115,
+# KB-0116): `git show e068343:benchmarks/gpu_pending.sh`.
 #   fusverify - ON="VAR ..." (a candidate's switches): the FP8 oracle with them, the batch-1 wall time by kernel,
 #              the layer table and batch 8, ~3 min
 # The A/Bs run in one process (benchmarks/ab_inproc.py: the decode graphs captured again for each mode, IREPS (3)
@@ -142,19 +136,6 @@ if has check; then  # (run 2026-12-05b: tests pass, oracle PASS, 2 slots nondete
   gpu_tests check "gemv or moe or conv" "graph_replay_equals_eager or pdl_equals or recaptured"
   oracle fp8 verify_fp8_check
   IPROFILE= modes_ab check chk default METAINFER_WGMMA_GEMV_SLOTS=6 METAINFER_WGMMA_GEMV_SLOTS=6,X_SAME=1
-fi
-if has taill2; then
-  D=METAINFER_WGMMA_GEMV_DEFINES
-  (export $D=-DGEMV_TAIL_L2=3; gpu_tests taill2 "gemv or moe or conv" "recaptured")
-  IPROFILE=1 modes_ab taill2 tl default $D=-DGEMV_TAIL_L2=1 $D=-DGEMV_TAIL_L2=2 $D=-DGEMV_TAIL_L2=3 \
-    METAINFER_WGMMA_GEMV_SLOTS=6
-fi
-if has early; then
-  D=METAINFER_WGMMA_GEMV_DEFINES
-  (export $D=-DMEGA_WG_INTERLEAVE=1 METAINFER_MOE_DOWN_EARLY=1
-   gpu_tests early "gemv or moe or conv" "pdl_equals or graph_replay_equals_eager")
-  IPROFILE=1 modes_ab early er default $D=-DMEGA_WG_INTERLEAVE=1 METAINFER_MOE_DOWN_EARLY=1 \
-    $D=-DMEGA_WG_INTERLEAVE=1,METAINFER_MOE_DOWN_EARLY=1
 fi
 if has early2; then
   D=METAINFER_WGMMA_GEMV_DEFINES B=METAINFER_MOE_DOWN_EARLY=1

@@ -25,7 +25,8 @@
 // Measured slower on the H200 and removed (2026-12-05b; the code: git show 68438ee:metainfer/kernels/mega/): the
 // DeltaNet decode step (KB-0108), the experts' down (KB-0109) and the post-mixer norm and router (KB-0111) fused into
 // these launches through in-kernel count waits, the next projection prefetched into L2 (KB-0110), the experts' own
-// 6-slot ring (KB-0113) and bf16 weights (KB-0114).
+// 6-slot ring (KB-0113) and bf16 weights (KB-0114); 2026-12-05c: the chunks past the ring prefetched into L2 before
+// the wait (KB-0115) and wg_dot16's chains issued in turn (KB-0116).
 #include <cuda.h>  // CUtensorMap
 
 #include "mega_math.cuh"
@@ -36,11 +37,6 @@
 #endif
 #ifndef GEMV_PRE_WAVE
 #define GEMV_PRE_WAVE 9  // GEMV_PRE_EARLY's rows in one wave of loads: the model's 8 routed experts and the shared one
-#endif
-#ifndef GEMV_TAIL_L2
-#define GEMV_TAIL_L2 0  // bit 1: a projection's producer prefetches into L2, before griddepcontrol.wait, its chunks past
-                        // the ring's first fill, which it can land only once the consumers, past the wait and the
-                        // prologue, free slots; bit 2: MOE's, its routed ones once picked (gemv.py's DEFINES_ENV)
 #endif
 #ifndef GEMV_EARLY
 #define GEMV_EARLY 0  // 1: a projection (not MOE: its down reads the router's logits before its wait) releases the
@@ -98,13 +94,6 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
         tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, g * 64, &full[slot]);
       bulk_load(wsc + slot * NB, ws + (size_t)(g * ROWS / 128) * NB, NB * 4, &full[slot]);
     };
-#if GEMV_TAIL_L2
-    // chunk g's bytes and block scales into L2 only: what land(_, g) later copies from there
-    auto warm = [&](int g) {
-      for (int kb = 0; kb < SEG / 128; ++kb) tma_prefetch_2d(wmap, kb * 128, g * 64);
-      l2_prefetch(ws + (size_t)(g * ROWS / 128) * NB, NB * 4);
-    };
-#endif
     int c = blockIdx.x;
     uint32_t it = 0;
     if constexpr (MOE) {
@@ -122,17 +111,6 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
           if (lane == 0) pick[known] = e;
         }
         if (lane == 0) land(it, pick[q - 1] * cpp + c - q * cpp);
-#if GEMV_TAIL_L2 & 2
-        if (it == NS - 1)  // the ring's last free slot taken: warm the routed chunks past it
-          for (int cc = c + grid; cc < n_chunks; cc += grid) {
-            const int qq = cc / cpp;
-            for (; known < qq; ++known) {  // (warp-uniform)
-              const int e = route_next(r, lane);
-              if (lane == 0) pick[known] = e;
-            }
-            if (lane == 0) warm(pick[qq - 1] * cpp + cc - qq * cpp);
-          }
-#endif
       }
       if (blockIdx.x == 0) {
         for (; known < moe.top_k; ++known) {
@@ -143,10 +121,6 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
         route_weights(moe, pick, lane);
       }
     } else if (lane == 0) {
-#if GEMV_TAIL_L2 & 1
-      for (; c < n_chunks && it < NS; c += grid, ++it) land(it, c);  // the ring's first fill
-      for (int cc = c; cc < n_chunks; cc += grid) warm(cc);
-#endif
       for (; c < n_chunks; c += grid, ++it) land(it, c);
     }
     return;
