@@ -8,6 +8,10 @@
 #   early2   - the next kernel released at a kernel's start (pdl.EARLY_KERNELS' switches, gemv.cu's -DGEMV_EARLY=1
 #              for the projections) on top of the experts' down's (METAINFER_MOE_DOWN_EARLY=1): GPU tests with all
 #              on, then the in-process A/B with layer tables (no bit moves: the same tokens as the default)
+#   judge    - (one call: the device time is short) the FP8 oracle with the defaults (the experts' down releasing
+#              the next kernel early, KB-0118), the in-process A/B of the other early releases (IREPS 2, layer
+#              tables), the BF16 oracle, the FP8 batches 1-128 and BF16 batch 1, then the FP8 oracle with every
+#              early release on, ~7.5 min
 #   tune     - (run 2026-12-05c: the defaults held, KB-0117) the small kernels' launch configs re-swept where they
 #              run, beside their neighbours (in-process, IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
 #              the attention decode split's keys a step, shortest split and warps
@@ -143,6 +147,19 @@ if has early2; then
    gpu_tests early2 "gemv or moe or conv" "pdl_equals or graph_replay_equals_eager")
   IPROFILE=1 modes_ab early2 e2 default $B $B,METAINFER_ROUTER_EARLY=1 $B,METAINFER_GDN_EARLY=1 \
     $B,$D=-DGEMV_EARLY=1 $B,METAINFER_ROUTER_EARLY=1,METAINFER_GDN_EARLY=1,$D=-DGEMV_EARLY=1
+fi
+if has judge; then
+  D=METAINFER_WGMMA_GEMV_DEFINES
+  oracle fp8 verify_fp8_defaults
+  IREPS=2 IPROFILE=1 INPROC_LIMIT=150 modes_ab judge jg default METAINFER_MOE_DOWN_EARLY=0 \
+    METAINFER_ROUTER_EARLY=1 METAINFER_GDN_EARLY=1 $D=-DGEMV_EARLY=1 \
+    METAINFER_ROUTER_EARLY=1,METAINFER_GDN_EARLY=1,$D=-DGEMV_EARLY=1
+  oracle bfloat16 verify_bf16_defaults
+  (( $(left) > 100 )) && timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,32,64,128 --gen 32 \
+    --out $OUT/final 2>&1 | grep -E "^\|" | head -30
+  (( $(left) > 80 )) && oracle fp8 verify_fp8_all_early METAINFER_ROUTER_EARLY=1 METAINFER_GDN_EARLY=1 $D=-DGEMV_EARLY=1
+  (( $(left) > 45 )) && timeout 60 python benchmarks/decode_bench.py --dtype bfloat16 --batches 1 --gen 32 --no-profile \
+    --out $OUT/final 2>&1 | grep -E "^\| 1 "
 fi
 if has tune; then
   IREPS=${IREPS:-2} modes_ab tune tn default METAINFER_GDN_BLOCK_V=16 METAINFER_GDN_BLOCK_V=64 \

@@ -72,7 +72,7 @@ def test_read_before_wait_names_real_parameters():
 def test_early_release_only_where_allowed(monkeypatch):
     """`pdl.release` (the next kernel released at this one's start: two kernels ahead) is the first statement
     of the kernels of pdl.EARLY_KERNELS only, under a constexpr of their own; the experts' down takes it only
-    with its switch (METAINFER_MOE_DOWN_EARLY, ...) set and PDL on."""
+    where its switch (METAINFER_MOE_DOWN_EARLY, ...) or its default says so and PDL is on."""
     seen = set()
     for path in KERNEL_FILES:
         for fn in _kernels(ast.parse(path.read_text())):
@@ -85,9 +85,8 @@ def test_early_release_only_where_allowed(monkeypatch):
             assert fn.name in pdl.EARLY_KERNELS and releases == [int(doc)], (fn.name, body[:3])
             assert body[int(doc)] == "pdl.release(USE_PDL, EARLY)", body[int(doc)]
     assert seen == set(pdl.EARLY_KERNELS)
-    for kernel, env in pdl.EARLY_KERNELS.items():
-        monkeypatch.delenv(env, raising=False)
-        assert pdl.early(kernel) == 0  # off by default
+    for kernel, (env, default) in pdl.EARLY_KERNELS.items():
+        assert default in ("0", "1"), (kernel, default)
         monkeypatch.setenv(env, "1")
         monkeypatch.setattr(pdl, "_SUPPORTED", False)
         assert pdl.early(kernel) == 0  # nothing to release without PDL
@@ -95,8 +94,15 @@ def test_early_release_only_where_allowed(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         monkeypatch.delenv(pdl.ENV, raising=False)
         assert pdl.early(kernel) == 1
-        monkeypatch.setattr(pdl, "_SUPPORTED", None)
+        monkeypatch.setenv(env, "0")
+        assert pdl.early(kernel) == 0
         monkeypatch.delenv(env)
+        assert pdl.early(kernel) == int(default)  # its default
+        monkeypatch.setenv(pdl.ENV, "0")
+        assert pdl.early(kernel) == 0  # PDL off
+        monkeypatch.delenv(pdl.ENV)
+        monkeypatch.setattr(pdl, "_SUPPORTED", None)
+    assert pdl.early("_routed_down_kernel") == 0  # (no GPU here: PDL off)
     # the experts' gate/up releases its down only after its own wait: the down reads the router's logits (two
     # kernels back) before its wait
     assert "moe_gate_up" not in " ".join(pdl.EARLY_KERNELS)
