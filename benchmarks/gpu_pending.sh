@@ -12,6 +12,10 @@
 #              +2.2 %, off until its oracle passes; BF16 never takes that kernel), the in-process A/B of the other
 #              early releases on top of it (IREPS 2, layer tables), the FP8 batches 1-128 with it, ~5 min;
 #              judgemin: the oracle and a 3-mode A/B only
+#   timeline - gemv.cu's timeline build (-DGEMV_TIMELINE=1, a measuring tool): its GPU test, then one decode step's
+#              qkv / in_proj and gate/up launches CTA by CTA (benchmarks/gemv_timeline.py: entry, wait, prologue,
+#              x staged, first chunk, end) for the default and the down's early release, ~2 min. Run it after
+#              judge(min), in the same call where the time allows
 #   tune     - (run 2026-12-05c: the defaults held, KB-0117) the small kernels' launch configs re-swept where they
 #              run, beside their neighbours (in-process, IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
 #              the attention decode split's keys a step, shortest split and warps
@@ -161,6 +165,12 @@ if has judgemin; then  # judge's first half where the device time left is short:
   oracle fp8 verify_fp8_down_early METAINFER_MOE_DOWN_EARLY=1
   IREPS=2 INPROC_LIMIT=120 modes_ab judge jg default METAINFER_MOE_DOWN_EARLY=1 \
     METAINFER_MOE_DOWN_EARLY=1,METAINFER_ROUTER_EARLY=1,METAINFER_GDN_EARLY=1,$D=-DGEMV_EARLY=1
+fi
+if has timeline; then
+  timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k timeline 2>&1 | tail -2 \
+    | tag "timeline test"
+  (( $(left) > 90 )) && timeout $(( $(left) - 20 )) python benchmarks/gemv_timeline.py --modes default \
+    METAINFER_MOE_DOWN_EARLY=1 --out $OUT/timeline 2>&1 | grep -v "falling back" | tail -20 | tag timeline
 fi
 if has tune; then
   IREPS=${IREPS:-2} modes_ab tune tn default METAINFER_GDN_BLOCK_V=16 METAINFER_GDN_BLOCK_V=64 \

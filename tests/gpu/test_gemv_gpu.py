@@ -244,3 +244,51 @@ def test_pre_prologue_graph_replay(monkeypatch):
     again = step()
     assert torch.equal(out, again) and torch.equal(res_graph, new_res)
     assert not torch.equal(out, eager)
+
+
+@pytest.fixture
+def timeline_build(monkeypatch):
+    """gemv.cu's timeline build loaded for the test (the default build reloaded after it)."""
+    from metainfer.kernels.mega import gemv_timeline
+
+    monkeypatch.setenv(gemv.DEFINES_ENV, " ".join([*gemv.build_defines(), gemv_timeline.DEFINE]))
+    gemv.reset()
+    yield gemv_timeline
+    monkeypatch.undo()
+    gemv.reset()
+
+
+def test_timeline_build_records_each_cta_and_computes_the_same(timeline_build, monkeypatch):
+    """The timeline build (-DGEMV_TIMELINE=1): the same output bits as the default build, one record a CTA of
+    each launch in its sequence slot, the events of each CTA in their order on one time axis, and nothing
+    written once the records are off."""
+    T = timeline_build
+    x, w, s = _problem(12352, seed=41)
+    rows, tw, residual, nw = _pre_problem(42)
+    new_res = torch.empty_like(residual)
+    rec = T.Recorder(x.device, slots=8)
+    y = fp8_linear.fp8_linear(x, w, s)
+    p = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s)
+    lns = T.decode(rec.read())
+    assert [ln.kind for ln in lns] == ["gemv_e4m3", "gemv_e4m3_pre"] and lns[1].seq == lns[0].seq + 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for ln in lns:
+        assert ln.n_rows == 12352 and ln.grid == min(sms, 12352 // 16) and len(ln.events["in"]) == ln.grid
+        order = ["in", "wait", "staged", "x", "first", "end0"]
+        for cta in range(ln.grid):
+            t = [ln.events[e][cta] for e in order]
+            assert t == sorted(t), (ln.kind, cta, dict(zip(order, t)))
+            assert ln.events["first1"][cta] <= ln.events["end1"][cta]
+        assert 0 < max(ln.events["end"]) < 1000  # µs: the SMs' clocks lined up
+    assert all(r == r for r in lns[1].events["rows"]) and all(r != r for r in lns[0].events["rows"])
+    rec.close()
+    rec.clear()
+    y2 = fp8_linear.fp8_linear(x, w, s)
+    assert T.decode(rec.read()) == []  # off: nothing written
+    monkeypatch.setenv(gemv.DEFINES_ENV, "")
+    gemv.reset()
+    assert gemv._kernel(x.device).timeline_built is False
+    new_res2 = torch.empty_like(residual)
+    assert torch.equal(fp8_linear.fp8_linear(x, w, s), y) and torch.equal(y2, y)
+    assert torch.equal(gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res2, w, s), p)
+    assert torch.equal(new_res2, new_res)

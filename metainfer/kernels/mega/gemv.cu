@@ -22,6 +22,10 @@
 // as its pick is found; the consumers write each row's dot in fp32 (gate and up apart: the down kernel forms
 // silu(gate) * up).
 //
+// The timeline build (-DGEMV_TIMELINE=1 in gemv.py's DEFINES_ENV; gemv_timeline.cuh, gemv_timeline.py) records each
+// CTA's phases (entry, the wait, the prologue, x staged, the first chunk, the end) in SM cycles and globaltimer; every
+// launch takes its sequence number (seq) for the record's place. The default build's code is unchanged by it.
+//
 // Measured slower on the H200 and removed (2026-12-05b; the code: git show 68438ee:metainfer/kernels/mega/): the
 // DeltaNet decode step (KB-0108), the experts' down (KB-0109) and the post-mixer norm and router (KB-0111) fused into
 // these launches through in-kernel count waits, the next projection prefetched into L2 (KB-0110), the experts' own
@@ -54,13 +58,14 @@ __device__ unsigned* gemv_watch;  // [8]: code (2 a full slot, 3 an empty slot),
 __device__ unsigned gemv_claim;   // the first to give up (device memory: no atomics on the host's)
 
 #include "gemv_args.cuh"  // the layout constants and the launches' operands (gemv.py's ctypes mirror them)
-#include "gemv_io.cuh"    // the routing, the x prologue, the conv epilogue
-#include "gemv_sync.cuh"  // the watchdog's bounded ring waits
+#include "gemv_timeline.cuh"  // the timeline build's per-CTA stamps (-DGEMV_TIMELINE=1)
+#include "gemv_io.cuh"        // the routing, the x prologue, the conv epilogue
+#include "gemv_sync.cuh"      // the watchdog's bounded ring waits
 
 template <bool MOE, bool PRE = false>
 __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* __restrict__ ws,
                                           const __nv_bfloat16* x, __nv_bfloat16* y, int n_rows, const Conv& conv,
-                                          const Pre& pre, const Moe& moe) {
+                                          const Pre& pre, const Moe& moe, int seq) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
@@ -71,6 +76,8 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   uint64_t* full = reinterpret_cast<uint64_t*>(red + mega::NCW);
   uint64_t* empty = full + NS;
   int* pick = reinterpret_cast<int*>(empty + NS);  // MOE: the routed experts
+  Tl tl;  // (the timeline build's stamps)
+  if (threadIdx.x == 0) tl_enter(tl, MOE ? 2 : PRE ? 1 : 0, n_rows, seq);
 #if GEMV_EARLY
   if (!MOE && threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -88,7 +95,9 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     // chunk it of this CTA into its slot: W's chunk g (its rows g * ROWS..) and their block scales
     auto land = [&](uint32_t it, int g) {
       const uint32_t slot = it % NS;
+      const unsigned long long t0 = tl.now();
       ring_wait(&empty[slot], ((it / NS) & 1) ^ 1, WATCH_EMPTY, it);
+      tl.add(TL_P_EMPTYCYC, tl.now() - t0);
       mbar_expect_tx(&full[slot], CHUNK + NB * 4);
       for (int kb = 0; kb < SEG / 128; ++kb)
         tma_2d(ring + slot * CHUNK + kb * 8192, wmap, kb * 128, g * 64, &full[slot]);
@@ -101,6 +110,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       for (; c < cpp; c += grid, ++it)  // the shared expert's: static
         if (lane == 0) land(it, moe.E * cpp + c);
       asm volatile("griddepcontrol.wait;" ::: "memory");  // the router's logits
+      tl.at(TL_P_WAIT);
       Route r;
       route_load(moe, r, lane);
       int known = 0;  // picks found
@@ -123,16 +133,21 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     } else if (lane == 0) {
       for (; c < n_chunks; c += grid, ++it) land(it, c);
     }
+    if (lane == 0) {
+      tl.at(TL_P_LAST);
+      tl.store(seq);
+    }
     return;
   }
   PreEarly early;
   if constexpr (PRE && GEMV_PRE_EARLY) early = pre_early(pre);  // none of it written by the previous kernel
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (threadIdx.x == 0) tl.at(TL_WAIT);
   static_assert(KK % (8 * mega::CT) == 0, "whole 16-byte loads of x per consumer thread");
   constexpr int NV = KK / (8 * mega::CT);
   if (PRE) {
-    stage_pre(pre, early, xs, red, warp, lane);
+    stage_pre(pre, early, xs, red, warp, lane, tl);
   } else {
     uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
 #pragma unroll
@@ -149,8 +164,10 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     }
   }
   consumers_sync(mega::CT);
+  if (threadIdx.x == 0) tl.at(TL_STAGED);
   mega::stage_x8(xs, b8, xf, warp, lane);
   consumers_sync(mega::CT);
+  if (threadIdx.x == 0) tl.at(TL_X);
   const int wg = warp / 4, w4 = warp & 3;
   const long long slot = conv.n_conv ? conv.slots[0] : 0;  // (after the wait: the step's inputs)
   const bool has = conv.n_conv && conv.has[0] != 0;
@@ -161,7 +178,18 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     const bool is_conv = lane < 4 && row < conv.n_conv;
     ConvRow cr;
     if (is_conv) cr = conv_loads(row, conv, slot, has);
+    const unsigned long long t0 = tl.now();
     ring_wait(&full[slot_i], (it / NS) & 1, WATCH_FULL, it);
+    if (threadIdx.x % 128 == 0) {  // the warpgroup's first thread: its wait, its first chunk's arrival
+      const unsigned long long t1 = tl.now();  // (constant fields in each branch: the stamps stay in registers)
+      if (wg == 0) {
+        tl.add(TL_WAITCYC0, t1 - t0);
+        if (it == 0) tl.put(TL_FIRST, t1);
+      } else {
+        tl.add(TL_WAITCYC1, t1 - t0);
+        if (it == 1) tl.put(TL_FIRST1, t1);
+      }
+    }
     const float2 v = mega::wg_dot16(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf, lane);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot_i]);
@@ -177,37 +205,52 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
       y[row] = is_conv ? conv_row(yb, row, cr, conv, slot) : yb;
     }
   }
+  if (threadIdx.x % 128 == 0) {
+    if (wg == 0) {
+      tl.at(TL_END0);
+      tl.at_ns(TL_GT_END0);
+    } else {
+      tl.at(TL_END1);
+    }
+    tl.store(seq);
+  }
 }
 
 // K = 2048 (with the conv epilogue where conv.n_conv > 0)
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     gemv_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
-              __nv_bfloat16* y, int n_rows, const Conv conv) {
-  gemv_body<false>(&wmap, ws, x, y, n_rows, conv, Pre{}, Moe{});
+              __nv_bfloat16* y, int n_rows, const Conv conv, int seq) {
+  gemv_body<false>(&wmap, ws, x, y, n_rows, conv, Pre{}, Moe{}, seq);
 }
 
 // the same with x from the prologue (Pre: the previous MoE's sum, the residual add and the input norm)
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     gemv_e4m3_pre(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, __nv_bfloat16* y,
-                  int n_rows, const Conv conv, const Pre pre) {
-  gemv_body<false, true>(&wmap, ws, nullptr, y, n_rows, conv, pre, Moe{});
+                  int n_rows, const Conv conv, const Pre pre, int seq) {
+  gemv_body<false, true>(&wmap, ws, nullptr, y, n_rows, conv, pre, Moe{}, seq);
 }
 
 // one token's experts' gate/up (x: the normed hidden state), routed here from moe.logits (see the header)
 extern "C" __global__ void __launch_bounds__(mega::NT, 1)
     moe_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
-                     const __nv_bfloat16* x, const Moe moe) {
-  gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe);
+                     const __nv_bfloat16* x, const Moe moe, int seq) {
+  gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe, seq);
 }
 
 // the watchdog's report buffer (gemv.py: pinned host memory, once at load)
 extern "C" __global__ void gemv_set_watch(unsigned* w) { gemv_watch = w; }
 
+// the timeline build's records (gemv_timeline.py): [slots][grid][TL_N] words, or null (off)
+extern "C" __global__ void gemv_set_timeline(unsigned long long* buf, int slots, int grid) {
+  gemv_tl = buf, gemv_tl_slots = slots, gemv_tl_grid = grid;
+}
+
 // the layout constants the launcher (gemv.py) must agree with
-extern "C" __global__ void gemv_constants(long long* out) {  // [5]
+extern "C" __global__ void gemv_constants(long long* out) {  // [6]
   out[0] = mega::NT;
   out[1] = static_cast<long long>(SMEM);
   out[2] = static_cast<long long>(sizeof(Conv)) * 100 + CONV_K;
   out[3] = static_cast<long long>(sizeof(Moe)) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K;
   out[4] = static_cast<long long>(sizeof(Pre)) * 100 + PRE_MAX_W;
+  out[5] = GEMV_TIMELINE * 100 + TL_N;
 }

@@ -173,14 +173,21 @@ class _Kernel:
         for name in KERNEL_NAMES:
             fns[name] = ctypes.c_void_p()
             self.drv("cuModuleGetFunction", ctypes.byref(fns[name]), self.module, name.encode())
-        out = torch.zeros(5, dtype=torch.int64, device=device)
+        out = torch.zeros(6, dtype=torch.int64, device=device)
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
         for name, arg in ((b"gemv_constants", out.data_ptr()), (b"gemv_set_watch", self.watch.data_ptr())):
             fn = ctypes.c_void_p()
             self.drv("cuModuleGetFunction", ctypes.byref(fn), self.module, name)
             self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
                      launch.kernel_params([ctypes.c_void_p(arg)]), None)
-        self.threads, self.smem, conv, moe, pre = out.tolist()
+        self.threads, self.smem, conv, moe, pre, tl = out.tolist()
+        from metainfer.kernels.mega import gemv_timeline
+
+        if tl % 100 != gemv_timeline.TL_N:
+            raise RuntimeError(f"gemv.cu's timeline records hold {tl % 100} words, gemv_timeline.py reads "
+                               f"{gemv_timeline.TL_N}")
+        self.timeline_built = tl // 100 == 1  # built with -DGEMV_TIMELINE=1
+        self.seq = 0  # gemv.cu launches so far: each launch's place in the timeline's records
         want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K,
                 ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K,
                 ctypes.sizeof(_Pre) * 100 + PRE_MAX_W)
@@ -190,11 +197,23 @@ class _Kernel:
         for fn in fns.values():
             self.drv("cuFuncSetAttribute", fn, 8, self.smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.fn, self.pre_fn, self.moe_fn = (fns[n] for n in KERNEL_NAMES)
+        self.set_timeline_fn = ctypes.c_void_p()
+        self.drv("cuModuleGetFunction", ctypes.byref(self.set_timeline_fn), self.module, b"gemv_set_timeline")
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         # each weight's TMA map, by (address, bytes): a map holds only those (the [bytes / 512, 512] view),
         # so a reused address of the same size gets the same map back (the launch copies it into its
         # parameters)
         self.maps: dict[tuple[int, int], ctypes.Array] = {}
+
+    def set_timeline(self, buf: torch.Tensor | None, slots: int = 0, grid: int = 0) -> None:
+        """Points the timeline build's records at buf ([slots, grid, TL_N] int64 on this device), or off
+        (None): gemv_timeline.Recorder's."""
+        dev = buf.device if buf is not None else None
+        stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
+        ptr = buf.data_ptr() if buf is not None else 0
+        args = [ctypes.c_void_p(ptr), ctypes.c_int(slots), ctypes.c_int(grid)]
+        self.drv("cuLaunchKernel", self.set_timeline_fn, 1, 1, 1, 1, 1, 1, 0, stream,
+                 self.launch_mod.kernel_params(args), None)
 
     def tensor_map(self, w: torch.Tensor) -> ctypes.Array:
         key = (w.data_ptr(), w.numel() * w.element_size())
@@ -234,6 +253,8 @@ class _Kernel:
     def launch(self, fn: ctypes.c_void_p, args: list, chunks: int, device: torch.device) -> None:
         """One CTA per SM (at most one per chunk), on the current stream, with the PDL attribute when
         `pdl.enabled()` (without it: stream order, the kernel's wait returns at once)."""
+        args = [*args, ctypes.c_int(self.seq)]  # seq: the timeline's place (kept alive until the launch)
+        self.seq = (self.seq + 1) % (1 << 30)
         params = self.launch_mod.kernel_params(args)
         cfg = _Config()
         cfg.grid[:] = (min(self.sms, chunks), 1, 1)

@@ -120,10 +120,11 @@ __device__ __forceinline__ void pre_rows(const Pre& p, const float* tw, float (&
   }
 }
 
-__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane) {
+__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane, Tl& tl) {
   const int c0 = threadIdx.x * 8;
   float acc[8] = {};
   pre_rows(p, early.tw, acc);
+  if (threadIdx.x == 0) tl.at(TL_ROWS);  // (the timeline build: when thread 0's rows are in)
 #if GEMV_PRE_EARLY
   const uint4 rv = early.res, wv = early.w;
 #else

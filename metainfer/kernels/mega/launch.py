@@ -24,7 +24,7 @@ from metainfer.kernels.mega import program as P
 HERE = Path(__file__).resolve().parent
 SOURCES = ("mega.cu", "ptx.cuh", "mega_base.cuh", "mega_math.cuh", "mega_producer.cuh", "mega_dense.cuh",
            "mega_mixers.cuh",  # mega.cu and the parts it includes; gemv.cu's (all in the cubin cache's key):
-           "gemv_args.cuh", "gemv_io.cuh", "gemv_sync.cuh")
+           "gemv_args.cuh", "gemv_io.cuh", "gemv_sync.cuh", "gemv_timeline.cuh")
 MAINS = ("mega.cu", "gemv.cu")  # the translation units built here (build(main=...)); each hashes SOURCES too
 CACHE_ENV = "METAINFER_CACHE"  # cubin cache folder (default ~/.cache/metainfer)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin")
