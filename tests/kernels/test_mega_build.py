@@ -74,11 +74,12 @@ def test_build_refuses_what_is_not_one_define():
         launch.build(main="other.cu")
 
 
-@pytest.mark.parametrize("defines", [(), ("-DGEMV_PRE_EARLY=1",)])
+@pytest.mark.parametrize("defines", [(), ("-DGEMV_PRE_EARLY=1",), ("-DGEMV_TIMELINE=1",)])
 def test_gemv_builds_without_spills(tmp_path, monkeypatch, defines):
     """gemv.cu (the standalone FP8 projection on the same consumers, KB-0094, and the experts' gate/up,
     KB-0096) builds into its own cubin, its kernels with no stack frame and no spills; also with the
-    prologue's early loads (GEMV_PRE_EARLY, METAINFER_WGMMA_GEMV_DEFINES)."""
+    prologue's early loads (GEMV_PRE_EARLY, METAINFER_WGMMA_GEMV_DEFINES) and in the timeline build, whose
+    stamps must stay in registers (a stamp field indexed at run time put them in a 152-byte stack frame)."""
     monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path / "cache"))
     out = launch.build(main="gemv.cu", defines=defines)
     assert out.is_file() and out.name.startswith("gemv-") and out != launch.build()
@@ -89,3 +90,19 @@ def test_gemv_builds_without_spills(tmp_path, monkeypatch, defines):
         fn = res.stderr[res.stderr.index(name):]
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", fn)
         assert frame and frame.groups() == ("0", "0", "0"), fn[:500]
+
+
+def test_gemv_timeline_compiles_out_of_the_default_build(tmp_path):
+    """The timeline's stamps (clock64, globaltimer, smid) are in the timeline build's PTX only: the default
+    build's kernels read no clock (its PTX was compared whole against the build before the timeline: the same
+    but for the launches' sequence argument)."""
+    texts = {}
+    for flag in ((), ("-DGEMV_TIMELINE=1",)):
+        cmd = launch.nvcc_command(tmp_path / "g.ptx", main="gemv.cu", defines=flag)
+        cmd[cmd.index("-cubin")] = "-ptx"
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        texts[bool(flag)] = (tmp_path / "g.ptx").read_text()
+    stamps = re.compile(r"%globaltimer|%clock64|%smid")
+    assert not stamps.search(texts[False])
+    assert len(stamps.findall(texts[True])) >= 3 * 4  # each of the three kernels stamps its phases
