@@ -35,3 +35,51 @@ def test_labels_name_the_gate_up_by_its_layer():
     assert bench.label(moe, inp) == "experts' gate/up (DeltaNet layer)"
     assert bench.label(_launch("gemv_e4m3", 12352), None) == "layer 0's in_proj"
     assert bench.label(_launch("gemv_e4m3", 4096), None) == "gemv_e4m3 4096 rows"
+
+
+def test_run_mode_records_each_replay(monkeypatch):
+    """run_mode's data flow with the engine, the graph and the records faked: each replay's records decoded
+    and summarized, the first step kept whole, the result JSON-serialisable."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.kernels.test_gemv_timeline import _step
+
+    buf, _ = _step(8)
+    replays = []
+
+    class FakeRecorder:
+        def __init__(self, device, slots):
+            self.cleared = 0
+
+        def clear(self):
+            self.cleared += 1
+
+        def read(self):
+            return buf.clone()
+
+        def close(self):
+            pass
+
+    graph = SimpleNamespace(replay=lambda: replays.append(1))
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(
+        device=torch.device("cpu"), decode=SimpleNamespace(graphs={1: graph}))))
+    entered = []
+    switches = SimpleNamespace(enter=lambda _llm, mode: entered.append(mode))
+    monkeypatch.setattr(bench, "decode_run", lambda *a: {"decode_tok_s": 600.0, "tokens_sha1": "abc",
+                                                         "errors": []})
+    monkeypatch.setattr(bench, "graph_replay_ms", lambda *a: 1.66)
+    monkeypatch.setattr(T, "Recorder", FakeRecorder)
+    monkeypatch.setenv(gemv.DEFINES_ENV, "")
+    args = SimpleNamespace(baseline=True, prompt_len=1024, gen=8, slots=256, steps=3)
+    out = bench.run_mode(llm, {"X": "1"}, switches, args, seed=1)
+    assert entered == [{"X": "1", gemv.DEFINES_ENV: ""}, {"X": "1", gemv.DEFINES_ENV: T.DEFINE}]
+    assert len(replays) == 3 and out["launches_a_step"] == [8, 8, 8]
+    assert out["replay_ms_default_build"] == out["replay_ms_records_on"] == 1.66
+    names = {r["name"] for r in out["summary"]}
+    assert names == {"DeltaNet in_proj", "experts' gate/up (DeltaNet layer)"}
+    assert len(out["first_step"]) == 8
+    assert out["first_step"][1]["label"] == "experts' gate/up (DeltaNet layer)"
+    json.dumps(out)  # (NaN is allowed by json.dumps)
