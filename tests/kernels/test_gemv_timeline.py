@@ -107,6 +107,8 @@ def test_summarize_and_table():
     assert r["span_us"] == pytest.approx(9.9, abs=0.05)
     assert r["x_med_us"] == pytest.approx(3.25, abs=0.05) and r["x_last_us"] == pytest.approx(3.4, abs=0.05)
     assert r["gap_before_us"] == pytest.approx(20.37 - 9.9, abs=0.05)  # since the gate/up's last end
+    assert r["between_us"] == pytest.approx(20.37 - 9.9 + 2.15, abs=0.05)  # to the median CTA's wait
+    assert r["after_wait_us"] == pytest.approx((9.5 + 9.9) / 2 - 2.15, abs=0.05)
     assert r["rows_med_us"] == pytest.approx(2.65, abs=0.05)
     assert math.isnan(by["moe_gate_up_e4m3 9216 rows"]["rows_med_us"])
     text = T.table(rows)

@@ -147,21 +147,25 @@ def summarize(steps: list[list[Launch]],
     """Per launch group over the steps (each step's launches, `decode` of one read; `label` of each launch
     and the one before it in its step: by default its kernel and rows), the launches' medians of each
     event's median and last CTA (µs from the launch's first entry), of the span (first entry to last end),
-    of the gap since the previous launch's last end (the kernels between them), and of the CTAs' median
-    waits for full slots (each warpgroup's) and empty ones (the producer's)."""
-    groups: dict[str, list[tuple[Launch, float]]] = {}
+    of the gap since the previous launch's last end to this one's first entry, and to its median CTA's wait
+    (`between_us`: the kernels between them, as this launch saw them), of the median CTA's time from its
+    wait to its end (`after_wait_us`: the launch's own time once its input is ready), and of the CTAs'
+    median waits for full slots (each warpgroup's) and empty ones (the producer's)."""
+    groups: dict[str, list[tuple[Launch, Launch | None]]] = {}
     for launches in steps:
         prev = None
         for ln in launches:
-            gap = ln.t0_us - prev.end_us if prev is not None else float("nan")
-            groups.setdefault(label(ln, prev), []).append((ln, gap))
+            groups.setdefault(label(ln, prev), []).append((ln, prev))
             prev = ln
     rows = []
     for name, lns in groups.items():
         first = lns[0][0]
         row = {"name": name, "kind": first.kind, "n_rows": first.n_rows, "launches": len(lns),
                "grid": first.grid, "span_us": _med([max(ln.events["end"]) for ln, _ in lns]),
-               "gap_before_us": _med([g for _, g in lns])}
+               "gap_before_us": _med([ln.t0_us - p.end_us for ln, p in lns if p is not None]),
+               "between_us": _med([ln.t0_us + _med(ln.events["wait"]) - p.end_us for ln, p in lns
+                                   if p is not None]),
+               "after_wait_us": _med([_med(ln.events["end"]) - _med(ln.events["wait"]) for ln, _ in lns])}
         for e in SUMMARY_EVENTS:
             row[f"{e}_med_us"] = _med([_med(ln.events[e]) for ln, _ in lns])
             row[f"{e}_last_us"] = _med([_max(ln.events[e]) for ln, _ in lns])
@@ -172,8 +176,9 @@ def summarize(steps: list[list[Launch]],
 
 
 def table(rows: list[dict]) -> str:
-    """summarize's rows as a markdown table: each event as median / last CTA, µs from the launch's first
-    entry."""
+    """summarize's rows as a markdown table: the kernels between (the previous launch's end to this one's
+    median wait), the median CTA's wait to end, then each event as median / last CTA, µs from the launch's
+    first entry."""
 
     def f(x: float) -> str:
         return "-" if x != x else f"{x:.2f}"
@@ -181,11 +186,13 @@ def table(rows: list[dict]) -> str:
     def pair(r: dict, e: str) -> str:
         return f"{f(r[e + '_med_us'])} / {f(r[e + '_last_us'])}"
 
-    head = ("| launch | n | gap before | span | entry (last) | wait | rows summed | x fp32 | x e4m3 "
-            "| first chunk | end | full-slot wait wg0 / wg1 | producer: wait, last slot, empty wait |")
+    head = ("| launch | n | kernels between (to the wait) | wait to end | gap before | span | entry (last) "
+            "| wait | rows summed | x fp32 | x e4m3 | first chunk | end | full-slot wait wg0 / wg1 "
+            "| producer: wait, last slot, empty wait |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        cells = [r["name"], str(r["launches"]), f(r["gap_before_us"]), f(r["span_us"]), f(r["in_last_us"]),
+        cells = [r["name"], str(r["launches"]), f(r["between_us"]), f(r["after_wait_us"]),
+                 f(r["gap_before_us"]), f(r["span_us"]), f(r["in_last_us"]),
                  *(pair(r, e) for e in ("wait", "rows", "staged", "x", "first", "end")),
                  f"{f(r['waitcyc0_med_us'])} / {f(r['waitcyc1_med_us'])}",
                  f"{pair(r, 'p_wait')}, {pair(r, 'p_last')}, {f(r['p_emptycyc_med_us'])}"]
