@@ -31,6 +31,7 @@ import torch
 
 from metainfer.kernels import pdl
 from metainfer.kernels.common import env_int
+from metainfer.kernels.mega import gemv_timeline
 
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
@@ -181,8 +182,6 @@ class _Kernel:
             self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
                      launch.kernel_params([ctypes.c_void_p(arg)]), None)
         self.threads, self.smem, conv, moe, pre, tl = out.tolist()
-        from metainfer.kernels.mega import gemv_timeline
-
         if tl % 100 != gemv_timeline.TL_N:
             raise RuntimeError(f"gemv.cu's timeline records hold {tl % 100} words, gemv_timeline.py reads "
                                f"{gemv_timeline.TL_N}")

@@ -46,11 +46,6 @@ __device__ __forceinline__ unsigned long long tl_clock() {
   asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
   return t;
 }
-__device__ __forceinline__ unsigned long long tl_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  return t;
-}
 __device__ __forceinline__ unsigned tl_smid() {
   unsigned s;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
@@ -71,7 +66,7 @@ struct Tl {
   }
   __device__ __forceinline__ void at_ns(int f) {  // globaltimer into f
 #if GEMV_TIMELINE
-    v[f] = tl_ns(), set |= 1u << f;
+    v[f] = mega::global_ns(), set |= 1u << f;
 #endif
   }
   __device__ __forceinline__ void put(int f, unsigned long long x) {
