@@ -11,6 +11,7 @@ with the records read after each. Also the replay's time in the default build, a
 its records off and on (what the stamps cost).
 
     python benchmarks/gemv_timeline.py --modes default METAINFER_MOE_DOWN_EARLY=1 --out $OUT/timeline
+    python benchmarks/gemv_timeline.py --plot timeline/gemv_timeline.json --out timeline   (CPU: the plots)
 """
 
 from __future__ import annotations
@@ -84,6 +85,48 @@ def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, args: argparse.
     return out
 
 
+PHASES = (("in", "wait", "#c8c8c8", "entry to wait"), ("wait", "x", "#f28e2b", "wait to x staged"),
+          ("x", "first", "#edc948", "x to first chunk"), ("first", "end", "#4e79a7", "first chunk to end"))
+
+
+def plot_step(first_step: list[dict], png: Path, lo: int = 8, n: int = 8) -> None:
+    """first_step's launches lo .. lo + n (a run's JSON, `run_mode`'s "first_step") as bands of CTAs on the
+    step's time axis, each CTA's phases coloured (PHASES): where each launch's time goes. On the CPU, from
+    a saved JSON: `--plot RUN_JSON` (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lns = first_step[lo:lo + n]
+    if not lns:
+        raise ValueError(f"no launches {lo}..{lo + n} in a step of {len(first_step)}")
+    t_ref = lns[0]["t0_us"]
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * len(lns)))
+    y = 0
+    ticks = []
+    for ln in lns:
+        ev = ln["events"]
+        grid = len(ev["in"])
+        for a, b, color, name in PHASES:  # one bar a CTA (a phase it did not record: none)
+            rows = [(y + c, ln["t0_us"] - t_ref + s, e - s) for c, (s, e) in enumerate(zip(ev[a], ev[b]))
+                    if s == s and e == e]
+            if rows:
+                ys, lefts, widths = zip(*rows)
+                ax.barh(ys, widths, left=lefts, height=1.0, color=color, linewidth=0,
+                        label=name if not ticks else None)
+        ticks.append((y + grid / 2, ln["label"]))
+        y += grid + 8
+    ax.set_yticks([t for t, _ in ticks], [name for _, name in ticks], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("µs from the first launch shown")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title("gemv.cu launches of one decode step, CTA by CTA (gemv_timeline.py)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(FULL_CONFIG))
@@ -95,7 +138,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
                     help="skip the default build's replay time")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--plot", metavar="RUN_JSON", help="no run: plot each mode's first step from a saved "
+                    "gemv_timeline.json into --out (CPU)")
+    ap.add_argument("--plot-from", type=int, default=8,
+                    help="the first launch plotted (8: layer 4's in_proj, then layers 4-7)")
     args = ap.parse_args(argv)
+    if args.plot:
+        saved = json.loads(Path(args.plot).read_text())
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        for i, (m, r) in enumerate(saved["modes"].items()):
+            png = Path(args.out) / f"gemv_timeline_{i}.png"
+            plot_step(r["first_step"], png, lo=args.plot_from)
+            print(f"{m}: {png}")
+        return saved
     modes = list(dict.fromkeys(args.modes))
     parsed = [parse_mode(m) for m in modes]
     switches = Switches([with_timeline(p, True) for p in parsed])

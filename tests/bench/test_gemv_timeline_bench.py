@@ -83,3 +83,20 @@ def test_run_mode_records_each_replay(monkeypatch):
     assert len(out["first_step"]) == 8
     assert out["first_step"][1]["label"] == "experts' gate/up (DeltaNet layer)"
     json.dumps(out)  # (NaN is allowed by json.dumps)
+
+
+def test_plot_from_a_saved_run(tmp_path):
+    """--plot draws each mode's first step from a saved JSON (no GPU): one PNG a mode."""
+    import json
+
+    from tests.kernels.test_gemv_timeline import _step
+
+    lns = T.decode(_step(12)[0])
+    first = [{"seq": ln.seq, "label": bench.label(ln, lns[i - 1] if i else None), "t0_us": ln.t0_us,
+              "events": ln.events, "waits": ln.waits} for i, ln in enumerate(lns)]
+    run = tmp_path / "gemv_timeline.json"
+    run.write_text(json.dumps({"modes": {"default": {"first_step": first}, "B=1": {"first_step": first}}}))
+    bench.main(["--plot", str(run), "--out", str(tmp_path / "png")])
+    pngs = sorted((tmp_path / "png").iterdir())
+    assert [p.name for p in pngs] == ["gemv_timeline_0.png", "gemv_timeline_1.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 5000 for p in pngs)
