@@ -13,8 +13,8 @@ engine's step time, as the fresh-process A/B measures it, plus the graph's repla
 tokens' fingerprint (modes that compute the same give the same; a difference is reported, not judged: that
 is the oracle's job).
 
-    python benchmarks/ab_inproc.py --dtype fp8 --rounds 3 --modes default METAINFER_WGMMA_GEMV_GDN=1 \\
-        "METAINFER_WGMMA_GEMV_GDN=1,METAINFER_WGMMA_GEMV_MOE_DOWN=1" --out $OUT/ab
+    python benchmarks/ab_inproc.py --dtype fp8 --rounds 3 --modes default METAINFER_MOE_DOWN_EARLY=1 \\
+        "METAINFER_MOE_DOWN_EARLY=1,METAINFER_ROUTER_EARLY=1" --out $OUT/ab
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For each batch size: `batch` random 1k-token prompts run together (greedy, ignor
 steady decode step time (all sequences decoding, CUDA-graph replay when available) gives tok/s,
 shown with its % of the memory-bandwidth ceiling. TTFT: one 1k-token prompt on an idle engine,
 max_tokens=1, median of 9, measured first (fresh engine) and again after the decode runs (the
-second figure has moved by up to 40 ms in one process: benchmarks/results/2026-11-30f, "TTFT").
+second figure has moved by up to 40 ms in one process, 2026-11-30).
 Profile: CUDA time per kernel over a few decode steps at batch 1, and (`exposed_bs1`) the step's wall
 time split by kernel where PDL overlaps them (metainfer/bench/critical_path.py).
 

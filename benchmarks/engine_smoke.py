@@ -5,7 +5,8 @@
 2. times eager decode at batch 1 and batch 32 (1k-token prompts, greedy, ignore_eos).
 
     python benchmarks/engine_smoke.py --out $OUT                  # H200, full config
-    python benchmarks/engine_smoke.py --config tests/tiny.json --device cpu --dtype float32   # dry run
+    python benchmarks/engine_smoke.py --config metainfer/assets/stdlib/config.json --device cpu \\
+        --dtype float32 --lengths 5,40 --batches 1,2 --prompt-len 32 --gen 4 --out /tmp/smoke   # CPU dry run
 """
 
 from __future__ import annotations

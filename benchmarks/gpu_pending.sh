@@ -2,9 +2,6 @@
 # On the H200: the switches built but not yet measured, and the judgement runs after them, in as few calls as
 # possible (OUT set; .whl carried). PHASES picks the parts, each well under the 10-minute call limit.
 #
-#   check    - gemv.cu's GPU tests, the engine's graph, PDL and recapture tests, the FP8 oracle, then default /
-#              6 slots / 6 slots again in one process (the same greedy tokens? 2 slots gave tokens that differ
-#              from run to run on 2026-12-05b and is refused since), ~5 min
 #   early2   - the next kernel released at a kernel's start (pdl.EARLY_KERNELS' switches, gemv.cu's -DGEMV_EARLY=1
 #              for the projections) on top of the experts' down's (METAINFER_MOE_DOWN_EARLY=1): GPU tests with all
 #              on, then the in-process A/B with layer tables (no bit moves: the same tokens as the default)
@@ -13,12 +10,9 @@
 #              early releases on top of it (IREPS 2, layer tables), the FP8 batches 1-128 with it, ~5 min;
 #              judgemin: the oracle and a 3-mode A/B only
 #   timeline - gemv.cu's timeline build (-DGEMV_TIMELINE=1, a measuring tool): its GPU test, then one decode step's
-#              qkv / in_proj and gate/up launches CTA by CTA (benchmarks/gemv_timeline.py: entry, wait, prologue,
+#              qkv / in_proj and gate/up launches CTA by CTA (experiments/gemv_timeline.py: entry, wait, prologue,
 #              x staged, first chunk, end) for the default and the down's early release, ~2 min. Run it after
 #              judge(min), in the same call where the time allows
-#   tune     - (run 2026-12-05c: the defaults held, KB-0117) the small kernels' launch configs re-swept where they
-#              run, beside their neighbours (in-process, IREPS 2): the DeltaNet decode step's BLOCK_V / warps, the add+norm+router's rows a program / warps,
-#              the attention decode split's keys a step, shortest split and warps
 # The seven experiments built on CPU-only days (KB-0108 to KB-0114) were measured on 2026-12-05b, all slower, and
 # removed (their phases: `git show 68438ee:benchmarks/gpu_pending.sh`); 2026-12-05c's taill2 and early (KB-0115,
 # KB-0116): `git show e068343:benchmarks/gpu_pending.sh`.
@@ -34,12 +28,12 @@
 #              FINAL_BF16_BATCHES (1), ~8 min
 #   exposed  - the FP8 batch-1 step's wall time by kernel (PDL on) at max_model_len 1,120 and 8,192, ~2 min
 #   prof1    - PDL-off batch-1 kernel profiles (FP8, BF16), ~1.5 min; profile: FP8 batch 1 + 1k prefill, PDL off
-# The megakernel (metainfer/kernels/mega, KB-0075..0091) and the skeleton (benchmarks/stream_chain.cu, KB-0074/92):
-#   mega, megaprof, megaeng, chunkbench, chain2, pdlchain (see each phase).
+# The megakernel's and the skeleton's phases are in experiments/gpu_mega.sh; `check` (run 2026-12-05b) and `tune`
+# (run 2026-12-05c) are in this file's history: `git show 91fe9d4:benchmarks/gpu_pending.sh`.
 # Phases measured earlier (their switches since made defaults or removed; the commands of the results pages
 # before 2026-12-05b) are in this file's history: `git show 570d1a8:benchmarks/gpu_pending.sh`.
 #
-#   PHASES=check bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
+#   PHASES="judgemin timeline" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -132,19 +126,8 @@ modes_ab() {  # $1 tag, $2 the runs' folder prefix, then the modes ("default", o
   medians $tag $prefix "${modes[@]}"
   (cd $OUT && tar czf $tag.tgz ${prefix}_* && rm -rf ${prefix}_*)
 }
-switch_ab() {  # $1 tag, $2 VAR, $3 its values ("0 2 4"), $4 the runs' folder prefix: modes_ab with VAR at each value,
-  # BASE's switches (space-separated VAR=VALUE) on in every mode
-  local modes=() v
-  for v in $3; do modes+=("$(echo ${BASE:-} $2=$v | tr ' ' ,)"); done
-  modes_ab "$1" $4 "${modes[@]}"
-}
 PHASES=${PHASES:?PHASES: one or more of the phases above}
 
-if has check; then  # (run 2026-12-05b: tests pass, oracle PASS, 2 slots nondeterministic, refused since)
-  gpu_tests check "gemv or moe or conv" "graph_replay_equals_eager or pdl_equals or recaptured"
-  oracle fp8 verify_fp8_check
-  IPROFILE= modes_ab check chk default METAINFER_WGMMA_GEMV_SLOTS=6 METAINFER_WGMMA_GEMV_SLOTS=6,X_SAME=1
-fi
 if has early2; then
   D=METAINFER_WGMMA_GEMV_DEFINES B=METAINFER_MOE_DOWN_EARLY=1
   (export $D=-DGEMV_EARLY=1 $B METAINFER_ROUTER_EARLY=1 METAINFER_GDN_EARLY=1
@@ -169,14 +152,8 @@ fi
 if has timeline; then
   timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k timeline 2>&1 | tail -2 \
     | tag "timeline test"
-  (( $(left) > 90 )) && timeout $(( $(left) - 20 )) python benchmarks/gemv_timeline.py --modes default \
+  (( $(left) > 90 )) && timeout $(( $(left) - 20 )) python experiments/gemv_timeline.py --modes default \
     METAINFER_MOE_DOWN_EARLY=1 --out $OUT/timeline 2>&1 | grep -v "falling back" | tail -20 | tag timeline
-fi
-if has tune; then
-  IREPS=${IREPS:-2} modes_ab tune tn default METAINFER_GDN_BLOCK_V=16 METAINFER_GDN_BLOCK_V=64 \
-    METAINFER_GDN_WARPS=2 METAINFER_GDN_WARPS=8 METAINFER_NORM_ROUTER_BLOCK_E=1 METAINFER_NORM_ROUTER_BLOCK_E=4 \
-    METAINFER_NORM_ROUTER_WARPS=2 METAINFER_NORM_ROUTER_WARPS=8 METAINFER_ATTN_DECODE=block_n=32 \
-    METAINFER_ATTN_DECODE=min_split_tokens=128 METAINFER_ATTN_DECODE=num_warps=8
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel, the
   # layer table and batch 8 with them, ~3 min
@@ -234,51 +211,4 @@ print(f"prefill {p['prompt_len']} tokens, PDL off: wall {p['wall_ms']:.1f} ms, k
 for r in p["top"][:12]:
     print(f"  {r['us'] / 1e3:7.2f} ms {r['calls']:5d}x  {r['kernel'][:70]}")
 PY
-fi
-if has mega; then
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -o /tmp/mega.cubin \
-    metainfer/kernels/mega/mega.cu 2>&1 | grep -E "registers|spill" | tail -2
-  timeout 240 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
-  tail -4 $OUT/mega_tests.log
-  if [[ ${MEGA_STEP:-1} == 1 ]]; then
-    timeout 200 python benchmarks/mega_step.py --json $OUT/mega_step_bf16head.json 2>&1 | tail -12
-    timeout 200 python benchmarks/mega_step.py --fp8-lm-head --json $OUT/mega_step_fp8head.json 2>&1 | tail -12
-  fi
-  timeout 150 python benchmarks/mega_bench.py --json $OUT/mega_bench_fp8.json 2>&1 | tail -5
-fi
-if has megaprof; then  # the megakernel's GPU tests, then the full step checked, timed and profiled (profile.py)
-  timeout 150 python -m pytest -q tests/gpu/test_mega_gpu.py -p no:cacheprovider 2>&1 | tail -25 > $OUT/mega_tests.log
-  tail -3 $OUT/mega_tests.log
-  timeout 240 python benchmarks/mega_step.py --prof --reps 30 --leads 0 ${MEGA_ARGS:-} \
-    --json $OUT/mega_step.json 2>&1 | grep -v Warn | tail -32
-fi
-if has megaeng; then  # the engine with --megakernel: FP8 batch 1 decode, then the oracle (only if the tests passed)
-  timeout 240 python benchmarks/decode_bench.py --dtype fp8 --batches 1 --no-profile --megakernel \
-    --out $OUT/megaeng 2>&1 | grep -E "decode_tok_s|megakernel|Error|Traceback" | head -6
-  # (one sequence at a time: the megakernel serves only batch-1 decode steps)
-  timeout 300 python -m metainfer.cli verify --model $MODEL --dtype fp8 \
-    --megakernel --max-num-seqs 1 --device cuda --suite full --json $OUT/verify_fp8_mega.json 2>&1 \
-    | grep -E "verdict|FAIL|Error" | head -8
-fi
-if has chunkbench; then  # the consumers' rate on one ring slot: CUDA cores, tensor cores, the ring, FP8 wgmma
-  timeout 240 python benchmarks/mega_chunk_bench.py --wgmma --variants "${CHUNK_VARIANTS:-}" \
-    --json $OUT/chunk_bench.json 2>&1 | grep -v Warn | tail -12
-fi
-build_chain() { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/stream_chain benchmarks/stream_chain.cu; }
-if has chain2; then
-  build_chain || exit 1
-  [[ ${NCU:-1} == 1 ]] && timeout 120 ncu --clock-control none -k regex:chain_kernel -c 1 --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats /tmp/stream_chain /tmp/one.json one \
-    > $OUT/ncu_chain.txt 2>&1 && grep -E "DRAM Throughput|Duration|Warp Cycles" $OUT/ncu_chain.txt | head -8
-  timeout 60 /tmp/stream_chain $OUT/stream_chain_single.json single 2>&1 | tee $OUT/stream_chain_single.log
-  timeout 150 /tmp/stream_chain $OUT/stream_chain2.json 2>&1 | tee $OUT/stream_chain2.log
-fi
-if has pdlchain; then
-  build_chain || exit 1
-  [[ ${PDL_FULL:-1} == 1 ]] && timeout 200 /tmp/stream_chain $OUT/stream_chain_pdl.json pdl 2>&1 | tee $OUT/stream_chain_pdl.log
-  [[ ${PDL_WG:-0} == 1 ]] && { timeout 60 /tmp/stream_chain /tmp/wgdebug.json wgdebug 2>&1 | tail -3
-    timeout 200 /tmp/stream_chain $OUT/stream_chain_pdlwg.json pdlwg 2>&1 | tee $OUT/stream_chain_pdlwg.log; }
-  for r in ${PDL_ROWS:-}; do  # e.g. "12352 9216 4608 4096": in_proj, qkv, the 9 downs, a K = 4096 projection's bytes
-    timeout 60 /tmp/stream_chain $OUT/stream_chain_pdl_$r.json pdlsize $r 2>&1 | grep " us per " | tee -a $OUT/stream_chain_pdlsize.log
-  done
 fi

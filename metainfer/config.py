@@ -243,7 +243,7 @@ class EngineConfig:
     # published FP8 checkpoint, which keeps it BF16: KB-0067, oracle PASS). METAINFER_FP8_LM_HEAD=1 does
     # the same where this is False
     fp8_lm_head: bool = False
-    # batch-1 decode steps as one persistent CUDA kernel (kernels/mega, benchmarks/MEGAKERNEL.md; FP8 only,
+    # batch-1 decode steps as one persistent CUDA kernel (kernels/mega, docs/megakernel.md; FP8 only,
     # no speculation; the other steps run as before). On the CPU its PyTorch emulator stands in (tests)
     megakernel: bool = False
     load_format: str = "auto"  # auto | safetensors | dummy

@@ -38,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--megakernel",
         action="store_true",
         help="with fp8: batch-1 decode steps as one persistent CUDA kernel (experimental; "
-        "benchmarks/MEGAKERNEL.md)",
+        "docs/megakernel.md)",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])

@@ -87,7 +87,7 @@ def summary_table(cfg: ModelConfig, bandwidth: float, design: dict[str, float] |
         + " |"
     )
     if design:
-        rows.append("| DESIGN.md §3 | " + " | ".join(f"~{design[p[0]]:,.0f}" for p in PRECISIONS) + " |")
+        rows.append("| docs/design.md §3 | " + " | ".join(f"~{design[p[0]]:,.0f}" for p in PRECISIONS) + " |")
     return rows
 
 

@@ -14,7 +14,7 @@ order per row, so the two forms below agree bit for bit:
 - `chain_by_launches`: one launch per stage (`_gemv_stage_kernel`, a program per BLOCK_N rows);
 - `chain_persistent`: one launch for all stages (`_gemv_chain_kernel`, programs take row blocks
   round-robin, a barrier between stages).
-benchmarks/barrier_bench.py times both on the H200.
+experiments/barrier_bench.py times both on the H200.
 """
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ def routed_rows_ok(T: int, fp8: bool) -> bool:
     """Whether `moe_routed_rows` serves a batch of T tokens: FP8 experts, up to ROUTED_MAX_T tokens
     (METAINFER_MOE_ROUTED_MAX_T overrides it). Every gate/up program repeats its token's top-k (~1.6
     µs of serial work on the H200 before its loads), which beats the route launch it saves only where
-    few programs run: H200 A/B (benchmarks/results/2026-11-30d), batch-1 decode FP8 408 -> 425 tok/s
+    few programs run: H200 A/B (2026-11-30, KB-0014), batch-1 decode FP8 408 -> 425 tok/s
     but BF16 369 -> 350, batch 8 FP8 1,545 -> 1,529, FP8 batch 32 2,761 -> 2,549 (with ROUTED_MAX_T =
     32). A speculative verify of 1 + 4 tokens is just past it (its route launch: 3.5 us per layer)."""
     return fp8 and 0 < T <= routed_max_t() and os.environ.get(ROUTED_ENV, "1") != "0"

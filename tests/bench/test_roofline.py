@@ -1,4 +1,4 @@
-"""The roofline model reproduces DESIGN.md §3 for the full Qwen3.6-35B-A3B config."""
+"""The roofline model reproduces docs/design.md §3 for the full Qwen3.6-35B-A3B config."""
 
 from __future__ import annotations
 

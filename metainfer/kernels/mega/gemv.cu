@@ -12,7 +12,7 @@
 // 128-column block (exact for bf16 down to 2^-9 of the block's largest) and reduce each chunk on wgmma
 // (mega::stage_x8 and mega::wg_dot16: m64n8k32, B = the 4 segments' hi and lo terms). (A K = 4,096 form, m64n16k32
 // on 8-row chunks, for the attention o_proj and the DeltaNet out_proj with its gated norm, measured no faster and
-// was removed: KB-0095, benchmarks/results/2026-12-04e/k4096_forms_removed.patch.)
+// was removed: KB-0095; its patch is in git history, 91fe9d4:benchmarks/results/2026-12-04e/.)
 // Each 128-column block's product (its own accumulator chain) times the weight and x block scales, summed in fp32.
 //
 // moe_gate_up_e4m3 (KB-0096): the same K = 2048 kernel over one token's experts' gate/up rows (routed pairs and the

@@ -13,7 +13,7 @@ lines the SMs up.
 `Recorder(device)` points the records at a buffer (`[slots, grid, TL_N]`, a launch's place its sequence
 number modulo slots, so one decode step's launches each get their own); `read()` returns it for `decode`,
 `summarize` and `table`, which are arithmetic on the CPU (tests/kernels/test_gemv_timeline.py builds
-records by hand). benchmarks/gemv_timeline.py runs it on the decode graph.
+records by hand). experiments/gemv_timeline.py runs it on the decode graph.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// The batch-1 decode step as one persistent kernel (benchmarks/MEGAKERNEL.md). A program (built and
+// The batch-1 decode step as one persistent kernel (docs/megakernel.md). A program (built and
 // checked by program.py; emulate.py is each instruction's ground truth) runs in one cooperative launch of
 // one CTA per SM.
 //

@@ -299,7 +299,7 @@ __device__ __forceinline__ float tile_sum(float2 part, float* red, int& buf, int
   return t;
 }
 
-// ---- GEMV chunks on FP8 wgmma (the MEGA_WGMMA build; benchmarks/mega_chunk_bench.cu modes 6, 7 measured it) ------
+// ---- GEMV chunks on FP8 wgmma (the MEGA_WGMMA build; experiments/mega_chunk_bench.cu modes 6, 7 measured it) -----
 // A 16-row chunk of K = 2048 e4m3 is A of m64n8k32: W's row-major [16, 2048] viewed as [64, 512] (view row
 // m = 4 r + s: W row r's K segment s), landed by TMA as 4 K blocks of [64][128 B], 128-byte swizzled (the
 // canonical K-major A). B is x as two e4m3 terms in 8 columns, n = 2 s + h (segment s, hi h = 0 or lo h = 1;

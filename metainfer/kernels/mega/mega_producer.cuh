@@ -57,7 +57,7 @@ __device__ __forceinline__ uint8_t* claim(const Smem& s, uint32_t it, uint32_t b
 // The L2 lead (lead > 0): before the producer waits for a routing, it prefetches into L2 this CTA's
 // chunks of the GEMV instructions after instruction i (the dense weights the routing does not decide:
 // the next layer's projections), up to `lead` bytes, so the DRAM streams through the routing bubble and
-// those chunks later load from L2. (The skeleton's v2 measures the idea: benchmarks/stream_chain.cu.)
+// those chunks later load from L2. (The skeleton's v2 measures the idea: experiments/stream_chain.cu.)
 __device__ void l2_lead(const Instr* prog, int n_instr, int i, uint32_t lead) {
   uint32_t done = 0;
   for (int j = i + 1; j < n_instr && done < lead; ++j) {

@@ -1,4 +1,4 @@
-"""Programs for the batch-1 megakernel (`mega.cu`, plan in benchmarks/MEGAKERNEL.md): instructions as
+"""Programs for the batch-1 megakernel (`mega.cu`, plan in docs/megakernel.md): instructions as
 frozen dataclasses, checked against the kernel's rules and packed into the [n, WORDS] int64 table the
 kernel reads (its `Instr` struct: op, 12 int32 fields, 2 floats, 12 pointers), with one tagged output
 buffer per instruction allocated once.
