@@ -43,6 +43,7 @@ class Record:
     supersedes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_types()
         if not re.fullmatch(r"KB-\d{4}", self.id):
             raise ValueError(f"record id must look like KB-0001, got {self.id!r}")
         if self.status not in STATUSES:
@@ -60,6 +61,29 @@ class Record:
         for name in ("title", "change", "prediction", "benchmark", "lesson"):
             if not str(getattr(self, name)).strip():
                 raise ValueError(f"{self.id}: {name} must not be empty")
+
+    def _check_types(self) -> None:
+        """Every field's type, not just its presence: a record is read by code (kb list, the loop)."""
+        for name in ("id", "title", "date", "status", "change", "prediction", "benchmark", "lesson"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{self.id!r}: {name} must be a string")
+        for name in ("before", "after", "oracle"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{self.id}: {name} must be an object")
+        for name in ("files", "tags", "supersedes"):
+            if not all(isinstance(x, str) for x in getattr(self, name)):
+                raise ValueError(f"{self.id}: {name} must be a list of strings")
+        if set(self.oracle) - {"verdict", "passed", "note"}:
+            raise ValueError(f"{self.id}: oracle keys are verdict, passed and note")
+        if self.oracle.get("passed") not in (True, False, None):
+            raise ValueError(f"{self.id}: oracle passed must be true, false or null, "
+                            f"got {self.oracle.get('passed')!r}")
+        for key in ("verdict", "note"):
+            if not isinstance(self.oracle.get(key), (str, type(None))):
+                raise ValueError(f"{self.id}: oracle {key} must be a string or null")
+        for name, v in asdict(self.target).items():
+            if not isinstance(v, str):
+                raise ValueError(f"{self.id}: target.{name} must be a string")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Record:

@@ -40,7 +40,9 @@ def test_roundtrip_and_query(tmp_path):
     [{"status": "maybe"}, {"id": "KB-1"}, {"date": "30/11/2026"}, {"lesson": " "},
      {"oracle": {"passed": False}},
      {"status": "reverted", "oracle": {"verdict": None, "passed": False}},
-     {"status": "proposed", "oracle": {"verdict": "not run", "passed": None}}],
+     {"status": "proposed", "oracle": {"verdict": "not run", "passed": None}},
+     {"oracle": {"verdict": "v.json", "passed": "22/22"}}, {"oracle": {"verdict": 3, "passed": None}},
+     {"title": 7}, {"before": [1]}, {"files": ["a", 2]}, {"target": {"gpu": 200}}],
 )
 def test_invalid_records_rejected(bad):
     with pytest.raises(ValueError):
@@ -57,6 +59,12 @@ def test_cli_add_list_show(tmp_path, capsys):
     assert main(["kb", "show", "KB-0009", "--dir", str(tmp_path)]) == 1
     f.write_text(json.dumps({**GOOD, "status": "nope"}))
     assert main(["kb", "add", str(f), "--dir", str(tmp_path)]) == 2
+
+
+def test_committed_records_list_and_show(capsys):
+    """Every shipped record goes through the CLI's listing (it reads the verdict's type)."""
+    assert main(["kb", "list"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(load_all())
 
 
 def test_committed_records_are_valid():
