@@ -20,6 +20,16 @@ from metainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenize
 log = logging.getLogger("metainfer.engine")
 
 
+# what the steps covered (the oracle's coverage): steps per runner path (ModelRunner.launch), lone
+# prefill steps (one prompt chunk and nothing else), mixed steps (prefill and decode rows),
+# preemptions; and peaks: the widest decode step and verify step (sequences), the longest context
+# (max num_computed_tokens after a step). Peaks are maxima since start or the last reset_peaks().
+PEAK_STATS = ("max_decode_batch", "max_verify_batch", "max_position")
+COVERAGE_STATS = {"path_mega": 0, "path_decode_graph": 0, "path_prefill_graph": 0, "path_eager": 0,
+                  "lone_prefill_steps": 0, "mixed_steps": 0, "preemptions": 0,
+                  **dict.fromkeys(PEAK_STATS, 0)}
+
+
 class RequestError(ValueError):
     """A request the engine refuses; the message is meant for the client."""
 
@@ -60,7 +70,7 @@ class LLMEngine:
         self._spec_misses = 0  # proposals in a row that found no drafts
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
                       "slow_launches": 0, "async_steps": 0, "spec_verifies": 0, "spec_drafted": 0,
-                      "spec_accepted": 0, "spec_draft_errors": 0}
+                      "spec_accepted": 0, "spec_draft_errors": 0, **COVERAGE_STATS}
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -155,6 +165,7 @@ class LLMEngine:
         if not batch.items:
             return self._drain()
         sync = not self._async_ok(batch)
+        self._note_shape(batch)
         outputs: list[RequestOutput] = []
         # the previous (async) step's tokens are processed after this launch, sync or not: a request
         # that token stops is still in this batch, and its blocks must outlive the launch
@@ -176,6 +187,7 @@ class LLMEngine:
             )
         self.stats["steps"] += 1
         self.stats["async_steps"] += not sync
+        self.stats[f"path_{inflight.path}"] += 1
         self._host_tokens = sync
         self._launched(inflight)
         outputs += self._drain()
@@ -184,6 +196,31 @@ class LLMEngine:
         else:
             self._pending = inflight
         return outputs
+
+    def _note_shape(self, batch: ScheduledBatch) -> None:
+        """Coverage counters of a scheduled step (host state only): a request's chunk is a prefill
+        while it starts inside the prompt (a resumed request's recompute and scoring too), else a
+        decode (a verify is a decode with drafts); a lone prefill is one generating request's
+        prompt chunk alone in the step."""
+        st = self.stats
+        st["preemptions"] += len(batch.preempted)
+        prefills = sum(r.num_computed_tokens < r.num_prompt_tokens for r, _ in batch.items)
+        decodes = len(batch.items) - prefills
+        verifies = sum(bool(r.draft_token_ids) for r, _ in batch.items)
+        lone = len(batch.items) == 1 and prefills == 1 and not batch.items[0][0].score_only
+        st["lone_prefill_steps"] += lone
+        st["mixed_steps"] += prefills > 0 and decodes > 0
+        st["max_decode_batch"] = max(st["max_decode_batch"], decodes)
+        st["max_verify_batch"] = max(st["max_verify_batch"], verifies)
+
+    def reset_spec_backoff(self) -> None:
+        """Forgets the backoff of the speculation probes (`_async_ok`): the next step with generated
+        tokens on the host proposes drafts again, whatever earlier batches found."""
+        self._spec_misses = self._spec_wait = 0
+
+    def reset_peaks(self) -> None:
+        """Zeroes the peak counters (PEAK_STATS), so they cover the steps from now on."""
+        self.stats.update(dict.fromkeys(PEAK_STATS, 0))
 
     SLOW_LAUNCH_S = 0.5  # a launch is host work (no GPU wait): this long means a JIT compile or worse
 
@@ -235,6 +272,8 @@ class LLMEngine:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats["prompt_tokens"] += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
+            if req.num_computed_tokens > self.stats["max_position"]:
+                self.stats["max_position"] = req.num_computed_tokens
         for req, idx in inflight.samples:
             assert idx == len(req.output_token_ids)
             req.output_token_ids.append(PENDING)

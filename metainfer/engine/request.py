@@ -125,9 +125,11 @@ class Request:
 
     @property
     def draftable(self) -> bool:
-        """Speculative drafts may serve it: greedy, no logprobs, not a scoring request."""
+        """Speculative drafts may serve it: greedy, no logprobs, not a scoring request, no min_tokens
+        ban pending (a verify's argmax would not apply it)."""
         p = self.params
-        return p.greedy and not self.score_only and p.logprobs is None and p.prompt_logprobs is None
+        return (p.greedy and not self.score_only and p.logprobs is None and p.prompt_logprobs is None
+                and len(self.output_token_ids) >= p.min_tokens)
 
     @property
     def finished(self) -> bool:

@@ -95,6 +95,7 @@ class InFlight:
     # after each draft, and its DeltaNet states from before the step (to restore on a rejection)
     verify: dict[str, list[int]] = field(default_factory=dict)
     saved_states: dict[str, StateCopy] = field(default_factory=dict)
+    path: str = "eager"  # which launch path ran it: mega | decode_graph | prefill_graph | eager
 
 
 class ModelRunner:
@@ -287,14 +288,17 @@ class ModelRunner:
         saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
         if self.mega is not None and len(items) == 1 and self._decode_only(items):
             logits, owners = self._mega_logits(items[0][0])
+            path = "mega"
         elif self.decode is not None and self._pure_decode(items):
             logits, owners = self._decode_logits(items)
-            argmaxed = True
+            argmaxed, path = True, "decode_graph"  # (on the CPU: its persistent buffers, no graph)
         elif self.prefill is not None and self._lone_prefill(items):
             logits, owners = self._prefill_logits(items[0])
+            path = "prefill_graph"
         else:
             logits, owners = self._eager_logits(items)
-        inflight = InFlight(items=items, saved_states=saved)
+            path = "eager"
+        inflight = InFlight(items=items, saved_states=saved, path=path)
         if self.mtp is not None:
             self._note_hidden(items)
         self._hidden = None  # (held only until noted: a prefill's rows are large)
@@ -500,6 +504,13 @@ class ModelRunner:
         reqs = [owners[i][0] for i in rows]
         sub = logits if len(rows) == len(owners) else logits[torch.tensor(rows, device=self.device)]
         R = len(reqs)
+        raw = sub  # logprobs are the model's, before min_tokens' ban
+        banned = self._min_tokens_bans(reqs, sub.shape[-1])
+        if banned:
+            sub = sub.clone()
+            for j, ids in banned:
+                sub[j, ids] = float("-inf")
+            argmaxed = False
         if all(r.params.greedy for r in reqs):
             if not (argmaxed and len(rows) == len(owners)):
                 ops.argmax_rows(sub, self._tok_buf)
@@ -529,7 +540,7 @@ class ModelRunner:
             out.event.record()
         if any(r.params.logprobs is not None for r in reqs):
             n_lp = max((r.params.logprobs or 0) for r in reqs)
-            chosen, tv, ti = (t.tolist() for t in top_logprobs(sub, toks, n_lp))
+            chosen, tv, ti = (t.tolist() for t in top_logprobs(raw, toks, n_lp))
             host = toks.tolist()
             for j, r in enumerate(reqs):
                 if r.params.logprobs is not None:
@@ -537,6 +548,19 @@ class ModelRunner:
                     out.logprobs[r.request_id] = TokenLogprob(
                         host[j], chosen[j], list(zip(ti[j][:k], tv[j][:k]))
                     )
+
+    @staticmethod
+    def _min_tokens_bans(reqs: list[Request], vocab: int) -> list[tuple[int, list[int]]]:
+        """(row, ids) for each request still short of its min_tokens: its stop ids and EOS ids (unless
+        ignore_eos) may not be sampled yet (vLLM's semantics: they cannot be generated before)."""
+        out = []
+        for j, r in enumerate(reqs):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+                ids = sorted(i for i in ids if 0 <= i < vocab)
+                if ids:
+                    out.append((j, ids))
+        return out
 
     def _extras(self, logits, owners, out: InFlight) -> None:
         """Prompt logprobs and scoring logits (synchronous)."""

@@ -77,6 +77,7 @@ class Qwen3_5MoeModel(nn.Module):
             layers.append(DecoderLayer(cfg, t, counters[kind]))
             counters[kind] += 1
         self.layers = nn.ModuleList(layers)
+        self.layer_hook = None  # called after each layer when set; the residual stream is output + residual
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, {"lm_head": cfg.vocab_size})
         self.mtp = MTP(cfg, cache_index=counters["full"]) if cfg.mtp_num_hidden_layers > 0 else None
@@ -93,8 +94,10 @@ class Qwen3_5MoeModel(nn.Module):
         with pdl.off_for(meta.prefill_max_len()):
             x = self.embed_tokens(input_ids)
             residual = None
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, positions, meta, caches)
+                if self.layer_hook is not None:  # oracle seam (eager steps): (layer, its output, residual)
+                    self.layer_hook(i, x, residual)
             h, _ = self.norm.add_forward(x, residual)
         return h
 
