@@ -41,6 +41,15 @@ def _argv(args: argparse.Namespace) -> list[str]:
     return out + positionals
 
 
+def _longest(dataset: Any, tokenizer_dir: str | None) -> tuple[list[Any], int]:
+    """A dataset's requests and its longest sequence (prompt + output tokens)."""
+    from metainfer.bench.datasets import load_requests
+    from metainfer.tokenizer import load_tokenizer
+
+    reqs = load_requests(dataset, load_tokenizer(tokenizer_dir))
+    return reqs, max(r.prompt_len + r.output_len for r in reqs)
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="write the result JSON here")
     p.add_argument("--verdict", metavar="PATH", help="oracle verdict JSON this result relies on")
@@ -84,7 +93,7 @@ def _add_serve(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from metainfer.bench.client import ClientConfig
     from metainfer.bench.datasets import DatasetSpec
-    from metainfer.bench.env import write_json
+    from metainfer.bench.env import check_verdict, write_json
     from metainfer.bench.roofline import resolve_config_path
     from metainfer.bench.serve import RooflineSpec, run_ok, serve_benchmark
 
@@ -100,6 +109,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             vocab_limit=args.vocab_limit,
         )
+        reqs = None
+        if args.verdict:  # refused before the server is touched
+            reqs, longest = _longest(dataset, args.tokenizer)
+            check_verdict(args.verdict, min(args.max_concurrency or len(reqs), len(reqs)), longest)
         if args.model is None:
             import asyncio
 
@@ -132,6 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             verdict=args.verdict,
             argv=_argv(args),
             tokenizer_dir=args.tokenizer,
+            reqs=reqs,
         )
     except (ValueError, FileNotFoundError) as e:
         return _err(str(e))
@@ -158,7 +172,7 @@ def _add_offline(sub: Any) -> None:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from metainfer.bench.env import write_json
+    from metainfer.bench.env import check_verdict, write_json
     from metainfer.bench.offline import OfflineConfig, offline_benchmark
 
     try:
@@ -174,6 +188,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
             seed=args.seed,
             bandwidth=args.bandwidth,
         )
+        check_verdict(args.verdict, cfg.batch_size, cfg.input_len + cfg.output_len)
     except ValueError as e:
         return _err(str(e))
     try:
@@ -318,7 +333,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         if not config_file(cfg.model).is_file():
             raise ValueError(f"no config at {config_file(cfg.model)}")
-    except ValueError as e:
+        if cfg.verdict:  # every workload, before any server starts
+            from metainfer.bench.datasets import DatasetSpec
+            from metainfer.bench.env import check_verdict
+
+            for w in cfg.workloads:
+                spec = DatasetSpec.parse(cfg.dataset, input_len=w.input_len, output_len=w.output_len,
+                                         num_prompts=w.num_prompts, seed=cfg.seed)
+                reqs, longest = _longest(spec, cfg.tokenizer_dir)
+                check_verdict(cfg.verdict, min(w.max_concurrency, len(reqs)), longest)
+    except (ValueError, FileNotFoundError) as e:
         return _err(str(e))
     files, ok = run_compare(cfg, argv=_argv(args))
     if files:

@@ -94,20 +94,58 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def verdict_info(path: str | None) -> dict[str, Any] | None:
-    """The oracle verdict a result relies on: its path and `passed` field (None if unreadable)."""
+    """The oracle verdict a result relies on: its path, `passed` field (None if unreadable) and
+    coverage (`figures.coverage`: what the verdict judged, None if it has none)."""
     if not path:
         return None
     p = Path(path)
     passed: bool | None = None
+    cov = None
     error = None
     try:
-        passed = json.loads(p.read_text()).get("passed")
+        obj = json.loads(p.read_text())
+        passed = obj.get("passed")
+        cov = (obj.get("figures") or {}).get("coverage")
     except (OSError, ValueError, AttributeError) as e:
         error = f"{type(e).__name__}: {e}"
-    info: dict[str, Any] = {"path": str(p.resolve()), "passed": passed}
+    info: dict[str, Any] = {"path": str(p.resolve()), "passed": passed, "coverage": cov}
     if error:
         info["error"] = error
     return info
+
+
+class VerdictError(ValueError):
+    """A verdict that cannot back the run asked for (a usage error: exit 2, before any load)."""
+
+
+def check_verdict(path: str | None, concurrency: int, seq_tokens: int) -> None:
+    """Raises VerdictError unless the verdict at `path` passed and its coverage (`figures.coverage`,
+    written by `metainfer verify`) spans the run: `concurrency` sequences decoding at once at most
+    its widest judged decode step (`max_decode_batch`), and sequences of `seq_tokens` (prompt +
+    output) tokens at most its longest judged context (`max_position`). No verdict: no check."""
+    if not path:
+        return
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise VerdictError(f"verdict {path} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict) or obj.get("passed") is not True:
+        failed = obj.get("failed") if isinstance(obj, dict) else None
+        raise VerdictError(f"verdict {path} did not pass (failed: {', '.join(failed or []) or '?'}): "
+                           "no result may rely on it")
+    cov = (obj.get("figures") or {}).get("coverage") if isinstance(obj.get("figures"), dict) else None
+    if not isinstance(cov, dict):
+        raise VerdictError(f"verdict {path} has no coverage section (figures.coverage): it cannot show "
+                           "what it judged; run `metainfer verify` again")
+    width, longest = cov.get("max_decode_batch"), cov.get("max_position")
+    if not isinstance(width, int) or not isinstance(longest, int):
+        raise VerdictError(f"verdict {path}: coverage lacks max_decode_batch / max_position")
+    if concurrency > width:
+        raise VerdictError(f"concurrency {concurrency} exceeds the widest decode step verdict {path} "
+                           f"judged ({width} sequences)")
+    if seq_tokens > longest:
+        raise VerdictError(f"sequences of {seq_tokens} tokens (prompt + output) exceed the longest "
+                           f"context verdict {path} judged ({longest} tokens)")
 
 
 def build_result(

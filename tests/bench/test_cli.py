@@ -20,7 +20,8 @@ FAKE = Path(__file__).resolve().parent / "fake_openai.py"
 @pytest.mark.parametrize("fake_server", [Behaviour(ttft_ms=20.0, itl_ms=5.0)], indirect=True)
 def test_serve_writes_result_and_report(fake_server: FakeServer, tmp_path: Path, capsys) -> None:
     verdict = tmp_path / "verdict.json"
-    verdict.write_text(json.dumps({"passed": True, "checks": []}))
+    verdict.write_text(json.dumps({"passed": True, "checks": [],
+                                   "figures": {"coverage": {"max_decode_batch": 2, "max_position": 16}}}))
     out = tmp_path / "r.json"
     args = [
         "bench",
