@@ -228,7 +228,8 @@ RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "exp
 
 
 def dummy_init_(name: str, t: torch.Tensor, cfg: ModelConfig, gen: torch.Generator) -> None:
-    """The one seeded dummy recipe, in canonical-name terms (shared by engine and oracle).
+    """The one seeded dummy recipe, in canonical-name terms (the oracle restates it independently in
+    metainfer/oracle/recipe.py).
 
     Projections ~ N(0, 1/fan_in) keep activations O(1) through 40 layers; the embedding ~ N(0, 1);
     lm_head ~ N(0, (LM_HEAD_GAIN^2)/H) makes logits peaked enough that the judge can see errors;

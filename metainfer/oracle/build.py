@@ -1,17 +1,20 @@
-"""Building the pair under judgement: the engine, and the reference on the same weights.
+"""Building the pair under judgement: the engine, and the reference on the weights it should have.
 
-Dummy weights are materialised once, by the engine, and handed to the reference as views (no copy).
-FP8: the engine builds BF16 weights and quantises them; `keep_prequant_weights` records views of
-the BF16 tensors just before the quantiser replaces them, so the reference keeps the BF16 originals
-(70 GB BF16 + 35 GB FP8 fit one H200). This needs the quantiser to rebind parameters to new tensors,
-never to write into the BF16 storage; a fingerprint taken before and checked after enforces it.
+Dummy weights: the reference regenerates them from the seeded recipe (metainfer.oracle.recipe) on
+the device, independently of the engine ("independent"); where a second copy does not fit, each
+recipe tensor is regenerated, digested and freed, the reference runs on the engine's tensors, and
+those are checked against the recipe's digests ("shared-digest"). Checkpoints: transformers loads
+the directory itself ("checkpoint"), or, when that does not fit or is not asked for, the reference
+runs on the engine's tensors ("shared"). FP8: `record_prequant_digests` digests the BF16 tensors
+just before `quantize_model_fp8` replaces them; those digests are compared with the reference's.
+`Setup.weights.check()` re-digests every tensor at the end of the run.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +22,11 @@ from typing import Any
 
 import torch
 
+from metainfer.oracle.digest import Digester, WeightAudit
 from metainfer.oracle.reference import Reference
 from metainfer.oracle.suites import Suite, build_suite
 
-LOAD_HEADROOM = 16 << 30  # free GPU memory a second copy of a checkpoint must leave
+LOAD_HEADROOM = 16 << 30  # free GPU memory a second copy of the weights must leave
 
 
 class OracleSetupError(ValueError):
@@ -36,6 +40,7 @@ class Setup:
     suite: Suite
     precision: str  # float32 | bfloat16 | fp8: selects the gates
     notes: list[str] = field(default_factory=list)
+    weights: WeightAudit | None = None  # set by build_setup: `weights.check()` after the runs
 
     def context(self, model: str) -> dict:
         """Engine config, model, reference: what the verdict records besides figures."""
@@ -54,6 +59,7 @@ class Setup:
                 "resolved_dtype": str(runner.dtype).removeprefix("torch."),
             },
             "reference": self.reference.info.to_dict(),
+            "weights": self.weights.describe() if self.weights is not None else None,
             "env": environment(str(runner.device)),
             "notes": list(self.notes),
         }
@@ -63,21 +69,10 @@ def fp8_available() -> bool:
     return importlib.util.find_spec("metainfer.model.fp8") is not None
 
 
-def _fingerprint(weights: dict[str, torch.Tensor]) -> dict[str, float]:
-    names = sorted(weights)
-    picks = {
-        names[0],
-        names[len(names) // 2],
-        names[-1],
-        *[n for n in names if n.endswith("experts.down_proj")][:1],
-    }
-    return {n: float(weights[n].reshape(-1)[:65536].double().sum()) for n in picks}
-
-
 @contextmanager
-def keep_prequant_weights() -> Iterator[dict]:
-    """While active, `metainfer.model.fp8.quantize_model_fp8` first records canonical-named views of
-    the weights it is about to quantise (box["weights"]) and their fingerprint."""
+def record_prequant_digests(digest: Callable[[torch.Tensor], str]) -> Iterator[dict]:
+    """While active, `metainfer.model.fp8.quantize_model_fp8` first records `digest` of every
+    canonical tensor it is handed (box["digests"]: name -> digest); no tensor is kept alive."""
     import metainfer.model.fp8 as fp8
     from metainfer.model.weights import hf_state_dict
 
@@ -85,8 +80,7 @@ def keep_prequant_weights() -> Iterator[dict]:
     original = fp8.quantize_model_fp8
 
     def recording(model, *args, **kwargs):
-        box["weights"] = hf_state_dict(model)
-        box["fingerprint"] = _fingerprint(box["weights"])
+        box["digests"] = {n: digest(t) for n, t in hf_state_dict(model).items()}
         return original(model, *args, **kwargs)
 
     fp8.quantize_model_fp8 = recording
@@ -126,10 +120,11 @@ def build_setup(
     model: str, suite_name: str, engine_kwargs: dict, seed: int = 0, reference: str = "auto"
 ) -> Setup:
     """The engine (`metainfer.llm.LLM`) and its reference for `model` (a HF dir, dummy:CONFIG, or ""
-    for the embedded default). `reference`: auto | shared | checkpoint (a HF dir only)."""
+    for the embedded default). `reference`: auto | shared | checkpoint (a HF dir only); for dummy
+    models, shared forces the digest-verified shared mode. `seed` seeds the suite; the weights seed
+    is engine_kwargs["seed"] (default 0), which the oracle passes to the engine and regenerates."""
     from metainfer.engine.runner import ModelSource
     from metainfer.llm import LLM
-    from metainfer.model.weights import hf_state_dict
     from metainfer.tokenizer import load_tokenizer
 
     kw = dict(engine_kwargs)
@@ -142,6 +137,9 @@ def build_setup(
         source = ModelSource.parse(model, kw.get("load_format", "auto"))
     except FileNotFoundError as e:
         raise OracleSetupError(str(e)) from None
+    if quant == "fp8" and reference == "shared":
+        raise OracleSetupError("an FP8 engine keeps no BF16 tensors to share: use --reference auto")
+    kw["seed"] = weights_seed = int(kw.get("seed") or 0)
     text = _raw_text_config(source.config_path)
     max_pos = int(text.get("max_position_embeddings", 262144))
     cap = min(max_pos, int(kw["max_model_len"])) if kw.get("max_model_len") else max_pos
@@ -149,50 +147,179 @@ def build_setup(
     suite = build_suite(suite_name, int(text["vocab_size"]), tokenizer, seed=seed, max_model_len=cap)
     kw = engine_defaults(suite, kw, max_pos)
 
-    recorder = keep_prequant_weights() if quant == "fp8" else nullcontext(None)
+    digest = Digester()
+    recorder = record_prequant_digests(digest) if quant == "fp8" else nullcontext(None)
     with recorder as box:
         llm = LLM(model=model, **kw)
     runner = llm.engine.runner
-    notes: list[str] = []
     precision = "fp8" if quant == "fp8" else str(runner.dtype).removeprefix("torch.")
     if precision not in ("fp8", "float32", "bfloat16"):
         raise OracleSetupError(f"no gates for an engine in {precision}")
-    weights = None
+    prequant = None
     if box is not None:
-        if "weights" not in box:
+        if "digests" not in box:
             raise OracleSetupError(
                 "the engine did not quantise through metainfer.model.fp8.quantize_model_fp8"
             )
-        weights = box.pop("weights")
-        if _fingerprint(weights) != box["fingerprint"]:
-            raise OracleSetupError("the FP8 quantiser wrote into the BF16 weights the reference needs")
-    # a checkpoint is loaded again by transformers when asked, or (auto, BF16/fp32) when it fits;
-    # an FP8 engine already holds the BF16 tensors it was quantised from, so auto uses those
-    use_ckpt = source.weights_dir is not None and (
-        reference == "checkpoint" or (reference == "auto" and weights is None)
-    )
-    if use_ckpt and reference == "auto" and not _fits_twice(source.weights_dir, runner.device):
-        use_ckpt = False
-    if source.weights_dir is not None and not use_ckpt:
-        notes.append(
+        prequant = box["digests"]
+    pair = _Pair(runner, source.config_path, digest, prequant)
+    if source.weights_dir is None:
+        ref, audit, notes = pair.dummy(weights_seed, shared=reference == "shared")
+    else:
+        use_ckpt = reference == "checkpoint" or (
+            reference == "auto" and _fits(_checkpoint_bytes(source.weights_dir), runner.device)
+        )
+        if prequant is not None and not use_ckpt:
+            raise OracleSetupError(
+                "the BF16 reference of an FP8 engine does not fit beside it: "
+                f"{_checkpoint_bytes(source.weights_dir) / 2**30:.1f} GiB + headroom"
+            )
+        ref, audit, notes = pair.checkpoint(source.weights_dir) if use_ckpt else pair.shared()
+    if precision == "fp8":
+        notes.append("FP8 engine judged against the BF16 (pre-quantisation) weights it was quantised from")
+    return Setup(llm, ref, suite, precision, notes, audit)
+
+
+class _Pair:
+    """Builds the reference and the weights audit for one engine (`runner`)."""
+
+    def __init__(
+        self, runner: Any, config_path: Path, digest: Digester, prequant: dict[str, str] | None
+    ) -> None:
+        self.runner, self.config_path, self.digest, self.prequant = runner, config_path, digest, prequant
+
+    def engine_tensors(self) -> dict[str, torch.Tensor]:
+        """Canonical-named views of the engine's weights; FP8 scales too (audit-only names)."""
+        from metainfer.model.weights import hf_state_dict
+
+        model = self.runner.model
+        out = hf_state_dict(model)
+        if self.prequant is not None:
+            from metainfer.model.fp8 import fp8_linears, fp8_moes
+
+            heads = [("lm_head", model.lm_head)] if hasattr(model, "lm_head") else []
+            for prefix, lin in [*heads, *fp8_linears(model)]:
+                if getattr(lin, "weight_scale_inv", None) is not None:
+                    out[f"{prefix}.weight_scale_inv"] = lin.weight_scale_inv
+            for i, moe in enumerate(fp8_moes(model)):
+                for k in ("w_gate_up_scale", "w_down_scale"):
+                    if getattr(moe, k, None) is not None:
+                        out[f"moe.{i}.{k}"] = getattr(moe, k)
+        return out
+
+    def _engine_expected(self, expected: dict[str, str], cast: dict[str, torch.dtype]) -> tuple[dict, list]:
+        """What each engine tensor must digest to at the end, and the names that differ now. FP8:
+        converted tensors must keep their post-build digest; the rest is compared with `expected`
+        now too (against the pre-quantisation digests for the converted ones)."""
+        eng = self.engine_tensors()
+        want, bad = {}, []
+        for name, t in eng.items():
+            if name in expected and (self.prequant is None or t.dtype == self.runner.dtype):
+                want[name] = expected[name]
+                if self.digest(t, cast.get(name)) != want[name]:
+                    bad.append(name)
+            else:
+                want[name] = self.digest(t)
+                if name in expected and self.prequant.get(name) != expected[name]:
+                    bad.append(name)
+        bad += [n for n in expected if n not in eng]
+        return want, bad
+
+    def dummy(self, seed: int, shared: bool) -> tuple[Reference, WeightAudit, list[str]]:
+        from metainfer.oracle.recipe import iter_recipe, recipe_spec
+
+        r = self.runner
+        spec = recipe_spec(self.config_path)
+        expected: dict[str, str] = {}
+        fits = _fits(spec.nbytes(r.dtype), r.device)
+        if self.prequant is not None and not fits:
+            raise OracleSetupError(
+                f"the BF16 reference of an FP8 engine does not fit beside it: "
+                f"{spec.nbytes(r.dtype) / 2**30:.1f} GiB + headroom"
+            )
+        if fits and not shared:
+            ref = Reference.from_recipe(
+                self.config_path, seed, r.device, r.dtype, lambda n, t: expected.update({n: self.digest(t)})
+            )
+            mode, notes, ref_tensors = "independent", [], ref.tensors
+        else:
+            for name, t in iter_recipe(spec, seed, r.device, r.dtype):
+                expected[name] = self.digest(t)
+                del t
+            ref = Reference.from_weights(self.config_path, self.engine_tensors())
+            mode, ref_tensors = "shared-digest", None
+            notes = [
+                "the reference runs on the engine's tensors (no room for a second copy); each was "
+                "checked against the dummy recipe's digest when built and again at the end"
+            ]
+        if spec.tied:
+            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+        want, bad = self._engine_expected(expected, {})
+        audit = WeightAudit(
+            mode,
+            seed,
+            ref.info.weights,
+            expected,
+            want,
+            self.engine_tensors,
+            ref_tensors,
+            build_mismatched=bad,
+            digest=self.digest,
+        )
+        return ref, audit, notes
+
+    def checkpoint(self, weights_dir: Path) -> tuple[Reference, WeightAudit, list[str]]:
+        """transformers loads the checkpoint itself. Engine and reference tensors of different
+        dtypes are compared in the narrower of the two (the engine rounded the checkpoint to its
+        dtype; the reference to its own)."""
+        r = self.runner
+        ref = Reference.from_pretrained(weights_dir, r.device, r.dtype)
+        eng = self.engine_tensors()
+        expected, cast = {}, {}
+        for name, t in ref.tensors().items():
+            e = eng.get(name)
+            if e is not None and e.dtype != t.dtype and e.dtype.is_floating_point and e.element_size() > 1:
+                cast[name] = min(e.dtype, t.dtype, key=lambda d: torch.finfo(d).bits)
+            expected[name] = self.digest(t, cast.get(name))
+        want, bad = self._engine_expected(expected, cast)
+        audit = WeightAudit(
+            "checkpoint",
+            None,
+            "checkpoint",
+            expected,
+            want,
+            self.engine_tensors,
+            ref.tensors,
+            cast,
+            bad,
+            self.digest,
+        )
+        return ref, audit, []
+
+    def shared(self) -> tuple[Reference, WeightAudit, list[str]]:
+        """The reference runs on the engine's loaded tensors: only their stability is checked."""
+        eng = self.engine_tensors()
+        ref = Reference.from_weights(self.config_path, eng)
+        expected = self.digest.many(eng)
+        audit = WeightAudit(
+            "shared", None, "shared", expected, dict(expected), self.engine_tensors, digest=self.digest
+        )
+        note = (
             "the reference runs on the tensors the engine loaded from the checkpoint, so the "
             "engine's loader is not independently checked (--reference checkpoint loads it again)"
         )
-    if use_ckpt:
-        weights = None
-        ref = Reference.from_pretrained(source.weights_dir, runner.device, runner.dtype)
-    else:
-        ref = Reference.from_weights(
-            source.config_path, weights if weights is not None else hf_state_dict(runner.model)
-        )
-    if precision == "fp8" and weights is not None:
-        notes.append("FP8 engine judged against the BF16 (pre-quantisation) weights it was quantised from")
-    return Setup(llm, ref, suite, precision, notes)
+        return ref, audit, [note]
 
 
-def _fits_twice(weights_dir: Path, device: torch.device) -> bool:
+def _checkpoint_bytes(weights_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(weights_dir).glob("*.safetensors"))
+
+
+def _fits(nbytes: int, device: torch.device) -> bool:
+    """Whether a second copy of `nbytes` fits on `device` with LOAD_HEADROOM to spare (the CPU:
+    always). Counts the free memory and what torch's allocator holds unused."""
     if device.type != "cuda":
         return True
-    size = sum(f.stat().st_size for f in Path(weights_dir).glob("*.safetensors"))
     free, _ = torch.cuda.mem_get_info(device)
-    return size + LOAD_HEADROOM < free
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return nbytes + LOAD_HEADROOM < free

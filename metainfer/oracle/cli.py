@@ -45,9 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     from metainfer.generate_cli import engine_kwargs
     from metainfer.oracle.build import OracleSetupError, build_setup
-    from metainfer.oracle.compare import GATES
     from metainfer.oracle.report import format_table, write_verdict
-    from metainfer.oracle.verify import run_verify
+    from metainfer.oracle.verify import verify_setup
 
     suite = args.suite
     if suite == "auto":
@@ -70,12 +69,19 @@ def run(args: argparse.Namespace) -> int:
         f"{s.gen_tokens} generated each, chunk {setup.llm.engine.ecfg.max_num_batched_tokens})",
         file=sys.stderr,
     )
-    verdict = run_verify(setup.llm, setup.reference, s, GATES[setup.precision], setup.context(args.model))
+    verdict = verify_setup(
+        setup, context=setup.context(args.model), log=lambda m: print(m, file=sys.stderr, flush=True)
+    )
     print(format_table(verdict))
     st = verdict.figures.get("engine_stats", {})
     if st.get("spec_verifies"):  # what the speculative verify path was judged on
         print(f"speculative: {st['spec_accepted']} of {st['spec_drafted']} drafts accepted over "
               f"{st['spec_verifies']} verifies ({setup.llm.engine.ecfg.speculative})")
+    cov = verdict.figures.get("coverage") or {}
+    if cov:  # what `metainfer bench --verdict` may rely on
+        print(f"coverage: decode steps up to {cov.get('max_decode_batch')} sequences, contexts up to "
+              f"{cov.get('max_position')} tokens, {cov.get('lone_prefill_steps')} lone prefills, "
+              f"{cov.get('preemptions')} preemptions, {cov.get('spec_verifies')} speculative verifies")
     for note in setup.notes:
         print(f"note: {note}")
     if args.json:

@@ -7,13 +7,13 @@ computes (decode rows are compared with the reference position by position).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from metainfer.engine.request import SamplingParams
+from metainfer.engine.request import Request, SamplingParams
 from metainfer.llm import LLM
 
 
@@ -40,10 +40,16 @@ class GreedyRun:
 
 
 @contextmanager
-def capture_rows(llm: LLM, want: dict[str, int]):
+def capture_rows(
+    llm: LLM,
+    want: dict[str, int],
+    keep: Callable[[Request], bool] | None = None,
+    on_row: Callable[[int, Request, int], None] | None = None,
+):
     """Routes the engine's sampled-row logits of the requests in `want` (id -> index) into a list of
     per-request {position: row} dicts (rows cloned: CUDA-graph outputs are reused buffers); the
-    latest row of a position wins."""
+    latest row of a position wins. `keep(request)`: whether to keep a row (default all); `on_row(i,
+    request, position)`: told of every sampled row, kept or not."""
     runner = llm.engine.runner
     store: list[dict[int, torch.Tensor]] = [dict() for _ in range(max(want.values(), default=-1) + 1)]
     prev = runner.logits_hook
@@ -56,7 +62,10 @@ def capture_rows(llm: LLM, want: dict[str, int]):
             # speculative verify rows too: a row after a rejected draft is overwritten by the row
             # of that position once its token is real, and positions past the end are never read
             if i is not None and kind in ("sample", "verify"):
-                store[i][pos] = logits[k].detach().clone()
+                if on_row is not None:
+                    on_row(i, req, pos)
+                if keep is None or keep(req):
+                    store[i][pos] = logits[k].detach().clone()
 
     runner.logits_hook = hook
     try:
@@ -71,9 +80,12 @@ def greedy_batch(
     gen_tokens: int,
     late_from: int | None = None,
     late_after_steps: int = 0,
+    keep: Callable[[Request], bool] | None = None,
+    on_row: Callable[[int, Request, int], None] | None = None,
 ) -> GreedyRun:
     """Greedy, ignore_eos, `gen_tokens` each, as one continuous batch; prompts[late_from:] are added
-    after `late_after_steps` steps (or when the engine runs dry), so they join a running batch."""
+    after `late_after_steps` steps (or when the engine runs dry), so they join a running batch.
+    `keep`, `on_row`: as `capture_rows`'."""
     eng = llm.engine
     late_from = len(prompts) if late_from is None else late_from
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -81,7 +93,7 @@ def greedy_batch(
     index = {rid: i for i, rid in enumerate(ids)}
     final: dict[str, object] = {}
     run = GreedyRun([list(p) for p in prompts], [[] for _ in prompts], [])
-    with capture_rows(llm, index) as store:
+    with capture_rows(llm, index, keep, on_row) as store:
         for i in range(late_from):
             eng.add_request(list(prompts[i]), params, request_id=ids[i])
         added = late_from

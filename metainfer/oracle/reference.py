@@ -1,21 +1,23 @@
 """The reference: transformers' own `Qwen3_5MoeForCausalLM`, code this project does not write.
 
-It shares nothing with the engine but the weights. The configuration is read from the model's
-config.json by transformers itself (not through the engine's `ModelConfig`), and the forward is
-transformers' (sdpa attention, its MoE and gated-delta-rule implementations). Two ways to get the
-weights:
+It shares nothing with the engine, not even the weights where memory allows. The configuration is
+read from the model's config.json by transformers itself (not through the engine's `ModelConfig`),
+and the forward is transformers' (sdpa attention, its MoE and gated-delta-rule implementations).
+Three ways to get the weights:
 
+- `Reference.from_recipe`: regenerated from the seeded dummy recipe (metainfer.oracle.recipe) on
+  the device, independently of the engine;
+- `Reference.from_pretrained`: transformers loads a checkpoint directory itself;
 - `Reference.from_weights`: canonical-named tensors (`model.layers.N...`, `lm_head.weight`), e.g.
-  views of the engine's dummy weights: built on the meta device and assigned, so the 70 GB model
-  is never copied;
-- `Reference.from_pretrained`: transformers loads a checkpoint directory itself.
+  views of the engine's tensors when a second copy does not fit: built on the meta device and
+  assigned, never copied.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +29,9 @@ import torch
 class ReferenceInfo:
     implementation: str  # transformers class
     transformers_version: str
-    weights: str  # "shared" (the engine's tensors, as loaded) | "checkpoint" (loaded by transformers)
+    # "recipe" (regenerated from the dummy recipe) | "checkpoint" (loaded by transformers) |
+    # "shared" (the engine's tensors)
+    weights: str
     dtype: str
     device: str
     attn_implementation: str
@@ -57,9 +61,27 @@ class Reference:
         self.device = torch.device(info.device)
 
     @classmethod
-    def from_weights(cls, config_path: str | Path, weights: Mapping[str, torch.Tensor]) -> Reference:
+    def from_recipe(
+        cls,
+        config_path: str | Path,
+        seed: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        on_tensor: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> Reference:
+        """Weights regenerated from the seeded dummy recipe on `device` in `dtype` (one full copy),
+        each tensor passed to `on_tensor` as it is drawn."""
+        from metainfer.oracle.recipe import recipe_spec, recipe_state_dict
+
+        sd = recipe_state_dict(recipe_spec(config_path), seed, device, dtype, on_tensor)
+        return cls.from_weights(config_path, sd, source="recipe")
+
+    @classmethod
+    def from_weights(
+        cls, config_path: str | Path, weights: Mapping[str, torch.Tensor], source: str = "shared"
+    ) -> Reference:
         """Built on the meta device, then every parameter is assigned one of `weights` (no copy);
-        the rotary buffers are computed on the weights' device."""
+        the rotary buffers are computed on the weights' device. `source` labels them in the info."""
         import transformers
         from transformers import Qwen3_5MoeForCausalLM
 
@@ -80,7 +102,7 @@ class Reference:
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if left:
             raise ValueError(f"reference: tensors still on the meta device: {left[:5]}")
-        return cls(model, _info(model, transformers.__version__, "shared", dtype, device))
+        return cls(model, _info(model, transformers.__version__, source, dtype, device))
 
     @classmethod
     def from_pretrained(
@@ -108,6 +130,10 @@ class Reference:
         if not placed:
             model = model.to(device)
         return cls(model, _info(model, transformers.__version__, "checkpoint", dtype, torch.device(device)))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The reference's weights by canonical name (tied lm_head included; no rotary buffers)."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:

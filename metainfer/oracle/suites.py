@@ -4,8 +4,9 @@ A suite runs as one continuous batch: short prompts first, long ones split by ch
 (`chunk_tokens` is the engine's per-step token budget), and a late wave that joins while the first
 wave is already decoding. Two "twin" prompts share their second half and differ in the first, so
 the reference shows whether the model's output depends on history (what cache bugs corrupt). The
-full suite's first wave also carries 56 short random prompts, so decode steps of 60-70 sequences (the
-kernels of the throughput batches) are judged too.
+full suite's first wave also carries 115 short random prompts, so decode steps of up to 129
+sequences (the kernels of the throughput batches) are judged too, and its longest prompt has 32,000
+tokens where the model allows it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 SUITES = ("quick", "full")
 ORDINARY_IDS = 248044  # Qwen3.6 ids below this are ordinary BPE tokens (no special tokens)
 # the full suite's extra first-wave prompts (16-48 random ids each): with the others, decode steps of
-# 63 sequences, then 68 when the late wave joins (batch > 16 and > 64: the grouped MoE and the FP8
-# GEMM decode paths; without them the widest judged decode step had 12 sequences)
-WIDE_WAVE = 56
+# up to 129 sequences once the late wave joins (the grouped-MoE and FP8-GEMM decode kernels of the
+# throughput batches, to concurrency 128)
+WIDE_WAVE = 115
+FULL_LENGTHS = (1, 2, 17, 128, 1000, 4000, 8000)  # capped to the model length; > 4096: decode rows only
+QUICK_LENGTHS = (1, 2, 17, 64, 150)
 
 
 class _Tokenizer(Protocol):
@@ -158,7 +161,7 @@ def build_suite(
     full = name == "full"
     gen_tokens = 48 if full else 12
     cap = (max_model_len - gen_tokens - 1) if max_model_len else None
-    lengths: Sequence[int] = (1, 2, 17, 128, 1000, 4000) if full else (1, 2, 17, 64, 150)
+    lengths: Sequence[int] = FULL_LENGTHS if full else QUICK_LENGTHS
     if cap is not None:
         lengths = sorted({max(1, min(n, cap)) for n in lengths})
     prompts = [Prompt(f"rand-{n}", _random_ids(n, vocab_size, gen), "random") for n in lengths]

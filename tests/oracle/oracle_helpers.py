@@ -5,7 +5,6 @@ from __future__ import annotations
 
 def verify(setup, gates=None):
     """run_verify on a Setup with its precision's gates (or `gates`)."""
-    from metainfer.oracle.compare import GATES
-    from metainfer.oracle.verify import run_verify
+    from metainfer.oracle.verify import verify_setup
 
-    return run_verify(setup.llm, setup.reference, setup.suite, gates or GATES[setup.precision])
+    return verify_setup(setup, gates)

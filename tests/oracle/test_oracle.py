@@ -25,14 +25,14 @@ def test_suites_are_seeded_and_shaped():
     assert quick != build_suite("quick", 248320, tok, seed=1)
     full = build_suite("full", 248320, tok, seed=0)
     lens = sorted(len(p) for p in full.prompts)
-    assert lens[0] == 1 and lens[-1] == 4000 and max(lens) > full.chunk_tokens
+    assert lens[0] == 1 and lens[-1] == 8000 and max(lens) > full.chunk_tokens
     assert sum(p.source == "text" for p in full.prompts) == 4
     a, b = (full.prompts[i].token_ids for i in full.twins)
     assert a[len(a) // 2 :] == b[len(b) // 2 :] and a[: len(a) // 2] != b[: len(b) // 2]
     assert 0 < full.late_from < len(full.prompts)
-    # the first wave decodes > 64 sequences together once the late wave joins
-    assert len(full.prompts) > 64 and full.late_from > 56 and max(full.alone) < len(full.prompts)
-    assert sum(p.name.startswith("wide-") for p in full.prompts[: full.late_from]) == 56
+    # the first wave decodes > 120 sequences together, 128 once the late wave joins
+    assert len(full.prompts) >= 128 and full.late_from > 120 and max(full.alone) < len(full.prompts)
+    assert sum(p.name.startswith("wide-") for p in full.prompts[: full.late_from]) == 115
     small = build_suite("full", 512, tok, max_model_len=300)  # text cannot be tokenised into 512 ids
     assert all(max(p.token_ids) < 512 for p in small.prompts)
     assert max(len(p) for p in small.prompts) + small.gen_tokens < 300
