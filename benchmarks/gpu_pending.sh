@@ -2,6 +2,13 @@
 # On the H200: the switches built but not yet measured, and the judgement runs after them, in as few calls as
 # possible (OUT set; .whl carried). PHASES picks the parts, each well under the 10-minute call limit.
 #
+# FIRST, before any phase below: the hardened oracle on the full model has not yet run to completion. One call
+# per precision, each a whole call (the fp8 reference loop alone took over 280 s when cut):
+#   PRECISIONS=fp8 LIMIT=560 bash benchmarks/gpu_oracle.sh; then PRECISIONS=bfloat16 LIMIT=560 ...
+# Read its per-phase stderr lines (verify: PHASE SECONDS); calibrate the noise gates (compare.GATES:
+# noise_ratio_rmse 1.5, noise_ratio_kl 2.25, layer_ratio 1.3) against the honest ratios it prints; then the
+# old phases' verdicts (judge, final1) need it too.
+#
 #   early2   - the next kernel released at a kernel's start (pdl.EARLY_KERNELS' switches, gemv.cu's -DGEMV_EARLY=1
 #              for the projections) on top of the experts' down's (METAINFER_MOE_DOWN_EARLY=1): GPU tests with all
 #              on, then the in-process A/B with layer tables (no bit moves: the same tokens as the default)

@@ -208,6 +208,7 @@ _COMPILE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # minutes of sm_90 compilation on a CPU: CI's second pass
 def test_gdn_prefill_compiles_for_sm90():
     """The prefill kernels, the DeltaNet decode kernel and its short-chunk loop at the full-model
     constexprs compile to sm_90 cubin (ptxas ships with Triton)."""

@@ -520,6 +520,7 @@ _COMPILE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # minutes of sm_90 compilation on a CPU: CI's second pass
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="on a GPU the kernel tests compile and run every kernel")
 def test_kernels_compile_for_sm90():
