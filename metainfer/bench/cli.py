@@ -73,7 +73,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="untimed requests sent first")
     p.add_argument("--tokenizer", default=None, help="model dir with tokenizer.json (default: Qwen3.6)")
-    p.add_argument("--vocab-limit", type=int, default=None, help="random token ids stay below this")
+    p.add_argument("--vocab-limit", type=int, default=None,
+                   help="random ids stay below this (default: the vocab_size in the server's /v1/models)")
     p.add_argument("--label", default="server", help="engine name recorded in the result")
     p.add_argument("--workload", default=None, help="workload name recorded in the result")
     p.add_argument(
@@ -100,6 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if args.config:
             resolve_config_path(args.config, strict=True)
+        if args.vocab_limit is None:  # random ids within the served model's vocabulary, when it says
+            args.vocab_limit = _served_vocab(args.base_url)
         dataset = DatasetSpec.parse(
             args.dataset,
             input_len=args.input_len,
@@ -149,10 +152,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except (ValueError, FileNotFoundError) as e:
         return _err(str(e))
-    print(table)
+    m = run.metrics
+    if m.completed == 0:  # a table of nan says nothing: the first errors say what went wrong
+        first = "; ".join(m.errors[:2]) or "no request completed"
+        print(f"error: all {m.failed} requests failed: {first}", file=sys.stderr)
+    else:
+        print(table)
     if args.json:
         print(f"wrote {write_json(args.json, obj)}")
-    return 0 if run_ok(run.metrics) else 1
+    return 0 if run_ok(m) else 1
+
+
+def _served_vocab(base_url: str) -> int | None:
+    import asyncio
+
+    from metainfer.bench.client import served_model_card
+
+    card = asyncio.run(served_model_card(base_url)) or {}
+    v = card.get("vocab_size")
+    return int(v) if isinstance(v, int) and v > 0 else None
 
 
 def _add_offline(sub: Any) -> None:

@@ -265,8 +265,9 @@ async def wait_for_health(base_url: str, timeout_s: float, proc_alive: Any = Non
     return False
 
 
-async def served_model_name(base_url: str) -> str | None:
-    """The first model id listed by GET /v1/models, if any."""
+async def served_model_card(base_url: str) -> dict | None:
+    """The first model listed by GET /v1/models (its `id`, and where the server says them its
+    `max_model_len` and `vocab_size`), if any."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
@@ -277,5 +278,11 @@ async def served_model_name(base_url: str) -> str | None:
                 data = await r.json()
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
-    models = data.get("data") or []
-    return str(models[0]["id"]) if models and "id" in models[0] else None
+    models = (data.get("data") or []) if isinstance(data, dict) else []
+    return models[0] if models and isinstance(models[0], dict) and "id" in models[0] else None
+
+
+async def served_model_name(base_url: str) -> str | None:
+    """The first model id listed by GET /v1/models, if any."""
+    card = await served_model_card(base_url)
+    return None if card is None else str(card["id"])

@@ -133,6 +133,7 @@ def make_context(
         tokenizer=engine.tokenizer,
         served_model_names=list(served_model_names),
         max_model_len=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
         metrics=metrics,
         defaults=load_generation_defaults(generation_config_dir),
         max_logprobs=max_logprobs,
@@ -198,7 +199,10 @@ def build_app(ctx: ServingContext, api_key: str | None = None, shutdown_timeout:
     async def models() -> ModelList:
         root = ctx.served_model_names[0]
         return ModelList(
-            data=[ModelCard(id=n, root=root, max_model_len=ctx.max_model_len) for n in ctx.served_model_names]
+            data=[
+                ModelCard(id=n, root=root, max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size)
+                for n in ctx.served_model_names
+            ]
         )
 
     @app.post("/v1/completions", responses=ERRORS)

@@ -255,6 +255,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    vocab_size: int | None = None  # MetaInfer's addition: token ids a prompt may hold are < this
 
 
 class ModelList(BaseModel):

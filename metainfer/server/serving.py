@@ -50,6 +50,7 @@ class ServingContext:
     served_model_names: list[str]
     max_model_len: int
     metrics: ServerMetrics
+    vocab_size: int | None = None  # the model's token ids are < this (for clients that send ids)
     defaults: dict[str, float] = field(default_factory=dict)
     max_logprobs: int = 20
     _token_strs: dict[int, str] = field(default_factory=dict)

@@ -182,3 +182,13 @@ def test_compare_skips_unavailable_engine(tmp_path: Path, capsys, monkeypatch) -
     rc = main(["bench", "compare", "--engine", "vllm", "--workload", "c1", "--out", str(tmp_path)])
     assert rc == 1  # nothing ran
     assert "skipping engine vllm: vllm is not importable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fake_server", [Behaviour(ttft_ms=5.0, itl_ms=1.0, fail_every=1)], indirect=True)
+def test_serve_prints_no_table_when_every_request_failed(fake_server: FakeServer, capsys) -> None:
+    args = ["bench", "serve", "--base-url", fake_server.url, "--model", "fake-model", "--input-len", "8",
+            "--output-len", "4", "--num-prompts", "3", "--warmup", "0"]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert "Serving Benchmark Result" not in out and "nan" not in out
+    assert err.startswith("error: all 3 requests failed")

@@ -13,7 +13,6 @@ import pytest
 from metainfer.bench.client import wait_for_health
 from metainfer.bench.compare import ServerProcess, free_port
 from metainfer.cli import main
-from metainfer.config import DEFAULT_MODEL_DIR, ModelConfig
 
 pytestmark = pytest.mark.skipif(
     find_spec("metainfer.server.cli") is None,
@@ -34,13 +33,12 @@ def test_short_run_against_metainfer_serve(tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{port}"
         if not asyncio.run(wait_for_health(url, 120.0, server.alive)):
             pytest.fail(f"server not healthy within 120 s:\n{server.log_tail()}")
-        cfg_path = DEFAULT_MODEL_DIR / "config.json"
-        vocab = ["--vocab-limit", str(ModelConfig.from_hf(cfg_path).vocab_size)] if cfg_path.is_file() else []
-        tok = (
-            ["--tokenizer", str(DEFAULT_MODEL_DIR)]
-            if (DEFAULT_MODEL_DIR / "tokenizer.json").is_file()
-            else []
-        )
+        # out of the box: no --vocab-limit, no --tokenizer (the served vocabulary comes from /v1/models)
+        from metainfer.bench.client import served_model_card
+        from metainfer.config import DEFAULT_MODEL_DIR, ModelConfig
+
+        card = asyncio.run(served_model_card(url))
+        assert card["vocab_size"] == ModelConfig.from_hf(DEFAULT_MODEL_DIR / "config.json").vocab_size
         out = tmp_path / "r.json"
         from metainfer.bench.client import served_model_name
 
@@ -64,8 +62,6 @@ def test_short_run_against_metainfer_serve(tmp_path: Path) -> None:
                 "--ignore-eos",
                 "--json",
                 str(out),
-                *vocab,
-                *tok,
             ]
         )
         obj = json.loads(out.read_text())
