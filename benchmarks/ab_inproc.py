@@ -33,7 +33,7 @@ from engine_smoke import env_info  # noqa: E402
 
 from metainfer.bench.critical_path import layer_table  # noqa: E402
 from metainfer.config import FULL_CONFIG  # noqa: E402
-from metainfer.kernels.mega import gemv  # noqa: E402
+from metainfer.kernels.cuda import gemv  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 
 # switches this A/B cannot compare: read when the model is loaded or a table first used (so every mode would

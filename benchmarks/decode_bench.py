@@ -42,7 +42,7 @@ from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa:
 from metainfer.engine.request import SamplingParams  # noqa: E402
 from metainfer.kernels import norm  # noqa: E402
 from metainfer.kernels import weight_stream as ws  # noqa: E402
-from metainfer.kernels.mega import gemv  # noqa: E402
+from metainfer.kernels.cuda import gemv  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 from metainfer.model.fp8 import LM_HEAD_ENV  # noqa: E402
 
@@ -222,7 +222,7 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
     kv = batch * context * hkv * d * 2 * 2  # K and V, bf16
     fused = batch <= norm.router_max_t()  # the router in the post-attention norm's launch (else a projection)
     gnorm = batch <= ws.gnorm_max_t()  # the DeltaNet out_proj with its gated norm (else a projection)
-    wg = fp8 and batch == 1 and gemv.enabled()  # the qkv on mega/gemv.cu (KB-0094)
+    wg = fp8 and batch == 1 and gemv.enabled()  # the qkv on cuda/gemv.cu (KB-0094)
     wg_conv = wg and os.environ.get(gemv.CONV_ENV, "1") != "0"  # and the DeltaNet in_proj
     return {
         "_skinny_kernel": ("dense projections" + ("" if fused else " + router"),
@@ -275,8 +275,6 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=1, help="the decode profile's batch size")
     ap.add_argument("--sync-too", action="store_true", help="also time batch 1 with async scheduling off")
-    ap.add_argument("--megakernel", action="store_true",
-                    help="FP8: batch-1 decode steps through the megakernel (EngineConfig.megakernel)")
     ap.add_argument("--ssm-state-dtype", default="float32", choices=SSM_STATE_DTYPES,
                     help="storage of the DeltaNet recurrent states")
     ap.add_argument("--max-model-len", type=int, default=0,
@@ -297,7 +295,6 @@ def main() -> None:
         max_num_batched_tokens=8192,
         enforce_eager=args.eager,
         ssm_state_dtype=args.ssm_state_dtype,
-        megakernel=args.megakernel,
         prefill_graphs=None if args.prefill_graphs == "auto" else tuple(
             int(s) for s in args.prefill_graphs.split(",") if s and s != "0"),
     )
@@ -316,7 +313,6 @@ def main() -> None:
         "config": args.config,
         "dtype": args.dtype,
         "ssm_state_dtype": args.ssm_state_dtype,
-        "megakernel": args.megakernel,
         "init_s": init_s,
         "warmup_s": llm.engine.runner.warmup_s,
         "cuda_graphs": bool(llm.engine.runner.decode and llm.engine.runner.decode.graphs),
@@ -340,8 +336,6 @@ def main() -> None:
         llm.engine.async_scheduling = True
         res["decode_sync_bs1"] = r
         print("sync scheduling:", json.dumps(r), flush=True)
-    if llm.engine.runner.mega is not None:
-        res["megakernel_steps"] = llm.engine.runner.mega.steps
     res["ttft"] = ttft(llm, args.prompt_len)
     if llm.engine.runner.prefill is not None:  # steps served by the lone-prefill graphs (all TTFT reps)
         res["prefill_graph_runs"] = llm.engine.runner.prefill.runs

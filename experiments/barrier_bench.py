@@ -1,5 +1,5 @@
 """KB-0034's question on the H200: is a grid barrier inside one persistent launch cheaper than a
-kernel boundary in a CUDA graph? A chain of S dependent GEMVs (metainfer/kernels/grid_sync.py:
+kernel boundary in a CUDA graph? A chain of S dependent GEMVs (experiments/grid_sync.py:
 y[s + 1] = W[s] @ y[s], bf16 weights) run three ways, each captured in a CUDA graph and replayed:
 one launch per stage with programmatic dependent launch off, with it on, and one persistent launch
 with a grid barrier between stages (programs = the SM count, or one per row block; with and without
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the benchmarks' helpers
+import grid_sync as gs  # noqa: E402  (experiments/grid_sync.py, beside this script)
 from engine_smoke import env_info  # noqa: E402
 
-from metainfer.kernels import grid_sync as gs  # noqa: E402
 from metainfer.kernels import pdl  # noqa: E402
 
 BW = 4.3e12  # bytes/s, the H200's measured copy bandwidth (docs/design.md §2)

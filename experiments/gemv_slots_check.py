@@ -1,4 +1,4 @@
-"""mega/gemv.cu's outputs do not depend on its ring's slot count (METAINFER_WGMMA_GEMV_SLOTS): run once per
+"""cuda/gemv.cu's outputs do not depend on its ring's slot count (METAINFER_WGMMA_GEMV_SLOTS): run once per
 count in fresh processes, each saving the attention-qkv-shaped projection, the in_proj with its conv epilogue
 and the updated conv state; --compare checks that the saved files are bit-identical.
 
@@ -21,7 +21,7 @@ def main() -> None:
             print(f"{f}: {'bit-identical to' if same else 'DIFFERS from'} {sys.argv[2]}")
         return
     from metainfer.kernels import fp8_linear, weight_stream
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
     from metainfer.model.fp8 import quantize_fp8_block
 
     g = torch.Generator(device="cuda").manual_seed(0)

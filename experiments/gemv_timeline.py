@@ -1,7 +1,7 @@
 """One decode step's gemv.cu launches CTA by CTA (the qkv / in_proj with its x prologue, the experts'
 gate/up): when each CTA came in, when its griddepcontrol.wait returned, when its prologue had summed the MoE
 rows and staged x, when its first chunk was in and when it was done, on one time axis
-(metainfer/kernels/mega/gemv_timeline.py). The question it answers: of the qkv / in_proj's ~9 µs after the
+(metainfer/kernels/cuda/gemv_timeline.py). The question it answers: of the qkv / in_proj's ~9 µs after the
 experts' down, how much is the prologue and how much the chunks (2026-12-05c's next step).
 
 Runs the FP8 engine at batch 1 on the full config with dummy weights, gemv.cu built with -DGEMV_TIMELINE=1,
@@ -29,8 +29,8 @@ from decode_bench import decode_run, graph_replay_ms  # noqa: E402
 from engine_smoke import env_info  # noqa: E402
 
 from metainfer.config import FULL_CONFIG  # noqa: E402
-from metainfer.kernels.mega import gemv  # noqa: E402
-from metainfer.kernels.mega import gemv_timeline as T  # noqa: E402
+from metainfer.kernels.cuda import gemv  # noqa: E402
+from metainfer.kernels.cuda import gemv_timeline as T  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 
 # the step's gemv.cu launches by kernel and rows (the full config: the DeltaNet in_proj's 12,352 rows with its

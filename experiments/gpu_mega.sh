@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# History: the megakernel left the product; its code (metainfer/kernels/mega, --megakernel, tests/gpu/test_mega_gpu.py)
+# is at commit b4eb65f. The phases mega, megaprof, megaeng and chunkbench need that tree (git worktree add /tmp/mega
+# b4eb65f); chain2 and pdlchain (experiments/stream_chain.cu) still build here.
 # On the H200: the batch-1 megakernel (metainfer/kernels/mega, `--megakernel`, KB-0075..0091; docs/megakernel.md)
 # and its skeleton (experiments/stream_chain.cu, KB-0074 / KB-0092). OUT set; .whl carried. PHASES picks:
 #   mega       - mega.cu's registers, its GPU tests, experiments/mega_step.py (BF16 and FP8 lm_head), mega_bench.py

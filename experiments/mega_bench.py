@@ -1,3 +1,7 @@
+# History: the megakernel left the product. This script imports its code (metainfer.kernels.mega), whose last
+# commit is b4eb65f: run it from that tree (git worktree add /tmp/mega b4eb65f). Kept as the record of
+# KB-0075..0091.
+# ruff: noqa: I001  (metainfer.kernels.mega is not in this tree: isort would take it for a third-party module)
 """The megakernel v0 (metainfer/kernels/mega) on the batch-1 step's GEMV bytes: one launch runs every
 dense and expert projection of the 40 layers and the lm_head as chained GEMV instructions on random
 weights, with the step's shapes (k of 2048, 4096 and 512; the bf16 router; FP8 or BF16 lm_head).

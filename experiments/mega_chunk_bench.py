@@ -1,3 +1,7 @@
+# History: the megakernel left the product. This script imports its code (metainfer.kernels.mega), whose last
+# commit is b4eb65f: run it from that tree (git worktree add /tmp/mega b4eb65f). Kept as the record of
+# KB-0075..0091.
+# ruff: noqa: I001  (metainfer.kernels.mega is not in this tree: isort would take it for a third-party module)
 """The megakernel consumers' rate on one ring slot, apart from the step (experiments/mega_chunk_bench.cu).
 
 Per mode, the CTAs' median µs per 32 KB chunk of a 2,048-column e4m3 GEMV (consumer warp 0's span over

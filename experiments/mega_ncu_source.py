@@ -1,3 +1,7 @@
+# History: the megakernel left the product. This script imports its code (metainfer.kernels.mega), whose last
+# commit is b4eb65f: run it from that tree (git worktree add /tmp/mega b4eb65f). Kept as the record of
+# KB-0075..0091.
+# ruff: noqa: I001  (metainfer.kernels.mega is not in this tree: isort would take it for a third-party module)
 """Where the megakernel's warps stall, per op: ncu's per-instruction source counters mapped to mega.cu's ops.
 
 An ncu run of one step (`ncu --page source --csv --print-source sass`; the `megasrc` phase in the git

@@ -1,3 +1,7 @@
+# History: the megakernel left the product. This script imports its code (metainfer.kernels.mega), whose last
+# commit is b4eb65f: run it from that tree (git worktree add /tmp/mega b4eb65f). Kept as the record of
+# KB-0075..0091.
+# ruff: noqa: I001  (metainfer.kernels.mega is not in this tree: isort would take it for a third-party module)
 """The megakernel's batch-1 decode step on the full config (dummy FP8 weights) against the engine's.
 
 An engine (FP8, dummy weights, eager, synchronous scheduling) prefills one random 1k-token prompt and

@@ -243,9 +243,6 @@ class EngineConfig:
     # published FP8 checkpoint, which keeps it BF16: KB-0067, oracle PASS). METAINFER_FP8_LM_HEAD=1 does
     # the same where this is False
     fp8_lm_head: bool = False
-    # batch-1 decode steps as one persistent CUDA kernel (kernels/mega, docs/megakernel.md; FP8 only,
-    # no speculation; the other steps run as before). On the CPU its PyTorch emulator stands in (tests)
-    megakernel: bool = False
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     max_model_len: int = 8192
@@ -292,8 +289,6 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {self.quantization!r}")
         if self.fp8_lm_head and self.quantization != "fp8":
             raise ValueError("fp8_lm_head needs quantization fp8 (the FP8 weight kernels)")
-        if self.megakernel and (self.quantization != "fp8" or self.speculative is not None):
-            raise ValueError("megakernel needs quantization fp8 and no speculative decoding")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -34,12 +34,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="with fp8: the lm_head in FP8 too (half its bytes per decode step; the published FP8 "
         "checkpoint keeps it BF16)",
     )
-    p.add_argument(
-        "--megakernel",
-        action="store_true",
-        help="with fp8: batch-1 decode steps as one persistent CUDA kernel (experimental; "
-        "docs/megakernel.md)",
-    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -106,7 +100,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=dtype,
         quantization=quant,
         fp8_lm_head=args.fp8_lm_head,
-        megakernel=args.megakernel,
         device=args.device,
         load_format=args.load_format,
         max_model_len=args.max_model_len,

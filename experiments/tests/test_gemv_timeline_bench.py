@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from metainfer.kernels.mega import gemv
-from metainfer.kernels.mega import gemv_timeline as T
+from metainfer.kernels.cuda import gemv
+from metainfer.kernels.cuda import gemv_timeline as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import gemv_timeline as bench  # noqa: E402

@@ -25,7 +25,7 @@ log = logging.getLogger("metainfer.engine")
 # preemptions; and peaks: the widest decode step and verify step (sequences), the longest context
 # (max num_computed_tokens after a step). Peaks are maxima since start or the last reset_peaks().
 PEAK_STATS = ("max_decode_batch", "max_verify_batch", "max_position")
-COVERAGE_STATS = {"path_mega": 0, "path_decode_graph": 0, "path_prefill_graph": 0, "path_eager": 0,
+COVERAGE_STATS = {"path_decode_graph": 0, "path_prefill_graph": 0, "path_eager": 0,
                   "lone_prefill_steps": 0, "mixed_steps": 0, "preemptions": 0,
                   **dict.fromkeys(PEAK_STATS, 0)}
 

@@ -95,7 +95,7 @@ class InFlight:
     # after each draft, and its DeltaNet states from before the step (to restore on a rejection)
     verify: dict[str, list[int]] = field(default_factory=dict)
     saved_states: dict[str, StateCopy] = field(default_factory=dict)
-    path: str = "eager"  # which launch path ran it: mega | decode_graph | prefill_graph | eager
+    path: str = "eager"  # which launch path ran it: decode_graph | prefill_graph | eager
 
 
 class ModelRunner:
@@ -134,12 +134,6 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
         self.prefill = self._prefill_path()
-        self.mega = None  # EngineConfig.megakernel: batch-1 decode steps in one launch (engine.mega_decode)
-        if ecfg.megakernel:
-            from metainfer.engine.mega_decode import MegaDecode
-
-            self.mega = MegaDecode(self.model, self.caches, self.blocks_per_seq, ecfg.block_size,
-                                   ecfg.max_model_len, self.device)
         if self.mtp is not None and self.prefill is not None:  # a proposal in one replay (spec.mtp)
             from metainfer.spec.mtp import MTPGraphs
 
@@ -286,10 +280,7 @@ class ModelRunner:
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
         argmaxed = False  # the decode graph's step: _tok_buf[:len(items)] holds the rows' argmax
         saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
-        if self.mega is not None and len(items) == 1 and self._decode_only(items):
-            logits, owners = self._mega_logits(items[0][0])
-            path = "mega"
-        elif self.decode is not None and self._pure_decode(items):
+        if self.decode is not None and self._pure_decode(items):
             logits, owners = self._decode_logits(items)
             argmaxed, path = True, "decode_graph"  # (on the CPU: its persistent buffers, no graph)
         elif self.prefill is not None and self._lone_prefill(items):
@@ -385,17 +376,6 @@ class ModelRunner:
             and (r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= r.num_prompt_tokens)
             for r, n in items
         )
-
-    def _mega_logits(self, r: Request):
-        """The megakernel's step of a lone decoding sequence (its token taken on the device when PENDING)."""
-        p = r.num_computed_tokens
-        tok = r.token_at(p)
-        src = None
-        if tok == PENDING:
-            row = self._pending_source(r, p)
-            tok, src = None, self._tok_buf[row : row + 1]
-        logits = self.mega.run(tok, p, r.block_ids, r.state_slot, token_src=src)
-        return logits, [(r, "sample", p)]
 
     def _lone_prefill(self, items: list[tuple[Request, int]]) -> bool:
         """One request's chunk alone in the step, ending its tokens (then its drafts, if any) with a

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from metainfer.kernels import pdl
 from metainfer.kernels.common import interpreting, mma
-from metainfer.kernels.mega import gemv
+from metainfer.kernels.cuda import gemv
 from metainfer.kernels.weight_stream import fp8_stream_max_t, stream_linear
 
 FP8_MAX = 448.0

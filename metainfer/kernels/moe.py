@@ -31,7 +31,7 @@ import triton.language as tl
 
 from metainfer.kernels import moe_grouped, pdl, routing
 from metainfer.kernels.common import env_int, load_tuned, upcast_dots, wdot
-from metainfer.kernels.mega import gemv
+from metainfer.kernels.cuda import gemv
 
 PAIR_MAX_T = 8
 DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
@@ -213,7 +213,7 @@ def _routed_down_kernel(
 
     ROUTE_K = 0: logits_ptr holds the pairs' expert ids [T * SLOTS] int64 instead, written by the
     route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`).
-    GU: act_ptr holds each pair's gate and up dots in fp32 ([T * SLOTS, 2 I], mega/gemv.cu's
+    GU: act_ptr holds each pair's gate and up dots in fp32 ([T * SLOTS, 2 I], cuda/gemv.cu's
     `moe_gate_up`), the activation formed here as `_pair_gate_up_kernel` forms it (bf16)."""
     pdl.release(USE_PDL, EARLY)
     pair = tl.program_id(0)

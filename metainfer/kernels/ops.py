@@ -181,11 +181,11 @@ def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=No
 
 def pending_norm_ok(rows: torch.Tensor, T: int) -> bool:
     """Whether a decode step's input norm may be left to its projection (`layers.PendingNorm`): one token,
-    a kernel that takes it (mega/gemv.cu's x prologue) and its switch; the projection may still decline
+    a kernel that takes it (cuda/gemv.cu's x prologue) and its switch; the projection may still decline
     (then the norm runs as before)."""
     if T != 1 or not _kernel("pending_norm_linear", rows):
         return False
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
 
     return gemv.pre_enabled()
 

@@ -34,7 +34,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "linear": ("metainfer.kernels.weight_stream", "dense_linear"),
     "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
     "gated_norm_linear": ("metainfer.kernels.weight_stream", "gated_norm_linear"),
-    "pending_norm_linear": ("metainfer.kernels.mega.gemv", "project_pre"),
+    "pending_norm_linear": ("metainfer.kernels.cuda.gemv", "project_pre"),
     "decode_inputs": ("metainfer.kernels.decode_io", "decode_inputs"),
     "argmax_rows": ("metainfer.kernels.decode_io", "argmax_rows"),
 }

@@ -27,7 +27,7 @@ def softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr, 
     are the probabilities' except where exp or the division by the sum rounds two different logits
     to one probability (the larger logit is picked first here, the lower index there). They need no
     exp and no sum, so they depend on no reduction order (a kernel's warp count) and no exp
-    implementation: mega/gemv.cu's routing (`route_topk`) ranks the same logits the same way, so
+    implementation: cuda/gemv.cu's routing (`route_topk`) ranks the same logits the same way, so
     its picks and this kernel's agree bit for bit (KB-0096)."""
     offs = tl.arange(0, E_P2)
     if CG:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from metainfer.kernels import pdl, routing
 from metainfer.kernels.common import TL_DTYPE, env_int, gated_norm, load_tuned, num_sms, upcast_dots, wdot
-from metainfer.kernels.mega import gemv
+from metainfer.kernels.cuda import gemv
 
 SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_linear's GEMM)
 FP8_STREAM_MAX_T_ENV = "METAINFER_FP8_STREAM_MAX_T"  # FP8 projections of more tokens: the W8A8 GEMM

@@ -11,7 +11,7 @@ and each decode or verify row) within the logits gates, the emitted greedy token
 reference's argmax where its top-1 gap is clear, and the coverage the path exists for:
 
 - `path.alone`: one prompt alone (a lone prefill step, then batch-1 decode steps: the decode CUDA
-  graph, or the megakernel, on the GPU);
+  graph on the GPU);
 - `path.mixed`: two prompts arriving while three others decode (steps with prefill and decode rows);
 - `path.preempt`: a wave sized from the engine's own cache so that KV blocks run out during decode
   and a request that already generated tokens is preempted and resumed (recompute): every
@@ -39,7 +39,7 @@ SPEC_SEQS = 4  # sequences speculating at once in path.spec
 PEAKS = PEAK_STATS  # the widest decode and verify steps (sequences), the longest context (tokens)
 COUNTS = ("steps", "lone_prefill_steps", "mixed_steps", "preemptions", "spec_verifies", "spec_drafted",
           "spec_accepted")  # fmt: skip
-RUNNER_PATHS = ("mega", "decode_graph", "prefill_graph", "eager")
+RUNNER_PATHS = ("decode_graph", "prefill_graph", "eager")
 
 
 def stats_snapshot(llm) -> dict:

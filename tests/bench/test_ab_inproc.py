@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from metainfer.kernels.mega import gemv
+from metainfer.kernels.cuda import gemv
 from tests.helpers import write_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

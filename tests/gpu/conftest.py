@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(autouse=True)
 def _gemv_watchdog():
     yield
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
 
     report = gemv.watchdog_report()
     if report is not None:

@@ -90,7 +90,7 @@ def test_decode_graphs_recaptured_give_the_same_bits(tmp_path, monkeypatch):
     """ModelRunner.recapture_decode (benchmarks/ab_inproc.py's A/B in one process): the graphs captured again,
     with gemv.cu reloaded in between, replay the first capture's logits bit for bit; a switch moved before the
     recapture takes effect (METAINFER_WGMMA_GEMV=0: the Triton projections, other bits, close logits)."""
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
 
     prompts = _prompts(3)
     p = tmp_path / "config.json"  # hidden 2048: gemv.cu serves the projections

@@ -1,4 +1,4 @@
-"""The FP8 wgmma projection of one token (metainfer/kernels/mega/gemv.cu, KB-0094) on the H200 (skipped
+"""The FP8 wgmma projection of one token (metainfer/kernels/cuda/gemv.cu, KB-0094) on the H200 (skipped
 without an sm_90 GPU and nvcc): against a float64 reference of the dequantised weights, against the Triton
 path it replaces (`fp8_linear` with the switch off), inside a CUDA graph, and in a PDL chain after a Triton
 kernel that writes its input (the wait before reading x).
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from metainfer.kernels import fp8_linear, norm, pdl
-from metainfer.kernels.mega import gemv
+from metainfer.kernels.cuda import gemv
 from metainfer.model.fp8 import quantize_fp8_block
 from tests.helpers import rel_rmse
 
@@ -133,7 +133,7 @@ def _moe_problem(E: int, top_k: int, seed: int, ties: bool, rows: int = 1024):
 
 @pytest.mark.parametrize("E,top_k,ties", [(256, 8, False), (256, 8, True), (40, 5, True), (7, 3, False)])
 def test_moe_gate_up_routes_and_projects(E, top_k, ties, monkeypatch):
-    """mega/gemv.cu's experts' gate/up for one token (METAINFER_WGMMA_GEMV_MOE=1): its picks equal the Triton
+    """cuda/gemv.cu's experts' gate/up for one token (METAINFER_WGMMA_GEMV_MOE=1): its picks equal the Triton
     routing's (`routing.route_topk`, ties to the lowest index) exactly, its weights within 1e-5, and each
     pair's rows (routed in slot order, then the shared expert) against float64 within 5e-3."""
     from metainfer.kernels import routing
@@ -249,7 +249,7 @@ def test_pre_prologue_graph_replay(monkeypatch):
 @pytest.fixture
 def timeline_build(monkeypatch):
     """gemv.cu's timeline build loaded for the test (the default build reloaded after it)."""
-    from metainfer.kernels.mega import gemv_timeline
+    from metainfer.kernels.cuda import gemv_timeline
 
     monkeypatch.setenv(gemv.DEFINES_ENV, " ".join([*gemv.build_defines(), gemv_timeline.DEFINE]))
     gemv.reset()

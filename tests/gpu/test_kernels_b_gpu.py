@@ -393,7 +393,7 @@ def test_moe_routed_rows_then_norm_equals_three_launches(T, fp8, preload, monkey
     whose reduction order follows each kernel's warps), so rel RMSE < 1e-3. preload "1": the down
     kernel routing itself with its weights loaded before the PDL wait."""
     from metainfer.kernels import moe, norm, routing
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
 
     monkeypatch.setenv(moe.DOWN_PRELOAD_ENV, preload)
     monkeypatch.setenv(gemv.MOE_ENV, "0")  # the Triton gate/up (gemv.cu's: tests/gpu/test_gemv_gpu.py)
@@ -430,7 +430,7 @@ def test_linear_conv_update_full_shape(T, B, fp8, monkeypatch):
     (METAINFER_FUSED_CONV=0): the same projection bits outside the convolved block, rel RMSE < 1e-2
     inside it and on the updated states."""
     from metainfer.kernels import weight_stream as ws
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
 
     # Triton either way (one FP8 token's projections, the fused conv too, go to gemv.cu by default:
     # tests/gpu/test_gemv_gpu.py)

@@ -604,10 +604,10 @@ def test_aligned_linear_on_an_inference_tensor():
 
 
 def test_wgmma_gemv_switch(monkeypatch):
-    """mega/gemv.cu serves one CUDA token only (tests/gpu/test_gemv_gpu.py runs it): on the CPU, and with the
+    """cuda/gemv.cu serves one CUDA token only (tests/gpu/test_gemv_gpu.py runs it): on the CPU, and with the
     switch off, fp8_linear keeps its Triton path; the conv epilogue variant and the experts' gate/up
     likewise."""
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
 
     x = torch.zeros(1, gemv.K, dtype=torch.bfloat16)
     w = torch.zeros(144, gemv.K, dtype=torch.float8_e4m3fn)
@@ -632,7 +632,7 @@ def test_pending_norm_materializes_where_no_kernel_takes_it(monkeypatch):
     """`layers.PendingNorm` (a decode token's input norm left to its projection's prologue, gemv.cu's on
     the GPU): on the CPU no kernel takes it, so `Linear.forward` / `conv_forward` run the norm first, with
     the same output and new residual as `RMSNorm.add_forward`; the decoder never builds one on the CPU."""
-    from metainfer.kernels.mega import gemv
+    from metainfer.kernels.cuda import gemv
     from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm
 
     monkeypatch.setenv(gemv.PRE_ENV, "1")
@@ -662,7 +662,7 @@ def test_pending_norm_materializes_where_no_kernel_takes_it(monkeypatch):
 def test_gemv_build_defines_from_the_environment(monkeypatch):
     """METAINFER_WGMMA_GEMV_DEFINES: extra -D flags for gemv.cu's build (A/Bs of a compile-time form, e.g.
     GEMV_PRE_EARLY); anything but -DNAME[=VALUE] is refused before nvcc runs."""
-    from metainfer.kernels.mega import gemv, launch
+    from metainfer.kernels.cuda import gemv, launch
 
     monkeypatch.delenv(gemv.DEFINES_ENV, raising=False)
     assert gemv.build_defines() == ()

@@ -1,4 +1,4 @@
-"""mega/gemv.py's host side on the CPU: the ring sizes it builds gemv.cu with, and the watchdog's report (the
+"""cuda/gemv.py's host side on the CPU: the ring sizes it builds gemv.cu with, and the watchdog's report (the
 kernels themselves run in tests/gpu/test_gemv_gpu.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from metainfer.kernels.mega import gemv
+from metainfer.kernels.cuda import gemv
 
 
 def test_ring_slots_even_only(monkeypatch):

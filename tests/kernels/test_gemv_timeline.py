@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from metainfer.kernels.mega import gemv_timeline as T
-from metainfer.kernels.mega import launch
+from metainfer.kernels.cuda import gemv_timeline as T
+from metainfer.kernels.cuda import launch
 
 GHZ = (1.98, 1.755)  # two SMs' clocks (cycles a ns)
 CLK0 = (5_000_000_000, 700_000_000_000)  # their clock64 at the step's start (SMs' counters are not aligned)

@@ -1,11 +1,11 @@
-"""One decode token's FP8 projection on wgmma, a kernel of its own (`gemv.cu`, KB-0094): the megakernel's
-consumers (W as A of m64n8k32 landed by TMA, x as two e4m3 terms) in a launch that joins the step's
+"""One decode token's FP8 projection on wgmma, a kernel of its own (`gemv.cu`, KB-0094): the consumers of the
+former megakernel (W as A of m64n8k32 landed by TMA, x as two e4m3 terms) in a launch that joins the step's
 programmatic-dependent-launch chain. Its producer streams the weights before `griddepcontrol.wait`, so they
 load while the previous kernel runs. KB-0092 measured the form on the step's skeleton: a small launch plus
 in_proj's 25 MB in 10.0 us, qkv's 19 MB in 8.8 us (the Triton path: 11.3-12.6 / 9.5-12.3 us).
 
 `fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps
-the Triton kernels): an sm_90 GPU with nvcc on PATH (built once like the megakernel:
+the Triton kernels): an sm_90 GPU with nvcc on PATH (built once and cached:
 `launch.build(main="gemv.cu")`), K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8
 batch 1 +2 %, KB-0094). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with
 its decode conv as the epilogue (METAINFER_WGMMA_GEMV_CONV=0 keeps Triton's): with a ring of 4 slots (128 KB,
@@ -31,7 +31,7 @@ import torch
 
 from metainfer.kernels import pdl
 from metainfer.kernels.common import env_int
-from metainfer.kernels.mega import gemv_timeline
+from metainfer.kernels.cuda import gemv_timeline
 
 ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
 CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
@@ -42,6 +42,7 @@ PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, n
 K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+THREADS = 32 * (8 + 1)  # gemv.cu's CTA (mega_base.cuh's NT = 32 * (NCW + 1)): 8 consumer warps, the producer
 
 
 class _AttrValue(ctypes.Union):
@@ -158,8 +159,7 @@ class _Kernel:
     checked against the host's structs, its watchdog pointed at pinned host memory."""
 
     def __init__(self, device: torch.device) -> None:
-        from metainfer.kernels.mega import launch
-        from metainfer.kernels.mega import program as P
+        from metainfer.kernels.cuda import launch
 
         self.launch_mod = launch
         torch.zeros(1, device=device)  # the primary context exists and is current
@@ -187,7 +187,7 @@ class _Kernel:
                                f"{gemv_timeline.TL_N}")
         self.timeline_built = tl // 100 == 1  # built with -DGEMV_TIMELINE=1
         self.seq = 0  # gemv.cu launches so far: each launch's place in the timeline's records
-        want = (P.THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K,
+        want = (THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K,
                 ctypes.sizeof(_Moe) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K,
                 ctypes.sizeof(_Pre) * 100 + PRE_MAX_W)
         if (self.threads, conv, moe, pre) != want:
@@ -327,7 +327,7 @@ def _kernel(device: torch.device) -> _Kernel | None:
         try:
             kernel = _Kernel(dev)
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            warnings.warn(f"mega/gemv.cu unavailable, the Triton projections serve: {e}", stacklevel=2)
+            warnings.warn(f"cuda/gemv.cu unavailable, the Triton projections serve: {e}", stacklevel=2)
     _KERNELS[dev] = kernel
     return kernel
 

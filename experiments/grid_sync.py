@@ -14,7 +14,8 @@ order per row, so the two forms below agree bit for bit:
 - `chain_by_launches`: one launch per stage (`_gemv_stage_kernel`, a program per BLOCK_N rows);
 - `chain_persistent`: one launch for all stages (`_gemv_chain_kernel`, programs take row blocks
   round-robin, a barrier between stages).
-experiments/barrier_bench.py times both on the H200.
+experiments/barrier_bench.py times both on the H200. (Moved out of the package, metainfer/kernels/grid_sync.py
+until b4eb65f, with the megakernel it was a step towards: only this experiment uses it.)
 """
 
 from __future__ import annotations

@@ -4,8 +4,13 @@ the same in a CUDA graph replayed three times (the counter is re-zeroed inside t
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: grid_sync.py
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +28,7 @@ def _case(S, N, seed=0):
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("S, N, programs", [(8, 2048, None), (5, 2000, 7), (40, 256, None), (3, 4096, 1)])
 def test_persistent_chain_equals_launches(S, N, programs, prefetch):
-    from metainfer.kernels import grid_sync as gs
+    import grid_sync as gs
 
     w, x = _case(S, N)
     a = gs.chain_by_launches(w, gs.chain_buffer(w, x))
@@ -36,7 +41,7 @@ def test_persistent_chain_equals_launches(S, N, programs, prefetch):
 
 
 def test_persistent_chain_in_a_cuda_graph():
-    from metainfer.kernels import grid_sync as gs
+    import grid_sync as gs
 
     w, x = _case(12, 1024, seed=1)
     want = gs.chain_by_launches(w, gs.chain_buffer(w, x))

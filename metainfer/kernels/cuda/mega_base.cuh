@@ -1,6 +1,7 @@
 // The megakernel's layout and plumbing: constants, the instruction, shared memory, the watchdog, sources
 // polled in batches, the reductions.
-// Part of mega.cu (one translation unit: mega.cu includes the parts in order).
+// Written as a part of the persistent megakernel (mega.cu: removed, its code at commit b4eb65f); gemv.cu includes it
+// (the parts only the megakernel used are still here).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -206,7 +206,7 @@ class Recorder:
     METAINFER_WGMMA_GEMV_DEFINES to include DEFINE before gemv.cu loads (or gemv.reset() after)."""
 
     def __init__(self, device: torch.device, slots: int = 256) -> None:
-        from metainfer.kernels.mega import gemv
+        from metainfer.kernels.cuda import gemv
 
         kernel = gemv._kernel(device)
         if kernel is None or not kernel.timeline_built:

@@ -1,5 +1,6 @@
 // The megakernel's arithmetic: the x prologues (norms), the CUDA-core and tensor-core dots, the routing.
-// Part of mega.cu (one translation unit: mega.cu includes the parts in order).
+// Written as a part of the persistent megakernel (mega.cu: removed, its code at commit b4eb65f); gemv.cu includes it
+// (the parts only the megakernel used are still here).
 #pragma once
 
 #include "mega_base.cuh"

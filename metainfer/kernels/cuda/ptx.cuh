@@ -1,4 +1,5 @@
-// PTX helpers shared by the batch-1 megakernel (mega.cu) and its skeleton (experiments/stream_chain.cu):
+// PTX helpers shared by gemv.cu, the batch-1 megakernel (mega.cu, removed: its code at commit b4eb65f) and its
+// skeleton (experiments/stream_chain.cu):
 // mbarriers, 1-D bulk and 2-D tensor copies and L2 prefetches (sm_90), gpu-scope loads and stores, the e4m3
 // convert, wgmma's descriptors and its m64n8k32 e4m3 instruction (sm_90a).
 #pragma once
