@@ -144,6 +144,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(args: argparse.Namespace) -> int:
     from metainfer.engine.engine import RequestError
     from metainfer.engine.request import SamplingParams
@@ -151,7 +157,11 @@ def run(args: argparse.Namespace) -> int:
 
     texts = list(args.prompts) + list(args.prompt)
     if not texts and not args.prompt_token_ids:
-        texts = ["Hello"]
+        if sys.stdin is None or sys.stdin.isatty():
+            print("error: no prompt: give one as an argument, with --prompt-token-ids, or on standard input",
+                  file=sys.stderr)
+            return 2
+        texts = [sys.stdin.read()]
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -166,7 +176,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(model=args.model, progress=not args.json, **engine_kwargs(args))
+    if str(args.device).startswith("cuda") and not _cuda_available():
+        print(f"error: --device {args.device}: no CUDA GPU is available here (use --device cpu)", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM(model=args.model, progress=not args.json, **engine_kwargs(args))
+    except (FileNotFoundError, NotADirectoryError) as e:  # a model dir or file that is not there
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as e:
+        print(f"error: a model file is not valid JSON: {e}", file=sys.stderr)
+        return 2
     try:
         outs = llm.generate(texts or None, params, prompt_token_ids=args.prompt_token_ids or None)
     except RequestError as e:
