@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if str(args.device).startswith("cuda") and not _cuda_available():
-        print(f"error: --device {args.device}: no CUDA GPU is available here (use --device cpu)", file=sys.stderr)
+        print(f"error: --device {args.device}: no CUDA GPU is available here (use --device cpu)",
+              file=sys.stderr)
         return 2
     try:
         llm = LLM(model=args.model, progress=not args.json, **engine_kwargs(args))
