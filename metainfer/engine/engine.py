@@ -229,12 +229,14 @@ class LLMEngine:
         """Logs a step whose launch took SLOW_LAUNCH_S or more, with its shape, the Triton kernels it
         compiled, the allocator's new segments (`slow_launch`: the warmup's blind spots) and the
         process's CPU seconds in it (near the wall time: host work such as a compile; far below it:
-        a wait)."""
+        a wait). On the CPU every launch computes the step (no device queue), so a slow one means
+        nothing: it is logged at debug level there."""
         if seconds < self.SLOW_LAUNCH_S:
             return
         self.stats["slow_launches"] += 1
         lens = [n for _, n in batch.items]
-        log.warning(
+        log.log(
+            logging.WARNING if self.runner.device.type == "cuda" else logging.DEBUG,
             "slow step launch %.2f s (CPU %.2f s): %d sequences, %d tokens, %d decodes, chunk lens %s, "
             "contexts %s; Triton compiled: %s; %s",
             seconds, cpu_s, len(lens), sum(lens), lens.count(1), [n for n in lens if n > 1][:8],
