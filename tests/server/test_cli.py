@@ -104,7 +104,7 @@ class Proc:
             "--served-model-name",
             "m1",
             "--shutdown-timeout",
-            "60",
+            "600",  # the drain never cuts the test's stream short, however loaded the machine
             "--uvicorn-log-level",
             "warning",
         ]
@@ -164,7 +164,8 @@ def test_api_key(proc: Proc) -> None:
 
 @pytest.mark.timeout(300)
 def test_sigterm_drains_then_exits_0(proc: Proc) -> None:
-    max_tokens = 200
+    """The behaviour, not a race: the stream in flight at SIGTERM ends complete, new work gets 503, exit 0."""
+    max_tokens = 48
     body = {
         "model": "m1",
         "prompt": "hi",
@@ -201,9 +202,10 @@ def test_sigterm_drains_then_exits_0(proc: Proc) -> None:
     )
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
     assert httpx.get(proc.url + "/health").status_code == 503
-    t.join(120)
+    t.join(300)
+    assert not t.is_alive(), "the stream in flight ends"
     assert lines[-1] == "data: [DONE]"
     assert f'"completion_tokens":{max_tokens}' in lines[-2], "the request in flight finishes"
-    assert proc.p.wait(60) == 0
+    assert proc.p.wait(120) == 0
     log = proc.log.read_text()
     assert "Traceback" not in log, log
