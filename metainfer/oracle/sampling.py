@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from metainfer.engine.request import SamplingParams
-from metainfer.oracle.compare import GATES, Check
+from metainfer.oracle.compare import GATES, Check, allowed_misses
 from metainfer.oracle.engine_runs import capture_rows
 from metainfer.oracle.suites import ORDINARY_IDS, Suite
 
@@ -242,8 +242,7 @@ def sampling_checks(llm, reference, suite: Suite, precision: str) -> tuple[list[
     misses = sum(f["mismatches"] for f in per_cfg.values())
     frac = misses / judged if judged else math.nan
     allowed = 0.0 if precision == "float32" else g.max_mismatch_frac
-    # a low-precision share allows one unlucky flip at least (compare.allowed_misses)
-    ok_misses = misses <= (max(1, math.floor(allowed * judged)) if allowed > 0 else 0)
+    ok_misses = misses <= allowed_misses(allowed, judged)
     need = max(MIN_JUDGED, math.ceil(g.min_clear_frac * total))
     bites = {c: f["judged_bites"] for c, f in per_cfg.items() if f["judged_bites"]}
     eos = "exercised" if stops["eos_exercised"] else f"not exercised ({stops['eos_note']})"

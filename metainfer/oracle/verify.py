@@ -170,7 +170,6 @@ def run_verify(
         rows, n = run.decode_rows(i)
         if n < N:
             problems.append(f"{names[i]}: logits hook delivered {n} of {N} decode rows")
-        d = None
         if rows is not None:
             d = row_stats(rows.to(ref.device), ref[off : off + n])
             decode.add(names[i], d)

@@ -171,11 +171,10 @@ def test_noise_step_off_by_one(tiny, monkeypatch):
 # ---- stop mutants -------------------------------------------------------------------------------
 
 
-def _without(check_stop, stop_ids: bool = False, min_tokens: bool = False, eos: bool = False):
+def _without(check_stop, stop_ids: bool = False, eos: bool = False):
     def mutant(self, req, tok, n_out):
         params, eos_ids = req.params, req.eos_token_ids
         changes = {"stop_token_ids": ()} if stop_ids else {}
-        changes |= {"min_tokens": 0} if min_tokens else {}
         req.params = dataclasses.replace(params, **changes)
         req.eos_token_ids = () if eos else eos_ids
         try:
