@@ -38,9 +38,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from metainfer.forward_meta import ForwardMeta  # noqa: E402
 from metainfer.kernels import attention, conv1d, gdn_decode, norm  # noqa: E402
 from metainfer.kernels import reference as ref  # noqa: E402
-from metainfer.model.meta import ForwardMeta  # noqa: E402
 
 DRY = "--dry-run" in sys.argv
 DEV = "cpu" if DRY else "cuda"

@@ -31,11 +31,11 @@ from engine_smoke import env_info  # noqa: E402
 
 from metainfer.config import FULL_CONFIG  # noqa: E402
 from metainfer.engine.request import SamplingParams  # noqa: E402
+from metainfer.forward_meta import ForwardMeta  # noqa: E402
 from metainfer.kernels.mega import build_step, launch, profile  # noqa: E402
 from metainfer.kernels.mega import program as P  # noqa: E402
 from metainfer.kernels.mega.launch import MegaKernel  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
-from metainfer.model.meta import ForwardMeta  # noqa: E402
 
 HBM = 4.3e12
 

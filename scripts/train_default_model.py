@@ -281,7 +281,7 @@ def engine_model(model_dir: Path):
 def engine_logits_with_mtp(m, ids: list[int], block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """(main logits [L, V], MTP logits [L-1, V]) of one sequence through the engine's model and its
     `MTP` module, prefilled with fresh caches. MTP row t sees h_t and token t+1 at position t."""
-    from metainfer.model.meta import CacheTensors, ForwardMeta
+    from metainfer.forward_meta import CacheTensors, ForwardMeta
 
     c, L = m.cfg, len(ids)
     nb = -(-L // block_size)

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.kernels import ops
-from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
 

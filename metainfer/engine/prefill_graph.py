@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from metainfer.engine.cuda_graph import capture_graphs
-from metainfer.model.meta import CacheTensors, ForwardMeta
+from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
 

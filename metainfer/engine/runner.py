@@ -15,8 +15,8 @@ from metainfer.engine.request import Request, TokenLogprob
 from metainfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.warmup import run_warmup, warmup_steps
+from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.kernels import ops
-from metainfer.model.meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 from metainfer.model.weights import build_model, init_dummy, load_checkpoint
 

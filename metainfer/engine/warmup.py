@@ -14,7 +14,7 @@ import time
 import torch
 
 from metainfer.config import EngineConfig
-from metainfer.model.meta import CacheTensors, ForwardMeta
+from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
 Step = tuple[list[int], list[int]]  # (query lens, context lens), decodes first

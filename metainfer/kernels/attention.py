@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import pdl
 from metainfer.kernels.qk_norm_rope import check_inputs, norm_rope
-from metainfer.model.meta import ForwardMeta
 
 _LOG2E = 1.4426950408889634
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from metainfer.config import ModelConfig
+from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import ops
 from metainfer.model.layers import Linear, RMSNorm, Rotary
-from metainfer.model.meta import ForwardMeta
 
 
 class GatedAttention(nn.Module):

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from metainfer.config import ModelConfig
+from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import ops
 from metainfer.model.layers import Linear, fp8_copy_buffers
-from metainfer.model.meta import ForwardMeta
 
 
 class GatedDeltaNet(nn.Module):

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from metainfer.config import FULL, ModelConfig
+from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.kernels import ops, pdl
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
 from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm, SparseMoE, fp8_copy_buffers
-from metainfer.model.meta import CacheTensors, ForwardMeta
 
 
 class DecoderLayer(nn.Module):

@@ -33,7 +33,7 @@ import torch
 
 from metainfer.engine.prefill_graph import PrefillGraphs
 from metainfer.engine.request import Request
-from metainfer.model.meta import CacheTensors, ForwardMeta
+from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 
 

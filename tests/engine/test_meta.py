@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from metainfer.model.meta import ForwardMeta
+from metainfer.forward_meta import ForwardMeta
 
 
 def _meta(query_lens, context_lens):

@@ -80,7 +80,7 @@ def test_mtp_graph_layout_proposes_the_eager_drafts(prompts, k):
 def _mtp_reference(model, ids: list[int]) -> torch.Tensor:
     """MTP logits [L-1, V] of one sequence, every row at once with fresh caches: row t sees the main
     model's hidden state at t and token t + 1 (the training script's measurement)."""
-    from metainfer.model.meta import CacheTensors, ForwardMeta
+    from metainfer.forward_meta import CacheTensors, ForwardMeta
 
     c, L, bs = model.cfg, len(ids), 16
     nb = -(-L // bs)

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
+from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import reference as ref
-from metainfer.model.meta import ForwardMeta
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import attention as attn
 from metainfer.kernels import reference as ref
 from metainfer.kernels.qk_norm_rope import qk_norm_rope_write
-from metainfer.model.meta import ForwardMeta
 from tests.helpers import rel_rmse
 
 # (relative RMSE, max abs); bf16 is loose: the interpreter truncates fp32 -> bf16 casts

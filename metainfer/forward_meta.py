@@ -1,4 +1,7 @@
-"""What a forward pass needs besides token ids and positions: batch layout and cache tensors."""
+"""What a forward pass needs besides token ids and positions: batch layout and cache tensors.
+
+Built by the engine, read by the model and the kernels; a leaf module (torch only), so neither
+of those imports the other for it."""
 
 from __future__ import annotations
 
