@@ -17,70 +17,104 @@ def _token_ids(s: str) -> list[int]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by generate, serve, verify and bench offline."""
-    p.add_argument(
-        "--model", default="", help="model dir, dummy:CONFIG_JSON, or empty for the embedded default"
+    """Engine flags shared by generate, serve and verify, in three help groups after the command's
+    own: the model and device; the engine's capacity; GPU performance tuning."""
+    m = p.add_argument_group("model and device")
+    m.add_argument(
+        "--model",
+        default="",
+        help="model dir, dummy:CONFIG_JSON (random weights), or empty for the embedded default "
+        "(a tiny code model; default: empty)",
     )
-    p.add_argument(
+    m.add_argument(
+        "--device", default="auto", metavar="DEV", help="cpu | cuda | auto (cuda if a GPU is present)"
+    )
+    m.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32", "fp8"],
         help="fp8 = bfloat16 activations with FP8 (e4m3, 128x128 block) weights",
     )
-    p.add_argument("--quantization", default=None, choices=[None, "fp8"])
-    p.add_argument(
-        "--fp8-lm-head",
-        action="store_true",
-        help="with fp8: the lm_head in FP8 too (half its bytes per decode step; the published FP8 "
-        "checkpoint keeps it BF16)",
+    m.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: FP8 weights, as --dtype fp8 (default: none)",
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
+    m.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy: random weights of the model's shapes",
+    )
+    m.add_argument(
+        "--engine-seed", type=int, default=0, metavar="N", help="seed of dummy weights and unseeded sampling"
+    )
+
+    c = p.add_argument_group("engine capacity", "memory and batch limits")
+    c.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + output, in tokens")
+    c.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one step")
+    c.add_argument(
+        "--max-num-batched-tokens", type=int, default=4096, help="tokens in a step (longer prompts: chunked)"
+    )
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    c.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks (default: sized from --gpu-memory-utilization on CUDA, a fixed count on CPU)",
+    )
+    c.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.90, help="CUDA: share of GPU memory to take"
+    )
+
+    t = p.add_argument_group(
+        "GPU performance tuning", "the defaults suit most runs; most of these do nothing on the CPU"
+    )
+    t.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    t.add_argument(
         "--prefill-graphs",
         type=_sizes,
         default=None,
         help="step sizes (e.g. 512,1024) of CUDA graphs for a prompt alone in a step (idle TTFT); "
         "default: 128,256,512,1024,2048 up to --max-num-batched-tokens; 0: none",
     )
-    p.add_argument("--no-warmup", action="store_true", help="no start-up steps compiling the kernels")
-    p.add_argument(
+    t.add_argument("--no-warmup", action="store_true", help="no start-up steps compiling the kernels")
+    t.add_argument(
+        "--fp8-lm-head",
+        action="store_true",
+        help="with fp8: the lm_head in FP8 too (half its bytes per decode step; the published FP8 "
+        "checkpoint keeps it BF16)",
+    )
+    t.add_argument(
         "--speculative",
         default=None,
         choices=["ngram", "repeat", "mtp"],
         help="speculative decoding of greedy requests: ngram = prompt-lookup drafts; repeat = the last "
         "token K times (judges the verify path with `metainfer verify`: every eligible step verifies); "
-        "mtp = the checkpoint's multi-token-prediction layer, chained K times",
+        "mtp = the checkpoint's multi-token-prediction layer, chained K times (default: none)",
     )
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step")
-    p.add_argument(
+    t.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step")
+    t.add_argument(
         "--speculative-max-seqs",
         type=int,
         default=1,
         help="draft only while at most this many sequences run and none waits (a lone verify replays "
         "a CUDA graph; verifies beside other sequences run eager)",
     )
-    p.add_argument(
+    t.add_argument(
         "--speculative-draft-vocab",
         type=int,
         default=0,
         help="mtp: draft only among the token ids below N (lm_head's first N rows per draft; 32768 is ~1/8 "
         "of its bytes and ~95 %% of English/code tokens); 0: the whole vocabulary",
     )
-    p.add_argument(
+    t.add_argument(
         "--ssm-state-dtype",
         default="float32",
         choices=SSM_STATE_DTYPES,
         help="storage of the DeltaNet recurrent states (the update math is fp32 either way)",
     )
-    p.add_argument("--engine-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -121,26 +155,33 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for prompts (one continuous batch)")
-    add_engine_args(p)
-    p.add_argument("prompts", nargs="*", help="prompt texts")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt text (repeatable)")
-    p.add_argument(
+    p = sub.add_parser(
+        "generate",
+        help="generate text for prompts (one continuous batch)",
+        description="Generates a continuation of each prompt (read from standard input when none is "
+        "given) and prints it.",
+    )
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt text (repeatable)")
+    g.add_argument(
         "--prompt-token-ids",
         action="append",
         default=[],
         type=_token_ids,
+        metavar="IDS",
         help="a prompt as comma-separated token ids (repeatable)",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    g.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1: off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="only the k likeliest tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens under P x the top one")
+    g.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed (default: unseeded)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="go on to --max-tokens past end-of-sequence")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    add_engine_args(p)
     p.set_defaults(func=run)
 
 

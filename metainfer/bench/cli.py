@@ -50,44 +50,61 @@ def _longest(dataset: Any, tokenizer_dir: str | None) -> tuple[list[Any], int]:
     return reqs, max(r.prompt_len + r.output_len for r in reqs)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="OUT", help="write the result JSON here")
-    p.add_argument("--verdict", metavar="PATH", help="oracle verdict JSON this result relies on")
+def _add_common(p: Any) -> None:
+    p.add_argument("--json", metavar="OUT", help="write the result JSON here (default: none)")
+    p.add_argument(
+        "--verdict", metavar="PATH", help="oracle verdict JSON this result relies on (default: none)"
+    )
 
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="streaming load test of an OpenAI-compatible /v1/completions server")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model name sent in requests (default: from /v1/models)")
-    p.add_argument("--endpoint", default="/v1/completions")
-    p.add_argument("--dataset", default="random", help="random | structured | file:PATH (JSONL)")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=0.0)
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument(
+    w = p.add_argument_group("server and workload")
+    w.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    w.add_argument("--model", default=None, help="model name sent in requests (default: from /v1/models)")
+    w.add_argument("--dataset", default="random", help="random | structured | file:PATH (JSONL)")
+    w.add_argument("--input-len", type=int, default=1024, metavar="N", help="prompt tokens")
+    w.add_argument("--output-len", type=int, default=128, metavar="N", help="tokens to generate")
+    w.add_argument("--num-prompts", type=int, default=100, metavar="N", help="requests timed")
+    w.add_argument(
+        "--max-concurrency", type=int, default=None, metavar="N", help="requests in flight (default: all)"
+    )
+    w.add_argument(
         "--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals; inf: all at once"
     )
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=0, help="untimed requests sent first")
-    p.add_argument("--tokenizer", default=None, help="model dir with tokenizer.json (default: Qwen3.6)")
-    p.add_argument("--vocab-limit", type=int, default=None,
+    w.add_argument("--ignore-eos", action="store_true", help="ask for --output-len tokens past EOS")
+    w.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrivals")
+    d = p.add_argument_group("workload details")
+    d.add_argument("--endpoint", default="/v1/completions", help="path of the completions endpoint")
+    d.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform within +- this share of the lengths"
+    )
+    d.add_argument("--warmup", type=int, default=0, metavar="N", help="untimed requests sent first")
+    d.add_argument(
+        "--tokenizer", default=None, metavar="DIR", help="model dir with tokenizer.json (default: Qwen3.6)"
+    )
+    d.add_argument("--vocab-limit", type=int, default=None, metavar="N",
                    help="random ids stay below this (default: the vocab_size in the server's /v1/models)")
-    p.add_argument("--label", default="server", help="engine name recorded in the result")
-    p.add_argument("--workload", default=None, help="workload name recorded in the result")
-    p.add_argument(
+    d.add_argument("--timeout", type=float, default=6 * 3600.0, metavar="S", help="per-request timeout (s)")
+    r = p.add_argument_group("results")
+    r.add_argument("--label", default="server", help="engine name recorded in the result")
+    r.add_argument("--workload", default=None, help="workload name in the result (default: from the run)")
+    _add_common(r)
+    roof = p.add_argument_group(
+        "roofline", "the GPU and model the roofline rows assume (omitted when the server runs on a CPU or "
+        "serves another model)"
+    )
+    roof.add_argument(
         "--config",
         default=None,
         help="model config for the roofline (default: --model if a "
         "path or dummy:PATH, else the full Qwen3.6 config)",
     )
-    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="roofline precision")
-    p.add_argument("--lm-head-dtype", choices=("bfloat16", "fp8"), default=None)
-    p.add_argument("--bandwidth", type=float, default=4.3, help="TB/s for the roofline")
-    p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout (s)")
-    _add_common(p)
+    roof.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="roofline precision")
+    roof.add_argument(
+        "--lm-head-dtype", choices=("bfloat16", "fp8"), default=None, help="lm_head (default: bfloat16)"
+    )
+    roof.add_argument("--bandwidth", type=float, default=4.3, help="GPU memory TB/s (4.3: an H200)")
     p.set_defaults(func=cmd_serve, bench_parser=p)
 
 
@@ -175,17 +192,20 @@ def _served_vocab(base_url: str) -> int | None:
 
 def _add_offline(sub: Any) -> None:
     p = sub.add_parser("offline", help="the engine's Python API without HTTP (prefill and decode timing)")
-    p.add_argument("--model", default="", help="model dir, dummy:CONFIG, or '' for the default model")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "fp8"), default="bfloat16")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth", type=float, default=4.3)
-    _add_common(p)
+    g = p.add_argument_group("model and workload")
+    g.add_argument("--model", default="", help="model dir, dummy:CONFIG, or '' for the default model")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--dtype", choices=("bfloat16", "float32", "fp8"), default="bfloat16", help="precision")
+    g.add_argument("--input-len", type=int, default=1024, metavar="N", help="prompt tokens")
+    g.add_argument("--output-len", type=int, default=128, metavar="N", help="tokens to generate")
+    g.add_argument("--batch-size", type=int, default=1, metavar="N", help="prompts in the batch")
+    g.add_argument("--num-iters", type=int, default=3, metavar="N", help="timed iterations (median taken)")
+    g.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed iterations first")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    r = p.add_argument_group("results")
+    _add_common(r)
+    roof = p.add_argument_group("roofline", "omitted on a CPU run")
+    roof.add_argument("--bandwidth", type=float, default=4.3, help="GPU memory TB/s (4.3: an H200)")
     p.set_defaults(func=cmd_offline, bench_parser=p)
 
 
@@ -223,18 +243,18 @@ def cmd_offline(args: argparse.Namespace) -> int:
 def _add_roofline(sub: Any) -> None:
     p = sub.add_parser("roofline", help="bytes and FLOPs per decode step / prefill, and the ceilings")
     p.add_argument("--model", default=str(FULL_CONFIG), help="config.json, model dir or dummy:CONFIG")
-    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="weights")
     p.add_argument("--lm-head-dtype", choices=("bfloat16", "fp8"), default=None, help="default: bfloat16")
-    p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
-    p.add_argument("--bandwidth", type=float, default=4.3, help="TB/s")
+    p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="KV cache")
+    p.add_argument("--bandwidth", type=float, default=4.3, help="GPU memory TB/s (4.3: an H200)")
     p.add_argument("--tflops", type=float, default=None, help="peak TFLOP/s (default 790 BF16, 1580 FP8)")
     p.add_argument("--context", type=int, default=0, help="cached tokens per sequence at decode")
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--prefill-len", type=int, default=1024)
+    p.add_argument("--concurrency", type=int, default=1, help="sequences per decode step")
+    p.add_argument("--prefill-len", type=int, default=1024, help="prompt tokens of the prefill")
     p.add_argument(
         "--markdown", action="store_true", help="print the byte-count tables (benchmarks/README.md)"
     )
-    p.add_argument("--json", metavar="OUT")
+    p.add_argument("--json", metavar="OUT", help="write the result JSON here (default: none)")
     p.set_defaults(func=cmd_roofline, bench_parser=p)
 
 
@@ -286,33 +306,42 @@ def vars_clean(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_compare(sub: Any) -> None:
     p = sub.add_parser("compare", help="start each engine's server in turn and run the same workloads")
-    p.add_argument("--engine", action="append", default=None, help="metainfer | vllm | a --engine-cmd name")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=None,
+        help="metainfer | vllm | a --engine-cmd name (repeatable; default: metainfer and vllm)",
+    )
     p.add_argument(
         "--engine-cmd",
         action="append",
         default=[],
         metavar="NAME=TEMPLATE",
-        help="server command with {port} {model} {model_dir} {config}",
+        help="server command with {port} {model} {model_dir} {config} (repeatable)",
     )
     p.add_argument(
         "--model", default=f"dummy:{FULL_CONFIG}", help="dummy:CONFIG (same config for every engine)"
     )
     p.add_argument("--workload", default="c1,ttft,c32", help="comma list of c1, ttft, cN")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=1024, help="tokens to generate")
     p.add_argument(
-        "--num-prompts", type=int, default=None, help="override per workload (c1: 4, ttft: 8, cN: 4N)"
+        "--num-prompts", type=int, default=None, help="requests per workload (default: c1 4, ttft 8, cN 4N)"
     )
-    p.add_argument("--dataset", default="random")
-    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--tokenizer-dir", default=None, help="tokenizer files copied into vLLM's model dir")
-    p.add_argument("--bandwidth", type=float, default=4.3)
+    p.add_argument("--dataset", default="random", help="random | structured | file:PATH (JSONL)")
+    p.add_argument("--dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="weights of every engine")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--warmup", type=int, default=2, help="untimed requests per workload")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    p.add_argument(
+        "--tokenizer-dir", default=None, help="tokenizer files copied into vLLM's model dir (default: none)"
+    )
+    p.add_argument("--bandwidth", type=float, default=4.3, help="roofline: GPU memory TB/s (4.3: an H200)")
     p.add_argument("--baseline", default=None, help="engine the report's ratios divide by (default vllm)")
-    p.add_argument("--verdict", metavar="PATH")
-    p.add_argument("--out", default="out/bench-compare")
+    p.add_argument(
+        "--verdict", metavar="PATH", help="oracle verdict JSON the results rely on (default: none)"
+    )
+    p.add_argument("--out", default="out/bench-compare", help="folder of the results and the report")
     p.set_defaults(func=cmd_compare, bench_parser=p)
 
 
@@ -372,7 +401,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _add_report(sub: Any) -> None:
     p = sub.add_parser("report", help="markdown table and PNG plots from result JSONs")
     p.add_argument("results", nargs="+", help="result JSON files or directories")
-    p.add_argument("--out", default="out/bench-report")
+    p.add_argument("--out", default="out/bench-report", help="folder of the report")
     p.add_argument("--baseline", default=None, help="engine for ratios (default: vllm if present)")
     p.set_defaults(func=cmd_report, bench_parser=p)
 

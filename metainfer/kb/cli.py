@@ -8,26 +8,30 @@ import sys
 from datetime import date
 from pathlib import Path
 
+DIR_HELP = "records folder (default: the shipped records)"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kb", help="the knowledge base of verified optimisations")
     kb = p.add_subparsers(dest="kb_command", metavar="ACTION")
     ls = kb.add_parser("list", help="one line per record")
-    ls.add_argument("--status", choices=["kept", "reverted", "superseded", "proposed"])
-    ls.add_argument("--precision", choices=["bfloat16", "fp8"])
-    ls.add_argument("--grep", help="substring anywhere in the record")
-    ls.add_argument("--dir", type=Path, default=None)
+    ls.add_argument(
+        "--status", choices=["kept", "reverted", "superseded", "proposed"], help="only these (default: all)"
+    )
+    ls.add_argument("--precision", choices=["bfloat16", "fp8"], help="only these (default: all)")
+    ls.add_argument("--grep", help="substring anywhere in the record (default: none)")
+    ls.add_argument("--dir", type=Path, default=None, help=DIR_HELP)
     ls.set_defaults(func=_list)
     sh = kb.add_parser("show", help="a record in full")
     sh.add_argument("id")
-    sh.add_argument("--dir", type=Path, default=None)
+    sh.add_argument("--dir", type=Path, default=None, help=DIR_HELP)
     sh.set_defaults(func=_show)
     add = kb.add_parser("add", help="add a record from a JSON file (id and date are filled in if absent)")
     add.add_argument("file", help="JSON record, or - for stdin")
-    add.add_argument("--dir", type=Path, default=None)
+    add.add_argument("--dir", type=Path, default=None, help=DIR_HELP)
     add.set_defaults(func=_add)
     ck = kb.add_parser("check", help="validate every record")
-    ck.add_argument("--dir", type=Path, default=None)
+    ck.add_argument("--dir", type=Path, default=None, help=DIR_HELP)
     ck.set_defaults(func=_check)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 

@@ -20,24 +20,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         "transformers' reference along the engine's continuations, and prints every check with its "
         "figure and gate. Exit 0: pass, 1: fail, 2: usage error.",
     )
-    add_engine_args(p)
-    p.add_argument(
+    v = p.add_argument_group("verification")
+    v.add_argument(
         "--suite",
         default="auto",
         choices=["auto", "quick", "full"],
         help="quick: small, for CPU CI; full: 1..4000-token prompts and real text (auto: full on CUDA)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt suite")
-    p.add_argument(
+    v.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the prompt suite")
+    v.add_argument(
         "--reference",
         default="auto",
         choices=["auto", "shared", "checkpoint"],
         help="HF dirs: load the checkpoint again with transformers (checkpoint) or reuse the "
         "engine's loaded tensors (shared); auto loads it again when it fits",
     )
-    p.add_argument("--json", default=None, metavar="OUT", help="write the JSON verdict here")
+    v.add_argument("--json", default=None, metavar="OUT", help="write the JSON verdict here (default: none)")
+    add_engine_args(p)
     # unset means: sized to the suite (see metainfer.oracle.build.engine_defaults)
-    p.set_defaults(func=run, max_num_batched_tokens=None, max_model_len=None, max_num_seqs=None)
+    sized = ("max_num_batched_tokens", "max_model_len", "max_num_seqs")
+    p.set_defaults(func=run, **dict.fromkeys(sized))
+    for a in p._actions:
+        if a.dest in sized:
+            a.help = f"{a.help} (default: sized to the suite)"
 
 
 def run(args: argparse.Namespace) -> int:

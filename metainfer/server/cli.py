@@ -20,47 +20,61 @@ log = logging.getLogger("metainfer.server")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, ...)")
-    p.add_argument(
-        "model_tag", nargs="?", default=None, help="the model, as in `vllm serve MODEL` (= --model)"
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, ...)",
     )
-    add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="as in `vllm serve MODEL` (= --model)"
+    )
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    srv.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
+        metavar="NAME",
         help="model name(s) the API accepts; the first is reported (default: --model, or 'default')",
     )
-    p.add_argument(
+    srv.add_argument(
         "--api-key",
-        default=os.environ.get("METAINFER_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1/* (env METAINFER_API_KEY)",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/* (default: the environment's METAINFER_API_KEY, "
+        "else no key)",
     )
-    p.add_argument(
+    srv.add_argument(
         "--generation-config",
         default="auto",
+        metavar="auto|vllm|DIR",
         help="auto: sampling defaults from the model's generation_config.json; vllm: built-in "
         "defaults; or a folder holding a generation_config.json",
     )
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument(
+    srv.add_argument("--max-logprobs", type=int, default=20, metavar="N", help="most logprobs per request")
+    srv.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
+        metavar="S",
         help="seconds requests in flight may take to finish on SIGTERM before they are aborted",
     )
-    p.add_argument(
+    add_engine_args(p)
+    http = p.add_argument_group("HTTP server internals (uvicorn)")
+    http.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
     )
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per request")
     # uvicorn's HTTP parser and event loop (auto: httptools / uvloop when installed); on a 2-core CPU
     # both pairs left ~2.8 ms between the client's and the engine's TTFT for a 16-token prompt
-    for name, choices in (("http", ["auto", "h11", "httptools"]), ("loop", ["auto", "asyncio", "uvloop"])):
-        p.add_argument(f"--uvicorn-{name}", default="auto", choices=choices)
+    for name, choices, what in (
+        ("http", ["auto", "h11", "httptools"], "HTTP parser (auto: httptools when installed)"),
+        ("loop", ["auto", "asyncio", "uvloop"], "event loop (auto: uvloop when installed)"),
+    ):
+        http.add_argument(f"--uvicorn-{name}", default="auto", choices=choices, help=what)
     p.set_defaults(func=run)
 
 
@@ -155,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     gen_dir = generation_dir(args.generation_config, engine.source.config_path.parent)
     ctx = make_context(engine, served_names(args), gen_dir, args.max_logprobs, cpu_threads)
-    app = build_app(ctx, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("METAINFER_API_KEY")
+    app = build_app(ctx, api_key=api_key, shutdown_timeout=args.shutdown_timeout)
     log.info(
         "serving %s as %s on http://%s:%d (max_model_len %d, defaults %s, warmup %.1f s)",
         engine.source.label,
