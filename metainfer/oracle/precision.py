@@ -171,3 +171,29 @@ def reference_logits(reference, token_ids: Sequence[int], mode: str, keep: int |
         return out.logits[0].float()
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+@torch.inference_mode()
+def reference_logits_batch(reference, seqs: Sequence[Sequence[int]], mode: str) -> list[torch.Tensor]:
+    """`reference_logits` of several sequences in one forward: [L_i, V] fp32 each.
+
+    The sequences are right-padded to the longest. Every layer of the model is causal (attention,
+    the DeltaNet recurrence and its causal convolution) or per-token (norms, MoE routing, experts),
+    so a real position never sees a pad and its logits are those of the sequence alone, up to the
+    summation order of the wider matmuls (float32 round-off)."""
+    if not seqs:
+        return []
+    model = reference.model
+    n = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), n, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with compute(model, mode):
+            out = model(input_ids=ids.to(reference.device), use_cache=False)
+        logits = out.logits
+        return [logits[i, : len(s)].float() for i, s in enumerate(seqs)]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags

@@ -35,7 +35,7 @@ from metainfer.oracle.compare import (
 from metainfer.oracle.engine_runs import GreedyRun, greedy_batch, sample_batch, score_batch
 from metainfer.oracle.layers import layer_checks
 from metainfer.oracle.paths import coverage, path_checks, stats_snapshot
-from metainfer.oracle.precision import reference_logits
+from metainfer.oracle.precision import reference_logits, reference_logits_batch
 from metainfer.oracle.reference import Reference
 from metainfer.oracle.sampling import sampling_checks
 from metainfer.oracle.suites import Suite
@@ -43,6 +43,8 @@ from metainfer.oracle.suites import Suite
 DISTINCT_ROWS = 8  # leading prompt rows kept per prompt for the distinct-prompts check
 SCORE_MAX_LEN = 4096  # longer prompts: judged on their decode rows (no [L, V] teacher-forced logits)
 NOISE_SKIP = ("wide-",)  # prompts without a noise forward (the ratio is measured on the others' rows)
+REF_BATCH = 16  # prompts without a noise forward share one exact reference forward, this many at a time
+REF_BATCH_MAX_LEN = 256  # ... when prompt + continuation are at most this long
 SEEDS = (1234, 4321, 777)
 
 
@@ -143,11 +145,15 @@ def run_verify(
     twin_ref: dict[int, torch.Tensor] = {}
     twin_eng: dict[int, torch.Tensor] = {}
     vocab = 0
+    exact = _ExactRows(reference, seqs, [
+        i for i in scored
+        if not (gates.noise_mode and not names[i].startswith(NOISE_SKIP)) and len(seqs[i]) <= REF_BATCH_MAX_LEN
+    ])
     for i, seq in enumerate(seqs):
         L, N = len(prompts[i]), len(run.tokens[i])
         long = i not in scored  # judged on its decode rows only (the reference keeps the last N + 1)
         keep = N + 1 if long else None
-        ref = reference_logits(reference, seq, "exact", keep)
+        ref = exact.get(i, keep)
         off = (L - 1) - (len(seq) - ref.shape[0])  # row of position L - 1 in `ref`
         vocab = ref.shape[-1]
         measure = gates.noise_mode and not names[i].startswith(NOISE_SKIP)
@@ -249,6 +255,26 @@ def run_verify(
     return Verdict(
         all(c.passed for c in checks), tuple(checks), figures, suite.describe(), gates.to_dict(), ctx
     )
+
+
+class _ExactRows:
+    """The exact reference's [L, V] logits of each sequence, asked for in order: the `batched`
+    indices are computed REF_BATCH at a time in one padded forward (`reference_logits_batch`), the
+    others one forward each."""
+
+    def __init__(self, reference, seqs: list[list[int]], batched: list[int]) -> None:
+        self.reference, self.seqs, self.batched = reference, seqs, batched
+        self.ready: dict[int, torch.Tensor] = {}
+
+    def get(self, i: int, keep: int | None) -> torch.Tensor:
+        if i not in self.ready and i in self.batched:
+            k = self.batched.index(i)
+            group = self.batched[k : k + REF_BATCH]
+            rows = reference_logits_batch(self.reference, [self.seqs[j] for j in group], "exact")
+            self.ready.update(zip(group, rows))
+        if i in self.ready:
+            return self.ready.pop(i)
+        return reference_logits(self.reference, self.seqs[i], "exact", keep)
 
 
 def _history_check(suite: Suite, twin_ref, twin_eng, g: Gates, figures: dict) -> Check:
