@@ -118,8 +118,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if args.config:
             resolve_config_path(args.config, strict=True)
+        card = _served_card(args.base_url)  # the served model, where the server says it
         if args.vocab_limit is None:  # random ids within the served model's vocabulary, when it says
-            args.vocab_limit = _served_vocab(args.base_url)
+            v = card.get("vocab_size")
+            args.vocab_limit = v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
         dataset = DatasetSpec.parse(
             args.dataset,
             input_len=args.input_len,
@@ -134,11 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             reqs, longest = _longest(dataset, args.tokenizer)
             check_verdict(args.verdict, min(args.max_concurrency or len(reqs), len(reqs)), longest)
         if args.model is None:
-            import asyncio
-
-            from metainfer.bench.client import served_model_name
-
-            args.model = asyncio.run(served_model_name(args.base_url)) or "default"
+            args.model = str(card.get("id") or "default")
         client = ClientConfig(
             base_url=args.base_url,
             model=args.model,
@@ -166,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             argv=_argv(args),
             tokenizer_dir=args.tokenizer,
             reqs=reqs,
+            server_card=card,
         )
     except (ValueError, FileNotFoundError) as e:
         return _err(str(e))
@@ -180,14 +179,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if run_ok(m) else 1
 
 
-def _served_vocab(base_url: str) -> int | None:
+def _served_card(base_url: str) -> dict[str, Any]:
+    """The first model of the server's /v1/models ({} when it lists none or cannot be reached)."""
     import asyncio
 
     from metainfer.bench.client import served_model_card
 
-    card = asyncio.run(served_model_card(base_url)) or {}
-    v = card.get("vocab_size")
-    return int(v) if isinstance(v, int) and v > 0 else None
+    return asyncio.run(served_model_card(base_url)) or {}
 
 
 def _add_offline(sub: Any) -> None:

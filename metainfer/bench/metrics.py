@@ -215,8 +215,9 @@ def _rule(title: str, fill: str = "-", width: int = 50) -> str:
     return f"{title:{fill}^{width}}"
 
 
-def format_table(m: ServeMetrics, roofline_lines: Sequence[tuple[str, Any]] = ()) -> str:
-    """The `vllm bench serve` result block (same labels), then P90 lines, mismatches and roofline."""
+def format_table(m: ServeMetrics, roofline_lines: Sequence[tuple[str, Any] | str] = ()) -> str:
+    """The `vllm bench serve` result block (same labels), then P90 lines, mismatches and roofline
+    (`roofline_lines`: (label, value) rows, or whole lines as they are)."""
     out = [_rule(" Serving Benchmark Result ", "=")]
     out.append(_line("Successful requests:", m.completed))
     out.append(_line("Failed requests:", m.failed))
@@ -254,8 +255,8 @@ def format_table(m: ServeMetrics, roofline_lines: Sequence[tuple[str, Any]] = ()
         out.append(_line("Server draft tokens accepted:", m.extra["server_spec_accepted_tokens"]))
         if "server_spec_acceptance" in m.extra:
             out.append(_line("Server draft acceptance:", m.extra["server_spec_acceptance"]))
-    for label, value in roofline_lines:
-        out.append(_line(label, value))
+    for row in roofline_lines:
+        out.append(row if isinstance(row, str) else _line(*row))
     if m.short_outputs or m.length_mismatches or m.usage_missing or m.errors:
         out.append(_rule("Problems"))
         if m.short_outputs:

@@ -9,6 +9,8 @@ every device sync), for one batch of `batch_size` random prompts of `input_len` 
 Each figure is the median over `num_iters` iterations, after `warmup` untimed calls.
 decode tok/s = batch_size · (output_len - 1) / decode_s; TPOT = decode_s / (output_len - 1);
 output throughput = batch_size · output_len / total_s; total = batch_size · (in + out) / total_s.
+The roofline rows sit under a title naming the GPU, model and precision they assume; on a CPU run
+they are omitted, with one line saying why.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from typing import Any
 
 from metainfer.bench.datasets import DatasetSpec, random_requests
 from metainfer.bench.env import build_result
-from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling, load_config, prefill_floor
+from metainfer.bench.roofline import (
+    DEFAULT_BANDWIDTH_TB_S,
+    assumption_label,
+    decode_ceiling,
+    gpu_label,
+    load_config,
+    prefill_floor,
+)
 
 
 @dataclass(frozen=True)
@@ -155,11 +164,26 @@ def run_offline(
     )
 
 
+def on_gpu(device: str) -> bool:
+    """Whether the engine runs on a GPU: `cuda[:N]`, or `auto` with one present."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
 def offline_roofline(cfg: OfflineConfig, m: OfflineMetrics) -> dict[str, Any]:
+    """The roofline figures; on a CPU run only what they would assume and why they are `omitted`."""
     model_cfg, path = load_config(cfg.model)
+    label = assumption_label(path, cfg.roofline_dtype, cfg.bandwidth)
+    if not on_gpu(cfg.device):
+        why = f"a CPU run, and the roofline assumes {gpu_label(cfg.bandwidth)}"
+        return {"assumes": label, "config_path": str(path), "omitted": why}
     ctx = cfg.input_len + cfg.output_len // 2
     dec = decode_ceiling(model_cfg, cfg.roofline_dtype, cfg.batch_size, ctx, cfg.bandwidth)
     fig: dict[str, Any] = {
+        "assumes": label,
         "config_path": str(path),
         "dtype": cfg.roofline_dtype,
         "bandwidth_tb_s": cfg.bandwidth,
@@ -188,16 +212,27 @@ def format_offline(cfg: OfflineConfig, m: OfflineMetrics, fig: dict[str, Any]) -
         ("Decode tok/s per stream:", m.decode_tok_s_per_stream),
         ("Output token throughput (tok/s):", m.output_throughput),
         ("Total Token throughput (tok/s):", m.total_token_throughput),
-        (f"Decode ceiling, c={cfg.batch_size} (tok/s):", fig["decode_ceiling_tok_s"]),
-        ("Decode % of ceiling:", fig["decode_pct_of_ceiling"]),
     ]
-    if "prefill_floor_ms" in fig:
-        rows.append(("Prefill floor (ms):", fig["prefill_floor_ms"]))
     if m.short_outputs:
         rows.append(("Short outputs:", f"{len(m.short_outputs)}: {list(m.short_outputs)[:20]}"))
-    lines = [f"{' Offline Benchmark Result ':=^50}"]
-    for label, v in rows:
-        lines.append(f"{label:<40} {(f'{v:.2f}' if isinstance(v, float) else v)!s:<10}")
+    roof: list[tuple[str, Any]] = []
+    if "omitted" not in fig:
+        roof = [
+            (f"Decode ceiling, c={cfg.batch_size} (tok/s):", fig["decode_ceiling_tok_s"]),
+            ("Decode % of ceiling:", fig["decode_pct_of_ceiling"]),
+        ]
+        if "prefill_floor_ms" in fig:
+            roof.append(("Prefill floor (ms):", fig["prefill_floor_ms"]))
+
+    def line(label: str, v: Any) -> str:
+        return f"{label:<40} {(f'{v:.2f}' if isinstance(v, float) else v)!s:<10}"
+
+    lines = [f"{' Offline Benchmark Result ':=^50}"] + [line(*r) for r in rows]
+    if "omitted" in fig:
+        lines.append(f"Roofline omitted: {fig['omitted']}")
+    else:
+        lines.append(f"{' Roofline ' + fig['assumes'] + ' ':-^50}")
+        lines += [line(*r) for r in roof]
     lines.append("=" * 50)
     return "\n".join(lines)
 

@@ -32,6 +32,8 @@ class Row:
     short: int
     verdict: str  # "pass" | "FAIL" | "-"
     source: str
+    roofline_assumes: str = ""  # the GPU / model / precision of the ceiling (older results: "")
+    roofline_omitted: str = ""  # why there is no roofline figure (a CPU run, another model)
 
 
 def _num(x: Any) -> float:
@@ -87,6 +89,8 @@ def to_row(r: dict[str, Any]) -> Row:
         short=int(m.get("num_short_outputs") or 0),
         verdict=verdict,
         source=str(r.get("_source", "")),
+        roofline_assumes=str(roof.get("assumes") or ""),
+        roofline_omitted=str(roof.get("omitted") or ""),
     )
 
 
@@ -108,18 +112,35 @@ def pick_baseline(rows: Sequence[Row], baseline: str | None) -> str | None:
 
 
 def markdown(rows: Sequence[Row], baseline: str | None) -> str:
+    # the roofline column names what it assumes: in its head when every figure assumes the same, else
+    # in each cell; a result without a figure says why under the table
+    assumed = {r.roofline_assumes for r in rows if not r.roofline_omitted and not math.isnan(r.roofline_pct)}
+    one = len(assumed) == 1 and "" not in assumed
+    roof_head = f"% roofline {next(iter(assumed))}" if one else "% roofline"
     head = (
         "| workload | engine | kind | conc | in/out | out tok/s | decode tok/s/stream | mean TTFT ms "
-        "| p99 TTFT ms | mean TPOT ms | % roofline | failed | short | verdict |"
+        f"| p99 TTFT ms | mean TPOT ms | {roof_head} | failed | short | verdict |"
     )
     lines = ["# Benchmark report", "", head, "|" + "---|" * 14]
+
+    def roof_cell(r: Row) -> str:
+        if one or not r.roofline_assumes or math.isnan(r.roofline_pct):
+            return _f(r.roofline_pct)
+        return f"{_f(r.roofline_pct)} ({r.roofline_assumes})"
+
     for r in sorted(rows, key=lambda r: (r.workload, r.engine, r.kind)):
         lines.append(
             f"| {r.workload} | {r.engine} | {r.kind} | {r.concurrency} | {r.input_len}/{r.output_len} "
             f"| {_f(r.output_tok_s)} | {_f(r.decode_tok_s)} "
             f"| {_f(r.mean_ttft_ms, 2)} | {_f(r.p99_ttft_ms, 2)} "
-            f"| {_f(r.mean_tpot_ms, 3)} | {_f(r.roofline_pct)} | {r.failed} | {r.short} | {r.verdict} |"
+            f"| {_f(r.mean_tpot_ms, 3)} | {roof_cell(r)} | {r.failed} | {r.short} | {r.verdict} |"
         )
+    omitted = [r for r in rows if r.roofline_omitted]
+    if omitted:
+        lines += [""] + [
+            f"Roofline omitted for {r.engine} / {r.workload}: {r.roofline_omitted}"
+            for r in sorted(omitted, key=lambda r: (r.workload, r.engine, r.kind))
+        ]
     if baseline:
         lines += [
             "",

@@ -348,3 +348,31 @@ def format_ceiling(c: Ceiling, title: str) -> str:
 def load_config(model: str | None, strict: bool = False) -> tuple[ModelConfig, Path]:
     path = resolve_config_path(model, strict)
     return ModelConfig.from_hf(path), path
+
+
+# ---- what a ceiling assumes, in words (the labels of the roofline rows of `bench serve / offline`) ----
+ASSUMED_GPU = "H200"  # the machine DEFAULT_BANDWIDTH_TB_S and PEAK_TFLOPS were measured on
+
+
+def model_label(path: Path) -> str:
+    """The model a config describes: the full Qwen3.6 config by name, a model dir by its folder."""
+    path = Path(path)
+    if path.resolve() == FULL_CONFIG.resolve():
+        return "Qwen3.6-35B-A3B"
+    return path.parent.name if path.name == "config.json" else path.stem
+
+
+def gpu_label(bandwidth: float = DEFAULT_BANDWIDTH_TB_S) -> str:
+    """The GPU a ceiling assumes: the H200 at its measured bandwidth, else the bandwidth given."""
+    return ASSUMED_GPU if bandwidth == DEFAULT_BANDWIDTH_TB_S else f"a {bandwidth:g} TB/s GPU"
+
+
+def assumption_label(
+    path: Path, dtype: str, bandwidth: float = DEFAULT_BANDWIDTH_TB_S, lm_head_dtype: str | None = None
+) -> str:
+    """E.g. `H200 / Qwen3.6-35B-A3B FP8`: the GPU, model and precision a ceiling assumes."""
+    names = {"bfloat16": "BF16", "fp8": "FP8"}
+    prec = names.get(dtype, dtype)
+    if lm_head_dtype and lm_head_dtype != "bfloat16":
+        prec += f" (lm_head {names.get(lm_head_dtype, lm_head_dtype)})"
+    return f"{gpu_label(bandwidth)} / {model_label(path)} {prec}"

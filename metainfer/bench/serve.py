@@ -4,6 +4,9 @@ Roofline figures printed with every run (ceilings from `roofline.py`, for the co
 - decode: concurrency C (max_concurrency, capped by the number of prompts) at the mean context
   (input + output/2); measured C/mean TPOT and the output throughput as % of the decode ceiling;
 - prefill: the floor for one prompt of the mean input length vs the mean TTFT.
+The rows sit under a title naming the GPU, model and precision they assume. They are omitted, with
+one line saying why, when the server's /v1/models says it runs on the CPU or serves another model
+(its vocab_size, hidden_size, num_hidden_layers or num_experts differ from the roofline's config).
 """
 
 from __future__ import annotations
@@ -17,7 +20,19 @@ from metainfer.bench.client import ClientConfig, ServeRun, run
 from metainfer.bench.datasets import DatasetSpec, SampleRequest, load_requests
 from metainfer.bench.env import build_result
 from metainfer.bench.metrics import ServeMetrics, format_table
-from metainfer.bench.roofline import DEFAULT_BANDWIDTH_TB_S, decode_ceiling, load_config, prefill_floor
+from metainfer.bench.roofline import (
+    DEFAULT_BANDWIDTH_TB_S,
+    assumption_label,
+    decode_ceiling,
+    gpu_label,
+    load_config,
+    model_label,
+    prefill_floor,
+)
+from metainfer.config import ModelConfig
+
+# what a metainfer server's /v1/models card says of its model, checked against the roofline's config
+CARD_FACTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts")
 
 
 @dataclass(frozen=True)
@@ -28,11 +43,37 @@ class RooflineSpec:
     bandwidth: float = DEFAULT_BANDWIDTH_TB_S
 
 
+def roofline_omitted(
+    cfg: ModelConfig, path: Any, bandwidth: float, card: dict[str, Any] | None
+) -> str | None:
+    """Why the roofline says nothing of this server (None: it applies, as far as the server says)."""
+    card = card or {}
+    device = card.get("device")
+    if isinstance(device, str) and device.split(":")[0].strip().lower() == "cpu":
+        return f"the server runs on the CPU, and the roofline assumes {gpu_label(bandwidth)}"
+    for key in CARD_FACTS:
+        served = card.get(key)
+        if isinstance(served, int) and not isinstance(served, bool) and served != getattr(cfg, key):
+            return (
+                f"the served model has {key} {served}, not {getattr(cfg, key)}: it is not "
+                f"{model_label(path)}, the model the roofline assumes (--config names the served model's)"
+            )
+    return None
+
+
 def roofline_figures(
-    spec: RooflineSpec, m: ServeMetrics, reqs: Sequence[SampleRequest]
-) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
-    """(figures for the JSON, labelled lines for the table)."""
+    spec: RooflineSpec,
+    m: ServeMetrics,
+    reqs: Sequence[SampleRequest],
+    server_card: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], list[tuple[str, Any] | str]]:
+    """(figures for the JSON, lines for the table: a title naming what the roofline assumes, then
+    labelled rows; or one line saying why it is omitted, with `omitted` in the figures)."""
     cfg, path = load_config(spec.model)
+    label = assumption_label(path, spec.dtype, spec.bandwidth, spec.lm_head_dtype)
+    why = roofline_omitted(cfg, path, spec.bandwidth, server_card)
+    if why is not None:
+        return {"assumes": label, "config_path": str(path), "omitted": why}, [f"Roofline omitted: {why}"]
     n = len(reqs)
     conc = min(m.max_concurrency or n, n)
     mean_in = sum(r.prompt_len for r in reqs) / n
@@ -48,6 +89,7 @@ def roofline_figures(
         100.0 * pre.step_time_s * 1000.0 / m.ttft.mean if m.ttft.count and m.ttft.mean > 0 else math.nan
     )
     fig = {
+        "assumes": label,
         "config_path": str(path),
         "dtype": spec.dtype,
         "lm_head_dtype": dec.cost.lm_head_dtype,
@@ -61,8 +103,10 @@ def roofline_figures(
         "prefill_floor_ms": pre.step_time_s * 1000.0,
         "ttft_floor_pct_of_mean_ttft": ttft_pct,
     }
-    lines = [
-        ("Roofline:", f"{path.name} {spec.dtype} @ {spec.bandwidth:g} TB/s"),
+    served_on = (server_card or {}).get("device")
+    title = f"Roofline {label}" + (f" (server: {served_on})" if isinstance(served_on, str) else "")
+    lines: list[tuple[str, Any] | str] = [
+        f"{' ' + title + ' ':-^50}",
         (f"Decode ceiling, c={conc} (tok/s):", dec.tok_s),
         ("Decode c/TPOT (tok/s, % ceiling):", f"{decode_all:.1f} ({pct:.1f}%)"),
         ("Output throughput (% ceiling):", out_pct),
@@ -82,8 +126,10 @@ def serve_benchmark(
     argv: list[str] | None = None,
     tokenizer_dir: str | None = None,
     reqs: Sequence[SampleRequest] | None = None,
+    server_card: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], str, ServeRun]:
-    """Runs one serving benchmark; returns (result object, printed table, raw run)."""
+    """Runs one serving benchmark; returns (result object, printed table, raw run). `server_card`:
+    the server's /v1/models entry (asked for here when None and a roofline is wanted)."""
     if reqs is None:
         from metainfer.tokenizer import load_tokenizer
 
@@ -91,9 +137,15 @@ def serve_benchmark(
     result = run(client, reqs)
     m = result.metrics
     fig: dict[str, Any] | None = None
-    lines: list[tuple[str, Any]] = []
+    lines: list[tuple[str, Any] | str] = []
     if roofline is not None:
-        fig, lines = roofline_figures(roofline, m, reqs)
+        if server_card is None:
+            import asyncio
+
+            from metainfer.bench.client import served_model_card
+
+            server_card = asyncio.run(served_model_card(client.base_url)) or {}
+        fig, lines = roofline_figures(roofline, m, reqs, server_card)
     table = format_table(m, lines)
     name = (
         workload

@@ -116,6 +116,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) + more, None if param == "body" else param
 
 
+def model_card_facts(engine: Any) -> dict[str, Any]:
+    """The device and the model's shape, for /v1/models."""
+    mc = engine.model_config
+    facts: dict[str, Any] = {
+        "hidden_size": mc.hidden_size,
+        "num_hidden_layers": mc.num_hidden_layers,
+        "num_experts": mc.num_experts,
+    }
+    device = getattr(getattr(engine, "runner", None), "device", None)
+    if device is not None:
+        facts["device"] = str(device)
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            facts["device"] += f" ({torch.cuda.get_device_name(device)})"
+    return facts
+
+
 def make_context(
     engine: Any,
     served_model_names: list[str],
@@ -134,6 +152,7 @@ def make_context(
         served_model_names=list(served_model_names),
         max_model_len=engine.max_model_len,
         vocab_size=engine.model_config.vocab_size,
+        card=model_card_facts(engine),
         metrics=metrics,
         defaults=load_generation_defaults(generation_config_dir),
         max_logprobs=max_logprobs,
@@ -200,7 +219,9 @@ def build_app(ctx: ServingContext, api_key: str | None = None, shutdown_timeout:
         root = ctx.served_model_names[0]
         return ModelList(
             data=[
-                ModelCard(id=n, root=root, max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size)
+                ModelCard(
+                    id=n, root=root, max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size, **ctx.card
+                )
                 for n in ctx.served_model_names
             ]
         )

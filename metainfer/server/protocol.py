@@ -256,6 +256,12 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None  # MetaInfer's addition: token ids a prompt may hold are < this
+    # MetaInfer's additions: where the model runs ("cpu", "cuda:0 (GPU name)") and its shape, so that
+    # `bench serve` can tell whether its roofline (a GPU, a model) describes this server
+    device: str | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_experts: int | None = None
 
 
 class ModelList(BaseModel):

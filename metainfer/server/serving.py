@@ -51,6 +51,7 @@ class ServingContext:
     max_model_len: int
     metrics: ServerMetrics
     vocab_size: int | None = None  # the model's token ids are < this (for clients that send ids)
+    card: dict[str, Any] = field(default_factory=dict)  # further /v1/models facts (see `ModelCard`)
     defaults: dict[str, float] = field(default_factory=dict)
     max_logprobs: int = 20
     _token_strs: dict[int, str] = field(default_factory=dict)

@@ -14,7 +14,7 @@ import json
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -28,6 +28,7 @@ class Behaviour:
     usage: bool = True
     finish_chunk: bool = False  # finish_reason in a separate empty-text chunk (not in the last token's)
     model: str = "fake-model"
+    card: dict = field(default_factory=dict)  # further /v1/models facts (device, vocab_size, ...)
 
 
 class FakeApp:
@@ -46,7 +47,8 @@ class FakeApp:
         return web.Response(text="ok")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.b.model, "object": "model"}]})
+        card = {"id": self.b.model, "object": "model", **self.b.card}
+        return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -51,8 +51,8 @@ def _run(cfg: OfflineConfig, llm: FakeLLM) -> Any:
 
 def test_offline_separates_prefill_and_decode() -> None:
     llm = FakeLLM()
-    cfg = OfflineConfig(
-        model="", input_len=16, output_len=6, batch_size=3, num_iters=2, warmup=1, device="cpu"
+    cfg = OfflineConfig(  # "cuda": the roofline rows are printed (on a CPU run they are omitted)
+        model="", input_len=16, output_len=6, batch_size=3, num_iters=2, warmup=1, device="cuda"
     )
     obj, text, m = _run(cfg, llm)
     assert m.prefill_s == pytest.approx(PREFILL_S, rel=0.25)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(300)
-def test_short_run_against_metainfer_serve(tmp_path: Path) -> None:
+def test_short_run_against_metainfer_serve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
     server = ServerProcess(
         [sys.executable, "-m", "metainfer.cli", "serve", "--port", str(port), "--device", "cpu"],
@@ -38,7 +38,9 @@ def test_short_run_against_metainfer_serve(tmp_path: Path) -> None:
         from metainfer.config import DEFAULT_MODEL_DIR, ModelConfig
 
         card = asyncio.run(served_model_card(url))
-        assert card["vocab_size"] == ModelConfig.from_hf(DEFAULT_MODEL_DIR / "config.json").vocab_size
+        default = ModelConfig.from_hf(DEFAULT_MODEL_DIR / "config.json")
+        assert card["vocab_size"] == default.vocab_size and card["device"] == "cpu"
+        assert card["num_hidden_layers"] == default.num_hidden_layers
         out = tmp_path / "r.json"
         from metainfer.bench.client import served_model_name
 
@@ -67,6 +69,10 @@ def test_short_run_against_metainfer_serve(tmp_path: Path) -> None:
         obj = json.loads(out.read_text())
         m = obj["metrics"]
         assert rc == 0, obj["summary"]["errors"]
+        # a roofline of an H200 says nothing of a CPU server: one line says so, and no figures
+        printed = capsys.readouterr().out
+        assert "Roofline omitted: the server runs on the CPU" in printed and "ceiling" not in printed
+        assert "omitted" in obj["roofline"] and "decode_ceiling_tok_s" not in obj["roofline"]
         assert m["completed"] == 4 and m["failed"] == 0 and m["num_short_outputs"] == 0
         assert m["total_output_tokens"] == 32 and m["total_input_tokens"] == 32
         for r in obj["requests"]:
