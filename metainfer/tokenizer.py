@@ -136,35 +136,141 @@ def _content_text(content: Any) -> str:
     raise ValueError("message content must be a string or a list of text parts")
 
 
+# Qwen3.6's tool preamble, word for word from its chat template: the model was trained on it
+TOOLS_HEADER = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+TOOLS_FORMAT = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+    "</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\n"
+    "that can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n"
+    "- Function calls MUST follow the specified format: an inner <function=...></function> block must be "
+    "nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n"
+    "- You may provide optional reasoning for your function call in natural language BEFORE the function "
+    "call, but NOT after\n- If there is no function call available, answer the question like normal with "
+    "your current knowledge and do not tell the user about function calls\n</IMPORTANT>"
+)
+
+
+def _template_value(value: Any) -> str:
+    """A tool-call argument as the template writes it: JSON for objects and arrays, else Jinja's
+    `string` filter (Python's str: True, None, 1.5)."""
+    if isinstance(value, dict | list | tuple):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def _call_arguments(where: str, fn: dict[str, Any]) -> dict[str, Any]:
+    args = fn.get("arguments")
+    if args is None or args == "":
+        return {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise ValueError(f"{where}.function.arguments is not valid JSON") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object")
+    return args
+
+
+def _tool_calls_text(i: int, calls: Any, content: str) -> str:
+    if not calls:
+        return ""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}.function.name is required")
+        sep = ("\n\n" if content.strip() else "") if j == 0 else "\n"
+        params = "".join(
+            f"<parameter={k}>\n{_template_value(v)}\n</parameter>\n"
+            for k, v in _call_arguments(where, fn).items()
+        )
+        out.append(f"{sep}<tool_call>\n<function={fn['name']}>\n{params}</function>\n</tool_call>")
+    return "".join(out)
+
+
+def _assistant_turn(i: int, m: dict[str, Any], content: str, after_query: bool) -> str:
+    reasoning = m.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = m.get("reasoning")
+    if not isinstance(reasoning, str):
+        reasoning = ""
+        if THINK_END in content:
+            reasoning = content.split(THINK_END)[0].rstrip("\n").split(THINK_START)[-1].lstrip("\n")
+            content = content.split(THINK_END)[-1].lstrip("\n")
+    head = f"{IM_START}assistant\n"
+    if after_query:  # the turns answering the current query keep their reasoning
+        head += f"{THINK_START}\n{reasoning.strip()}\n{THINK_END}\n\n"
+    return f"{head}{content}{_tool_calls_text(i, m.get('tool_calls'), content)}{IM_END}\n"
+
+
+def _is_tool_response(text: str) -> bool:
+    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
+
+
 def apply_chat_template(
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
     enable_thinking: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> str:
-    """ChatML with Qwen's think tags.
+    """Qwen3.6's chat template: ChatML with think tags and XML-style tool calls.
 
-    `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message. Earlier assistant turns drop their
-    reasoning (text up to `</think>`). The generation prompt opens the assistant turn with
-    `<think>\\n` (thinking) or an empty `<think>\\n\\n</think>\\n\\n` block (`enable_thinking=False`).
+    Message text is stripped. `tools` (OpenAI tool definitions, as JSON) open the system turn with
+    the tool preamble, the first system message's text after it. Assistant turns after the last
+    user query (the turns of an agent loop answering it) carry `<think>\n{reasoning}\n</think>\n\n`
+    (`reasoning_content` or `reasoning`, else the text before `</think>`); earlier ones drop their
+    reasoning. An assistant's `tool_calls` follow its text as `<tool_call>` blocks (arguments, a
+    JSON object or its text, one `<parameter=…>` each); consecutive `tool` messages share one user
+    turn of `<tool_response>` blocks. The generation prompt opens the assistant turn with `<think>\n`
+    (thinking) or an empty `<think>\n\n</think>\n\n` block (`enable_thinking=False`).
+    Unlike the template, `developer` is read as `system`, a later system message is its own turn,
+    and a conversation without a user query is accepted.
     """
     if not messages:
         raise ValueError("messages must not be empty")
-    parts: list[str] = []
+    roles: list[str] = []
+    texts: list[str] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be an object")
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        text = _content_text(m.get("content"))
-        if role == "developer":
-            role = "system"
-        if role == "assistant" and THINK_END in text:
-            text = text.split(THINK_END)[-1].lstrip("\n")
-        if role == "tool":
-            parts.append(f"{IM_START}user\n<tool_response>\n{text}\n</tool_response>{IM_END}\n")
-            continue
-        parts.append(f"{IM_START}{role}\n{text}{IM_END}\n")
+        roles.append("system" if role == "developer" else role)
+        texts.append(_content_text(m.get("content")).strip())
+    parts: list[str] = []
+    if tools:
+        preamble = (
+            TOOLS_HEADER + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_FORMAT
+        )
+        if roles[0] == "system" and texts[0]:
+            preamble += "\n\n" + texts[0]
+        parts.append(f"{IM_START}system\n{preamble}{IM_END}\n")
+    elif roles[0] == "system":
+        parts.append(f"{IM_START}system\n{texts[0]}{IM_END}\n")
+    last_query = next(
+        (i for i in range(len(roles) - 1, -1, -1) if roles[i] == "user" and not _is_tool_response(texts[i])),
+        len(roles) - 1,
+    )
+    for i, (role, text) in enumerate(zip(roles, texts)):
+        if role == "system":
+            if i > 0:
+                parts.append(f"{IM_START}system\n{text}{IM_END}\n")
+        elif role == "user":
+            parts.append(f"{IM_START}user\n{text}{IM_END}\n")
+        elif role == "assistant":
+            parts.append(_assistant_turn(i, messages[i], text, after_query=i > last_query))
+        else:  # tool: a run of results is one user turn
+            if i == 0 or roles[i - 1] != "tool":
+                parts.append(f"{IM_START}user")
+            parts.append(f"\n<tool_response>\n{text}\n</tool_response>")
+            if i == len(roles) - 1 or roles[i + 1] != "tool":
+                parts.append(f"{IM_END}\n")
     if add_generation_prompt:
         parts.append(f"{IM_START}assistant\n")
         parts.append(f"{THINK_START}\n" if enable_thinking else f"{THINK_START}\n\n{THINK_END}\n\n")
