@@ -36,7 +36,7 @@ from metainfer.server.protocol import (
     error_body,
 )
 from metainfer.server.serving import ServingContext, json_response, load_generation_defaults
-from metainfer.server.serving_chat import create_chat_completion, render_chat_prompt
+from metainfer.server.serving_chat import create_chat_completion, render_chat_prompt, tool_dicts
 from metainfer.server.serving_completion import create_completion
 
 log = logging.getLogger("metainfer.server")
@@ -140,6 +140,7 @@ def make_context(
     generation_config_dir: Path | None = None,
     max_logprobs: int = 20,
     cpu_threads: int | None = None,
+    reasoning_parser: str = "qwen3",
 ) -> ServingContext:
     """Wraps an `LLMEngine` (not yet running) in an `AsyncEngine` with metrics (`cpu_threads`: see
     `AsyncEngine`)."""
@@ -156,6 +157,7 @@ def make_context(
         metrics=metrics,
         defaults=load_generation_defaults(generation_config_dir),
         max_logprobs=max_logprobs,
+        reasoning_parser=reasoning_parser,
     )
 
 
@@ -238,7 +240,9 @@ def build_app(ctx: ServingContext, api_key: str | None = None, shutdown_timeout:
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            text = render_chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            text = render_chat_prompt(
+                body.messages, body.add_generation_prompt, body.chat_template_kwargs, tool_dicts(body.tools)
+            )
         else:
             text = body.prompt
         ids = ctx.encode(text)

@@ -53,6 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     srv.add_argument("--max-logprobs", type=int, default=20, metavar="N", help="most logprobs per request")
     srv.add_argument(
+        "--reasoning-parser",
+        default="qwen3",
+        choices=["qwen3", "none"],
+        help="qwen3: chat replies give the <think> part as `reasoning` (and `reasoning_content`); "
+        "none: it stays in the content",
+    )
+    srv.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -168,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gen_dir = generation_dir(args.generation_config, engine.source.config_path.parent)
-    ctx = make_context(engine, served_names(args), gen_dir, args.max_logprobs, cpu_threads)
+    ctx = make_context(
+        engine, served_names(args), gen_dir, args.max_logprobs, cpu_threads, args.reasoning_parser
+    )
     api_key = args.api_key if args.api_key is not None else os.environ.get("METAINFER_API_KEY")
     app = build_app(ctx, api_key=api_key, shutdown_timeout=args.shutdown_timeout)
     log.info(

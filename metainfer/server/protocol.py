@@ -70,7 +70,7 @@ class ErrorResponse(BaseModel):
 
 
 class _Request(BaseModel):
-    """Unknown fields are accepted and ignored, as vLLM does."""
+    """Unknown fields are kept (`model_extra`) for `unsupported_fields` to name."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
@@ -115,10 +115,46 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+class FunctionCallParam(_Request):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] | None = None  # a JSON object, or its text (OpenAI's form)
+
+
+class ToolCallParam(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its reasoning, rendered back (either name)
+    reasoning: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: StrictStr = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; its property types convert arguments
+    strict: bool | None = None  # accepted; arguments are enforced only under a grammar
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -129,6 +165,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
 
 
 class TokenizeCompletionRequest(_Request):
@@ -145,11 +185,57 @@ class TokenizeChatRequest(_Request):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[StrictInt]
+
+
+# Fields clients send that change nothing here, accepted with any value
+IGNORED_FIELDS = frozenset(
+    {"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "include_obfuscation"}
+)
+# vLLM / OpenAI fields accepted while they hold the value that asks for nothing this server lacks
+DEFAULT_FIELDS: dict[str, Any] = {
+    "echo": False,
+    "continue_final_message": False,
+    "add_special_tokens": False,
+    "use_beam_search": False,
+    "spaces_between_special_tokens": True,
+    "modalities": ["text"],
+}
+
+
+def unsupported_fields(model: BaseModel, path: str = "") -> list[str]:
+    """The fields of a request (its messages, tools and options included) that this server does not
+    implement, by path (`messages[1].audio`); null and empty values count as absent."""
+    out = []
+    for key, value in (model.model_extra or {}).items():
+        if value is None or value == [] or value == {} or key in IGNORED_FIELDS:
+            continue
+        default = DEFAULT_FIELDS.get(key, ...)
+        if value == default and isinstance(value, bool) == isinstance(default, bool):
+            continue
+        out.append(path + key)
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out.extend(unsupported_fields(value, f"{path}{name}."))
+        elif isinstance(value, list):
+            for j, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    out.extend(unsupported_fields(item, f"{path}{name}[{j}]."))
+    return out
+
+
+def reject_unsupported_fields(model: BaseModel) -> None:
+    """APIError 400 naming every field `unsupported_fields` finds."""
+    names = unsupported_fields(model)
+    if names:
+        verb = "is" if len(names) == 1 else "are"
+        raise APIError(f"{', '.join(names)} {verb} not supported by this server", 400, names[0])
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -199,9 +285,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """The reasoning is given under vLLM's current name (`reasoning`) and its earlier one."""
+
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -221,13 +323,34 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
+class _DropNone(BaseModel):
+    """Serialised without its None fields (stream deltas carry only what they change)."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """A call's first fragment has id, type and name (arguments ""); the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_DropNone):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

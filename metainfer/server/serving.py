@@ -54,6 +54,7 @@ class ServingContext:
     card: dict[str, Any] = field(default_factory=dict)  # further /v1/models facts (see `ModelCard`)
     defaults: dict[str, float] = field(default_factory=dict)
     max_logprobs: int = 20
+    reasoning_parser: str = "qwen3"  # "qwen3": chat output split at </think>; "none": all content
     _token_strs: dict[int, str] = field(default_factory=dict)
 
     @property

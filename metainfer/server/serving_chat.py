@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the Qwen3.6 chat format (ChatML + think tags) x n choices, stream or not."""
+"""POST /v1/chat/completions: the Qwen3.6 chat format x n choices, stream or not; each choice's text
+split into reasoning, content and tool calls (`chat_output`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from metainfer.engine.request import TokenLogprob
 from metainfer.server.async_engine import RequestGroup
+from metainfer.server.chat_output import ChatEvent, ChoiceParser, TextDelta
 from metainfer.server.protocol import (
     APIError,
     ChatChoice,
@@ -21,12 +23,20 @@ from metainfer.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    ChatTool,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
     TopLogprob,
     error_body,
     now,
     random_id,
+    reject_unsupported_fields,
 )
+from metainfer.server.reasoning import REASONING
 from metainfer.server.serving import (
     SSE_DONE,
     SSE_HEADERS,
@@ -38,21 +48,52 @@ from metainfer.server.serving import (
     sse,
     usage,
 )
-from metainfer.tokenizer import apply_chat_template
+from metainfer.server.tool_parser import ToolCallArgs, ToolCallStart
+from metainfer.tokenizer import THINK_START, apply_chat_template
+
+
+def tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
+    """The tool definitions as the chat template renders them (the fields the client set)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+def thinking_on(template_kwargs: dict | None) -> bool:
+    thinking = (template_kwargs or {}).get("enable_thinking", True)
+    if not isinstance(thinking, bool):
+        raise APIError("chat_template_kwargs.enable_thinking must be a boolean", 400, "chat_template_kwargs")
+    return thinking
 
 
 def render_chat_prompt(
-    messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict | None
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    template_kwargs: dict | None,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The prompt text for `messages`; APIError 400 for what the chat format refuses."""
-    kwargs = template_kwargs or {}
-    thinking = kwargs.get("enable_thinking", True)
-    if not isinstance(thinking, bool):
-        raise APIError("chat_template_kwargs.enable_thinking must be a boolean", 400, "chat_template_kwargs")
+    """The prompt text for `messages` (and `tools`); APIError 400 for what the chat format refuses."""
+    thinking = thinking_on(template_kwargs)
     try:
-        return apply_chat_template([m.model_dump() for m in messages], add_generation_prompt, thinking)
+        return apply_chat_template([m.model_dump() for m in messages], add_generation_prompt, thinking, tools)
     except ValueError as e:
         raise APIError(str(e), 400, "messages") from None
+
+
+def parsed_tools(req: ChatCompletionRequest, tools: list[dict] | None) -> list[dict] | None:
+    """The tools the output is parsed for calls of (None: no parsing); APIError 400 for a
+    tool_choice the tools do not allow. "required" and a named function are parsed as "auto":
+    nothing forces a call without a grammar, so a reply without one is returned as it is."""
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        names = [t["function"]["name"] for t in tools or ()]
+        if choice.function.name not in names:
+            raise APIError(
+                f"tool_choice names the function `{choice.function.name}`, which is not in tools",
+                400,
+                "tool_choice",
+            )
+    elif choice == "required" and not tools:
+        raise APIError('tool_choice "required" needs tools', 400, "tool_choice")
+    return None if choice == "none" else tools
 
 
 def _logprobs(ctx: ServingContext, entries: list[TokenLogprob], k: int, as_ids: bool) -> ChatLogprobs:
@@ -73,13 +114,69 @@ def _logprobs(ctx: ServingContext, entries: list[TokenLogprob], k: int, as_ids: 
     return ChatLogprobs(content=content)
 
 
+def _finish_reason(parser: ChoiceParser, reason: str | None) -> str | None:
+    """The engine's finish reason, or "tool_calls" where the model ended its turn after calling tools
+    (a length stop stays "length": the last call may be cut short)."""
+    return "tool_calls" if parser.tool_calls and reason == "stop" else reason
+
+
+def _message(parser: ChoiceParser) -> ChatResponseMessage:
+    reasoning = parser.reasoning_text or None
+    calls = [
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in parser.tool_calls
+    ]
+    content = parser.content if parser.content or not (reasoning or calls) else None
+    return ChatResponseMessage(
+        content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls
+    )
+
+
+def _deltas(events: list[ChatEvent]) -> list[DeltaMessage]:
+    """Stream deltas in order: text (reasoning, then content) shares a delta; each tool-call
+    fragment is a delta of its own, as OpenAI streams them."""
+    out: list[DeltaMessage] = []
+    text: DeltaMessage | None = None
+    for e in events:
+        if isinstance(e, TextDelta):
+            if text is None:
+                text = DeltaMessage()
+                out.append(text)
+            if e.kind == REASONING:
+                text.reasoning = text.reasoning_content = (text.reasoning or "") + e.text
+            else:
+                text.content = (text.content or "") + e.text
+            continue
+        text = None
+        if isinstance(e, ToolCallStart):
+            fn = DeltaFunctionCall(name=e.name, arguments="")
+            out.append(
+                DeltaMessage(tool_calls=[DeltaToolCall(index=e.index, id=e.id, type="function", function=fn)])
+            )
+        elif isinstance(e, ToolCallArgs):
+            fn = DeltaFunctionCall(arguments=e.fragment)
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=e.index, function=fn)]))
+    return out
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     """max_completion_tokens (else max_tokens, else the rest of the context) per choice; a stream opens
     each choice with a role delta. Raises APIError for what the request gets wrong."""
     ctx.check_model(req.model)
+    reject_unsupported_fields(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
-    prompt = render_chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    tools = tool_dicts(req.tools)
+    parse_tools = parsed_tools(req, tools)
+    prompt = render_chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
+    split = ctx.reasoning_parser == "qwen3" and thinking_on(req.chat_template_kwargs)
+    in_reasoning = prompt.rstrip().endswith(THINK_START)
+
+    def new_parser() -> ChoiceParser:
+        return ChoiceParser.for_request(
+            split, in_reasoning, parse_tools, req.parallel_tool_calls is not False, req.include_reasoning
+        )
+
     ids = ctx.encode(prompt)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, req.max_completion_tokens or req.max_tokens, k)
@@ -87,7 +184,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     group = await ctx.submit([(ids, p) for p in params], rid)
     created = now()
     if req.stream:
-        gen = _stream(ctx, req, raw, group, rid, created, len(ids))
+        parsers = [new_parser() for _ in params]
+        gen = _stream(ctx, req, raw, group, rid, created, len(ids), parsers)
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     async with guarded(group, raw):
         async for _ in group:
@@ -96,18 +194,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     errors = [o.error for o in finals if o.finish_reason == "error"]
     if errors:
         raise APIError(errors[0] or "internal error", 500)
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatResponseMessage(content=o.text),
-            logprobs=_logprobs(ctx, o.logprobs or [], k, req.return_tokens_as_token_ids)
-            if k is not None
-            else None,
-            finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason,
+    choices = []
+    for i, o in enumerate(finals):
+        parser = new_parser()
+        parser.feed(o.text)
+        parser.finish()
+        lps = _logprobs(ctx, o.logprobs or [], k, req.return_tokens_as_token_ids) if k is not None else None
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=_message(parser),
+                logprobs=lps,
+                finish_reason=_finish_reason(parser, o.finish_reason),
+                stop_reason=o.stop_reason,
+            )
         )
-        for i, o in enumerate(finals)
-    ]
     n_out = sum(len(o.token_ids) for o in finals)
     return json_response(
         ChatCompletionResponse(
@@ -124,7 +225,10 @@ async def _stream(
     rid: str,
     created: int,
     n_prompt: int,
+    parsers: list[ChoiceParser],
 ) -> AsyncIterator[str]:
+    """Every engine output gives at least one chunk (an empty delta when the parser holds its text
+    back), the first of them with the output's logprobs, the last with its finish reason."""
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
@@ -153,18 +257,25 @@ async def _stream(
                 lps = _logprobs(
                     ctx, new_logprobs(out.logprobs, len(out.new_token_ids)), k, req.return_tokens_as_token_ids
                 )
-            delta = DeltaMessage(content=out.new_text)
-            yield sse(
-                chunk(
-                    ChatStreamChoice(
-                        index=i,
-                        delta=delta,
-                        logprobs=lps,
-                        finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
+            parser = parsers[i]
+            events = parser.feed(out.new_text)
+            if out.finished:
+                events += parser.finish()
+            deltas = _deltas(events) or [DeltaMessage()]
+            finish = _finish_reason(parser, out.finish_reason)
+            for j, delta in enumerate(deltas):
+                last = j == len(deltas) - 1
+                yield sse(
+                    chunk(
+                        ChatStreamChoice(
+                            index=i,
+                            delta=delta,
+                            logprobs=lps if j == 0 else None,
+                            finish_reason=finish if last else None,
+                            stop_reason=out.stop_reason if last else None,
+                        )
                     )
                 )
-            )
         if group.aborted:
             return
         if include_usage:

@@ -20,6 +20,7 @@ from metainfer.server.protocol import (
     error_body,
     now,
     random_id,
+    reject_unsupported_fields,
 )
 from metainfer.server.serving import (
     SSE_DONE,
@@ -100,6 +101,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     """Choice i*n + j is prompt i's j-th sample; usage counts each prompt once and every choice's tokens.
     Raises APIError for what the request gets wrong."""
     ctx.check_model(req.model)
+    reject_unsupported_fields(req)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:

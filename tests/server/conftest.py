@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -64,13 +66,21 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[LiveServer]:
-    import uvicorn
-
     _keep_freed_memory()
     engine = LLMEngine(
         EngineConfig(device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS), progress=False
     )
-    ctx = make_context(engine, [MODEL_NAME, "alias"])
+    with live_server(engine) as live:
+        yield live
+
+
+@contextlib.contextmanager
+def live_server(engine: Any, **context: Any) -> Iterator[LiveServer]:
+    """`engine` (an LLMEngine or a stand-in with its interface) served on a free port until exit;
+    `context`: further `make_context` arguments."""
+    import uvicorn
+
+    ctx = make_context(engine, [MODEL_NAME, "alias"], **context)
     app = build_app(ctx, shutdown_timeout=5.0)
     port = free_port()
     config = uvicorn.Config(
@@ -86,9 +96,11 @@ def server() -> Iterator[LiveServer]:
         time.sleep(0.05)
     live = LiveServer(f"http://127.0.0.1:{port}", ctx, engine)
     assert httpx.get(live.base_url + "/health").status_code == 200
-    yield live
-    srv.should_exit = True
-    thread.join(30)
+    try:
+        yield live
+    finally:
+        srv.should_exit = True
+        thread.join(30)
     assert not ctx.engine.alive
 
 

@@ -78,6 +78,33 @@ JSON = [  # (path, body, status, param)
     (CMPL, cmpl(presence_penalty=0.5), 400, "presence_penalty"),
     (CMPL, cmpl(suffix="tail"), 400, "suffix"),
     (CHAT, chat(chat_template_kwargs={"enable_thinking": "yes"}), 400, "chat_template_kwargs"),
+    (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+    ),
+    (CHAT, chat(tools="f"), 400, "tools"),
+    (
+        CHAT,
+        chat(
+            messages=[
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}],
+                }
+            ]
+        ),
+        400,
+        "messages",
+    ),
+    (CHAT, chat(documents=[{"text": "d"}], use_beam_search=True), 400, "documents"),
+    (CMPL, cmpl(use_beam_search=True), 400, "use_beam_search"),
     (CMPL, cmpl(stream_options={"include_usage": "perhaps"}), 400, "stream_options.include_usage"),
     ("/tokenize", {"model": MODEL_NAME}, 400, None),
     ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "model"),

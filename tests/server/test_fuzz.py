@@ -28,12 +28,29 @@ SOME_JUNK = JUNK.filter(lambda v: v is not None)
 
 
 TOKEN_IDS = st.lists(st.integers(0, 248_000), min_size=1, max_size=6)
+TOOL = st.sampled_from(
+    [
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    ]
+)
+TOOL_CALL = st.fixed_dictionaries(
+    {
+        "function": st.fixed_dictionaries(
+            {"name": text(1, 6), "arguments": st.just('{"a": 1}') | text(max_size=8)}
+        )
+    },
+    optional={"id": text(max_size=6), "type": st.just("function")},
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"])},
     optional={
         "content": text(max_size=40)
         | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text(max_size=10)}), max_size=2),
         "name": text(max_size=5),
+        "tool_calls": st.lists(TOOL_CALL, max_size=2) | JUNK,
+        "tool_call_id": text(max_size=5),
+        "reasoning_content": text(max_size=10),
     },
 )
 BAD_MESSAGE = st.fixed_dictionaries(
@@ -99,6 +116,13 @@ CHAT_FIELDS = {
         st.fixed_dictionaries({}, optional={"enable_thinking": st.booleans()}),
         SOME_JUNK,
     ),
+    "tools": (st.lists(TOOL, min_size=1, max_size=2), st.lists(JUNK, min_size=1, max_size=2)),
+    "tool_choice": (
+        st.sampled_from(["auto", "none", {"type": "function", "function": {"name": "f"}}]),
+        st.sampled_from(["required", {"type": "function", "function": {"name": "g"}}]) | JUNK,
+    ),
+    "parallel_tool_calls": (st.booleans(), SOME_JUNK),
+    "include_reasoning": (st.booleans(), SOME_JUNK),
 }
 TOKENIZE_FIELDS = {
     "prompt": (text(max_size=30), SOME_JUNK),

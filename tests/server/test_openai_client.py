@@ -44,16 +44,17 @@ def test_completion_default_max_tokens_is_16(client: openai.OpenAI) -> None:
 
 
 def test_chat_completion(client: openai.OpenAI, server: LiveServer) -> None:
+    no_think = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
     r = client.chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0, extra_body=no_think
     )
     assert r.object == "chat.completion"
     m = r.choices[0].message
-    assert m.role == "assistant" and isinstance(m.content, str)
+    assert m.role == "assistant" and isinstance(m.content, str) and m.reasoning_content is None
     assert r.choices[0].finish_reason == "length"
     from metainfer.tokenizer import apply_chat_template
 
-    assert r.usage.prompt_tokens == n_tokens(server, apply_chat_template(CHAT))
+    assert r.usage.prompt_tokens == n_tokens(server, apply_chat_template(CHAT, enable_thinking=False))
     assert r.usage.completion_tokens == 5
 
 
@@ -120,13 +121,17 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     whole = client.chat.completions.create(
         model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
     )
-    assert content == whole.choices[0].message.content
+    m = whole.choices[0].message
+    assert (reasoning, content) == (m.reasoning_content or "", m.content or "")
 
 
 def test_sse_framing(server: LiveServer, http: httpx.Client) -> None:
@@ -184,10 +189,9 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
     chat_kw = dict(
         model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True}
     )
-    x = client.chat.completions.create(seed=7, **chat_kw).choices[0].message.content
-    y = client.chat.completions.create(seed=7, **chat_kw).choices[0].message.content
-    z = client.chat.completions.create(seed=8, **chat_kw).choices[0].message.content
-    assert x == y != z
+    x, y, z = (client.chat.completions.create(seed=s, **chat_kw).choices[0].message for s in (7, 7, 8))
+    assert (x.reasoning_content, x.content) == (y.reasoning_content, y.content)
+    assert (x.reasoning_content, x.content) != (z.reasoning_content, z.content)
 
 
 def test_n_choices_distinct_seeds(client: openai.OpenAI) -> None:
@@ -267,7 +271,7 @@ def test_logprobs_and_echo(client: openai.OpenAI, server: LiveServer) -> None:
         temperature=0,
         logprobs=True,
         top_logprobs=2,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
