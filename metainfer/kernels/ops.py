@@ -6,6 +6,7 @@ Kernels are enabled by `use_kernels(True)` (the runner does this on CUDA unless 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -41,6 +42,36 @@ def _kernel(name: str, x: torch.Tensor):
     if _ENABLED and x.is_cuda:
         return _KERNELS.get(name)
     return None
+
+
+# ---- what the model asks of the kernel paths (it imports no kernel module but this one) -----------
+def launch_context(max_chunk: int) -> contextlib.AbstractContextManager:
+    """The context a step's launches run (and its CUDA graph is captured) in, for a step whose longest
+    chunk has max_chunk tokens: `pdl.off_for` with the kernels on, else nothing."""
+    if not _ENABLED:
+        return contextlib.nullcontext()
+    from metainfer.kernels import pdl
+
+    return pdl.off_for(max_chunk)
+
+
+def norm_quant_buffers(T: int, K: int, device, norm_op: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Buffers for the norm kernel `norm_op` to write the e4m3 copy of its [T, K] output into, where an
+    FP8 consumer of T tokens takes that copy (`fp8_linear.norm_quant_wanted`): (q [Tp, K] e4m3,
+    s [K/128, Tp] fp32) from `fp8_linear.act_buffers`; else None."""
+    if not has_kernel(norm_op):
+        return None
+    from metainfer.kernels import fp8_linear
+
+    return fp8_linear.act_buffers(T, K, device) if fp8_linear.norm_quant_wanted(T, device) else None
+
+
+def moe_takes_fp8_input(T: int, fp8: bool) -> bool:
+    """Whether the experts of a T-token step run the grouped e4m3 x e4m3 GEMMs (which take x's e4m3
+    copy from its norm)."""
+    from metainfer.kernels import moe, moe_grouped
+
+    return moe.grouped_rows_ok(T, fp8) and moe_grouped.a8_enabled(fp8)
 
 
 # ---- the ops -------------------------------------------------------------------------------------

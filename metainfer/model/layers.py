@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metainfer.config import ModelConfig
-from metainfer.kernels import fp8_linear, ops
+from metainfer.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,11 @@ class PendingNorm:
 
 def fp8_copy_buffers(consumer: Linear | bool, T: int, K: int, device, norm_op: str = "add_rms_norm"
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Buffers for a norm's e4m3 copy of its [T, K] output (KB-0052; off: METAINFER_NORM_QUANT=0), where the
-    consumer (a Linear with FP8 weights, or True) would quantise the same rows itself (T past the
-    weight-streaming bound, the cuBLAS / grouped e4m3 GEMMs) and the norm's kernel runs; else None."""
+    """Buffers for a norm's e4m3 copy of its [T, K] output, where the consumer (a Linear with FP8
+    weights, or True) would quantise the same rows itself (T past the weight-streaming bound, the
+    cuBLAS / grouped e4m3 GEMMs) and the norm's kernel runs (`ops.norm_quant_buffers`); else None."""
     fp8 = consumer if isinstance(consumer, bool) else consumer.weight_scale_inv is not None
-    if not (fp8 and fp8_linear.norm_quant_wanted(T, device) and ops.has_kernel(norm_op)):
-        return None
-    return fp8_linear.act_buffers(T, K, device)
+    return ops.norm_quant_buffers(T, K, device, norm_op) if fp8 else None
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +82,7 @@ class RMSNorm(nn.Module):
         xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; xq_out: buffers that also get the output's
-        e4m3 copy (`fp8_linear.act_buffers`; the norm kernels only)."""
+        e4m3 copy (`fp8_copy_buffers`; the norm kernels only)."""
         if isinstance(x, ExpertRows):
             return ops.moe_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps, x.dtype,
                                         xq_out=xq_out)
@@ -184,10 +182,8 @@ class SparseMoE(nn.Module):
 
     def takes_fp8_input(self, T: int) -> bool:
         """Whether a step of T tokens runs the grouped e4m3 x e4m3 experts (which take x's e4m3 copy)."""
-        from metainfer.kernels import moe, moe_grouped
-
         fp8 = self.w_gate_up_scale is not None
-        return fp8 and self.fused_shared and moe.grouped_rows_ok(T, fp8) and moe_grouped.a8_enabled(fp8)
+        return fp8 and self.fused_shared and ops.moe_takes_fp8_input(T, fp8)
 
     def norm_and_route(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None

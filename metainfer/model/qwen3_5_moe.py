@@ -12,7 +12,7 @@ from torch import nn
 
 from metainfer.config import FULL, ModelConfig
 from metainfer.forward_meta import CacheTensors, ForwardMeta
-from metainfer.kernels import ops, pdl
+from metainfer.kernels import ops
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
 from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm, SparseMoE, fp8_copy_buffers
@@ -89,9 +89,9 @@ class Qwen3_5MoeModel(nn.Module):
         meta: ForwardMeta,
         caches: CacheTensors,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
-        # a step with a chunk of > 16 tokens launches (and a graph of one is captured) without
-        # programmatic dependent launch (`pdl.off_for`, KB-0049; METAINFER_PDL_PREFILL=1 keeps it)
-        with pdl.off_for(meta.prefill_max_len()):
+        # a step with a long prefill chunk launches (and a graph of one is captured) without
+        # programmatic dependent launch (`ops.launch_context`)
+        with ops.launch_context(meta.prefill_max_len()):
             x = self.embed_tokens(input_ids)
             residual = None
             for i, layer in enumerate(self.layers):
