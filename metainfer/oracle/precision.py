@@ -46,6 +46,7 @@ FP8_SUFFIXES = (
     "mlp.shared_expert.up_proj.weight",
     "mlp.shared_expert.down_proj.weight",
 )
+SDPA_CHUNK = 512  # query rows per attention call in float32: [rows, keys, heads] scores, not [L, L, heads]
 _PASS = {torch.Tensor.__getitem__}  # indexing computes nothing: widen the slice, not the whole
 _INPLACE = {torch.Tensor.__setitem__}
 
@@ -72,7 +73,31 @@ class Float32Compute(TorchFunctionMode):
         if inplace and args and isinstance(args[0], torch.Tensor) and args[0].dtype in LOW:
             return func(*args, **kwargs)
         args, kwargs = tree_map(_widen, (args, kwargs))
+        if func is F.scaled_dot_product_attention:
+            return _chunked_sdpa(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _chunked_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+    """`F.scaled_dot_product_attention` over SDPA_CHUNK query rows at a time (each row's softmax is
+    its own: the same function, in a fraction of the memory a float32 score matrix of a 32k-token
+    prompt needs). A causal call is given each chunk's causal mask, and keys up to the chunk's end."""
+    lq, lk = query.shape[-2], key.shape[-2]
+    if lq <= SDPA_CHUNK or dropout_p or (is_causal and lq != lk):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw
+        )
+    out = []
+    for q0 in range(0, lq, SDPA_CHUNK):
+        q1 = min(lq, q0 + SDPA_CHUNK)
+        if is_causal:
+            m = torch.ones(q1 - q0, q1, dtype=torch.bool, device=query.device).tril(q0)
+            k, v = key[..., :q1, :], value[..., :q1, :]
+        else:
+            m = None if attn_mask is None else attn_mask[..., q0:q1, :] if attn_mask.shape[-2] > 1 else attn_mask
+            k, v = key, value
+        out.append(F.scaled_dot_product_attention(query[..., q0:q1, :], k, v, attn_mask=m, scale=scale, **kw))
+    return torch.cat(out, dim=-2)
 
 
 def fake_e4m3_blocks(w: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def test_suites_are_seeded_and_shaped():
     assert quick != build_suite("quick", 248320, tok, seed=1)
     full = build_suite("full", 248320, tok, seed=0)
     lens = sorted(len(p) for p in full.prompts)
-    assert lens[0] == 1 and lens[-1] == 8000 and max(lens) > full.chunk_tokens
+    assert lens[0] == 1 and lens[-1] == 32000 and max(lens) > full.chunk_tokens
     assert sum(p.source == "text" for p in full.prompts) == 4
     a, b = (full.prompts[i].token_ids for i in full.twins)
     assert a[len(a) // 2 :] == b[len(b) // 2 :] and a[: len(a) // 2] != b[: len(b) // 2]

@@ -47,3 +47,22 @@ def test_a_leaking_pad_would_be_seen(reference):
     c = [1] + a[1:]
     lc = reference_logits(reference, c, "exact")
     assert float((lc[20:] - la[20:]).norm() / la[20:].norm()) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["exact", "fp8"])
+def test_chunked_attention_equals_whole(reference, monkeypatch, mode):
+    """A prompt longer than SDPA_CHUNK: attention computed in query chunks gives the logits of one
+    whole-matrix call (float32 round-off)."""
+    from metainfer.oracle import precision
+
+    ids = torch.randint(0, 512, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = precision.reference_logits(reference, ids, mode)
+    calls = []
+    real = precision._chunked_sdpa
+    monkeypatch.setattr(precision, "SDPA_CHUNK", 16)
+    monkeypatch.setattr(precision, "_chunked_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chunked = precision.reference_logits(reference, ids, mode)
+    assert calls, "the attention layer never reached the chunked path"
+    rel = float((chunked - whole).norm() / whole.norm())
+    assert rel <= 1e-5, rel
+    assert not torch.equal(chunked[:20], torch.zeros_like(chunked[:20]))
