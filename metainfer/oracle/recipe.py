@@ -20,6 +20,7 @@ the engine's dtype, as the engine fills it.
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -94,11 +95,20 @@ class RecipeSpec:
         return sum(math.prod(s) * size for s in self.shapes.values())
 
 
+def text_config(config_path: str | Path):
+    """transformers' `Qwen3_5MoeTextConfig` from a config.json (nested `text_config` or flat)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    raw = json.loads(Path(config_path).read_text())
+    text = dict(raw["text_config"]) if "text_config" in raw else dict(raw)
+    text.pop("architectures", None)
+    text["model_type"] = "qwen3_5_moe_text"
+    return Qwen3_5MoeTextConfig.from_dict(text)
+
+
 def recipe_spec(config_path: str | Path) -> RecipeSpec:
     """Names and shapes of transformers' `Qwen3_5MoeForCausalLM` for `config_path` (meta device)."""
     from transformers import Qwen3_5MoeForCausalLM
-
-    from metainfer.oracle.reference import text_config
 
     cfg = text_config(config_path)
     with torch.device("meta"):

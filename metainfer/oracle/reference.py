@@ -16,13 +16,14 @@ Three ways to get the weights:
 from __future__ import annotations
 
 import importlib.util
-import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from metainfer.oracle.recipe import recipe_spec, recipe_state_dict, text_config
 
 
 @dataclass(frozen=True)
@@ -39,17 +40,6 @@ class ReferenceInfo:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def text_config(config_path: str | Path):
-    """transformers' `Qwen3_5MoeTextConfig` from a config.json (nested `text_config` or flat)."""
-    from transformers import Qwen3_5MoeTextConfig
-
-    raw = json.loads(Path(config_path).read_text())
-    text = dict(raw["text_config"]) if "text_config" in raw else dict(raw)
-    text.pop("architectures", None)
-    text["model_type"] = "qwen3_5_moe_text"
-    return Qwen3_5MoeTextConfig.from_dict(text)
 
 
 class Reference:
@@ -71,8 +61,6 @@ class Reference:
     ) -> Reference:
         """Weights regenerated from the seeded dummy recipe on `device` in `dtype` (one full copy),
         each tensor passed to `on_tensor` as it is drawn."""
-        from metainfer.oracle.recipe import recipe_spec, recipe_state_dict
-
         sd = recipe_state_dict(recipe_spec(config_path), seed, device, dtype, on_tensor)
         return cls.from_weights(config_path, sd, source="recipe")
 
