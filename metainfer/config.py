@@ -253,7 +253,7 @@ class EngineConfig:
     num_state_slots: int | None = None  # None: max_num_seqs
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False  # CUDA graphs for decode (on CUDA, when the decode kernels exist)
-    # step sizes of CUDA graphs for a prompt alone in a step (idle TTFT, KB-0030); None: the
+    # step sizes of CUDA graphs for a prompt alone in a step (idle TTFT); None: the
     # DEFAULT_PREFILL_GRAPHS (with speculation also SPEC_PREFILL_GRAPHS) up to max_num_batched_tokens;
     # (): none
     prefill_graphs: tuple[int, ...] | None = None

@@ -1,13 +1,12 @@
 """Where a decode step's wall time goes when its kernels overlap (programmatic dependent launch).
 
 With PDL each kernel starts while the one before it still runs and waits on the device for it, so the
-profiler's per-kernel durations overlap and sum to far more than the step (FP8 batch 1 on the H200:
-2.98 ms of kernel time in a 1.76 ms step, 2026-12-04f). The step is a chain: each kernel ends after
-the one before it. Sorted by end time, kernel i adds `end_i - max(end_{i-1}, start_i)` to the wall
-time: the part of it that nothing else covers, its *exposed* time. A stretch in which no kernel runs
-(the host or a launch between graphs) is a gap. Exposed times plus gaps add up to the span from the
-first kernel's start to the last kernel's end, so the table answers "which kernel's tail does the
-step wait on" where the durations cannot.
+profiler's per-kernel durations overlap and sum to far more than the step. The step is a chain: each
+kernel ends after the one before it. Sorted by end time, kernel i adds `end_i - max(end_{i-1},
+start_i)` to the wall time: the part of it that nothing else covers, its *exposed* time. A stretch in
+which no kernel runs (the host or a launch between graphs) is a gap. Exposed times plus gaps add up to
+the span from the first kernel's start to the last kernel's end, so the table answers "which kernel's
+tail does the step wait on" where the durations cannot.
 
 `exposed_table(intervals, steps)` aggregates per kernel name: calls, exposed and busy (duration)
 microseconds per step; `compact_timeline` keeps the intervals themselves; `layer_table` splits a kept

@@ -370,11 +370,10 @@ class LLMEngine:
         return self._advanced(req, new, reason, n_out=len(req.output_token_ids))
 
     def _note_acceptance(self, req: Request, accepted: int) -> None:
-        """Per-request backoff for drafts that verify to nothing: a verify costs ~2-3 decode steps on
-        the H200 and a rejection also recomputes the step's tokens (2026-11-30j: drafts always wrong,
-        0.2x plain). After r verifies in a row that accepted no draft, the request passes up its next
-        min(2^r, SPEC_PROBE_MAX) drafting chances; one accepted draft resets it. `repeat` (the
-        oracle's verify-path mode) never backs off."""
+        """Per-request backoff for drafts that verify to nothing: a verify costs a few decode steps and
+        a rejection also recomputes the step's tokens. After r verifies in a row that accepted no draft,
+        the request passes up its next min(2^r, SPEC_PROBE_MAX) drafting chances; one accepted draft
+        resets it. `repeat` (the oracle's verify-path mode) never backs off."""
         if self.ecfg.speculative == "repeat":
             return
         if accepted:

@@ -1,6 +1,6 @@
 """CUDA graphs for a lone prefill: one request's prompt (or its last chunk) alone in a step, the
 idle server's TTFT case. An eager 1k-token prefill makes ~1,100 launches whose host time exceeds
-their ~30 ms of GPU time (benchmarks/results/2026-11-30f, "TTFT"); a replay is one launch.
+their GPU time; a replay is one launch.
 
 A captured step of `size` tokens holds two sequences: 0 is the request's chunk of n <= size tokens,
 1 pads the step to `size` tokens (possibly none) as a fresh sequence on the null state slot 0 and

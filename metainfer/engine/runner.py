@@ -455,9 +455,8 @@ class ModelRunner:
             block_size=self.ecfg.block_size,
             logits_rows=logits_rows,
             device=self.device,
-            # capacity-wide, as the warmup's and the graphs': a table as wide as the step's longest
-            # sequence gave the kernels a row stride the warmup had not compiled (Triton specialises
-            # it on % 16): a 2.7 s launch in the H200 server's c=32 burst (results/2026-12-04g)
+            # capacity-wide, as the warmup's and the graphs': a narrower table gives the kernels a row
+            # stride the warmup did not compile (Triton specialises it on % 16)
             max_blocks=self.blocks_per_seq,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -1,7 +1,6 @@
 """Start-up warmup: eager steps shaped like a busy server's, run before the first request so that
 Triton's JIT compiles (one per kernel and argument specialisation: integers are specialised on
-== 1 and % 16) happen here rather than inside the first busy step's TTFT. On the H200 a c=32 serve
-run without it waited ~6 s per request on compiles (benchmarks/results/2026-11-30g, KB-0033).
+== 1 and % 16) happen here rather than inside the first busy step's TTFT.
 
 The steps run on the null state slot and KV block 0: whatever they write there is never read, as
 with the CUDA graphs' padding rows.

@@ -107,7 +107,7 @@ class GatedDeltaNet(nn.Module):
                 core[s0:],
                 gating=(self.A_log, self.dt_bias),
             )
-        # KB-0052: the gated norm's e4m3 copy for out_proj (a head's row must be whole 128-column groups)
+        # the gated norm's e4m3 copy for out_proj (a head's row must be whole 128-column groups)
         hq = fp8_copy_buffers(self.out_proj if self.dv % 128 == 0 else False, T, self.value_dim, x.device,
                               "gated_rms_norm")
         z = z.view(T, self.hv, self.dv)

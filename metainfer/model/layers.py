@@ -27,9 +27,9 @@ class ExpertRows:
 @dataclass(frozen=True)
 class PendingNorm:
     """A decode token's input RMSNorm not yet applied: norm(sum of `rows` + residual), left to the
-    projection that takes it as its x prologue (`Linear.forward`, `Linear.conv_forward`: cuda/gemv.cu,
-    on by default, KB-0097) or computed by `materialize` where none does. new_res receives the new
-    residual (sum + residual) either way."""
+    projection that takes it as its x prologue (`Linear.forward`, `Linear.conv_forward`: cuda/gemv.cu)
+    or computed by `materialize` where none does. new_res receives the new residual (sum + residual)
+    either way."""
 
     rows: ExpertRows
     residual: torch.Tensor  # [1, H]

@@ -13,7 +13,7 @@ Threading model:
 - CPU engines: `cpu_threads` (torch's intra-op threads) is set on the engine thread, the only thread
   that should run torch ops. With a second thread's OpenMP team alive (say the main thread's, from
   building the model with several threads), libgomp throttles its spin-waits and every small op
-  pays a thread wake-up: the tiny model's 1k-token prefill took 330 ms instead of 150 on two cores.
+  pays a thread wake-up.
   The server builds the engine with one thread, then gives the engine thread its count.
 """
 

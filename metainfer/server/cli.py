@@ -75,8 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="uvicorn's log level",
     )
     http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per request")
-    # uvicorn's HTTP parser and event loop (auto: httptools / uvloop when installed); on a 2-core CPU
-    # both pairs left ~2.8 ms between the client's and the engine's TTFT for a 16-token prompt
+    # uvicorn's HTTP parser and event loop (auto: httptools / uvloop when installed)
     for name, choices, what in (
         ("http", ["auto", "h11", "httptools"], "HTTP parser (auto: httptools when installed)"),
         ("loop", ["auto", "asyncio", "uvloop"], "event loop (auto: uvloop when installed)"),

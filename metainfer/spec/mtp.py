@@ -52,8 +52,8 @@ MAX_PENDING_ROWS = 2048
 MAX_TOTAL_ROWS = 16384
 def draft_head(model: Qwen3_5MoeModel, vocab: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
     """The drafts' logits: the model's lm_head, or only its first `vocab` rows (> 0: a draft among the
-    ids below it; BPE ranks run roughly by frequency: ids < 32,768 are ~94-95 % of the tokens of English
-    and Python text in the Qwen3.6 tokenizer, and 1/8 of lm_head's bytes). A draft only proposes: the
+    ids below it; BPE ranks run roughly by frequency, so the first 32,768 ids hold most tokens of text
+    in 1/8 of lm_head's bytes). A draft only proposes: the
     verify's logits stay the model's, so this changes which drafts come, never an output. An FP8 head
     (--fp8-lm-head) gives its first `vocab` rows with their 128-row scale blocks (vocab a multiple of
     128; else the whole head)."""
