@@ -1,25 +1,24 @@
-"""An A/B of decode-kernel switches in one process: one engine, the decode graphs captured again for each
-mode, the modes interleaved over rounds. Against `gpu_pending.sh`'s fresh process a run (~45 s each on the
-H200, mostly the engine's start), a mode's run here costs its capture and its decode (~3-5 s), so one call
-measures more rounds of more modes.
+"""An A/B of decode-kernel settings in one process: one engine, the decode graphs captured again for each
+mode, the modes interleaved over rounds. Against a fresh process a run (~45 s each on the H200, mostly the
+engine's start), a mode's run here costs its capture and its decode (~3-5 s), so one call measures more
+rounds of more modes.
 
-A mode is "default" or VAR=VALUE pairs joined by commas. Before each run the mode's variables are set (the
-others of every mode restored to the values the process started with), gemv.cu reloaded where one of its
-load-time switches moved (gemv.LOAD_ENVS), and the decode graphs captured again
-(ModelRunner.recapture_decode). So only switches read while the decode step is captured (or run eagerly)
-compare this way; not those read when the model is loaded (METAINFER_FP8_LM_HEAD) or the prefill graphs
-captured. Each run is decode_bench's `decode_run` (a fresh 1k-token prompt, greedy, ignore_eos): the
-engine's step time, as the fresh-process A/B measures it, plus the graph's replay time and the greedy
-tokens' fingerprint (modes that compute the same give the same; a difference is reported, not judged: that
-is the oracle's job).
+A mode is "default" or NAME=VALUE pairs joined by commas, NAME a field of `metainfer.settings.Settings` or its
+environment variable (pdl=0, METAINFER_PDL=0; an experiment adds its switch there as a field while it runs).
+Before each run the mode's values replace the process's (`settings.override`) and the decode graphs are
+captured again (ModelRunner.recapture_decode). So only settings read while the decode step is captured (or
+run eagerly) compare this way; not those read when the model is loaded or the prefill graphs captured. Each
+run is decode_bench's `decode_run` (a fresh 1k-token prompt, greedy, ignore_eos): the engine's step time, as
+the fresh-process A/B measures it, plus the graph's replay time and the greedy tokens' fingerprint (modes
+that compute the same give the same; a difference is reported, not judged: that is the oracle's job).
 
-    python benchmarks/ab_inproc.py --dtype fp8 --rounds 3 --modes default METAINFER_MOE_DOWN_EARLY=1 \\
-        "METAINFER_MOE_DOWN_EARLY=1,METAINFER_ROUTER_EARLY=1" --out $OUT/ab
+    python benchmarks/ab_inproc.py --dtype fp8 --rounds 3 --modes default pdl=0 --out $OUT/ab
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -31,29 +30,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_bench import decode_run, graph_replay_ms, profile_decode  # noqa: E402
 from engine_smoke import env_info  # noqa: E402
 
+from metainfer import settings  # noqa: E402
 from metainfer.bench.critical_path import layer_table  # noqa: E402
 from metainfer.config import FULL_CONFIG  # noqa: E402
-from metainfer.kernels.cuda import gemv  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
 
-# switches this A/B cannot compare: read when the model is loaded or a table first used (so every mode would
-# run the first mode's setting), or only by prefill, which it does not time
-NOT_IN_PROCESS = ("METAINFER_FP8_LM_HEAD", "METAINFER_FP8_TUNED", "METAINFER_MOE_TUNED", "METAINFER_CACHE")
+# settings this A/B cannot compare: read at start-up or when the model is loaded, or not by the decode kernels
+NOT_IN_PROCESS = ("api_key", "cache_dir", "triton_interpret", "git_commit")
+FIELDS = {**{f: f for f in settings.ENV}, **{v: f for f, v in settings.ENV.items()}}  # name or variable
 
 
-def parse_mode(mode: str) -> dict[str, str]:
-    """ "default" -> {}; "A=1,B=x" -> {"A": "1", "B": "x"}; a switch this A/B cannot compare is refused."""
+def parse_mode(mode: str) -> dict[str, object]:
+    """ "default" -> {}; "pdl=0,METAINFER_FP8_TUNED=t.json" -> {"pdl": False, "fp8_tuned": Path("t.json")}:
+    the settings' fields, typed; an unknown name, a bad value or a setting this A/B cannot compare is
+    refused."""
     if mode == "default":
         return {}
     out = {}
     for part in mode.split(","):
         name, eq, value = part.partition("=")
         if not eq or not name or not name.isidentifier():
-            raise ValueError(f"mode {mode!r}: {part!r} is not VAR=VALUE")
-        if name in NOT_IN_PROCESS or "PREFILL" in name:
-            raise ValueError(f"mode {mode!r}: {name} is read at load or by prefill only: A/B it in fresh "
+            raise ValueError(f"mode {mode!r}: {part!r} is not NAME=VALUE")
+        if name not in FIELDS:
+            raise ValueError(f"mode {mode!r}: {name} is not a field of metainfer.settings.Settings")
+        field = FIELDS[name]
+        if field in NOT_IN_PROCESS:
+            raise ValueError(f"mode {mode!r}: {name} is read at start-up or load only: A/B it in fresh "
                              "processes")
-        out[name] = value
+        out[field] = settings.parse(field, value)
     return out
 
 
@@ -65,37 +69,27 @@ def round_order(n_modes: int, rnd: int) -> list[int]:
 
 
 class Switches:
-    """Sets one mode's variables at a time; every variable any mode names goes back to the process's own
-    value (or unset) before the next mode's are set."""
+    """Holds one mode's settings at a time (`settings.override`); the process's own are back between modes
+    and after `restore`."""
 
-    def __init__(self, modes: list[dict[str, str]]) -> None:
-        self.names = sorted({n for m in modes for n in m})
-        self.start = {n: os.environ.get(n) for n in self.names}
+    def __init__(self) -> None:
+        self._held = contextlib.ExitStack()
 
-    def apply(self, mode: dict[str, str]) -> bool:
-        """-> whether a gemv.cu load-time switch changed (the kernels must be reloaded)."""
-        before = {n: os.environ.get(n) for n in gemv.LOAD_ENVS}
-        for n in self.names:
-            v = mode.get(n, self.start[n])
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
-        return before != {n: os.environ.get(n) for n in gemv.LOAD_ENVS}
+    def apply(self, mode: dict[str, object]) -> None:
+        self._held.close()
+        if mode:
+            self._held.enter_context(settings.override(**mode))
 
-    def enter(self, llm: LLM, mode: dict[str, str]) -> None:
-        """The mode's variables set, gemv.cu reloaded if they moved a load-time one, the decode graphs
-        captured again under them."""
-        if self.apply(mode):
-            gemv.reset()
+    def enter(self, llm: LLM, mode: dict[str, object]) -> None:
+        """The mode's settings in force, the decode graphs captured again under them."""
+        self.apply(mode)
         llm.engine.runner.recapture_decode()
 
     def restore(self) -> None:
-        if self.apply({}):
-            gemv.reset()
+        self.apply({})
 
 
-def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, prompt_len: int, gen: int,
+def run_mode(llm: LLM, mode: dict[str, object], switches: Switches, batch: int, prompt_len: int, gen: int,
              seed: int) -> dict:
     t0 = time.perf_counter()
     switches.enter(llm, mode)
@@ -107,7 +101,7 @@ def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, pro
     return r
 
 
-def profile_mode(llm: LLM, mode: dict[str, str], switches: Switches, batch: int, prompt_len: int) -> dict:
+def profile_mode(llm: LLM, mode: dict[str, object], switches: Switches, batch: int, prompt_len: int) -> dict:
     """One profiled decode (decode_bench's profile_decode, PDL as the engine runs it) in the mode: its
     kernels' exposed times and, at batch 1, the layer table (the median DeltaNet and attention layer, by
     kernel: critical_path.layer_table)."""
@@ -149,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--config", default=str(FULL_CONFIG))
     ap.add_argument("--dtype", default="fp8", choices=["bfloat16", "fp8"])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--modes", nargs="+", default=["default"], help='"default" or VAR=VALUE[,VAR=VALUE]')
+    ap.add_argument("--modes", nargs="+", default=["default"], help='"default" or NAME=VALUE[,NAME=VALUE]')
     ap.add_argument("--rounds", type=int, default=3, help="each mode once a round (odd rounds reversed)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=1024)
@@ -161,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     modes = list(dict.fromkeys(args.modes))
     parsed = [parse_mode(m) for m in modes]
-    switches = Switches(parsed)
+    switches = Switches()
     t0 = time.perf_counter()
     llm = LLM(model=f"dummy:{args.config}", device=args.device, dtype="bfloat16",
               quantization="fp8" if args.dtype == "fp8" else None,

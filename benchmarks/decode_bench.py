@@ -42,9 +42,8 @@ from metainfer.config import FULL_CONFIG, SSM_STATE_DTYPES, ModelConfig  # noqa:
 from metainfer.engine.request import SamplingParams  # noqa: E402
 from metainfer.kernels import norm  # noqa: E402
 from metainfer.kernels import weight_stream as ws  # noqa: E402
-from metainfer.kernels.cuda import gemv  # noqa: E402
 from metainfer.llm import LLM  # noqa: E402
-from metainfer.model.fp8 import LM_HEAD_ENV  # noqa: E402
+from metainfer.settings import settings  # noqa: E402
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 248000) -> list[list[int]]:
@@ -220,17 +219,16 @@ def kernel_floors(cfg: ModelConfig, fp8: bool, context: int, batch: int = 1,
     state = batch * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     state *= state_bytes
     kv = batch * context * hkv * d * 2 * 2  # K and V, bf16
-    fused = batch <= norm.router_max_t()  # the router in the post-attention norm's launch (else a projection)
-    gnorm = batch <= ws.gnorm_max_t()  # the DeltaNet out_proj with its gated norm (else a projection)
-    wg = fp8 and batch == 1 and gemv.enabled()  # the qkv on cuda/gemv.cu (KB-0094)
-    wg_conv = wg and os.environ.get(gemv.CONV_ENV, "1") != "0"  # and the DeltaNet in_proj
+    fused = batch <= norm.ROUTER_MAX_T  # the router in the post-attention norm's launch (else a projection)
+    gnorm = batch <= ws.GNORM_MAX_T  # the DeltaNet out_proj with its gated norm (else a projection)
+    wg = fp8 and batch == 1  # the qkv and the DeltaNet in_proj on cuda/gemv.cu
     return {
         "_skinny_kernel": ("dense projections" + ("" if fused else " + router"),
-                           w * (n_lin * ((not wg_conv) * in_proj + (not gnorm) * out_proj)
+                           w * (n_lin * ((not wg) * in_proj + (not gnorm) * out_proj)
                                 + n_full * ((not wg) * qkv + o_proj))
                            + (not fused) * L * router),
-        "gemv_e4m3": ("FP8 wgmma projections: qkv" + (" + in_proj" if wg_conv else ""),
-                      w * (wg * n_full * qkv + wg_conv * n_lin * in_proj)),
+        "gemv_e4m3": ("FP8 wgmma projections: qkv" + (" + in_proj" if wg else ""),
+                      w * (wg * n_full * qkv + wg * n_lin * in_proj)),
         "_add_rms_norm_router_kernel": ("add + RMSNorm + MoE router", L * router),
         "_gnorm_gemv_kernel": ("DeltaNet gated RMSNorm + out_proj", w * n_lin * out_proj),
         "_pair_gate_up_kernel": ("experts gate/up (routed + shared)", L * w * slots * 2 * I * H),
@@ -280,6 +278,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the engine's max_model_len (default: prompt + gen + 64). The decode attention's "
                          "split count follows the block-table capacity (the server's 8,192: 128 at batch 1)")
+    ap.add_argument("--fp8-lm-head", action="store_true", help="with --dtype fp8: the lm_head in FP8 too")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -290,6 +289,7 @@ def main() -> None:
         device="cuda",
         dtype="bfloat16",
         quantization=quant,
+        fp8_lm_head=bool(quant and args.fp8_lm_head),
         max_model_len=args.max_model_len or args.prompt_len + args.gen + 64,
         max_num_seqs=max(batches + [args.profile_batch]),
         max_num_batched_tokens=8192,
@@ -306,8 +306,8 @@ def main() -> None:
     )
     cfg = ModelConfig.from_hf(args.config)
     roof_dtype = "fp8" if quant else "bfloat16"
-    # the ceiling's lm_head bytes: BF16 unless METAINFER_FP8_LM_HEAD=1 quantised it (KB-0067)
-    head_dtype = "fp8" if quant and os.environ.get(LM_HEAD_ENV, "0") == "1" else None
+    # the ceiling's lm_head bytes: BF16 unless --fp8-lm-head quantised it
+    head_dtype = "fp8" if quant and args.fp8_lm_head else None
     res = {
         "env": env_info(),
         "config": args.config,
@@ -352,7 +352,7 @@ def main() -> None:
             floors = kernel_floors(cfg, quant is not None, args.prompt_len + 8, batch=pb,
                                    state_bytes=2 if args.ssm_state_dtype == "bfloat16" else 4)
             res[f"profile_bs{pb}"] = floor_table(prof, floors, DEFAULT_BANDWIDTH_TB_S)
-            res["profile_pdl"] = os.environ.get("METAINFER_PDL", "1") != "0"  # on: kernel times overlap
+            res["profile_pdl"] = settings().pdl  # on: kernel times overlap
             res[f"exposed_bs{pb}"] = exposed
             res[f"timeline_bs{pb}"] = timeline  # the profiled steps' kernels, for offline study
             dec = next((r for r in res["decode"] if r["batch"] == pb), None)

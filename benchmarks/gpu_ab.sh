@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the H200: batch-1 decode (and idle 1k-prompt TTFT) A/B of one switch (an environment variable
-# read by the engine), each mode in a fresh process on the same build. Figures only; the verdicts come from gpu_final.sh.
+# On the H200: batch-1 decode (and idle 1k-prompt TTFT) A/B of one setting (its environment variable,
+# declared in metainfer/settings.py), each mode in a fresh process on the same build. Figures only; the verdicts come from gpu_final.sh.
 #   VAR=METAINFER_PDL MODES="0 1" DTYPES="fp8 bfloat16" bash benchmarks/gpu_ab.sh   (OUT set; .whl carried)
 #   GEN (decode steps, 32), EXTRA (more decode_bench flags, e.g. --no-profile); a mode repeated in MODES
 #   runs again in a fresh process (its folder keeps the last run)

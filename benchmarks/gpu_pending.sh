@@ -7,24 +7,13 @@
 #   PRECISIONS=fp8 LIMIT=560 bash benchmarks/gpu_oracle.sh; then PRECISIONS=bfloat16 LIMIT=560 ...
 # Read its per-phase stderr lines (verify: PHASE SECONDS); calibrate the noise gates (compare.GATES:
 # noise_ratio_rmse 1.5, noise_ratio_kl 2.25, layer_ratio 1.3) against the honest ratios it prints; then the
-# old phases' verdicts (judge, final1) need it too.
+# verdicts of final1 and verify need it too.
 #
-#   early2   - the next kernel released at a kernel's start (pdl.EARLY_KERNELS' switches, gemv.cu's -DGEMV_EARLY=1
-#              for the projections) on top of the experts' down's (METAINFER_MOE_DOWN_EARLY=1): GPU tests with all
-#              on, then the in-process A/B with layer tables (no bit moves: the same tokens as the default)
-#   judge    - NEXT: the FP8 oracle with the experts' down releasing the next kernel early (KB-0118, measured
-#              +2.2 %, off until its oracle passes; BF16 never takes that kernel), the in-process A/B of the other
-#              early releases on top of it (IREPS 2, layer tables), the FP8 batches 1-128 with it, ~5 min;
-#              judgemin: the oracle and a 3-mode A/B only
-#   timeline - gemv.cu's timeline build (-DGEMV_TIMELINE=1, a measuring tool): its GPU test, then one decode step's
-#              qkv / in_proj and gate/up launches CTA by CTA (experiments/gemv_timeline.py: entry, wait, prologue,
-#              x staged, first chunk, end) for the default and the down's early release, ~2 min. Run it after
-#              judge(min), in the same call where the time allows
-# The seven experiments built on CPU-only days (KB-0108 to KB-0114) were measured on 2026-12-05b, all slower, and
-# removed (their phases: `git show 68438ee:benchmarks/gpu_pending.sh`); 2026-12-05c's taill2 and early (KB-0115,
-# KB-0116): `git show e068343:benchmarks/gpu_pending.sh`.
-#   fusverify - ON="VAR ..." (a candidate's switches): the FP8 oracle with them, the batch-1 wall time by kernel,
-#              the layer table and batch 8, ~3 min
+#   timeline - gemv.cu's timeline build (a measuring tool: gemv.use_timeline_build): its GPU test, then one decode
+#              step's qkv / in_proj and gate/up launches CTA by CTA (experiments/gemv_timeline.py: entry, wait,
+#              prologue, x staged, first chunk, end), ~2 min
+#   fusverify - ON="VAR ..." (a candidate's switches, declared in metainfer/settings.py while it is measured): the
+#              FP8 oracle with them, the batch-1 wall time by kernel, the layer table and batch 8, ~3 min
 # The A/Bs run in one process (benchmarks/ab_inproc.py: the decode graphs captured again for each mode, IREPS (3)
 # interleaved rounds), in fresh processes (REPS, 2) where that fails, INPROC=0 or FRESH=1 asks for both. Past
 # DEADLINE (540 s) nothing long starts; more than 8 files in $OUT go back as $OUT/all.tgz.
@@ -35,12 +24,9 @@
 #              FINAL_BF16_BATCHES (1), ~8 min
 #   exposed  - the FP8 batch-1 step's wall time by kernel (PDL on) at max_model_len 1,120 and 8,192, ~2 min
 #   prof1    - PDL-off batch-1 kernel profiles (FP8, BF16), ~1.5 min; profile: FP8 batch 1 + 1k prefill, PDL off
-# The megakernel's and the skeleton's phases are in experiments/gpu_mega.sh; `check` (run 2026-12-05b) and `tune`
-# (run 2026-12-05c) are in this file's history: `git show 91fe9d4:benchmarks/gpu_pending.sh`.
-# Phases measured earlier (their switches since made defaults or removed; the commands of the results pages
-# before 2026-12-05b) are in this file's history: `git show 570d1a8:benchmarks/gpu_pending.sh`.
+# Phases of switches measured earlier (since made the only path or removed) are in this file's git history.
 #
-#   PHASES="judgemin timeline" bash benchmarks/gpu_pending.sh; PHASES=verify ON="METAINFER_FP8_LM_HEAD" bash ...
+#   PHASES="final1 timeline" bash benchmarks/gpu_pending.sh
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -135,32 +121,11 @@ modes_ab() {  # $1 tag, $2 the runs' folder prefix, then the modes ("default", o
 }
 PHASES=${PHASES:?PHASES: one or more of the phases above}
 
-if has early2; then
-  D=METAINFER_WGMMA_GEMV_DEFINES B=METAINFER_MOE_DOWN_EARLY=1
-  (export $D=-DGEMV_EARLY=1 $B METAINFER_ROUTER_EARLY=1 METAINFER_GDN_EARLY=1
-   gpu_tests early2 "gemv or moe or conv" "pdl_equals or graph_replay_equals_eager")
-  IPROFILE=1 modes_ab early2 e2 default $B $B,METAINFER_ROUTER_EARLY=1 $B,METAINFER_GDN_EARLY=1 \
-    $B,$D=-DGEMV_EARLY=1 $B,METAINFER_ROUTER_EARLY=1,METAINFER_GDN_EARLY=1,$D=-DGEMV_EARLY=1
-fi
-if has judge; then
-  D=METAINFER_WGMMA_GEMV_DEFINES B=METAINFER_MOE_DOWN_EARLY=1
-  oracle fp8 verify_fp8_down_early $B
-  IREPS=2 IPROFILE=1 INPROC_LIMIT=150 modes_ab judge jg default $B $B,METAINFER_ROUTER_EARLY=1 \
-    $B,METAINFER_GDN_EARLY=1 $B,$D=-DGEMV_EARLY=1 $B,METAINFER_ROUTER_EARLY=1,METAINFER_GDN_EARLY=1,$D=-DGEMV_EARLY=1
-  (( $(left) > 100 )) && env $B timeout 120 python benchmarks/decode_bench.py --dtype fp8 --batches 1,8,32,64,128 \
-    --gen 32 --out $OUT/final 2>&1 | grep -E "^\|" | head -30
-fi
-if has judgemin; then  # judge's first half where the device time left is short: the FP8 oracle, then 3 modes x 2
-  D=METAINFER_WGMMA_GEMV_DEFINES
-  oracle fp8 verify_fp8_down_early METAINFER_MOE_DOWN_EARLY=1
-  IREPS=2 INPROC_LIMIT=120 modes_ab judge jg default METAINFER_MOE_DOWN_EARLY=1 \
-    METAINFER_MOE_DOWN_EARLY=1,METAINFER_ROUTER_EARLY=1,METAINFER_GDN_EARLY=1,$D=-DGEMV_EARLY=1
-fi
 if has timeline; then
   timeout 150 python -m pytest -q tests/gpu/test_gemv_gpu.py -p no:cacheprovider -k timeline 2>&1 | tail -2 \
     | tag "timeline test"
   (( $(left) > 90 )) && timeout $(( $(left) - 20 )) python experiments/gemv_timeline.py --modes default \
-    METAINFER_MOE_DOWN_EARLY=1 --out $OUT/timeline 2>&1 | grep -v "falling back" | tail -20 | tag timeline
+    --out $OUT/timeline 2>&1 | grep -v "falling back" | tail -20 | tag timeline
 fi
 if has fusverify; then  # the oracle (FP8) with ON's switches at 1, then the batch-1 step's wall time by kernel, the
   # layer table and batch 8 with them, ~3 min
@@ -176,7 +141,7 @@ if has verify; then
 fi
 if has switches; then  # FP8 batch 1: the defaults and each of SWITCHES (space-separated VAR=VALUE; a comma joins
   # several into one mode: "A=1,B=2") in turn, x REPS (2) rounds, fresh processes; then each mode's median, ~45 s a run
-  modes_ab switches sw default ${SWITCHES:-METAINFER_WGMMA_GEMV_SLOTS=6}
+  modes_ab switches sw default ${SWITCHES:?SWITCHES: the modes to compare with the defaults}
 fi
 if has final1; then
   [[ ${FINAL_GEMV:-0} == 1 ]] && timeout 200 python -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_kernels_b_gpu.py \

@@ -190,7 +190,8 @@ class LinearCase:
             nb = len(self.w_bf16_copies)
             us = time_graph(lambda i: F.linear(x[i % len(x)], self.w_bf16_copies[i % nb]), min(n, nb))
             return row(f"bf16_linear[{self.name}]", T, us, None, self.N * self.K * 2 + act, flops, None)
-        os.environ["METAINFER_FP8_GEMM"] = "cublas" if backend == "cublas" else "triton"
+        use_cublas = fl._use_cublas  # the W8A8 GEMM's backend: the one asked for, then the engine's again
+        fl._use_cublas = lambda: backend == "cublas"
         try:
             def call(i):
                 if gap:
@@ -206,7 +207,7 @@ class LinearCase:
             us = time_graph(call, n)
             eu = time_eager(lambda: call(0)) if eager else None
         finally:
-            os.environ.pop("METAINFER_FP8_GEMM", None)
+            fl._use_cublas = use_cublas
         tag = "" if backend == "triton" else f"/{backend}"
         return row(f"fp8_linear{tag}[{self.name}]", T, us, eu, self.wbytes + act, flops, err)
 

@@ -69,7 +69,7 @@ def skinny_candidates(T: int, N: int, K: int, sms: int, space: str = "base") -> 
     return out
 
 
-FP8_LINEARS = dict(LINEARS, lm_head=(248320, 2048))  # lm_head: FP8 only with METAINFER_FP8_LM_HEAD=1
+FP8_LINEARS = dict(LINEARS, lm_head=(248320, 2048))  # lm_head: FP8 only with --fp8-lm-head
 BF16_LINEARS = {name: LINEARS[name] for name in ("deltanet.in_proj", "deltanet.out_proj", "attn.qkv")}
 BF16_LINEARS["moe.router"] = (257, 2048)  # router + shared-expert gate, BF16 in both precisions
 ADOPT = 1.1  # a Triton kernel within 10% of cuBLAS still wins in the step: it keeps the PDL chain
@@ -143,7 +143,7 @@ def gemv_candidates(T: int, N: int, K: int, elem_bytes: int) -> list[dict]:
 def gemv_sweep(args, tokens: list[int], meta: dict, out: Path) -> None:
     """--space gemv: the preloading GEMV against each shape's current config, both timed with an
     RMSNorm launch before every projection (`gap_kernel`); the best GEMV goes into the table under
-    "gemv:" + key where it beats the current config (the engine A/B, METAINFER_GEMV=0/1, decides)."""
+    "gemv:" + key where it beats the current config (an engine A/B with the table decides)."""
     table, cfgs, everything = [], {}, {}
     cases = [(name, True, *FP8_LINEARS[name]) for name in filter(None, args.linears.split(","))]
     cases += [(name, False, *BF16_LINEARS[name]) for name in filter(None, args.bf16_linears.split(","))]
@@ -174,7 +174,7 @@ def grouped_candidates(T: int, fp8: bool) -> list[dict]:
     its M-block size and twice it (fewer re-reads of an expert's weights)."""
     base = moe_grouped.grouped_config(T, 9, 257, fp8)  # the engine's: 8 routed + the shared expert
     tiles = ((64, 64), (128, 128), (128, 256), (256, 128))
-    k_steps = (128,) if moe_grouped.a8_enabled(fp8) else (64, 128)  # e4m3 activations: 128 (their scales)
+    k_steps = (128,) if fp8 else (64, 128)  # e4m3 activations: 128 (their scales)
     return [base] + [
         dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bm, (gn, dn), bk, (w, st) in itertools.product((base["BLOCK_M"], 2 * base["BLOCK_M"]), tiles,
@@ -191,7 +191,7 @@ def sweep_moe(kinds: list[str], tokens: list[int], path: str, candidates, key, c
             run = lambda c, case=case, T=T: case.run(T, path, c, eager=False)  # noqa: E731
             cands = candidates(T, kind == "fp8")
             # e4m3 activations (the grouped FP8 default, KB-0024): 8% as in its GPU test
-            tol = 8e-2 if path == "grouped" and moe_grouped.a8_enabled(kind == "fp8") else 1e-2
+            tol = 8e-2 if path == "grouped" and kind == "fp8" else 1e-2
             first, best, rows = best_of(f"{path} {kind}", run, cands, tol)
             cfgs[key(kind, T, cands[0])] = best["config"]
             everything[f"{path} {kind} T={T}"] = rows
@@ -205,7 +205,7 @@ def grouped_tma_candidates(T: int, fp8: bool) -> list[dict]:
     with N tiles 64/128 at its M-block size and twice it, 4-8 warps, 3-4 stages, and at its M-block
     size the down kernel's N tile 128/256 behind a 64-wide gate/up tile."""
     base = moe_grouped.grouped_config(T, 9, 257, fp8)
-    bk = 128 if moe_grouped.a8_enabled(fp8) else base["BLOCK_K"]
+    bk = 128 if fp8 else base["BLOCK_K"]
     return [dict(base, TMA=0), dict(base, TMA=1)] + [
         dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=1)
         for bm, (gn, dn), (w, st) in itertools.product(
@@ -215,12 +215,12 @@ def grouped_tma_candidates(T: int, fp8: bool) -> list[dict]:
 
 
 def grouped_swap_candidates(T: int, fp8: bool) -> list[dict]:
-    """--grouped-swap: the current config unswapped and swapped (METAINFER_MOE_GROUPED_SWAP's form:
+    """--grouped-swap: the current config unswapped and swapped (the config's SWAP=1:
     the weight tile the MMA's M side, an expert's rows its N side), then swapped with row blocks of
     16-64 (the N side: less padding than the unswapped M-block), weight tiles 64/128, pointer loads
     or TMA (4 warps), 4-8 warps, 3 stages: 29 configs."""
     base = moe_grouped.grouped_config(T, 9, 257, fp8)
-    bk = 128 if moe_grouped.a8_enabled(fp8) else base["BLOCK_K"]
+    bk = 128 if fp8 else base["BLOCK_K"]
     return [dict(base, SWAP=0), dict(base, SWAP=1)] + [
         dict(BLOCK_M=bm, GU_BLOCK_N=gn, DN_BLOCK_N=dn, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=tma,
              SWAP=1)

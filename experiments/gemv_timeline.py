@@ -2,15 +2,16 @@
 gate/up): when each CTA came in, when its griddepcontrol.wait returned, when its prologue had summed the MoE
 rows and staged x, when its first chunk was in and when it was done, on one time axis
 (metainfer/kernels/cuda/gemv_timeline.py). The question it answers: of the qkv / in_proj's ~9 µs after the
-experts' down, how much is the prologue and how much the chunks (2026-12-05c's next step).
+experts' down, how much is the prologue and how much the chunks.
 
-Runs the FP8 engine at batch 1 on the full config with dummy weights, gemv.cu built with -DGEMV_TIMELINE=1,
-for each mode (as benchmarks/ab_inproc.py's: "default" or VAR=VALUE pairs; the decode graphs captured again
+Runs the FP8 engine at batch 1 on the full config with dummy weights, gemv.cu's timeline build
+(gemv.use_timeline_build), for each mode (as benchmarks/ab_inproc.py's: "default" or NAME=VALUE settings; the
+decode graphs captured again
 under each): a 1k-token prompt decoded for --gen tokens, then the batch-1 decode graph replayed --steps times
 with the records read after each. Also the replay's time in the default build, and in the timeline build with
 its records off and on (what the stamps cost).
 
-    python experiments/gemv_timeline.py --modes default METAINFER_MOE_DOWN_EARLY=1 --out $OUT/timeline
+    python experiments/gemv_timeline.py --modes default pdl=0 --out $OUT/timeline
     python experiments/gemv_timeline.py --plot timeline/gemv_timeline.json --out timeline   (CPU: the plots)
 """
 
@@ -47,21 +48,23 @@ def label(ln: T.Launch, prev: T.Launch | None) -> str:
     return NAMES.get((ln.kind, ln.n_rows), T.default_label(ln, prev))
 
 
-def with_timeline(mode: dict[str, str], on: bool) -> dict[str, str]:
-    """The mode's variables with gemv.cu's -D flags holding the timeline build's (on) or not."""
-    flags = [f for f in mode.get(gemv.DEFINES_ENV, os.environ.get(gemv.DEFINES_ENV, "")).split()
-             if f != T.DEFINE]
-    return {**mode, gemv.DEFINES_ENV: " ".join([*flags, T.DEFINE] if on else flags)}
+def timeline_build(on: bool) -> None:
+    """gemv.cu's timeline build (on) or its default build, loaded at the next capture."""
+    gemv.use_timeline_build(on)
+    gemv.reset()
 
 
-def run_mode(llm: LLM, mode: dict[str, str], switches: Switches, args: argparse.Namespace, seed: int) -> dict:
+def run_mode(llm: LLM, mode: dict[str, object], switches: Switches, args: argparse.Namespace,
+             seed: int) -> dict:
     dev = llm.engine.runner.device
     out: dict = {}
     if args.baseline:  # the default build's replay, same mode
-        switches.enter(llm, with_timeline(mode, False))
+        timeline_build(False)
+        switches.enter(llm, mode)
         decode_run(llm, 1, args.prompt_len, args.gen, seed)
         out["replay_ms_default_build"] = graph_replay_ms(llm, 1)
-    switches.enter(llm, with_timeline(mode, True))
+    timeline_build(True)
+    switches.enter(llm, mode)
     r = decode_run(llm, 1, args.prompt_len, args.gen, seed)
     out.update(decode_tok_s=r["decode_tok_s"], tokens_sha1=r["tokens_sha1"], errors=r["errors"])
     out["replay_ms_records_off"] = graph_replay_ms(llm, 1)
@@ -130,7 +133,7 @@ def plot_step(first_step: list[dict], png: Path, lo: int = 8, n: int = 8) -> Non
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(FULL_CONFIG))
-    ap.add_argument("--modes", nargs="+", default=["default"], help='"default" or VAR=VALUE[,VAR=VALUE]')
+    ap.add_argument("--modes", nargs="+", default=["default"], help='"default" or NAME=VALUE[,NAME=VALUE]')
     ap.add_argument("--steps", type=int, default=8, help="graph replays recorded a mode")
     ap.add_argument("--slots", type=int, default=256, help="launches the records hold (>= a step's)")
     ap.add_argument("--prompt-len", type=int, default=1024)
@@ -153,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
         return saved
     modes = list(dict.fromkeys(args.modes))
     parsed = [parse_mode(m) for m in modes]
-    switches = Switches([with_timeline(p, True) for p in parsed])
-    os.environ[gemv.DEFINES_ENV] = with_timeline({}, True)[gemv.DEFINES_ENV]  # the first load: timeline build
+    switches = Switches()
+    gemv.use_timeline_build(True)  # the first load: the timeline build
     t0 = time.perf_counter()
     llm = LLM(model=f"dummy:{args.config}", device="cuda", dtype="bfloat16", quantization="fp8",
               max_model_len=args.prompt_len + args.gen + 64, max_num_seqs=1, max_num_batched_tokens=8192)

@@ -240,8 +240,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     quantization: str | None = None
     # quantization "fp8": the untied lm_head in FP8 too (half its bytes per decode step; beyond the
-    # published FP8 checkpoint, which keeps it BF16: KB-0067, oracle PASS). METAINFER_FP8_LM_HEAD=1 does
-    # the same where this is False
+    # published FP8 checkpoint, which keeps it BF16)
     fp8_lm_head: bool = False
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0

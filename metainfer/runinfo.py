@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from metainfer.settings import settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,8 +25,8 @@ def run(cmd: list[str], cwd: Path | None = None) -> str | None:
 def git(*args: str) -> str | None:
     """`git ARGS` in this checkout. $GIT_COMMIT, when set, is the answer to rev-parse HEAD: a copy
     of the tree run elsewhere (the GPU machine) may carry no .git, or a stale one."""
-    if args == ("rev-parse", "HEAD") and os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
+    if args == ("rev-parse", "HEAD") and settings().git_commit:
+        return settings().git_commit
     return run(["git", *args], cwd=REPO_ROOT)
 
 

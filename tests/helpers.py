@@ -72,19 +72,3 @@ def token_prompts(lengths, seed: int = 0, vocab: int = 512) -> list[list[int]]:
     """Random token-id prompts of the given lengths (seeded)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def assert_fp8_grouped_switch_exact(monkeypatch, env: str, problem) -> None:
-    """The grouped MoE path on FP8 experts (e4m3 activations) gives the same result bit for bit with
-    the switch `env` off ("0") and on ("1"). problem: (x, w_gate_up, w_down, weights, ids), BF16 weights."""
-    from metainfer.kernels import moe, moe_grouped
-    from metainfer.model.fp8 import quantize_fp8_block
-
-    x, w_gu, w_dn, tw, ids = problem
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
-    (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
-    args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
-    monkeypatch.setenv(env, "0")
-    want = moe.moe_experts(*args, path="grouped")
-    monkeypatch.setenv(env, "1")
-    assert torch.equal(moe.moe_experts(*args, path="grouped"), want)

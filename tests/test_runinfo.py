@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from metainfer import runinfo
+from metainfer import runinfo, settings
 
 
-def test_git_commit_override(monkeypatch):
-    monkeypatch.setenv("GIT_COMMIT", "0123abc")
-    assert runinfo.git("rev-parse", "HEAD") == "0123abc"  # a copy with a stale .git reports the given build
-    monkeypatch.delenv("GIT_COMMIT")
-    head = runinfo.git("rev-parse", "HEAD")
+def test_git_commit_override():
+    with settings.override(git_commit="0123abc"):  # GIT_COMMIT: a copy with a stale .git reports it
+        assert runinfo.git("rev-parse", "HEAD") == "0123abc"
+    with settings.override(git_commit=None):
+        head = runinfo.git("rev-parse", "HEAD")
     assert head is None or len(head) == 40  # this checkout's HEAD, or None without git
 
 

@@ -1,5 +1,5 @@
-"""experiments/gemv_timeline.py's host side on the CPU: the timeline build's flag added to (or taken out of)
-each mode's gemv.cu flags, and the launches' names (the run itself needs the H200)."""
+"""experiments/gemv_timeline.py's host side on the CPU: the timeline build switched on and off around each
+mode, and the launches' names (the run itself needs the H200)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import gemv_timeline as bench  # noqa: E402
 
 
-def test_with_timeline_adds_the_flag_once(monkeypatch):
-    monkeypatch.setenv(gemv.DEFINES_ENV, "-DGEMV_EARLY=1")
-    on = bench.with_timeline({"A": "1"}, True)
-    assert on == {"A": "1", gemv.DEFINES_ENV: f"-DGEMV_EARLY=1 {T.DEFINE}"}
-    assert bench.with_timeline(on, True) == on  # not twice
-    assert bench.with_timeline(on, False) == {"A": "1", gemv.DEFINES_ENV: "-DGEMV_EARLY=1"}
-    mode = {gemv.DEFINES_ENV: "-DGEMV_PRE_EARLY=1"}  # a mode's own flags replace the process's
-    assert bench.with_timeline(mode, True)[gemv.DEFINES_ENV] == f"-DGEMV_PRE_EARLY=1 {T.DEFINE}"
+def test_timeline_build_switches_the_next_load(monkeypatch):
+    resets = []
+    monkeypatch.setattr(gemv, "reset", lambda: resets.append(gemv._TIMELINE))
+    bench.timeline_build(True)
+    bench.timeline_build(False)
+    assert resets == [True, False] and not gemv._TIMELINE
 
 
 def _launch(kind: str, n_rows: int) -> T.Launch:
@@ -67,15 +65,16 @@ def test_run_mode_records_each_replay(monkeypatch):
     llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(
         device=torch.device("cpu"), decode=SimpleNamespace(graphs={1: graph}))))
     entered = []
-    switches = SimpleNamespace(enter=lambda _llm, mode: entered.append(mode))
+    switches = SimpleNamespace(enter=lambda _llm, mode: entered.append((mode, gemv._TIMELINE)))
     monkeypatch.setattr(bench, "decode_run", lambda *a: {"decode_tok_s": 600.0, "tokens_sha1": "abc",
                                                          "errors": []})
     monkeypatch.setattr(bench, "graph_replay_ms", lambda *a: 1.66)
     monkeypatch.setattr(T, "Recorder", FakeRecorder)
-    monkeypatch.setenv(gemv.DEFINES_ENV, "")
+    monkeypatch.setattr(gemv, "reset", lambda: None)
+    monkeypatch.setattr(gemv, "_TIMELINE", False)
     args = SimpleNamespace(baseline=True, prompt_len=1024, gen=8, slots=256, steps=3)
-    out = bench.run_mode(llm, {"X": "1"}, switches, args, seed=1)
-    assert entered == [{"X": "1", gemv.DEFINES_ENV: ""}, {"X": "1", gemv.DEFINES_ENV: T.DEFINE}]
+    out = bench.run_mode(llm, {"pdl": False}, switches, args, seed=1)
+    assert entered == [({"pdl": False}, False), ({"pdl": False}, True)]
     assert len(replays) == 3 and out["launches_a_step"] == [8, 8, 8]
     assert out["replay_ms_default_build"] == out["replay_ms_records_on"] == 1.66
     names = {r["name"] for r in out["summary"]}

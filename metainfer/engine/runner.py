@@ -145,9 +145,9 @@ class ModelRunner:
         self.warmup_s = self._start_warmup() if self.device.type == "cuda" and ecfg.warmup else 0.0
 
     def recapture_decode(self) -> None:
-        """The decode graphs captured again (`DecodeGraphs.recapture`): the decode kernels' switches, read
-        at capture, take their current values. The prefill and MTP graphs stay as they are. With no request
-        running only."""
+        """The decode graphs captured again (`DecodeGraphs.recapture`): settings the decode kernels read at
+        capture (`metainfer.settings`, e.g. inside `settings.override`) take their current values. The
+        prefill and MTP graphs stay as they are. With no request running only."""
         self._hidden = None
         if self.decode is not None:
             self.decode.recapture()

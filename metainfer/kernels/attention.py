@@ -10,12 +10,11 @@ Prefill rows: varlen flash attention over the paged cache. A program takes BLOCK
 one sequence times the G heads of one KV head (BLOCK_M * G rows); query i of a sequence sits at
 position seq_len - q_len + i and sees keys 0..that position. Online softmax, fp32 accumulators.
 Short chunks over long contexts (a speculative verify: one query block per KV head) can split the
-keys too (KB-0041; METAINFER_ATTN_PREFILL_SPLIT=0 turns it off), merged by the decode reduce kernel.
+keys too, merged by the decode reduce kernel.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ import triton.language as tl
 
 from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import pdl
-from metainfer.kernels.qk_norm_rope import check_inputs, norm_rope
+from metainfer.kernels.common import interpreting
 
 _LOG2E = 1.4426950408889634
 
@@ -37,7 +36,7 @@ class DecodeConfig:
     target_programs: int = 264  # about 2 programs per SM on the 132-SM H200
     min_split_tokens: int = 64  # no split shorter than this (at the block-table capacity)
     max_splits: int = 128
-    reduce_chunk: int = 32  # splits merged per step of the reduce kernel (KB-0101)
+    reduce_chunk: int = 32  # splits merged per step of the reduce kernel
 
 
 @dataclass
@@ -49,23 +48,6 @@ class PrefillConfig:
 
 
 DECODE = DecodeConfig()
-DECODE_ENV = "METAINFER_ATTN_DECODE"  # "block_n=32,min_split_tokens=32": DecodeConfig fields for A/Bs
-REDUCE_ACTIVE_ENV = "METAINFER_ATTN_REDUCE_ACTIVE"  # "0": the decode reduce reads every split (default: those
-# with keys only, KB-0101)
-_DECODE_CFGS: dict[str, DecodeConfig] = {}  # decode_config's, by METAINFER_ATTN_DECODE's text
-
-
-def decode_config() -> DecodeConfig:
-    """DECODE, with the fields METAINFER_ATTN_DECODE names ("field=int,..."; unknown fields raise)."""
-    spec = os.environ.get(DECODE_ENV, "")
-    if not spec:
-        return DECODE
-    if spec not in _DECODE_CFGS:
-        fields = dict(kv.split("=") for kv in spec.split(","))
-        _DECODE_CFGS[spec] = DecodeConfig(**{k.strip(): int(v) for k, v in fields.items()})
-    return _DECODE_CFGS[spec]
-
-
 PREFILL = PrefillConfig()
 
 
@@ -150,16 +132,8 @@ def _decode_split_kernel(
     sq_t, sq_h, so_t, so_h, sg_t, sg_h, sk_blk, sk_tok, sk_h, sbt, scale_log2, num_splits,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0,
-    wq_ptr=None, wk_ptr=None, pos_ptr=None, inv_freq_ptr=None, slot_ptr=None, kn_ptr=None, vn_ptr=None,
-    skn_t=0, skn_h=0, svn_t=0, svn_h=0, eps=0.0, PROLOGUE: tl.constexpr = 0, RD: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
-    """PROLOGUE (`decode_attention_prologue`): q_ptr holds the raw query rows (q_proj's output);
-    the program normalises and rotates its G heads' rows itself, and the program whose split holds
-    the last position writes this step's key (normed, rotated) and value rows of its KV head into the
-    cache (kn_ptr / vn_ptr, the raw rows; slot_ptr's slot) before its loop reads them: the
-    `qk_norm_rope` launch folded in, the same values."""
     # q: [B, HQ, D] rows of the decodes; caches: [N, BLOCK_SIZE, Hkv, D]; bt: [B, max_blocks]
     # SPLIT: part_o [B, HQ, num_splits, D] fp32, part_lse [B, HQ, num_splits] fp32 (log2 units);
     # else (num_splits == 1) the result goes straight to out [B, HQ, D]
@@ -175,21 +149,7 @@ def _decode_split_kernel(
     gmask = g < G
     heads = hkv * G + g
     qrows = q_ptr + b * sq_t + heads[:, None] * sq_h
-    if PROLOGUE:
-        pos = tl.load(pos_ptr + b).to(tl.float32)
-        q = norm_rope(qrows, d[None, :], gmask[:, None] & dmask[None, :], wq_ptr, pos, inv_freq_ptr, eps,
-                       D, RD, 1).to(q_ptr.dtype.element_ty)
-        if (start <= seq_len - 1) & (seq_len - 1 < end):  # this step's key and value: into the cache
-            kn = norm_rope(kn_ptr + b * skn_t + hkv * skn_h, d, dmask, wk_ptr, pos, inv_freq_ptr, eps, D,
-                            RD, 0)
-            slot = tl.load(slot_ptr + b)
-            dst = (slot // BLOCK_SIZE) * sk_blk + (slot % BLOCK_SIZE) * sk_tok + hkv * sk_h + d
-            tl.store(k_ptr + dst, kn.to(k_ptr.dtype.element_ty), mask=dmask)
-            vn = tl.load(vn_ptr + b * svn_t + hkv * svn_h + d, mask=dmask, other=0.0)
-            tl.store(v_ptr + dst, vn.to(v_ptr.dtype.element_ty), mask=dmask)
-        tl.debug_barrier()  # the rows stored are visible to every thread of the program below
-    else:
-        q = tl.load(qrows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
+    q = tl.load(qrows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
@@ -212,7 +172,7 @@ def _decode_reduce_kernel(
     USE_PDL: tl.constexpr = 0,
 ):
     """Merges each (row, head)'s num_splits partial outputs by their log-sum-exps, gated into out.
-    ACTIVE_N (decode, unless METAINFER_ATTN_REDUCE_ACTIVE=0; the split kernel's BLOCK_N): only the
+    ACTIVE_N (decode: the split kernel's BLOCK_N; 0 for prefill splits): only the
     splits that held keys are read, as many as `_split_range` gives the row's length (seq_lens_ptr; the
     split count follows the block-table capacity, so at 1k tokens of an 8k-capacity table 17 of 128),
     and each chunk's log-sum-exps and partial outputs load together, merged by a running max: one
@@ -329,10 +289,6 @@ def _prefill_kernel(
                   gate_ptr, sg_t, sg_h, part_o_ptr, part_lse_ptr, HQ, D, SPLIT, GATE)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def decode_num_splits(num_decodes: int, num_kv_heads: int, capacity: int, cfg: DecodeConfig) -> int:
     """Splits per sequence from host ints only: enough programs to fill the GPU, none shorter than
     cfg.min_split_tokens at the block-table capacity (max_blocks * block_size)."""
@@ -363,8 +319,7 @@ def _gate_args(gate: torch.Tensor | None, out: torch.Tensor) -> tuple:
 
 
 def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: DecodeConfig,
-            num_splits: int | None = None, gate: torch.Tensor | None = None,
-            prologue: dict | None = None) -> None:
+            num_splits: int | None = None, gate: torch.Tensor | None = None) -> None:
     nd = meta.num_decodes
     _, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -384,60 +339,27 @@ def _decode(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Deco
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), scale * _LOG2E, ns,
         HQ=Hq, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
         BLOCK_SIZE=bs, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(prologue or {}), **pdl.kw(),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), GATE=has_gate,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
     )
     if ns > 1:
-        active = os.environ.get(REDUCE_ACTIVE_ENV, "1") != "0"
         _decode_reduce_kernel[(nd, Hq)](
             part_o, part_lse, out, g_ptr, out.stride(0), out.stride(1), sg_t, sg_h, ns,
             HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=cfg.reduce_chunk, GATE=has_gate, seq_lens_ptr=meta.seq_lens,
-            ACTIVE_N=cfg.block_n if active else 0, num_warps=4, **pdl.kw(),
+            ACTIVE_N=cfg.block_n, num_warps=4, **pdl.kw(),
         )
 
 
-PROLOGUE_ENV = "METAINFER_ATTN_PROLOGUE"  # "1": decode steps fold qk_norm_rope into the split kernel
-
-
-def prologue_enabled(meta: ForwardMeta) -> bool:
-    """Whether a step takes `decode_attention_prologue`: METAINFER_ATTN_PROLOGUE=1 and decodes only."""
-    return os.environ.get(PROLOGUE_ENV, "0") == "1" and meta.num_seqs == meta.num_decodes > 0
-
-
-def decode_attention_prologue(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache,
-                              slot_mapping, meta: ForwardMeta, scale: float, gate: torch.Tensor | None = None,
-                              *, cfg: DecodeConfig = DECODE, num_splits: int | None = None) -> torch.Tensor:
-    """`qk_norm_rope.qk_norm_rope_write` then `paged_attention` of a decode-only step (meta: one token
-    per sequence), without the first launch: the split kernel normalises and rotates q itself, and
-    one program per (sequence, KV head) writes the step's key and value rows into the cache before
-    reading it. The arguments as those two take them (q: the raw query rows, a strided view of
-    q_proj's output; k, v the raw rows); num_splits: forced split counts (tests). -> [T, Hq, D]."""
-    _check(q, k_cache, v_cache, meta, gate)
-    check_inputs(q, k, v, positions, inv_freq, slot_mapping)
-    T = q.shape[0]
-    assert meta.num_seqs == meta.num_decodes == T and k.shape[1] == k_cache.shape[2], "decodes only"
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if T == 0:
-        return out
-    prologue = dict(wq_ptr=q_weight, wk_ptr=k_weight, pos_ptr=positions, inv_freq_ptr=inv_freq,
-                    slot_ptr=slot_mapping, kn_ptr=k, vn_ptr=v, skn_t=k.stride(0), skn_h=k.stride(1),
-                    svn_t=v.stride(0), svn_h=v.stride(1), eps=eps, PROLOGUE=1, RD=2 * inv_freq.numel())
-    _decode(q, k_cache, v_cache, meta, scale, out, cfg, num_splits, gate=gate, prologue=prologue)
-    return out
-
-
-PREFILL_SPLIT_ENV = "METAINFER_ATTN_PREFILL_SPLIT"  # "0": no split-KV for short prefill chunks (KB-0041)
 PREFILL_SPLIT_MAX_Q = 16  # the longest chunk that splits (a speculative verify's 1 + K tokens)
 
 
 def prefill_num_splits(max_q: int, num_kv_heads: int, capacity: int, dcfg: DecodeConfig = DECODE) -> int:
-    """KV splits per query block of a prefill step, from host ints only (graph-capturable): 1 with
-    METAINFER_ATTN_PREFILL_SPLIT=0 or a chunk longer than PREFILL_SPLIT_MAX_Q tokens; else as
-    many as one sequence's decode would take (enough programs to fill the GPU, none shorter than
-    dcfg.min_split_tokens at the block-table capacity) however many sequences the step holds: a
-    sequence's verify rounds alike batched or alone (KB-0041: a 5-token verify step over a 1k
-    context 5.82 -> 4.94 ms at 72a3cd6, 5.71 -> 5.36 at cd55118)."""
-    if os.environ.get(PREFILL_SPLIT_ENV, "1") == "0" or max_q > PREFILL_SPLIT_MAX_Q:
+    """KV splits per query block of a prefill step, from host ints only (graph-capturable): 1 for a
+    chunk longer than PREFILL_SPLIT_MAX_Q tokens; else as many as one sequence's decode would take
+    (enough programs to fill the GPU, none shorter than dcfg.min_split_tokens at the block-table
+    capacity) however many sequences the step holds: a sequence's verify rounds alike batched or
+    alone."""
+    if max_q > PREFILL_SPLIT_MAX_Q:
         return 1
     return decode_num_splits(1, num_kv_heads, capacity, dcfg)
 
@@ -467,7 +389,7 @@ def _prefill(q, k_cache, v_cache, meta: ForwardMeta, scale: float, out, cfg: Pre
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), scale * _LOG2E,
         part_o, part_lse, ns, HQ=Hq, G=G, G_P2=g_p2, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, SPLIT=ns > 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_interpreting(), GATE=has_gate,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), GATE=has_gate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kw(),
     )
     if ns > 1:  # merge each prefill token row's splits (the step's rows s0.. : views from there)
@@ -494,7 +416,7 @@ def paged_attention(
     if q.shape[0] == 0:
         return out
     if meta.num_decodes:
-        _decode(q, k_cache, v_cache, meta, scale, out, decode_config(), gate=gate)
+        _decode(q, k_cache, v_cache, meta, scale, out, DECODE, gate=gate)
     if meta.num_seqs > meta.num_decodes:
         _prefill(q, k_cache, v_cache, meta, scale, out, PREFILL, gate=gate)
     return out

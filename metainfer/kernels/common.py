@@ -3,11 +3,13 @@ interpreter switch, the SM count and the measured-config tables."""
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from metainfer.settings import settings
 
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _NUM_SMS: dict[torch.device, int] = {}
@@ -15,7 +17,7 @@ _NUM_SMS: dict[torch.device, int] = {}
 
 def interpreting() -> bool:
     """Kernels run on the Triton interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return settings().triton_interpret
 
 
 def upcast_dots(x: torch.Tensor) -> bool:
@@ -33,33 +35,22 @@ def num_sms(device: torch.device) -> int:
     return _NUM_SMS[device]
 
 
-def env_int(name: str, default: int, lo: int = 0, hi: int | None = None) -> int:
-    """An integer switch: $name if set (an integer in lo..hi, else ValueError), else default."""
-    v = os.environ.get(name, "")
-    if not v:
-        return default
-    if not v.isdigit() or not lo <= int(v) <= (hi if hi is not None else int(v)):
-        span = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be an integer {span}; got {v!r}")
-    return int(v)
+_TUNED: dict[tuple[str, Path | None], dict[str, dict]] = {}
 
 
-_TUNED: dict[str, dict[str, dict]] = {}
-
-
-def load_tuned(committed: str, env: str) -> dict[str, dict]:
+def load_tuned(committed: str, override: Path | None) -> dict[str, dict]:
     """Measured kernel configs: the committed H200 table `committed` (next to this file), each key
-    overridden by the JSON file named in $env (same format: {"configs": {key: config}}). Cached."""
-    if committed not in _TUNED:
+    overridden by the JSON file `override` (same format: {"configs": {key: config}}). Cached."""
+    key = (committed, override)
+    if key not in _TUNED:
         import json
-        from pathlib import Path
 
         table: dict[str, dict] = {}
-        for f in (Path(__file__).with_name(committed), Path(os.environ.get(env, "") or "/nonexistent")):
-            if f.is_file():
+        for f in (Path(__file__).with_name(committed), override):
+            if f is not None and f.is_file():
                 table.update(json.loads(f.read_text()).get("configs", {}))
-        _TUNED[committed] = table
-    return _TUNED[committed]
+        _TUNED[key] = table
+    return _TUNED[key]
 
 
 @triton.jit

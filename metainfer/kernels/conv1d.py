@@ -4,8 +4,6 @@ inputs), which it updates in place."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -83,7 +81,6 @@ def causal_conv1d_update(
 
 
 # ---- prefill: whole sequences, varlen ------------------------------------------------------------
-PREFILL_ENV = "METAINFER_CONV_PREFILL"  # "0": the torch reference path instead of the Triton prefill conv
 PREFILL_BLOCK_T = 32
 PREFILL_BLOCK_C = 128
 
@@ -154,11 +151,11 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """`reference.causal_conv1d` (silu of each sequence's causal depthwise conv, continuing from its
     state; states <- the last K-1 inputs) in one launch from the device offsets, where
-    they are given (unless METAINFER_CONV_PREFILL=0); else the reference. -> [T, C] in x's dtype."""
+    they are given; else the reference. -> [T, C] in x's dtype."""
     from metainfer.kernels import reference as ref
 
     B = len(slots)
-    if os.environ.get(PREFILL_ENV, "1") == "0" or cu is None or B == 0:
+    if cu is None or B == 0:
         return ref.causal_conv1d(x, conv_state, weight, query_start_loc, slots, has_state)
     T, C = x.shape
     K = weight.shape[1]

@@ -2,13 +2,11 @@
 
 - `decode_inputs`: the packed per-row inputs made the model's in one launch: a row whose token is
   still pending (sampled by the previous, unfinished step) takes it from the token buffer on the
-  device, and the lengths become int32. Before, these were five launches and a pageable copy
-  between the host and the graph (runner._patch_pending, two casts).
+  device, and the lengths become int32.
 - `argmax_rows`: the greedy token of each logits row (lowest index on ties, NaN above everything:
   torch.argmax's rule), in two launches: each program the max of a 2,048-column chunk, then one
   program a row over the chunks. It reads the lm_head's bf16 output, so a greedy step needs no
-  fp32 copy of the logits (torch.argmax over the fp32 copy was a 1-program-per-row reduction of
-  8 us at the 248,320-wide vocabulary, after the graph).
+  fp32 copy of the logits.
 
 References: `reference.decode_inputs`, `reference.argmax_rows` (tests/kernels/test_decode_io.py).
 """

@@ -1,20 +1,18 @@
 """FP8 block-scaled linear: y = x W^T, W [N, K] e4m3 with fp32 scale_inv [ceil(N/128), ceil(K/128)].
 
 The token count T picks the kernel:
-- T <= 16 (decode; `weight_stream.fp8_stream_max_t`, METAINFER_FP8_STREAM_MAX_T up to 64): the
+- T <= 16 (decode; `weight_stream.FP8_STREAM_MAX_T`): the
   weight-streaming kernels read every weight tile once, dequantised in registers (W8A16);
 - larger T (wider decode batches, prefill): activations are quantised per token and 128-column group
   (`_act_quant_kernel`, the published checkpoint's dynamic activation scheme), then `_w8a8_kernel`
   runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
   block. On sm_90 with torch >= 2.9 (the H200) this case runs torch._scaled_mm's blockwise (1x128,
-  128x128) cuBLASLt recipe instead (KB-0031: 1k-prefill FP8 kernels 36.1 -> 31.8 ms, TTFT 29.9 ->
-  28.0 ms); METAINFER_FP8_GEMM=triton | cublas forces one.
+  128x128) cuBLASLt recipe instead (faster there).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -23,7 +21,7 @@ import triton.language as tl
 from metainfer.kernels import pdl
 from metainfer.kernels.common import interpreting, mma
 from metainfer.kernels.cuda import gemv
-from metainfer.kernels.weight_stream import fp8_stream_max_t, stream_linear
+from metainfer.kernels.weight_stream import FP8_STREAM_MAX_T, stream_linear
 
 FP8_MAX = 448.0
 BLOCK = 128  # the checkpoint's weight_block_size
@@ -134,9 +132,6 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-FP8_GEMM_ENV = "METAINFER_FP8_GEMM"  # auto (default) | triton | cublas: the prefill W8A8 GEMM (KB-0031)
-
-
 @functools.cache
 def _cublas_blockwise() -> bool:
     """cuBLASLt's blockwise-scaled FP8 GEMM is there: torch >= 2.9 on compute capability 9.0."""
@@ -145,19 +140,14 @@ def _cublas_blockwise() -> bool:
 
 
 def _use_cublas() -> bool:
-    choice = os.environ.get(FP8_GEMM_ENV, "auto")
-    if choice not in ("auto", "triton", "cublas"):
-        raise ValueError(f"{FP8_GEMM_ENV} must be auto, triton or cublas; got {choice!r}")
-    return choice == "cublas" or (choice == "auto" and _cublas_blockwise())
+    """The W8A8 GEMM of a CUDA step on cuBLAS (else `_w8a8_kernel`)."""
+    return _cublas_blockwise()
 
 
 def gemm_config(M: int, N: int) -> dict:
     if M <= 128:
         return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
-
-
-NORM_QUANT_ENV = "METAINFER_NORM_QUANT"  # "0": the FP8 GEMMs quantise their input themselves (KB-0052)
 
 
 def act_rows(T: int) -> int:
@@ -179,11 +169,9 @@ def act_buffers(T: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def norm_quant_wanted(T: int, device) -> bool:
-    """Whether a norm should write its output's e4m3 copy for an FP8 consumer of T tokens (KB-0052, on
-    unless METAINFER_NORM_QUANT=0): on CUDA with cuBLAS's blockwise GEMM (the path that takes it), T
-    past the weight-streaming bound."""
-    return (os.environ.get(NORM_QUANT_ENV, "1") != "0" and torch.device(device).type == "cuda"
-            and T > fp8_stream_max_t() and _use_cublas())
+    """Whether a norm should write its output's e4m3 copy for an FP8 consumer of T tokens: on CUDA
+    with cuBLAS's blockwise GEMM (the path that takes it), T past the weight-streaming bound."""
+    return torch.device(device).type == "cuda" and T > FP8_STREAM_MAX_T and _use_cublas()
 
 
 def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None,
@@ -227,10 +215,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T = x2.shape[0]
-    if T > fp8_stream_max_t():
+    if T > FP8_STREAM_MAX_T:
         return _w8a8(x2, weight, scale_inv, xq=xq).reshape(*lead, N)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
-    if T == 1 and gemv.wanted(x2, weight, scale_inv):  # one token on the FP8 wgmma kernel (KB-0094)
+    if T == 1 and gemv.wanted(x2, weight, scale_inv):  # one token on the FP8 wgmma kernel
         gemv.project(x2, weight, scale_inv, y)
         return y.reshape(*lead, N)
     if T:

@@ -7,14 +7,11 @@ whole Dk column in registers, and reads and writes each state element exactly on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
-from metainfer.kernels.common import env_int
 
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent states' storage (the math is fp32)
@@ -22,22 +19,6 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent states' storage 
 # value columns per program and warps; tuned on H200 by benchmarks/kernels_a.py
 BLOCK_V = 32
 NUM_WARPS = 4
-ONEPASS_ENV = "METAINFER_GDN_ONEPASS"  # "1": the decode step's loads first, its reductions independent
-PRELOAD_ENV = "METAINFER_GDN_PRELOAD"  # "0": the state read after the PDL wait (default: before, KB-0100)
-BLOCK_V_ENV, WARPS_ENV = "METAINFER_GDN_BLOCK_V", "METAINFER_GDN_WARPS"  # the decode launch's config (A/Bs)
-
-
-def decode_launch() -> tuple[int, int]:
-    """(BLOCK_V, num_warps) of the decode kernel: the defaults, or METAINFER_GDN_BLOCK_V / _WARPS."""
-    bv, w = env_int(BLOCK_V_ENV, BLOCK_V, 1, 128), env_int(WARPS_ENV, NUM_WARPS, 1, 16)
-    if bv & (bv - 1) or w & (w - 1):
-        raise ValueError(f"{BLOCK_V_ENV} / {WARPS_ENV}: powers of two; got {bv}, {w}")
-    return bv, w
-
-
-def onepass() -> int:
-    """METAINFER_GDN_ONEPASS: 1 takes the decode kernel's and the short-chunk loop's one-pass step."""
-    return int(os.environ.get(ONEPASS_ENV, "0") == "1")
 
 
 @triton.jit
@@ -88,37 +69,12 @@ def _delta_update(S, q, k, v, decay, beta):
 
 
 @triton.jit
-def _delta_onepass(S, q, k, v, decay, beta, scale):
-    """`_delta_update` of the raw (not yet normalised) q, k: every reduction reads the old state, so
-    none waits on another (ONEPASS). With rq, rk the inverse norms: S^T k^ = rk S^T k, S^T q^ =
-    rq scale S^T q, k^.q^ = rk rq scale k.q; delta = (v - decay S^T k^) beta; out = decay S^T q^ +
-    delta (k^.q^) (= S'^T q^ with S' = decay S + k^ delta^T); the same values up to fp32 rounding."""
-    rq = tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    rk = tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    qk = tl.sum(q * k, axis=0)
-    sk = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
-    sq = tl.sum(S * q[:, None], axis=0)
-    delta = (v - decay * rk * sk) * beta
-    o = decay * rq * sq + delta * (rk * rq * qk)
-    return S * decay + (k * rk)[:, None] * delta[None, :], o
-
-
-@triton.jit
 def _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, row, h, hk, kk, kmask, vv, vmask,
-                 sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED: tl.constexpr,
-                 ONEPASS: tl.constexpr = 0):
+                 sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED: tl.constexpr):
     """One token (`row` of q, k, v, g, beta) through the gated delta rule on the state block S
-    [BLOCK_K, BLOCK_V]: -> (S', its output columns [BLOCK_V] fp32); the gates as `_gates`. ONEPASS
-    (METAINFER_GDN_ONEPASS=1): every operand loaded before any reduction and the reductions
-    independent (`_delta_onepass`): one round trip to memory and one round of reductions."""
+    [BLOCK_K, BLOCK_V]: -> (S', its output columns [BLOCK_V] fp32); the gates as `_gates`."""
     q = tl.load(q_ptr + row * sq0 + hk * sq1 + kk, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * sk0 + hk * sk1 + kk, mask=kmask, other=0.0).to(tl.float32)
-    if ONEPASS:
-        v = tl.load(v_ptr + row * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
-        a = tl.load(g_ptr + row * sg0 + h).to(tl.float32)
-        b = tl.load(beta_ptr + row * sb0 + h).to(tl.float32)
-        decay, beta = _gates(a, b, alog_ptr, dtb_ptr, beta_ptr, h, GATED)
-        return _delta_onepass(S, q, k, v, decay, beta, scale)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     v = tl.load(v_ptr + row * sv0 + h * sv1 + vv, mask=vmask, other=0.0).to(tl.float32)
@@ -133,24 +89,19 @@ def _gdn_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr,
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr = 0,
-    ONEPASS: tl.constexpr = 0, EARLY: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     """q, k: [B, Hk, DK]; v: [B, HV, DV]; g, beta: [B, HV]; state [S, HV, DK, DV] fp32; out [B, HV, DV].
-    GATED: see `_delta_token`. PRELOAD: the state block is read before the PDL wait (the kernel
-    before this one, the projection, writes neither the states nor the slot inputs, which the
-    step's first copies wrote)."""
-    pdl.release(USE_PDL, EARLY)  # (pdl.EARLY_KERNELS)
+    GATED: see `_delta_token`. The state block is read before the PDL wait: the kernel before this
+    one (the projection) writes neither the states nor the slot inputs, which the step's first
+    copies wrote."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kk, kmask, vv, vmask = _lanes(DK, DV, BLOCK_K, BLOCK_V)
-    if PRELOAD:
-        S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
+    S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
     pdl.wait(USE_PDL)
-    if not PRELOAD:
-        S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, b, h, kk, vv, vmask, HV, DK, DV)
     S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, b, h, h // REP, kk, kmask,
-                        vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED, ONEPASS)
+                        vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :],
              eviction_policy="evict_first")
     tl.store(out_ptr + (b * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
@@ -183,8 +134,7 @@ def _launch(q, k, v, g, beta, ssm_state, slots, has_state, block_v: int, num_war
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        PRELOAD=int(os.environ.get(PRELOAD_ENV, "1") != "0"),
-        ONEPASS=onepass(), EARLY=pdl.early("_gdn_decode_kernel"), num_warps=num_warps, **pdl.kw(),
+        num_warps=num_warps, **pdl.kw(),
     )
     return out
 
@@ -200,7 +150,7 @@ def gdn_decode(
     has_state: torch.Tensor,  # [B] bool; False: the step starts from a zero state
 ) -> torch.Tensor:
     """S = S * exp(g); S += k (x) beta (v - S^T k); out = S^T q, with l2-normalised q, k. -> [B, Hv, Dv]."""
-    return _launch(q, k, v, g, beta, ssm_state, slots, has_state, *decode_launch())
+    return _launch(q, k, v, g, beta, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS)
 
 
 def gdn_decode_gated(
@@ -216,16 +166,11 @@ def gdn_decode_gated(
     has_state: torch.Tensor,  # [B] bool
 ) -> torch.Tensor:
     """`gdn_decode` with the gating folded in: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
-    return _launch(q, k, v, a, b, ssm_state, slots, has_state, *decode_launch(), A_log, dt_bias)
+    return _launch(q, k, v, a, b, ssm_state, slots, has_state, BLOCK_V, NUM_WARPS, A_log, dt_bias)
 
 
 # ---- short chunks: the decode update looped over each sequence's tokens -------------------------
-RECURRENT_MAX_T_ENV = "METAINFER_GDN_RECURRENT_MAX_T"  # chunks up to this long: the recurrent kernel
-RECURRENT_MAX_T = 16  # KB-0040: a speculative verify's chunk of 1 + K tokens (0: the chunked kernels)
-
-
-def recurrent_max_t() -> int:
-    return env_int(RECURRENT_MAX_T_ENV, RECURRENT_MAX_T)
+RECURRENT_MAX_T = 16  # chunks up to this long (a speculative verify's 1 + K tokens): the recurrent kernel
 
 
 @triton.jit
@@ -233,14 +178,12 @@ def _gdn_recurrent_varlen_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_ptr, out_ptr, alog_ptr, dtb_ptr, cu_ptr,
     sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, so0, so1, scale,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, ONEPASS: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     """Sequence n's tokens cu[n]:cu[n+1] through `_gdn_decode_kernel`'s update one after another,
     the [DK, BLOCK_V] state block held in registers between them: read and written once per chunk
-    (the chunked prefill's two kernels cost ~75 us per layer on a 5-token chunk). Same operands as
-    the decode kernel with a token axis; out [T, HV, DV] at rows cu[0]:cu[N]. (Loading every token's
-    inputs before the loop, KB-0053, made it 1.8x slower on the H200.)"""
+    (the chunked prefill's two kernels cost far more on a few tokens). Same operands as the decode
+    kernel with a token axis; out [T, HV, DV] at rows cu[0]:cu[N]."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kk, kmask, vv, vmask = _lanes(DK, DV, BLOCK_K, BLOCK_V)
@@ -250,8 +193,7 @@ def _gdn_recurrent_varlen_kernel(
     S, s_ptrs = _load_state(state_ptr, slots_ptr, has_ptr, n, h, kk, vv, vmask, HV, DK, DV)
     for t in range(start, end):
         S, o = _delta_token(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, t, h, h // REP,
-                            kk, kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED,
-                            ONEPASS)
+                            kk, kmask, vv, vmask, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, GATED)
         tl.store(out_ptr + t * so0 + h * so1 + vv, o.to(out_ptr.dtype.element_ty), mask=vmask)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :],
              eviction_policy="evict_first")
@@ -275,6 +217,6 @@ def gdn_recurrent_varlen(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), out.stride(0), out.stride(1), Dk**-0.5,
         HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), BLOCK_V=block_v, GATED=gated,
-        ONEPASS=onepass(), num_warps=NUM_WARPS, **pdl.kw(),
+        num_warps=NUM_WARPS, **pdl.kw(),
     )
     return out

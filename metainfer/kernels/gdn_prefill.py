@@ -26,14 +26,14 @@ the host gives only max_seqlen (the prep grid): no host synchronisation, CUDA-gr
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from metainfer.kernels import gdn_decode, pdl
+from metainfer.kernels.common import interpreting
 
 _TL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK = 64
@@ -43,8 +43,7 @@ CHUNK = 64
 class PrefillConfig:
     block_v: int = 32  # value columns per scan program
     # diagonal blocks of I + A solved by substitution (B - 1 steps), then log2(64 / B) doubling products;
-    # 64 / B a power of 2. B = 2 and 4 warps: the prep kernel 117 -> 70 us per layer at 1k tokens on the
-    # H200 (B = 16, 8 warps before; benchmarks/gdn_prefill.py --grid, KB-0047)
+    # 64 / B a power of 2 (B = 2 with 4 warps: benchmarks/gdn_prefill.py --grid's pick on the H200)
     sub_block: int = 2
     prep_warps: int = 4
     scan_warps: int = 4
@@ -53,25 +52,7 @@ class PrefillConfig:
     out_prec: str | None = None  # "bf16" | "tf32" | "tf32x3" | "ieee"; None: bf16 (16-bit v) or tf32x3
 
 
-CONFIG_ENV = "METAINFER_GDN_PREFILL"  # e.g. "sub_block=2,prep_warps=4": fields over the defaults (A/B runs)
-
-
-def _config_from_env() -> PrefillConfig:
-    cfg = PrefillConfig()
-    for item in filter(None, os.environ.get(CONFIG_ENV, "").split(",")):
-        name, _, val = item.partition("=")
-        if name not in PrefillConfig.__dataclass_fields__:
-            raise ValueError(f"{CONFIG_ENV}: no PrefillConfig field {name!r}")
-        cur = getattr(cfg, name)
-        cfg = replace(cfg, **{name: type(cur)(val) if cur is not None else val})
-    return cfg
-
-
-CONFIG = _config_from_env()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+CONFIG = PrefillConfig()
 
 
 @triton.jit
@@ -350,7 +331,7 @@ def _launch(q, k, v, g, beta, cu, init, final, slots, has, out, n_seqs: int, max
     a = torch.empty(T, Hv, CHUNK, dtype=qe.dtype, device=dev)
     bk, bva = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
     bv = max(16, min(cfg.block_v, bva))
-    varlen, upcast = cu is not None, _interpreting()
+    varlen, upcast = cu is not None, interpreting()
     cu = cu if varlen else q
     common = dict(HV=Hv, DK=Dk, DV=Dv, BK=bk, C=CHUNK, VARLEN=varlen, SPREC=sprec, OPREC=oprec, UPCAST=upcast)
     if max_len > 0:
@@ -429,7 +410,7 @@ def gdn_prefill_varlen(
     if gating is not None:
         A_log, dt_bias = gating
         assert A_log.shape == dt_bias.shape == (Hv,) and A_log.is_contiguous() and dt_bias.is_contiguous()
-    if max_seqlen <= gdn_decode.recurrent_max_t():  # short chunks (verifies): the decode update in a loop
+    if max_seqlen <= gdn_decode.RECURRENT_MAX_T:  # short chunks (verifies): the decode update in a loop
         return gdn_decode.gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, ssm_state, slots,
                                                has_state.contiguous(), out, gating)
     has = has_state.contiguous().view(torch.uint8)

@@ -16,36 +16,25 @@ weights in slot order ("rows", the default), or `_pair_down_kernel` over (token,
 gate/up kernel and leaves the weighted sum to the next add+RMSNorm (`norm.moe_add_rms_norm`): two
 launches per layer instead of four. `moe_pair_rows` (the rows of batches past that, weighted sum
 left to the add+RMSNorm too) runs its FP8 down projection on `_routed_down_kernel` from the route
-launch's ids (`down_from_ids`): weights loaded before the PDL wait.
+launch's ids: weights loaded before the PDL wait.
 
 Large T: `moe_grouped` (pairs bucketed by expert, grouped GEMMs), picked by `use_pair_path`.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from metainfer.kernels import moe_grouped, pdl, routing
-from metainfer.kernels.common import env_int, load_tuned, upcast_dots, wdot
+from metainfer.kernels.common import load_tuned, upcast_dots, wdot
 from metainfer.kernels.cuda import gemv
+from metainfer.settings import settings
 
-PAIR_MAX_T = 8
-DOWN_PRELOAD_ENV = "METAINFER_MOE_DOWN_PRELOAD"  # "0": `_pair_down_rows` instead of `_routed_down_kernel`
+PAIR_MAX_T = 8  # BF16 batches up to this many tokens take the per-pair path
+PAIR_MAX_T_FP8 = 16  # FP8 ones (past it the grouped path's e4m3 x e4m3 GEMMs measured faster)
 DOWN_PRELOAD_BLOCK_H = 32
-DOWN_IDS_ENV = "METAINFER_MOE_DOWN_IDS"  # `moe_pair_rows`' down on `_routed_down_kernel`: "1"/"0"; unset: FP8
-
-
-def down_from_ids(fp8: bool) -> bool:
-    """Whether `moe_pair_rows` runs its down projection on `_routed_down_kernel` from the ids (weights
-    loaded before the PDL wait; KB-0059: FP8 batches 8 / 16 1,684 -> 1,734 / 2,357 -> 2,448 tok/s on
-    the H200) rather than `_pair_down_rows_kernel`: FP8 by default, BF16 only with
-    METAINFER_MOE_DOWN_IDS=1 (not measured faster there), neither with =0."""
-    env = os.environ.get(DOWN_IDS_ENV, "")
-    return env == "1" or (env == "" and fp8)
 
 
 # ---- small T: one program per (pair, block) ------------------------------------------------------
@@ -202,7 +191,7 @@ def _routed_down_kernel(
     act_ptr, w_ptr, s_ptr, logits_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn, stride_lt,
     SLOTS: tl.constexpr, ROUTE_K: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
     I_P2: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, GU: tl.constexpr = 0,
-    EARLY: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
     """`_pair_down_rows_kernel` for the routed rows path (after `_pair_gate_up_kernel` with
     ROUTE_K), its weights loaded BEFORE the PDL wait: the program finds its (token, slot)'s expert
@@ -212,10 +201,9 @@ def _routed_down_kernel(
     reads the pair's activation and reduces on the CUDA cores. y[pair, h-block] fp32.
 
     ROUTE_K = 0: logits_ptr holds the pairs' expert ids [T * SLOTS] int64 instead, written by the
-    route launch two kernels back like the logits (`moe_pair_rows`, `down_from_ids`).
+    route launch two kernels back like the logits (`moe_pair_rows` with FP8 weights).
     GU: act_ptr holds each pair's gate and up dots in fp32 ([T * SLOTS, 2 I], cuda/gemv.cu's
     `moe_gate_up`), the activation formed here as `_pair_gate_up_kernel` forms it (bf16)."""
-    pdl.release(USE_PDL, EARLY)
     pair = tl.program_id(0)
     t = pair // SLOTS
     if ROUTE_K:
@@ -245,26 +233,19 @@ def _routed_down_kernel(
 
 # ---- launchers -----------------------------------------------------------------------------------
 def pair_config(T: int, fp8: bool = False) -> dict:
-    """Tiles of the per-pair path. Chosen by the H200 sweep (benchmarks/kernels_b.py --sweep,
-    2026-11-30): T=1 BF16 21.4 µs, FP8 16.2 µs with 8-row gate/up blocks; T=32 FP8 180 µs with 16.
-    DOWN: "rows" = per-pair down programs + combine (parallel over pairs), "fused" = one program per
-    (token, H-block) looping over the slots. The table's "fp8,1" (batch-1 routed rows, KB-0071): the
-    gate/up kernel on 1 warp and 4-row blocks; the down kernel on 64-row tiles, DOWN_WARPS = 4 (KB-0098)."""
-    hit = load_tuned("moe_pair_h200.json", "METAINFER_MOE_TUNED").get(f"{'fp8' if fp8 else 'bf16'},{T}")
+    """Tiles of the per-pair path: the H200 table's (moe_pair_h200.json, key "fp8,T" / "bf16,T"), else the
+    heuristic (8-row gate/up blocks up to 4 tokens, 16 past them). DOWN: "rows" = per-pair down programs +
+    combine (parallel over pairs), "fused" = one program per (token, H-block) looping over the slots;
+    DOWN_WARPS / PRELOAD_BLOCK_H: the routed down kernel's warps and rows a program."""
+    hit = load_tuned("moe_pair_h200.json", settings().moe_tuned).get(f"{'fp8' if fp8 else 'bf16'},{T}")
     if hit is not None:  # measured (benchmarks/sweep_decode_kernels.py); MMA = the tensor-core variant
         return dict(hit)
     return dict(BLOCK_I=8 if T <= 4 else 16, BLOCK_H=32, BLOCK_K=128, STAGES=4, num_warps=2, DOWN="rows")
 
 
-PAIR_MAX_T_FP8_ENV = "METAINFER_MOE_PAIR_MAX_T"  # FP8 batches up to this many tokens take the per-pair path
-
-
 def use_pair_path(T: int, fp8: bool) -> bool:
-    """Per-pair path up to 8 tokens (BF16) or 16 (FP8). The FP8 bound was 32 (the per-pair path beat
-    the weight-only grouped GEMM, 180 vs 193 µs at T=32); with the grouped path's e4m3 activations
-    (KB-0024) the engine measured batch 32 2,792 -> 3,100 tok/s on the grouped path and batch 16
-    2,226 -> 2,142 (so 16 stays per-pair). METAINFER_MOE_PAIR_MAX_T moves the bound for A/Bs."""
-    return T <= (env_int(PAIR_MAX_T_FP8_ENV, 16) if fp8 else PAIR_MAX_T)
+    """Per-pair path up to PAIR_MAX_T tokens (BF16) or PAIR_MAX_T_FP8 (FP8); the grouped path past it."""
+    return T <= (PAIR_MAX_T_FP8 if fp8 else PAIR_MAX_T)
 
 
 def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -331,8 +312,7 @@ def _routed_down(act, w_down, dn, logits, top_k: int, slots: int, fp8: bool, cfg
         act, w_down, dn[0], logits, y, H, I, E, w_down.stride(0), dn[1], dn[2], logits.stride(0),
         SLOTS=slots, ROUTE_K=top_k, FP8=fp8, BLOCK_H=block_h, I_P2=triton.next_power_of_2(I),
         E_P2=triton.next_power_of_2(E), K_P2=triton.next_power_of_2(max(top_k, 1)), GU=int(gu),
-        EARLY=pdl.early("_routed_down_kernel"), num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
-        **pdl.kw(),
+        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]), **pdl.kw(),
     )
     return y
 
@@ -394,23 +374,14 @@ def moe_experts(
     return out
 
 
-ROUTED_MAX_T = 4
-ROUTED_ENV = "METAINFER_MOE_ROUTED"  # "0": route in its own launch and sum in `routing.combine`
-ROUTED_MAX_T_ENV = "METAINFER_MOE_ROUTED_MAX_T"  # the bound below (a verify of 1 + 4 tokens is 5)
-
-
-def routed_max_t() -> int:
-    return env_int(ROUTED_MAX_T_ENV, ROUTED_MAX_T)
+ROUTED_MAX_T = 4  # a speculative verify of 1 + 4 tokens is just past it
 
 
 def routed_rows_ok(T: int, fp8: bool) -> bool:
-    """Whether `moe_routed_rows` serves a batch of T tokens: FP8 experts, up to ROUTED_MAX_T tokens
-    (METAINFER_MOE_ROUTED_MAX_T overrides it). Every gate/up program repeats its token's top-k (~1.6
-    µs of serial work on the H200 before its loads), which beats the route launch it saves only where
-    few programs run: H200 A/B (2026-11-30, KB-0014), batch-1 decode FP8 408 -> 425 tok/s
-    but BF16 369 -> 350, batch 8 FP8 1,545 -> 1,529, FP8 batch 32 2,761 -> 2,549 (with ROUTED_MAX_T =
-    32). A speculative verify of 1 + 4 tokens is just past it (its route launch: 3.5 us per layer)."""
-    return fp8 and 0 < T <= routed_max_t() and os.environ.get(ROUTED_ENV, "1") != "0"
+    """Whether `moe_routed_rows` serves a batch of T tokens: FP8 experts, up to ROUTED_MAX_T tokens.
+    Every gate/up program repeats its token's top-k (serial work before its loads), which beats the
+    route launch it saves only where few programs run (and not for BF16)."""
+    return fp8 and 0 < T <= ROUTED_MAX_T
 
 
 def moe_routed_rows(
@@ -439,8 +410,7 @@ def moe_routed_rows(
     assert fp8 == (gate_up_scale is not None) == (down_scale is not None), "FP8 weights need both scales"
     W = top_k + int(shared)
     cfg = config or pair_config(T, fp8)
-    if (T == 1 and shared and os.environ.get(DOWN_PRELOAD_ENV, "1") != "0"
-            and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, gate_up_scale)):  # KB-0096
+    if T == 1 and shared and gemv.wanted_moe(x, router_logits, top_k, w_gate_up, gate_up_scale):
         gu, tw, _ = gemv.moe_gate_up(x, router_logits, top_k, w_gate_up, gate_up_scale)
         y = _routed_down(gu, w_down, _scale_args(down_scale, w_down), router_logits, top_k, W, fp8, cfg,
                          gu=True)
@@ -450,11 +420,7 @@ def moe_routed_rows(
     assert not fp8 or (128 % cfg["BLOCK_K"] == 0 and 128 % cfg["BLOCK_H"] == 0), cfg
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg,
                         route=(router_logits, top_k, tw))
-    dn = _scale_args(down_scale, w_down)
-    if os.environ.get(DOWN_PRELOAD_ENV, "1") != "0":
-        y = _routed_down(act, w_down, dn, router_logits, top_k, W, fp8, cfg)
-    else:
-        y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
+    y = _routed_down(act, w_down, _scale_args(down_scale, w_down), router_logits, top_k, W, fp8, cfg)
     return y.view(T, W, H), tw
 
 
@@ -462,7 +428,7 @@ def moe_pair_rows(
     x: torch.Tensor,  # [T, H]
     w_gate_up: torch.Tensor,  # [E, 2I, H]
     w_down: torch.Tensor,  # [E, H, I]
-    ids: torch.Tensor,  # [T, W] int64 (e.g. from `weight_stream.router_topk`)
+    ids: torch.Tensor,  # [T, W] int64 (the route launch's)
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict | None = None,
@@ -479,19 +445,16 @@ def moe_pair_rows(
     cfg = config or pair_config(T, fp8)
     act = _pair_gate_up(x, w_gate_up, _scale_args(gate_up_scale, w_gate_up), ids, fp8, cfg)
     dn = _scale_args(down_scale, w_down)
-    if down_from_ids(fp8):  # KB-0059: the weights loaded before the PDL wait
+    if fp8:  # the weights loaded before the PDL wait (BF16: measured no faster)
         y = _routed_down(act, w_down, dn, ids, 0, W, fp8, cfg)
     else:
         y = _pair_down_rows(act, w_down, dn, ids, fp8, cfg, x)
     return y.view(T, W, H)
 
 
-GROUPED_ROWS_ENV = "METAINFER_MOE_GROUPED_ROWS"  # "0": the grouped path sums its rows in a combine launch
-
-
 def grouped_rows_ok(T: int, fp8: bool) -> bool:
-    """Whether `moe_grouped_rows` serves T tokens: past the per-pair path, unless switched off."""
-    return T > 0 and not use_pair_path(T, fp8) and os.environ.get(GROUPED_ROWS_ENV, "1") != "0"
+    """Whether `moe_grouped_rows` serves T tokens: past the per-pair path."""
+    return T > 0 and not use_pair_path(T, fp8)
 
 
 def moe_grouped_rows(

@@ -7,41 +7,30 @@ once per M-block; the down kernel writes one row per pair and `routing.combine` 
 k rows with its routing weights in slot order. The order of pairs inside a bucket varies between
 runs, but each row is computed independently of its position, so the result does not.
 
-Weights BF16 or FP8 e4m3 with 128x128 block scales (exact e4m3 operands, each step's product times
-its block scale). With FP8 weights (METAINFER_MOE_W8A8=0 turns it off; KB-0024): both GEMMs
-take e4m3 activations quantised per token and 128 columns (`fp8_linear.act_quant`, the dense
-prefill GEMM's scheme) and run e4m3 x e4m3 on the tensor cores, each 128-wide step's product
-times both scales. `moe.moe_experts` picks this path by T (`moe.use_pair_path`).
+Weights BF16 or FP8 e4m3 with 128x128 block scales. With FP8 weights both GEMMs take e4m3
+activations quantised per token and 128 columns (`fp8_linear.act_quant`, the dense prefill GEMM's
+scheme) and run e4m3 x e4m3 on the tensor cores, each 128-wide step's product times both scales.
+`moe.moe_experts` picks this path by T (`moe.use_pair_path`).
 
 The down kernel's e4m3 input is quantised on the bucketed rows that hold pairs only
-(`quant_valid_rows`: tiles past the last bucket and each bucket's padding rows skipped; KB-0051).
+(`quant_valid_rows`: tiles past the last bucket and each bucket's padding rows skipped).
 
-Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor (KB-0048); SWAP=1
-(or METAINFER_MOE_GROUPED_SWAP=1) computes each tile transposed, weights @ rows^T, so the weight
-tile is the MMA's M side and an expert's ~36 rows (1k prefill) its N side (KB-0057; the FP8 table's
-configs since 2026-12-01a: T = 64 / 1,024 / 4,096 212.8 / 353.1 / 850.8 -> 202.7 / 318.0 / 763.1
-us). Quantising the activation tiles inside these kernels instead of act_quant was 2.5x slower at
-T = 1,024 (each N tile re-quantises the same rows) and was removed (KB-0050).
+Config keys beyond the tiles: TMA=1 loads the weight tiles by TMA descriptor; SWAP=1 computes each
+tile transposed, weights @ rows^T, so the weight tile is the MMA's M side and an expert's few rows
+its N side. The activations are quantised by `act_quant` once, not inside these kernels (each N
+tile would re-quantise the same rows).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl, routing
-from metainfer.kernels.common import env_int, load_tuned, mma, upcast_dots, wdot
+from metainfer.kernels.common import interpreting, load_tuned, mma, upcast_dots, wdot
 from metainfer.kernels.fp8_linear import BLOCK, act_quant, quant_tile
-
-A8_ENV = "METAINFER_MOE_W8A8"  # "0": FP8 experts on BF16 activations (weight-only) in the grouped path
-
-
-def a8_enabled(fp8: bool) -> bool:
-    """e4m3 activations in the grouped path: FP8 weights, unless METAINFER_MOE_W8A8=0 (KB-0024)."""
-    return fp8 and os.environ.get(A8_ENV, "1") != "0"
+from metainfer.settings import settings
 
 
 @triton.jit
@@ -171,18 +160,17 @@ def _store_rows(out_ptr, acc, rows, valid, offs_n, n_mask, N, SWAP: tl.constexpr
 
 
 # n_xs (the scales' row stride: the step's token count, or act_rows of it) is not specialised on % 16: the
-# scales are gathered by token id, so it buys nothing, and a variant per residue compiled while serving (a
-# 3,185-token step of a c=32 burst waited 0.6 s on the H200 for the one the warmup's 4,096 rows had not made:
-# results/2026-12-04h, KB-0107)
+# scales are gathered by token id, so it buys nothing, and a variant per residue would compile while serving
+# (a step whose token count the warmup did not make waits on the compiler)
 @triton.jit(do_not_specialize=["n_xs"])
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, act_ptr, H, I, E, stride_we, stride_se, stride_sn,
     xs_ptr, n_xs,
     TOP_K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, w_desc=None,
     SWAP: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
-    """A8 (FP8 weights, BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
+    """FP8 (BLOCK_K 128): x holds e4m3 activations with per-(token, 128-column) scales
     xs [H/128, n_xs]; the MMA runs on both e4m3 operands and each step's product takes both scales.
     w_desc (a TMA descriptor over w as [E * 2I, H], block [BLOCK_N, BLOCK_K]; I % BLOCK_N == 0):
     the weight tiles come by TMA instead of pointer loads. SWAP: the MMA computes the transposed
@@ -215,10 +203,7 @@ def _grouped_gate_up_kernel(
         if FP8:  # exact e4m3 operands; the block scale multiplies the step's product
             sg = tl.load(s_base + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
             su = tl.load(s_base + ((offs_n + I) // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
-            if A8:
-                sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)
-            else:
-                sa = tl.full((BLOCK_M,), 1.0, tl.float32)
+            sa = tl.load(xs_ptr + (k0 // 128) * n_xs + tok, mask=valid, other=0.0)
             acc_g += _scaled_dot(a, wg, sa, sg, UPCAST, SWAP)
             acc_u += _scaled_dot(a, wu, sa, su, UPCAST, SWAP)
         else:
@@ -233,10 +218,10 @@ def _grouped_down_kernel(
     act_ptr, w_ptr, s_ptr, sorted_ptr, ends_ptr, counts_ptr, y_ptr, H, I, E, stride_we, stride_se, stride_sn,
     as_ptr, n_as,
     FP8: tl.constexpr, UPCAST: tl.constexpr, E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A8: tl.constexpr = 0, w_desc=None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, w_desc=None,
     SWAP: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
-    """A8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel).
+    """FP8: act holds e4m3 with per-(row, 128-column) scales as [I/128, n_as] (see the gate/up kernel).
     w_desc: a TMA descriptor over w as [E * H, I], block [BLOCK_N, BLOCK_K] (H % BLOCK_N == 0).
     SWAP: as the gate/up kernel's."""
     pdl.wait(USE_PDL)
@@ -261,10 +246,7 @@ def _grouped_down_kernel(
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if FP8:
             sb = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)
-            if A8:
-                sa = tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)
-            else:
-                sa = tl.full((BLOCK_M,), 1.0, tl.float32)
+            sa = tl.load(as_ptr + (k0 // 128) * n_as + rows, mask=valid, other=0.0)
             acc += _scaled_dot(a, w, sa, sb, UPCAST, SWAP)
         else:
             acc += _swap_dot(a, w, UPCAST, SWAP)
@@ -272,14 +254,9 @@ def _grouped_down_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------------
-VALID_ROWS_ENV = "METAINFER_MOE_QUANT_VALID"  # "0": quantise every padded row of the gate/up output
-
-
 def quant_valid_rows(act, ends, counts, bm: int, e_p2: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, s) as `act_quant(act)` gives them on the valid rows of the bucketed [padded rows, I]
     activations (ends / counts: the bucketing's); the padding rows' q and s are left unset."""
-    if os.environ.get(VALID_ROWS_ENV, "1") == "0":
-        return act_quant(act)
     R, K = act.shape
     q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=act.device)
     s = torch.empty(triton.cdiv(K, BLOCK), R, dtype=torch.float32, device=act.device)
@@ -298,11 +275,12 @@ def grouped_key(T: int, top_k: int, E: int, fp8: bool) -> str:
 
 
 def grouped_config(T: int, top_k: int, E: int, fp8: bool = False) -> dict:
-    """Tile sizes by the mean rows per expert (decode batches: 16-row M-blocks, little padding).
-    At 16-row blocks the sweep picked 128-wide N tiles for BF16 (259 µs at T=32) and 32/64 for FP8."""
+    """Tile sizes by the mean rows per expert (decode batches: 16-row M-blocks, little padding): the H200
+    table's entry for the key, else the heuristic (at 16-row blocks 128-wide N tiles for BF16, 32/64 for
+    FP8)."""
     key = grouped_key(T, top_k, E, fp8)
     bm = int(key.rsplit(":", 1)[1])
-    hit = load_tuned("moe_pair_h200.json", "METAINFER_MOE_TUNED").get(key)
+    hit = load_tuned("moe_pair_h200.json", settings().moe_tuned).get(key)
     if hit is not None:  # measured per M-block size (benchmarks/sweep_decode_kernels.py --grouped-tokens)
         return dict(hit)
     if bm == 16:
@@ -326,7 +304,7 @@ def tma_ok(w_gate_up: torch.Tensor, w_down: torch.Tensor, gu_n: int, dn_n: int) 
     ok = w_gate_up.is_contiguous() and w_down.is_contiguous() and (I2 // 2) % gu_n == 0 and H % dn_n == 0
     if w_gate_up.device.type == "cuda":
         return ok and torch.cuda.get_device_capability(w_gate_up.device)[0] >= 9
-    return ok and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return ok and interpreting()
 
 
 def _desc(w: torch.Tensor, block_n: int, block_k: int):
@@ -337,14 +315,7 @@ def _desc(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor(w, [E * N, K], [K, 1], [block_n, block_k])
 
 
-BUCKET_ONE_ENV = "METAINFER_MOE_BUCKET_ONE"  # "0": count (after a memset) and bucket in two launches
-SWAP_ENV = "METAINFER_MOE_GROUPED_SWAP"  # 0/1: the MMAs' operands swapped (weights as M) or not; unset: cfg's
-
-
-def grouped_swap(cfg: dict) -> int:
-    """Whether the grouped GEMMs run swapped (`_swap_dot`): METAINFER_MOE_GROUPED_SWAP, else the
-    config's SWAP (the FP8 table's keys 16 / 64 / 128 since KB-0057)."""
-    return env_int(SWAP_ENV, int(cfg.get("SWAP", 0)), 0, 1)
+BUCKET_ONE_MAX = 1024  # pairs `_bucket_one_kernel` buckets in one program (<= its BLOCK); more: two launches
 
 
 def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict, xq=None) -> torch.Tensor:
@@ -362,7 +333,7 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict, xq=Non
     ends = torch.empty(E, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
     blk = 1024
-    if P <= blk and os.environ.get(BUCKET_ONE_ENV, "1") != "0":  # one launch, no memset
+    if P <= BUCKET_ONE_MAX:  # one launch, no memset
         counts = torch.empty(E, dtype=torch.int32, device=dev)
         _bucket_one_kernel[(1,)](ids, counts, ends, sorted_pairs, P, E, BLOCK_M=bm, E_P2=e_p2, BLOCK=blk,
                                  num_warps=8, **pdl.kw())
@@ -372,16 +343,15 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict, xq=Non
         _bucket_kernel[(triton.cdiv(P, blk),)](ids, counts, counts[E:], ends, sorted_pairs, P, E,
                                                BLOCK_M=bm, E_P2=e_p2, BLOCK=blk, **pdl.kw())
     act = torch.empty(max_blocks * bm, I, dtype=x.dtype, device=dev)  # [padded rows, I], bucket order
-    a8 = a8_enabled(fp8)
-    if not a8:
+    if not fp8:
         xa, xs = x, x  # x itself (the scales unused)
     elif xq is not None:
         xa, xs = xq
         assert xa.shape[1] == H and xa.shape[0] >= T and xs.shape[1] == xa.shape[0], (xa.shape, xs.shape, T)
     else:
         xa, xs = act_quant(x)  # e4m3 activations + scales
-    common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if a8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast, A8=a8,
-                  SWAP=grouped_swap(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(E_P2=e_p2, BLOCK_M=bm, BLOCK_K=128 if fp8 else cfg["BLOCK_K"], FP8=fp8, UPCAST=upcast,
+                  SWAP=int(cfg.get("SWAP", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bk = common["BLOCK_K"]
     tma = cfg.get("TMA", 0) and tma_ok(w_gate_up, w_down, cfg["GU_BLOCK_N"], cfg["DN_BLOCK_N"])
     _grouped_gate_up_kernel[(max_blocks, triton.cdiv(I, cfg["GU_BLOCK_N"]))](
@@ -389,7 +359,7 @@ def grouped_rows(x, w_gate_up, w_down, ids, gu, dn, fp8: bool, cfg: dict, xq=Non
         xs, xs.shape[-1], TOP_K=k, BLOCK_N=cfg["GU_BLOCK_N"], **common, **pdl.kw(),
         w_desc=_desc(w_gate_up, cfg["GU_BLOCK_N"], bk) if tma else None,
     )
-    acts, as_ = quant_valid_rows(act, ends, counts, bm, e_p2) if a8 else (act, act)
+    acts, as_ = quant_valid_rows(act, ends, counts, bm, e_p2) if fp8 else (act, act)
     y = torch.empty(P, H, dtype=x.dtype, device=dev)  # [T*k, H], pair order
     _grouped_down_kernel[(max_blocks, triton.cdiv(H, cfg["DN_BLOCK_N"]))](
         acts, w_down, dn[0], sorted_pairs, ends, counts, y, H, I, E, w_down.stride(0), dn[1], dn[2],

@@ -1,6 +1,6 @@
 """RMSNorm kernels: Qwen's x / rms(x) * (1 + w), the fused residual add + norm (with the MoE experts'
-weighted sum, or followed by the MoE router's projection in the same launch: `add_rms_norm_router`,
-KB-0064), and the DeltaNet gated norm (plain w, times silu(z)). fp32 math; outputs in x's dtype.
+weighted sum, or followed by the MoE router's projection in the same launch: `add_rms_norm_router`),
+and the DeltaNet gated norm (plain w, times silu(z)). fp32 math; outputs in x's dtype.
 
 Rows are normalised over the last dim. Inputs may be strided views with up to two leading dims
 (q/k head views of a projection output) as long as the last dim is contiguous; outputs are
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from metainfer.kernels import pdl
-from metainfer.kernels.common import env_int, gated_norm
+from metainfer.kernels.common import gated_norm
 from metainfer.kernels.fp8_linear import BLOCK as QBLOCK
 from metainfer.kernels.fp8_linear import quant_groups
 
@@ -23,14 +23,10 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 # elements per program (rows * padded row length) and warps; tuned on H200 by benchmarks/kernels_a.py
 ROW_ELEMS = 4096
 NUM_WARPS = 4
-# add_rms_norm_router: router rows per program (the MoE router's 257: 129 programs, one wave); the most rows
-# (tokens) it takes: METAINFER_NORM_ROUTER_MAX_T (0: off, at most ROUTER_MAX_T), default ROUTER_DEFAULT_T
+# add_rms_norm_router: router rows per program (the MoE router's 257: 129 programs, one wave) and the
+# most rows (tokens) it takes (a decode step's few; past it the separate norm and router measured faster)
 ROUTER_BLOCK_E = 2
-ROUTER_MAX_T = 16
-ROUTER_DEFAULT_T = 8  # H200 (KB-0064): FP8 batch 1 456 -> 482 tok/s, 8 1,753 -> 1,790; 16: -2 % at 16
-ROUTER_T_ENV = "METAINFER_NORM_ROUTER_MAX_T"
-ROUTER_BLOCK_ENV = "METAINFER_NORM_ROUTER_BLOCK_E"  # the add+norm+router launch's rows a program (A/Bs)
-ROUTER_WARPS_ENV = "METAINFER_NORM_ROUTER_WARPS"
+ROUTER_MAX_T = 8
 
 
 @triton.jit
@@ -61,7 +57,7 @@ def _quant_stored(out_ptr, q_ptr, s_ptr, row_off, s_off, n_s, rmask, N, BLOCK_N:
     into q (the same offsets) and their scales (group g of a row at s_ptr + s_off + g * n_s). The rows
     are read back after a barrier, not reshaped in registers: a [R, G, 128] view of the norm's own
     values made Triton lay out (and so round) the norm's reduction differently from the kernel without
-    the copy (2026-11-30m, H200: 5-37 output elements of ~2M differed)."""
+    the copy (a few output elements in millions differed)."""
     G: tl.constexpr = BLOCK_N // 128  # the checkpoint's 128-column activation groups
     g = tl.arange(0, G)
     cols = g[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]  # [1, G, 128]
@@ -120,15 +116,13 @@ def _add_rms_norm_kernel(
 def _add_rms_norm_router_kernel(
     x_ptr, res_ptr, w_ptr, rw_ptr, out_ptr, new_res_ptr, logits_ptr,
     n_rows, sx0, sr0, N, E, eps,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, EARLY: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = 0,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     """`_add_rms_norm_kernel` of all n_rows <= BLOCK_R rows, then the MoE router of its output:
     logits [n_rows, E] = out @ rw^T (rw [E, N] in out's dtype; fp32 sums rounded to logits' dtype, as
     the router's linear gives them). Program p owns router rows [p * BLOCK_E, (p + 1) * BLOCK_E) and
     loads them before the PDL wait (weights); every program normalises the few rows itself (L2 hits)
     and program 0 stores out and new_res. One launch and one wave in place of two launches."""
-    pdl.release(USE_PDL, EARLY)  # (pdl.EARLY_KERNELS)
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_N)
@@ -291,20 +285,14 @@ def add_rms_norm(
     return out, new_res
 
 
-def router_max_t() -> int:
-    """The most tokens `add_rms_norm_router` takes (0: never)."""
-    return env_int(ROUTER_T_ENV, ROUTER_DEFAULT_T, 0, ROUTER_MAX_T)
-
-
 def add_rms_norm_router(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """x, residual [T, N], router_weight [E, N] (x's dtype) -> (rms_norm(x + residual), x + residual,
     logits [T, E] in x's dtype = the first @ router_weight^T), in one launch of
     cdiv(E, ROUTER_BLOCK_E) programs; None (the caller runs `add_rms_norm` and the router) for more
-    rows than METAINFER_NORM_ROUTER_MAX_T (default ROUTER_DEFAULT_T; a decode step's few tokens) or
-    operands it does not take (a router in another dtype, strided rows)."""
-    if not 0 < x.shape[0] <= router_max_t() or x.dim() != 2 or x.dtype not in _TL_DTYPE:
+    rows than ROUTER_MAX_T or operands it does not take (a router in another dtype, strided rows)."""
+    if not 0 < x.shape[0] <= ROUTER_MAX_T or x.dim() != 2 or x.dtype not in _TL_DTYPE:
         return None
     if x.stride(1) != 1 or residual.stride(-1) != 1 or router_weight.dtype != x.dtype:
         return None
@@ -318,15 +306,12 @@ def add_rms_norm_router(
     new_res = torch.empty(T, N, dtype=x.dtype, device=x.device)
     logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
     block_r = triton.next_power_of_2(T)
-    block_e = env_int(ROUTER_BLOCK_ENV, ROUTER_BLOCK_E, 1, 64)
-    warps = env_int(ROUTER_WARPS_ENV, 4 if block_r <= 2 else 8, 1, 16)
-    if block_e & (block_e - 1) or warps & (warps - 1):
-        raise ValueError(f"{ROUTER_BLOCK_ENV} / {ROUTER_WARPS_ENV}: powers of two; got {block_e}, {warps}")
-    _add_rms_norm_router_kernel[(triton.cdiv(E, block_e),)](
+    warps = 4 if block_r <= 2 else 8
+    _add_rms_norm_router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
         x, residual, weight, router_weight, out, new_res, logits, T, x.stride(0), residual.stride(0), N, E,
         eps,
-        BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(N), BLOCK_E=block_e,
-        EARLY=pdl.early("_add_rms_norm_router_kernel"), num_warps=warps, **pdl.kw(),
+        BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(N), BLOCK_E=ROUTER_BLOCK_E, num_warps=warps,
+        **pdl.kw(),
     )
     return out, new_res, logits
 

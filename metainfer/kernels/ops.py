@@ -7,7 +7,6 @@ Kernels are enabled by `use_kernels(True)` (the runner does this on CUDA unless 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -69,9 +68,9 @@ def norm_quant_buffers(T: int, K: int, device, norm_op: str) -> tuple[torch.Tens
 def moe_takes_fp8_input(T: int, fp8: bool) -> bool:
     """Whether the experts of a T-token step run the grouped e4m3 x e4m3 GEMMs (which take x's e4m3
     copy from its norm)."""
-    from metainfer.kernels import moe, moe_grouped
+    from metainfer.kernels import moe
 
-    return moe.grouped_rows_ok(T, fp8) and moe_grouped.a8_enabled(fp8)
+    return fp8 and moe.grouped_rows_ok(T, fp8)
 
 
 # ---- the ops -------------------------------------------------------------------------------------
@@ -141,19 +140,15 @@ def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_
     return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
 
 
-MOE_ROWS_ENV = "METAINFER_MOE_ROWS"  # "0": route + `moe_experts` (a combine launch), not `moe_rows` (KB-0035)
-
-
 def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None, xq=None):
     """The route launch, then the per-pair experts with the weighted sum left to `moe_add_rms_norm`
     (the combine launch saved; `moe_routed_rows` without the routing inside gate/up, which measured
     slower for BF16): logits [T, E+1] with the shared expert's gate. -> (rows [T, W, H] fp32,
     weights [T, W] fp32); past the per-pair path (BF16 8 tokens, FP8 16) the grouped GEMMs' rows
-    in x's dtype (`moe_grouped_rows`, unless METAINFER_MOE_GROUPED_ROWS=0); None where no kernel
-    serves x or with METAINFER_MOE_ROWS=0 (then route + `moe_experts`). xq: x's e4m3 copy from its
-    norm (`fp8_linear.act_buffers`), taken by the grouped FP8 GEMMs."""
+    in x's dtype (`moe_grouped_rows`); None where no kernel serves x (then route + `moe_experts`).
+    xq: x's e4m3 copy from its norm (`fp8_linear.act_buffers`), taken by the grouped FP8 GEMMs."""
     k = _kernel("moe_pair_rows", x)
-    if not k or os.environ.get(MOE_ROWS_ENV, "1") == "0":
+    if not k:
         return None
     from metainfer.kernels.moe import grouped_rows_ok, use_pair_path
 
@@ -165,25 +160,6 @@ def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, dow
         k, kw = _kernel("moe_grouped_rows", x), dict(xq=xq)  # wider batches, prefills: grouped rows
     weights, ids = route_with_shared(router_logits, top_k)
     return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, **kw), weights
-
-
-def router_topk(x, weight, top_k, shared):
-    """The MoE router with the routing in the same launch: -> (logits [T, E (+1)], weights [T, W],
-    ids [T, W]) as `route`/`route_with_shared` of the logits, or None where no kernel does it
-    (then the router Linear + `route_with_shared`)."""
-    k = _kernel("router_topk", x)
-    return k(x, weight, top_k, shared) if k else None
-
-
-def moe_pair_rows(x, w_gate_up, w_down, ids, gate_up_scale=None, down_scale=None):
-    """Each (token, slot)'s expert output, unweighted, fp32: -> [T, W, H]."""
-    k = _kernel("moe_pair_rows", x)
-    if k:
-        return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale)
-    if gate_up_scale is not None:
-        w_gate_up = ref_dequant_fp8(w_gate_up, gate_up_scale, x.dtype)
-        w_down = ref_dequant_fp8(w_down, down_scale, x.dtype)
-    return ref.moe_expert_rows(x, w_gate_up, w_down, ids)
 
 
 def add_rms_norm_router(x, residual, weight, eps, router_weight):
@@ -211,14 +187,10 @@ def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=No
 
 
 def pending_norm_ok(rows: torch.Tensor, T: int) -> bool:
-    """Whether a decode step's input norm may be left to its projection (`layers.PendingNorm`): one token,
-    a kernel that takes it (cuda/gemv.cu's x prologue) and its switch; the projection may still decline
-    (then the norm runs as before)."""
-    if T != 1 or not _kernel("pending_norm_linear", rows):
-        return False
-    from metainfer.kernels.cuda import gemv
-
-    return gemv.pre_enabled()
+    """Whether a decode step's input norm may be left to its projection (`layers.PendingNorm`): one token
+    and a kernel that takes it (cuda/gemv.cu's x prologue); the projection may still decline (then the norm
+    runs as before)."""
+    return T == 1 and bool(_kernel("pending_norm_linear", rows))
 
 
 def pending_norm_linear(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=None):
@@ -319,9 +291,6 @@ def gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
     return gdn_decode(q, k, v, *ref.gdn_gating(a, b, A_log, dt_bias), ssm_state, slots, has_state)
 
 
-PREFILL_GATING_ENV = "METAINFER_PREFILL_GATING"  # "0": the gates as torch ops before the prefill kernel
-
-
 def gdn_prefill_varlen(
     q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out, gating=None
 ):
@@ -330,8 +299,8 @@ def gdn_prefill_varlen(
     not has_state). Writes out[cu[0]:cu[N]] ([T, Hv, Dv]) and returns `out`. gating = (A_log,
     dt_bias): g, beta are the raw projections a, b, gated as `reference.gdn_gating` (in the kernel)."""
     kern = _kernel("gdn_prefill_varlen", q)
-    if gating is not None and (not kern or os.environ.get(PREFILL_GATING_ENV, "1") != "1"):
-        g, beta = ref.gdn_gating(g, beta, *gating)  # torch ops (the reference; KB-0029's A/B)
+    if gating is not None and not kern:
+        g, beta = ref.gdn_gating(g, beta, *gating)  # torch ops (the reference)
         gating = None
     if kern:
         return kern(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_state, max_seqlen, out=out,
@@ -369,22 +338,6 @@ def qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_
     k = ref.apply_rope(rms_norm(k, k_weight, eps), positions, inv_freq)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
-
-
-def decode_attention_prologue(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache,
-                              slot_mapping, meta, scale, gate=None):
-    """`qk_norm_rope_write` then `paged_attention` of a decode-only step in the attention kernels'
-    launches (the prologue folded into the split kernel; METAINFER_ATTN_PROLOGUE=1). -> [T, Hq, D],
-    or None where that path does not serve the step (CPU, a step with prefill rows, the switch off)."""
-    kern = _kernel("decode_attention_prologue", q)
-    if not kern:
-        return None
-    from metainfer.kernels.attention import prologue_enabled
-
-    if not prologue_enabled(meta):
-        return None
-    return kern(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, meta,
-                scale, gate)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping):

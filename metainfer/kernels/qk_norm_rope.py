@@ -21,8 +21,7 @@ from metainfer.kernels import pdl
 def norm_rope(src, d, mask, w_ptr, pos, inv_freq_ptr, eps, D: tl.constexpr, RD: tl.constexpr,
               AXIS: tl.constexpr):
     """The math of this launch on the rows at src + d (d: the dims, along AXIS, the last axis):
-    RMSNorm x / rms * (1 + w), then NeoX RoPE on the first RD dims at position pos. -> fp32. Also
-    the attention decode kernel's prologue (`attention.decode_attention_prologue`)."""
+    RMSNorm x / rms * (1 + w), then NeoX RoPE on the first RD dims at position pos. -> fp32."""
     half: tl.constexpr = RD // 2
     partner = tl.where(d < half, d + half, tl.where(d < RD, d - half, d))
     x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)

@@ -18,23 +18,18 @@ from metainfer.kernels import pdl
 
 
 @triton.jit
-def softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr, CG: tl.constexpr = 0):
+def softmax_topk(logits_row, E, n_pick, E_P2: tl.constexpr, K_P2: tl.constexpr):
     """fp32 softmax over the E logits at logits_row, then n_pick rounds of max (lowest index on
     ties). -> (probabilities of the picks [K_P2], their experts [K_P2] int32), in pick order.
-    CG: load past L1 (logits written by other programs of the same launch).
 
     The rounds run on the logits themselves, not the probabilities: exp is monotonic, so the picks
     are the probabilities' except where exp or the division by the sum rounds two different logits
     to one probability (the larger logit is picked first here, the lower index there). They need no
     exp and no sum, so they depend on no reduction order (a kernel's warp count) and no exp
     implementation: cuda/gemv.cu's routing (`route_topk`) ranks the same logits the same way, so
-    its picks and this kernel's agree bit for bit (KB-0096)."""
+    its picks and this kernel's agree bit for bit."""
     offs = tl.arange(0, E_P2)
-    if CG:
-        logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf"), cache_modifier=".cg")
-    else:
-        logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf"))
-    logit = logit.to(tl.float32)
+    logit = tl.load(logits_row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
     mx = tl.max(logit, axis=0)
     num = tl.exp(logit - mx)
     e = logit + 0.0  # -0.0 as +0.0 (equal anyway under ==: the tie rule sees them as one value)
@@ -63,18 +58,15 @@ def slot_pick(logits_row, E, j, ROUTE_K: tl.constexpr, E_P2: tl.constexpr, K_P2:
 
 @triton.jit
 def route_token(logits_row, E, tw_row, ids_row, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-                E_P2: tl.constexpr, K_P2: tl.constexpr, CG: tl.constexpr = 0):
+                E_P2: tl.constexpr, K_P2: tl.constexpr):
     """One token's routing from its logits row ([E (+1)]) into tw_row / ids_row ([TOP_K + SHARED]):
     renormalised top-k weights and ids; SHARED: slot TOP_K = (sigmoid(logit E), id E)."""
-    vals, idx = softmax_topk(logits_row, E, TOP_K, E_P2, K_P2, CG)
+    vals, idx = softmax_topk(logits_row, E, TOP_K, E_P2, K_P2)
     slot = tl.arange(0, K_P2)
     tl.store(tw_row + slot, vals / tl.sum(vals, axis=0), mask=slot < TOP_K)
     tl.store(ids_row + slot, idx.to(tl.int64), mask=slot < TOP_K)
     if SHARED:
-        if CG:
-            g = tl.load(logits_row + E, cache_modifier=".cg").to(tl.float32)
-        else:
-            g = tl.load(logits_row + E).to(tl.float32)
+        g = tl.load(logits_row + E).to(tl.float32)
         tl.store(tw_row + TOP_K, tl.sigmoid(g))
         tl.store(ids_row + TOP_K, E.to(tl.int64))
 

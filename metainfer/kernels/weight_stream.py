@@ -11,38 +11,29 @@ e4m3x2 -> f16x2 convert; bf16 activations are exact in fp16 below 65504, which t
 inputs of every dense projection are). Split-K keeps 4 (T == 1) or 2 CTAs per SM busy even for
 N = 2048; the last CTA of each N tile to finish adds the fp32 partials in split order
 (deterministic, one launch, counters reset by that CTA). `_gemv_kernel` loads each program's whole
-tile in one go (optionally before the PDL wait; KB-0020). Epilogues shared by both
-(`_store_tile`): the DeltaNet decode conv (`linear_conv_update`) and the MoE routing
-(`router_topk`). Configs come from the H200 table (`stream_config`). `_gnorm_gemv_kernel` is the
-DeltaNet out_proj of one decode token with the gated RMSNorm as its prologue, its weights loaded
-before the PDL wait (`gated_norm_linear`, KB-0065).
+tile in one go, before the PDL wait. The epilogue shared by both (`_store_tile`): the DeltaNet decode
+conv (`linear_conv_update`). Configs come from the H200 table (`stream_config`). `_gnorm_gemv_kernel`
+is the DeltaNet out_proj of one decode token with the gated RMSNorm as its prologue, its weights
+loaded before the PDL wait (`gated_norm_linear`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from metainfer.kernels import pdl, routing
-from metainfer.kernels.common import TL_DTYPE, env_int, gated_norm, load_tuned, num_sms, upcast_dots, wdot
+from metainfer.kernels import pdl
+from metainfer.kernels.common import TL_DTYPE, gated_norm, load_tuned, num_sms, upcast_dots, wdot
 from metainfer.kernels.cuda import gemv
+from metainfer.settings import settings
 
 SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_linear's GEMM)
-FP8_STREAM_MAX_T_ENV = "METAINFER_FP8_STREAM_MAX_T"  # FP8 projections of more tokens: the W8A8 GEMM
-FP8_STREAM_MAX_T = 16  # KB-0036: decode batch 64 4,587 -> 4,659 tok/s on the cuBLAS GEMM, 17-32 equal
+# the most tokens an FP8 dense projection streams its weights for (W8A16); past it the activations are
+# quantised and the W8A8 GEMM (cuBLAS blockwise on the H200) runs, measured faster there
+FP8_STREAM_MAX_T = 16
 
-TUNED_ENV = "METAINFER_FP8_TUNED"
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def fp8_stream_max_t() -> int:
-    """The most tokens an FP8 dense projection streams its weights for (W8A16); above it the
-    activations are quantised and the W8A8 GEMM (cuBLAS blockwise on the H200) runs. Default
-    FP8_STREAM_MAX_T; METAINFER_FP8_STREAM_MAX_T sets it (1..SKINNY_MAX_T; 64 was the old bound)."""
-    return env_int(FP8_STREAM_MAX_T_ENV, FP8_STREAM_MAX_T, 1, SKINNY_MAX_T)
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -74,28 +65,10 @@ def _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots
 
 
 @triton.jit
-def _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK: tl.constexpr,
-                    SHARED: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
-    """Called by each program that stored a finished output tile of the router projection: the last
-    one of them (int counter, acq_rel) routes every token from the complete logits rows
-    (`routing.route_token`, loads past L1) and leaves the counter at zero."""
-    tl.debug_barrier()  # every thread's share of the tile is stored before the release below
-    done = tl.atomic_add(rlock_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == n_tiles - 1:
-        W: tl.constexpr = TOPK + SHARED
-        for t in range(0, T):
-            routing.route_token(y_ptr + t * stride_yt, N - SHARED, tw_ptr + t * W, ids_ptr + t * W, TOPK,
-                                SHARED, E_P2, K_P2, CG=1)
-        tl.atomic_xchg(rlock_ptr, 0)
-
-
-@triton.jit
-def _finish_tile(acc, offs_n, offs_t, y_ptr, T, N, stride_yt, n_tiles, cstate_ptr, cw_ptr, slots_ptr,
-                 has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, CONV_K: tl.constexpr,
-                 Y_DT: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr, E_P2: tl.constexpr,
-                 K_P2: tl.constexpr):
+def _finish_tile(acc, offs_n, offs_t, y_ptr, T, N, stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv,
+                 n_dec, s_slot, s_k, CONV_K: tl.constexpr, Y_DT: tl.constexpr):
     """A complete output tile acc [BLOCK_N, BLOCK_T] fp32 -> y: the conv epilogue (CONV_K) or a
-    cast, the store, then the routing epilogue (TOPK)."""
+    cast, then the store."""
     if CONV_K:
         out = _conv_epilogue(acc, offs_n, offs_t, n_conv, n_dec, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
                              s_slot, s_k, y_ptr.dtype.element_ty, CONV_K, Y_DT)
@@ -103,24 +76,19 @@ def _finish_tile(acc, offs_n, offs_t, y_ptr, T, N, stride_yt, n_tiles, cstate_pt
         out = acc.to(y_ptr.dtype.element_ty)
     y_mask = (offs_n < N)[:, None] & (offs_t < T)[None, :]
     tl.store(y_ptr + offs_t[None, :] * stride_yt + offs_n[:, None], out, mask=y_mask)
-    if TOPK:
-        _route_epilogue(y_ptr, stride_yt, T, N, n_tiles, rlock_ptr, tw_ptr, ids_ptr, TOPK, SHARED, E_P2, K_P2)
 
 
 @triton.jit
 def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N, stride_yt,
-                cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr,
-                ids_ptr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                CONV_K: tl.constexpr, Y_DT: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                E_P2: tl.constexpr, K_P2: tl.constexpr):
+                cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, SPLIT_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, CONV_K: tl.constexpr, Y_DT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_T] fp32: the share (K split pid_k) of output tile pid_n (of n_tiles),
     columns offs_n, tokens offs_t -> y. SPLIT_K > 1: fp32 partials, and the last
     program of the tile to arrive (int counter, acq_rel) adds them in split order (deterministic)
-    and resets the counter. Then the epilogues: CONV_K `_conv_epilogue`, TOPK `_route_epilogue`."""
+    and resets the counter. Then the epilogue: CONV_K `_conv_epilogue`."""
     if SPLIT_K == 1:
-        _finish_tile(acc, offs_n, offs_t, y_ptr, T, N, stride_yt, n_tiles, cstate_ptr, cw_ptr, slots_ptr,
-                     has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, CONV_K, Y_DT, TOPK,
-                     SHARED, E_P2, K_P2)
+        _finish_tile(acc, offs_n, offs_t, y_ptr, T, N, stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr,
+                     n_conv, n_dec, s_slot, s_k, CONV_K, Y_DT)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + offs_t[None, :]
         tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile, acc)
@@ -131,9 +99,8 @@ def _store_tile(acc, pid_n, pid_k, n_tiles, offs_n, offs_t, y_ptr, part_ptr, loc
             for sk in tl.static_range(SPLIT_K):
                 src = part_ptr + (sk * n_tiles + pid_n) * (BLOCK_N * BLOCK_T) + tile
                 total += tl.load(src, cache_modifier=".cg")
-            _finish_tile(total, offs_n, offs_t, y_ptr, T, N, stride_yt, n_tiles, cstate_ptr, cw_ptr,
-                         slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr, CONV_K,
-                         Y_DT, TOPK, SHARED, E_P2, K_P2)
+            _finish_tile(total, offs_n, offs_t, y_ptr, T, N, stride_yt, cstate_ptr, cw_ptr, slots_ptr,
+                         has_ptr, n_conv, n_dec, s_slot, s_k, CONV_K, Y_DT)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
@@ -160,9 +127,6 @@ def _skinny_kernel(
     n_dec,
     s_slot,
     s_k,
-    rlock_ptr,
-    tw_ptr,
-    ids_ptr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -173,14 +137,9 @@ def _skinny_kernel(
     HAS_SCALE: tl.constexpr = 1,  # 0: unquantised (BF16) weights, s_ptr unused
     CONV_K: tl.constexpr = 0,  # > 0: the DeltaNet decode conv (this kernel size) as the epilogue
     Y_DT: tl.constexpr = tl.float32,  # CONV_K: the conv weight's dtype (the conv output's rounding)
-    TOPK: tl.constexpr = 0,  # > 0: y is the router's logits; the last tile's program routes (top-k)
-    SHARED: tl.constexpr = 0,  # TOPK: the last column gates the shared expert (slot TOPK)
-    E_P2: tl.constexpr = 1,
-    K_P2: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
-    """CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split).
-    TOPK: `_route_epilogue` after the tile is stored (the router projection routes its tokens)."""
+    """CONV_K: `_conv_epilogue` on the output tile (by the split-K fix-up program when split)."""
     pdl.wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -221,9 +180,8 @@ def _skinny_kernel(
     if BLOCK_T == 1:
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     _store_tile(acc, pid_n, pid_k, tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
-                stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr,
-                tw_ptr,
-                ids_ptr, SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
+                stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, SPLIT_K,
+                BLOCK_N, BLOCK_T, CONV_K, Y_DT)
 
 
 @triton.jit
@@ -240,37 +198,29 @@ def _load_tile(weight_ptr, wscale_ptr, offs_n, offs_k, w_mask, k_mask, s_row, K,
 @triton.jit
 def _gemv_kernel(
     x_ptr, weight_ptr, wscale_ptr, y_ptr, part_ptr, lock_ptr, T, N, K, stride_xt, stride_yt, stride_sn,
-    cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k, rlock_ptr, tw_ptr, ids_ptr,
+    cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     KS: tl.constexpr,  # columns per program: the whole [BLOCK_N, KS] weight tile is one load
-    PRELOAD: tl.constexpr = 1,  # load the tile before the PDL wait (else after it)
     HAS_SCALE: tl.constexpr = 1,
     CONV_K: tl.constexpr = 0,
     Y_DT: tl.constexpr = tl.float32,
-    TOPK: tl.constexpr = 0,
-    SHARED: tl.constexpr = 0,
-    E_P2: tl.constexpr = 1,
-    K_P2: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
     """The weight-streaming linear for a few tokens, one load per program: each program reads its
-    whole [BLOCK_N, KS] weight tile (and its block scales) into registers in one go (PRELOAD:
-    before the PDL wait, while the previous kernel still runs: weights are never written during a
-    step), then the activations, and reduces on the CUDA cores one token at a time (BLOCK_T tokens
-    at most). Output as `_skinny_kernel` (`_store_tile`: split-K fix-up, conv and route epilogues)."""
+    whole [BLOCK_N, KS] weight tile (and its block scales) into registers in one go, before the PDL
+    wait (weights are never written during a step), then the activations, and reduces on the CUDA
+    cores one token at a time (BLOCK_T tokens at most). Output as `_skinny_kernel` (`_store_tile`:
+    split-K fix-up, conv epilogue)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * KS + tl.arange(0, KS)
     n_mask = offs_n < N
     k_mask = offs_k < K
     w_mask = n_mask[:, None] & k_mask[None, :]
     s_row = (tl.program_id(0) * BLOCK_N // 128) * stride_sn  # BLOCK_N divides 128: one row of scale blocks
-    if PRELOAD:
-        w, sc = _load_tile(weight_ptr, wscale_ptr, offs_n, offs_k, w_mask, k_mask, s_row, K, HAS_SCALE)
+    w, sc = _load_tile(weight_ptr, wscale_ptr, offs_n, offs_k, w_mask, k_mask, s_row, K, HAS_SCALE)
     pdl.wait(USE_PDL)
-    if not PRELOAD:
-        w, sc = _load_tile(weight_ptr, wscale_ptr, offs_n, offs_k, w_mask, k_mask, s_row, K, HAS_SCALE)
     offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
     for t in tl.static_range(BLOCK_T):
@@ -282,7 +232,7 @@ def _gemv_kernel(
         acc = tl.where(offs_t[None, :] == t, col[:, None], acc)
     _store_tile(acc, tl.program_id(0), tl.program_id(1), tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr,
                 lock_ptr, T, N, stride_yt, cstate_ptr, cw_ptr, slots_ptr, has_ptr, n_conv, n_dec, s_slot, s_k,
-                rlock_ptr, tw_ptr, ids_ptr, SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT, TOPK, SHARED, E_P2, K_P2)
+                SPLIT_K, BLOCK_N, BLOCK_T, CONV_K, Y_DT)
 
 
 @triton.jit
@@ -296,64 +246,42 @@ def _gnorm_gemv_kernel(
     D: tl.constexpr,
     MID: tl.constexpr,  # the norm weight's product dtype (`reference.gated_rms_norm`'s promotion)
     HAS_SCALE: tl.constexpr = 1,  # FP8 weights with [N/128, K/128] block scales (D == 128: a head per block)
-    MMA: tl.constexpr = 0,  # tensor cores: every token at once (BLOCK_T >= 16, padded), a dot per head
-    UPCAST: tl.constexpr = 0,
-    DOT_F16: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     """The DeltaNet output: y = gated_rms_norm(core, z) @ W^T for a few tokens, the norm as the
     projection's prologue. Each program loads its whole weight tile (BLOCK_N rows x HEADS heads of D)
     before the PDL wait (weights are never written during a step: the bytes stream while the DeltaNet
-    kernel runs), then normalises and gates its heads of each token (`common.gated_norm`). MMA = 0 reduces
-    one token at a time on the CUDA cores (a [BLOCK_N, HEADS, D] tile); MMA = 1 takes every token in
-    one batched dot over the heads ([HEADS, BLOCK_N, D] x [HEADS, D, BLOCK_T], exact operands as
-    `common.wdot`), each head's product times its block scale. A grid of one wave keeps PDL's overlap
-    (KB-0020). Output as `_skinny_kernel` (`_store_tile`: the split-K fix-up)."""
+    kernel runs), then normalises and gates its heads of each token (`common.gated_norm`) and reduces
+    one token at a time on the CUDA cores (a [BLOCK_N, HEADS, D] tile), each head's product times its
+    block scale. A grid of one wave keeps PDL's overlap. Output as `_skinny_kernel` (`_store_tile`:
+    the split-K fix-up)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = pid_k * HEADS + tl.arange(0, HEADS)
     offs_d = tl.arange(0, D)
     cols = offs_h[:, None] * D + offs_d[None, :]  # [HEADS, D]: W's columns of head h, dim d
-    if MMA:
-        w = tl.load(weight_ptr + offs_n.to(tl.int64)[None, :, None] * K + cols[:, None, :],
-                    mask=(offs_n < N)[None, :, None], other=0.0)  # [HEADS, BLOCK_N, D]
-    else:
-        w = tl.load(weight_ptr + offs_n.to(tl.int64)[:, None, None] * K + cols[None, :, :],
-                    mask=(offs_n < N)[:, None, None], other=0.0)  # [BLOCK_N, HEADS, D]
+    w = tl.load(weight_ptr + offs_n.to(tl.int64)[:, None, None] * K + cols[None, :, :],
+                mask=(offs_n < N)[:, None, None], other=0.0)  # [BLOCK_N, HEADS, D]
     if HAS_SCALE:
         sc = tl.load(wscale_ptr + (pid_n * BLOCK_N // 128) * stride_sn + offs_h)  # [HEADS]
     pdl.wait(USE_PDL)
     gw = tl.load(gw_ptr + offs_d).to(tl.float32)
     offs_t = tl.arange(0, BLOCK_T)
-    if MMA:
-        tm = (offs_t < T)[:, None, None]
-        t3 = offs_t[:, None, None]
-        hd = offs_h[None, :, None]
-        dd = offs_d[None, None, :]
-        c = tl.load(core_ptr + t3 * stride_ct + hd * stride_ch + dd, mask=tm, other=0.0)  # [T, HEADS, D]
-        z = tl.load(z_ptr + t3 * stride_zt + hd * stride_zh + dd, mask=tm, other=0.0)
-        x = tl.permute(gated_norm(c, z, gw, eps, D, 2, MID), (1, 2, 0))  # [HEADS, D, BLOCK_T]
-        head = wdot(w, x, UPCAST, DOT_F16)  # [HEADS, BLOCK_N, BLOCK_T]
+    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        hm = (offs_h < tl.where(t < T, K // D, 0))[:, None]  # the heads of a real token
+        c = tl.load(core_ptr + t * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :], mask=hm,
+                    other=0.0)
+        z = tl.load(z_ptr + t * stride_zt + offs_h[:, None] * stride_zh + offs_d[None, :], mask=hm,
+                    other=0.0)
+        x = gated_norm(c, z, gw, eps, D, 1, MID).to(tl.float32)  # [HEADS, D]
+        head = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, HEADS]
         if HAS_SCALE:
-            head = head * sc[:, None, None]
-        acc = tl.sum(head, axis=0)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-        for t in tl.static_range(BLOCK_T):
-            hm = (offs_h < tl.where(t < T, K // D, 0))[:, None]  # the heads of a real token
-            c = tl.load(core_ptr + t * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :], mask=hm,
-                        other=0.0)
-            z = tl.load(z_ptr + t * stride_zt + offs_h[:, None] * stride_zh + offs_d[None, :], mask=hm,
-                        other=0.0)
-            x = gated_norm(c, z, gw, eps, D, 1, MID).to(tl.float32)  # [HEADS, D]
-            head = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, HEADS]
-            if HAS_SCALE:
-                head = head * sc[None, :]
-            acc = tl.where(offs_t[None, :] == t, tl.sum(head, axis=1)[:, None], acc)
+            head = head * sc[None, :]
+        acc = tl.where(offs_t[None, :] == t, tl.sum(head, axis=1)[:, None], acc)
     _store_tile(acc, pid_n, pid_k, tl.num_programs(0), offs_n, offs_t, y_ptr, part_ptr, lock_ptr, T, N,
-                stride_yt, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 0, 0, y_ptr, y_ptr, y_ptr, SPLIT_K, BLOCK_N,
-                BLOCK_T, 0, tl.float32, 0, 0, 1, 1)
+                stride_yt, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 0, 0, SPLIT_K, BLOCK_N, BLOCK_T, 0, tl.float32)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -373,29 +301,20 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _route_lock(device: torch.device) -> torch.Tensor:
-    """The routing epilogue's zeroed int32 tile counter (one per stream, as `_locks`)."""
-    return _locks(device, 1 << 16)[-1:]
-
-
 def tuned_table() -> dict[str, dict]:
     """Weight-streaming configs: FP8 keyed "N,K,T", unquantised (`dense_linear`) "bf16:N,K,T"
     (benchmarks/sweep_decode_kernels.py)."""
-    return load_tuned("fp8_skinny_h200.json", TUNED_ENV)
-
-
-GEMV_ENV = "METAINFER_GEMV"  # "0": the table's GEMV ("gemv:") entries are not used
-PRELOAD_ENV = "METAINFER_GEMV_PRELOAD"  # "0": the GEMV loads its weights after the PDL wait
+    return load_tuned("fp8_skinny_h200.json", settings().fp8_tuned)
 
 
 def stream_config(T: int, N: int, K: int, fp8: bool, device: torch.device) -> dict | None:
     """The weight-streaming config for T tokens of an [N, K] projection: the H200 table's
-    preloading-GEMV entry ("gemv:" + key, `_gemv_kernel`) unless METAINFER_GEMV=0, else its
+    preloading-GEMV entry ("gemv:" + key, `_gemv_kernel`), else its
     `_skinny_kernel` entry (FP8 "N,K,T", BF16 "bf16:N,K,T"); without one FP8 takes
     `skinny_config`'s heuristic and BF16 gets None (cuBLAS serves it)."""
     key = f"{N},{K},{T}" if fp8 else f"bf16:{N},{K},{T}"
     table = tuned_table()
-    if os.environ.get(GEMV_ENV, "1") != "0" and f"gemv:{key}" in table:
+    if f"gemv:{key}" in table:
         return dict(table[f"gemv:{key}"])
     if fp8:
         return skinny_config(T, N, K, num_sms(device))
@@ -468,12 +387,10 @@ def skinny_config(T: int, N: int, K: int, num_sms: int) -> dict:
 
 
 def stream_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: torch.Tensor,
-            cfg: dict | None = None, conv: tuple | None = None, route: tuple | None = None) -> None:
+            cfg: dict | None = None, conv: tuple | None = None) -> None:
     """y = x @ dequant(w)^T by weight streaming; s None: unquantised weights in x's dtype.
     conv = (conv_weight [C, k], conv_state [S, k-1, C], slots [B], has_state [B]): the first C
-    columns of the first B rows become the DeltaNet decode conv + SiLU of themselves.
-    route = (top_k, shared, tw [T, W] fp32, ids [T, W] int64): y is the router's logits; they are
-    routed in the kernel's epilogue into tw / ids (`_route_epilogue`)."""
+    columns of the first B rows become the DeltaNet decode conv + SiLU of themselves."""
     T, K = x.shape
     N = w.shape[0]
     assert cfg is not None or s is not None, "unquantised weights: the caller picks the config"
@@ -487,14 +404,6 @@ def stream_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: t
         assert C <= N and slots.shape[0] <= T
         cargs = (cstate, cw, slots, has.view(torch.uint8), C, slots.shape[0], *cstate.stride()[:2])
         cfg.update(CONV_K=ck, Y_DT=TL_DTYPE[cw.dtype])
-    rargs = (x, x, x)  # unused pointers without routing
-    if route is not None:
-        top_k, shared, tw, ids = route
-        W = top_k + int(shared)
-        assert tw.shape == ids.shape == (T, W) and tw.dtype == torch.float32 and ids.dtype == torch.int64
-        rargs = (_route_lock(x.device), tw, ids)
-        cfg.update(TOPK=top_k, SHARED=int(shared), E_P2=triton.next_power_of_2(N - int(shared)),
-                   K_P2=triton.next_power_of_2(top_k))
     if s is None:
         assert w.dtype == x.dtype and not cfg.get("DOT_F16"), (w.dtype, x.dtype)
         s, cfg["HAS_SCALE"] = w, 0
@@ -505,7 +414,6 @@ def stream_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: t
     gemv = "KS" in cfg
     if gemv:
         assert cfg["SPLIT_K"] == triton.cdiv(K, cfg["KS"]), (cfg, K)
-        cfg.setdefault("PRELOAD", int(os.environ.get(PRELOAD_ENV, "1") != "0"))
     else:
         assert cfg["BLOCK_T"] == 1 or cfg["BLOCK_K"] % 128 == 0, "the tensor-core loop steps by scale blocks"
     split = cfg["SPLIT_K"]
@@ -516,23 +424,22 @@ def stream_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, y: t
     )
     locks = _locks(x.device, tiles)
     if gemv:
-        _gemv_kernel[(tiles, split)](*args, part, locks, *tail, *cargs, *rargs, **cfg, **pdl.kw())
+        _gemv_kernel[(tiles, split)](*args, part, locks, *tail, *cargs, **cfg, **pdl.kw())
     else:
-        _skinny_kernel[(tiles, split)](*args, part, locks, *tail, cfg.pop("iters_per_split"), *cargs, *rargs,
+        _skinny_kernel[(tiles, split)](*args, part, locks, *tail, cfg.pop("iters_per_split"), *cargs,
                                        UPCAST=upcast_dots(x), **cfg, **pdl.kw())
 
 
 ALIGN_ROWS = 8  # output rows of 16 bytes (bf16): cuBLAS's sm_90 kernels need aligned leading dimensions
-ALIGN_ENV = "METAINFER_ALIGN_ROWS"  # "0": unaligned N straight to F.linear (cuBLAS's align1 kernels)
 
 
 def aligned_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) for N = weight.shape[0] not a multiple of ALIGN_ROWS (the MoE router's
     E + 1 = 257 rows): cuBLAS takes an unaligned output's leading dimension only on its sm_75
-    align1 kernels (batch 32: 6.5 us per router call, 1k prefill 23 us). The weight padded with zero
+    align1 kernels (several times slower). The weight padded with zero
     rows (kept on the weight tensor with its version counter, made on first use: the engine's eager
     warmup, before graph capture) gives an aligned [.., N_pad] output -> its first N columns, a view
-    with row stride N_pad. METAINFER_ALIGN_ROWS=0: F.linear as it is."""
+    with row stride N_pad."""
     N = weight.shape[0]
     try:
         now = weight._version
@@ -554,15 +461,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, K)
     hit = stream_config(x2.shape[0], N, K, False, x.device) if x.is_cuda else None
     if hit is None or weight.dtype != x.dtype or not weight.is_contiguous() or x2.stride(-1) != 1:
-        if x.is_cuda and N % ALIGN_ROWS and os.environ.get(ALIGN_ENV, "1") != "0":
+        if x.is_cuda and N % ALIGN_ROWS:
             return aligned_linear(x, weight)
         return torch.nn.functional.linear(x, weight)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     stream_linear(x2, weight, None, y, hit)
     return y.reshape(*lead, N)
-
-
-CONV_ENV = "METAINFER_FUSED_CONV"  # "0": the decode conv in its own launch after the projection
 
 
 def linear_conv_update(
@@ -576,20 +480,20 @@ def linear_conv_update(
 ) -> torch.Tensor:
     """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
     y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
-    weight-streaming kernel's epilogue where it serves (FP8 up to fp8_stream_max_t() tokens; BF16 where the
+    weight-streaming kernel's epilogue where it serves (FP8 up to FP8_STREAM_MAX_T tokens; BF16 where the
     H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N]."""
     from metainfer.kernels import conv1d
 
     T, K = x.shape
     N = weight.shape[0]
     fp8 = scale_inv is not None
-    if fp8 and T == 1 and gemv.wanted_conv(x, weight, scale_inv, conv_weight, conv_state, slots):  # KB-0094
+    if fp8 and T == 1 and gemv.wanted_conv(x, weight, scale_inv, conv_weight, conv_state, slots):
         y = torch.empty(T, N, dtype=x.dtype, device=x.device)
         gemv.project(x, weight, scale_inv, y, conv=(conv_weight, conv_state, slots, has_state))
         return y
     cfg = None
-    max_t = fp8_stream_max_t() if fp8 else SKINNY_MAX_T
-    if os.environ.get(CONV_ENV, "1") != "0" and x.is_cuda and 0 < T <= max_t and x.stride(1) == 1:
+    max_t = FP8_STREAM_MAX_T if fp8 else SKINNY_MAX_T
+    if x.is_cuda and 0 < T <= max_t and x.stride(1) == 1:
         cfg = stream_config(T, N, K, fp8, x.device)
     if cfg is None:
         from metainfer.kernels.fp8_linear import fp8_linear  # (the module imports this one)
@@ -604,62 +508,13 @@ def linear_conv_update(
     return y
 
 
-ROUTER_ENV = "METAINFER_ROUTER_TOPK"  # "1": route in the router projection's epilogue (off: unmeasured)
+GNORM_MAX_T = 1  # the most tokens `gated_norm_linear` takes (decode batches past 1 measured slower)
 
 
-def router_topk(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, shared: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The MoE router (weight [E (+1), H] in x's dtype) with the routing in its epilogue: ->
-    (logits [T, E (+1)], weights [T, W] fp32, ids [T, W] int64) as `routing.route_topk(logits)` gives
-    them, in one launch; None where the weight-streaming kernel has no measured config for the
-    shape (then F.linear + `routing.route_topk`) or METAINFER_ROUTER_TOPK is not "1"."""
-    T, K = x.shape
-    N = weight.shape[0]
-    if os.environ.get(ROUTER_ENV, "0") != "1" or not x.is_cuda:
-        return None
-    cfg = stream_config(T, N, K, False, x.device)
-    if cfg is None or weight.dtype != x.dtype or not weight.is_contiguous() or x.stride(1) != 1:
-        return None
-    W = top_k + int(shared)
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    tw = torch.empty(T, W, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, W, dtype=torch.int64, device=x.device)
-    stream_linear(x, weight, None, y, cfg, route=(top_k, shared, tw, ids))
-    return y, tw, ids
-
-
-GNORM_ENV = "METAINFER_GNORM_MAX_T"  # the most tokens gated_norm_linear takes (0: off)
-# H200 (2026-12-01c): FP8 batch 1 479 -> 509 tok/s, but batch 2 778 -> 754 and 4 1,203 -> 1,030 (the
-# per-token reductions of a [16, 32, 128] tile); BF16 batch 1 400 -> 405. The batched-dot form for 2-16
-# tokens (2026-12-01d, KB-0069): decode batches 2 / 4 / 8 slower (778 -> 700, 1,198 -> 1,106, 1,764 ->
-# 1,676), the 5-token verify faster (4.32 -> 4.14 ms); so the bound stays 1 (gpu_pending.sh at 570d1a8:
-# PHASES=gprof profiles both)
-GNORM_DEFAULT_T = 1
-GNORM_MAX_T = 16
-GNORM_MMA_MAX_TILE = 128 * 1024  # the MMA form's weight tile (BLOCK_N x HEADS x D) bytes: shared memory bound
-GNORM_CFG_ENV = "METAINFER_GNORM_CFG"  # "BLOCK_N,HEADS,warps": the launch config (else gnorm_config's)
-
-
-def gnorm_max_t() -> int:
-    """The most tokens `gated_norm_linear` takes (0: never)."""
-    return env_int(GNORM_ENV, GNORM_DEFAULT_T, 0, GNORM_MAX_T)
-
-
-def gnorm_config(N: int, Hv: int, fp8: bool, mma: bool = False) -> dict:
-    """(BLOCK_N, HEADS, num_warps) of `_gnorm_gemv_kernel`: one wave of preloading programs. One token
-    (CUDA cores): 64 KB of weights each (FP8 [16, 32 x 128]: 128 programs for out_proj [2048, 4096];
-    BF16 [8, 32 x 128]), measured (KB-0065). More tokens (MMA): [32, 8 x 128] (FP8 32 KB, 256
-    programs, split-K 4), BF16 [16, 8 x 128]; slower than the norm + skinny pair at decode batches 2-8
-    (KB-0069). METAINFER_GNORM_CFG="BLOCK_N,HEADS,warps" sets it."""
-    v = os.environ.get(GNORM_CFG_ENV, "")
-    if v:
-        bn, heads, warps = (int(p) for p in v.split(","))
-    elif mma:
-        bn, heads, warps = (32 if fp8 else 16), 8, 8
-    else:
-        bn, heads, warps = (16 if fp8 else 8), Hv, 8
-    return dict(BLOCK_N=bn, HEADS=min(heads, Hv), num_warps=warps)
+def gnorm_config(N: int, Hv: int, fp8: bool) -> dict:
+    """(BLOCK_N, HEADS, num_warps) of `_gnorm_gemv_kernel`: one wave of preloading programs, 64 KB of
+    weights each (FP8 [16, 32 x 128]: 128 programs for out_proj [2048, 4096]; BF16 [8, 32 x 128])."""
+    return dict(BLOCK_N=16 if fp8 else 8, HEADS=Hv, num_warps=8)
 
 
 def gated_norm_linear(
@@ -672,36 +527,29 @@ def gated_norm_linear(
 ) -> torch.Tensor | None:
     """`gated_rms_norm(core, z) @ weight^T` (the DeltaNet out_proj) in one launch of weight-preloading
     programs (`_gnorm_gemv_kernel`) -> y [T, N] in core's dtype; None (the caller runs the norm,
-    then the projection) past METAINFER_GNORM_MAX_T tokens (default GNORM_DEFAULT_T) or for shapes
-    it does not take."""
+    then the projection) past GNORM_MAX_T tokens or for shapes it does not take."""
     T, Hv, D = core.shape
     N, K = weight.shape
     fp8 = scale_inv is not None
-    if not 0 < T <= gnorm_max_t():
+    if not 0 < T <= GNORM_MAX_T:
         return None
     if K != Hv * D or z.shape != core.shape or core.stride(2) != 1 or z.stride(2) != 1 or D & (D - 1):
         return None
     if (fp8 and D != 128) or (not fp8 and weight.dtype != core.dtype) or not weight.is_contiguous():
         return None
-    mma = T > 1
-    cfg = gnorm_config(N, Hv, fp8, mma)
+    cfg = gnorm_config(N, Hv, fp8)
     if Hv % cfg["HEADS"] or cfg["HEADS"] & (cfg["HEADS"] - 1) or 128 % cfg["BLOCK_N"]:
         return None
-    if mma and (cfg["BLOCK_N"] < 16 or D < 16):
-        return None  # the MMA's smallest M and K
-    if mma and cfg["BLOCK_N"] * cfg["HEADS"] * D * weight.element_size() > GNORM_MMA_MAX_TILE:
-        return None  # a METAINFER_GNORM_CFG tile past shared memory (BF16 "32,32,8" asked for 384 KB)
     s = scale_inv if fp8 else weight
     mid = TL_DTYPE[torch.promote_types(norm_weight.dtype, core.dtype)]
     y = torch.empty(T, N, dtype=core.dtype, device=core.device)
     tiles, split = triton.cdiv(N, cfg["BLOCK_N"]), Hv // cfg["HEADS"]
-    bt = max(16, triton.next_power_of_2(T)) if mma else 1
+    bt = triton.next_power_of_2(T)
     part = torch.empty(split * tiles * cfg["BLOCK_N"] * bt if split > 1 else 1, dtype=torch.float32,
                        device=core.device)
     _gnorm_gemv_kernel[(tiles, split)](
         core, z, norm_weight, weight, s, y, part, _locks(core.device, tiles), T, N, K, core.stride(0),
         core.stride(1), z.stride(0), z.stride(1), y.stride(0), s.stride(0), eps, SPLIT_K=split, BLOCK_T=bt,
-        D=D, MID=mid, HAS_SCALE=int(fp8), MMA=int(mma), UPCAST=int(upcast_dots(core)), DOT_F16=int(fp8),
-        **cfg, **pdl.kw(),
+        D=D, MID=mid, HAS_SCALE=int(fp8), **cfg, **pdl.kw(),
     )
     return y

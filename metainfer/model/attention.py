@@ -47,11 +47,6 @@ class GatedAttention(nn.Module):
         qg = qg.view(T, self.hq, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d :]
         kv = (k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d))
-        o = ops.decode_attention_prologue(  # decode-only steps, METAINFER_ATTN_PROLOGUE=1: one launch fewer
-            q, *kv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions, self.rotary.inv_freq,
-            k_cache, v_cache, meta.slot_mapping, meta, self.scale, gate)
-        if o is not None:
-            return self.o_proj(o.reshape(T, self.hq * self.d))
         q = ops.qk_norm_rope_write(  # [T, Hq, D]; keys and values land in the cache
             q,
             *kv,

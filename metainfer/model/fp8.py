@@ -19,7 +19,6 @@ deltanet.py) would remove it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -100,19 +99,14 @@ def _set_experts(moe: SparseMoE, gu: tuple[torch.Tensor, ...], dn: tuple[torch.T
     moe.w_gate_up_scale, moe.w_down_scale = gu[1], dn[1]
 
 
-LM_HEAD_ENV = "METAINFER_FP8_LM_HEAD"  # "1": lm_head in FP8 too (DESIGN's all-FP8; KB-0067; or --fp8-lm-head)
-
-
 @torch.no_grad()
-def quantize_model_fp8(model: nn.Module, expert_chunk: int = 16, lm_head: bool | None = None) -> int:
+def quantize_model_fp8(model: nn.Module, expert_chunk: int = 16, lm_head: bool = False) -> int:
     """Converts the model's FP8-eligible weights in place, layer by layer, dropping each BF16 tensor
     once its FP8 copy exists (peak extra memory: one fp32 chunk of experts). Idempotent: tensors
-    already in e4m3 are left alone. lm_head (default: METAINFER_FP8_LM_HEAD=1): the untied lm_head
+    already in e4m3 are left alone. lm_head (EngineConfig.fp8_lm_head): the untied lm_head
     too, beyond the published checkpoint's layout (half its bytes per decode step). Returns how many
     tensors were converted."""
     n = 0
-    if lm_head is None:
-        lm_head = os.environ.get(LM_HEAD_ENV, "0") == "1"
     head = getattr(model, "lm_head", None)
     if lm_head and head is not None and not model.cfg.tie_word_embeddings and head.weight_scale_inv is None:
         _set_linear(head, *quantize_fp8_block(head.weight.data))

@@ -203,12 +203,6 @@ class SparseMoE(nn.Module):
         e4m3 copy from its norm, taken by the grouped FP8 experts; logits: the router's output for x
         where `norm_and_route` computed it."""
         scales = (self.w_gate_up_scale, self.w_down_scale)
-        if logits is None and self.fused_shared and self.router.weight_scale_inv is None:
-            routed = ops.router_topk(x, self.router.weight, self.top_k, True)  # routing in its launch
-            if routed is not None:
-                _, weights, ids = routed
-                rows = ops.moe_pair_rows(x, self.w_gate_up, self.w_down, ids, *scales)
-                return ExpertRows(rows, weights, x.dtype)
         if logits is None:
             logits = self.router(x)  # [T, E+1]
         if self.fused_shared:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from metainfer.generate_cli import add_engine_args, engine_kwargs
+from metainfer.settings import settings
 
 log = logging.getLogger("metainfer.server")
 
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = make_context(
         engine, served_names(args), gen_dir, args.max_logprobs, cpu_threads, args.reasoning_parser
     )
-    api_key = args.api_key if args.api_key is not None else os.environ.get("METAINFER_API_KEY")
+    api_key = args.api_key if args.api_key is not None else settings().api_key
     app = build_app(ctx, api_key=api_key, shutdown_timeout=args.shutdown_timeout)
     log.info(
         "serving %s as %s on http://%s:%d (max_model_len %d, defaults %s, warmup %.1f s)",

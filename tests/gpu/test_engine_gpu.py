@@ -3,11 +3,13 @@ and greedy agreement with transformers on a small config with every layer kind."
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
 
+from metainfer import settings
 from metainfer.engine.request import SamplingParams
 from metainfer.llm import LLM
 from tests.helpers import TINY, rel_rmse
@@ -88,8 +90,8 @@ def test_graph_replay_equals_eager(cfg_path, quant):
 
 def test_decode_graphs_recaptured_give_the_same_bits(tmp_path, monkeypatch):
     """ModelRunner.recapture_decode (benchmarks/ab_inproc.py's A/B in one process): the graphs captured again,
-    with gemv.cu reloaded in between, replay the first capture's logits bit for bit; a switch moved before the
-    recapture takes effect (METAINFER_WGMMA_GEMV=0: the Triton projections, other bits, close logits)."""
+    with gemv.cu reloaded in between, replay the first capture's logits bit for bit; what the kernels see at
+    capture takes effect (gemv.cu declining: the Triton projections, other bits, close logits)."""
     from metainfer.kernels.cuda import gemv
 
     prompts = _prompts(3)
@@ -99,7 +101,7 @@ def test_decode_graphs_recaptured_give_the_same_bits(tmp_path, monkeypatch):
               max_model_len=512)
     first = [_run(llm, [p], n=12) for p in prompts]
     if gemv._kernel(torch.device("cuda")) is None:
-        pytest.skip("gemv.cu cannot be built here (nvcc, sm_90): no switch to move")
+        pytest.skip("gemv.cu cannot be built here (nvcc, sm_90): nothing to move")
 
     def same_as_first(runs):
         for (ao, al), (bo, bl) in zip(first, runs):
@@ -109,14 +111,15 @@ def test_decode_graphs_recaptured_give_the_same_bits(tmp_path, monkeypatch):
     llm.engine.runner.recapture_decode()
     assert llm.engine.runner.decode.graphs
     same_as_first([_run(llm, [p], n=12) for p in prompts])
-    monkeypatch.setenv(gemv.ENV, "0")
-    llm.engine.runner.recapture_decode()
-    triton = [_run(llm, [p], n=12) for p in prompts]
+    with monkeypatch.context() as mp:
+        mp.setattr(gemv, "_kernel", lambda device: None)  # gemv.cu declines: the Triton projections
+        llm.engine.runner.recapture_decode()
+        triton = [_run(llm, [p], n=12) for p in prompts]
     # the first decode step (row 1: row 0 is the prefill's) has the same inputs either way: close, not equal
     firsts = [(a[1][0][1], b[1][0][1]) for a, b in zip(first, triton)]
     assert all(rel_rmse(x, y) < 2e-2 for x, y in firsts), [rel_rmse(x, y) for x, y in firsts]
-    assert not all(torch.equal(x, y) for x, y in firsts), "the switch did not reach the recaptured graph"
-    monkeypatch.delenv(gemv.ENV)  # and back (A -> B -> A, as the A/B's rounds go): the first bits again
+    assert not all(torch.equal(x, y) for x, y in firsts), "the change did not reach the recaptured graph"
+    # and back (A -> B -> A, as the A/B's rounds go): the first bits again
     llm.engine.runner.recapture_decode()
     same_as_first([_run(llm, [p], n=12) for p in prompts])
 
@@ -147,71 +150,57 @@ def test_prefill_graph_replay_equals_its_eager_layout(cfg_path, quant):
         assert rel_rmse(gl[0][0], bl[0][0]) < 2e-2
 
 
-def _on_and_off(cfg_path, quant, monkeypatch, env: str, prompts, values=("1", "0")):
-    """The engine's outputs and sampled-token logits with `env` = values[0], then values[1] (a fresh
-    engine each)."""
+def _on_and_off(cfg_path, quant, prompts, off):
+    """The engine's outputs and sampled-token logits as it is, then inside the context off() (a fresh engine
+    each): zip(outputs, logits, off's outputs, off's logits)."""
     kw = dict(model=f"dummy:{cfg_path}", device="cuda", dtype="bfloat16", quantization=quant, max_num_seqs=8,
               max_model_len=512)
-    runs = {}
-    for flag in values:
-        monkeypatch.setenv(env, flag)
+    llm = LLM(**kw)
+    on = _run(llm, prompts)
+    del llm
+    with off():
         llm = LLM(**kw)
-        runs[flag] = _run(llm, prompts)
+        runs = _run(llm, prompts)
         del llm
-    return zip(*runs[values[0]], *runs[values[1]])
+    return zip(*on, *runs)
 
 
-def test_norm_quant_copy_equals_act_quant(cfg_path, monkeypatch):
-    """KB-0052, METAINFER_NORM_QUANT 1 (default) vs 0: the norms before FP8 GEMMs of > 16 tokens write
-    their output's e4m3 copy, so the cuBLAS projections and the grouped experts skip their act_quant
-    launches; the same logits bits."""
+def _patched(module, name: str, value):
+    """A context factory for `_on_and_off`: module.name = value inside."""
+    @contextlib.contextmanager
+    def ctx():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(module, name, value)
+            yield
+
+    return ctx
+
+
+def test_norm_quant_copy_equals_act_quant(cfg_path):
+    """The norms before FP8 GEMMs of > 16 tokens write their output's e4m3 copy, so the cuBLAS projections
+    and the grouped experts skip their act_quant launches: the same logits bits as the GEMMs quantising
+    their input themselves."""
     from metainfer.kernels import fp8_linear
 
-    runs = _on_and_off(cfg_path, "fp8", monkeypatch, fp8_linear.NORM_QUANT_ENV, _prompts(6, seed=7))
+    off = _patched(fp8_linear, "norm_quant_wanted", lambda T, device: False)
+    runs = _on_and_off(cfg_path, "fp8", _prompts(6, seed=7), off)
     for i, (a, x, b, y) in enumerate(runs):
         assert a.token_ids == b.token_ids, (i, a.token_ids, b.token_ids)
         assert torch.equal(x, y), (i, rel_rmse(x, y))
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
-def test_pdl_equals_serialised_launches(cfg_path, quant, monkeypatch):
+def test_pdl_equals_serialised_launches(cfg_path, quant):
     """Programmatic dependent launch (graph replay and eager) gives the same logits bits as plain
     stream order: a kernel touching memory before its wait would race and show up here."""
     from metainfer.kernels import pdl
 
     if not pdl.enabled():
         pytest.skip("PDL needs sm_90 and Triton's griddepcontrol intrinsics")
-    for a, x, b, y in _on_and_off(cfg_path, quant, monkeypatch, pdl.ENV, _prompts(6, seed=2)):
+    off = lambda: settings.override(pdl=False)  # noqa: E731  (METAINFER_PDL=0)
+    for a, x, b, y in _on_and_off(cfg_path, quant, _prompts(6, seed=2), off):
         assert a.token_ids == b.token_ids
         assert torch.equal(x, y), rel_rmse(x, y)
-
-
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_moe_rows_equal_the_combine_launch(cfg_path, quant, monkeypatch):
-    """METAINFER_MOE_ROWS=1 (KB-0035: BF16 decode batches up to 8 tokens, FP8 5-16, leave the
-    experts' weighted sum to the next add+RMSNorm instead of a combine launch) gives the tokens and,
-    to one rounding, the logits of the combine launch; 6 prompts decode at batch 6 down to 1. Both
-    sides on the same down kernel (METAINFER_MOE_DOWN_IDS=0): the FP8 rows' default preloading down
-    (KB-0059) sums each row in another order (1e-5 rel., `test_moe_pair_rows_down_from_ids_full_shapes`),
-    which flips a near-tie of the dummy model at the 11th token; this test is about the sum's place."""
-    from metainfer.kernels import moe, ops
-
-    monkeypatch.setenv(moe.DOWN_IDS_ENV, "0")
-    for a, x, b, y in _on_and_off(cfg_path, quant, monkeypatch, ops.MOE_ROWS_ENV, _prompts(6, seed=3)):
-        assert a.token_ids == b.token_ids
-        assert rel_rmse(x, y) < 1e-3
-
-
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_grouped_rows_equal_the_combine_launch(cfg_path, quant, monkeypatch):
-    """METAINFER_MOE_GROUPED_ROWS=1 (the grouped path's rows summed by the next add+RMSNorm: the
-    prefills and batches past the per-pair path) gives the combine launch's tokens and logits (the
-    same fp32 slot-order sum of the same rounded rows)."""
-    from metainfer.kernels import moe
-
-    for a, x, b, y in _on_and_off(cfg_path, quant, monkeypatch, moe.GROUPED_ROWS_ENV, _prompts(6, seed=4)):
-        assert a.token_ids == b.token_ids
-        assert rel_rmse(x, y) < 1e-3
 
 
 def _rows_agree_until_they_part(runs, min_rows: int = 6 * 8) -> None:
@@ -228,36 +217,25 @@ def _rows_agree_until_they_part(runs, min_rows: int = 6 * 8) -> None:
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
-def test_norm_router_equals_two_launches(cfg_path, quant, monkeypatch):
-    """METAINFER_NORM_ROUTER_MAX_T 8 (default) vs 0: the post-attention norm and the MoE router in one
+def test_norm_router_equals_two_launches(cfg_path, quant):
+    """norm.ROUTER_MAX_T 8 (the constant) vs 0: the post-attention norm and the MoE router in one
     launch (decode batches 6 down to 1) give the two launches' logits to a rounding (the router's sums
     in another order): every row conditioned on the same tokens (up to the first differing token,
     a near-tie of the dummy model flipped by that rounding) within 1e-2 relative RMSE."""
     from metainfer.kernels import norm
 
-    runs = _on_and_off(cfg_path, quant, monkeypatch, norm.ROUTER_T_ENV, _prompts(6, seed=5), ("8", "0"))
+    runs = _on_and_off(cfg_path, quant, _prompts(6, seed=5), _patched(norm, "ROUTER_MAX_T", 0))
     _rows_agree_until_they_part(runs)
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
-def test_gated_norm_linear_equals_two_launches(cfg_path, quant, monkeypatch):
-    """METAINFER_GNORM_MAX_T 4 (the default is 1) vs 0: the DeltaNet gated norm as out_proj's prologue
-    (the 6 prompts' decode batches of <= 4) gives the two launches' logits to a rounding, every row
-    conditioned on the same tokens within 1e-2 relative RMSE (as test_norm_router_equals_two_launches)."""
+def test_gated_norm_linear_equals_two_launches(cfg_path, quant):
+    """weight_stream.GNORM_MAX_T 1 (the constant) vs 0: the DeltaNet gated norm as out_proj's prologue (the
+    6 prompts' batch-1 decode steps) gives the two launches' logits to a rounding, every row conditioned on
+    the same tokens within 1e-2 relative RMSE (as test_norm_router_equals_two_launches)."""
     from metainfer.kernels import weight_stream as ws
 
-    runs = _on_and_off(cfg_path, quant, monkeypatch, ws.GNORM_ENV, _prompts(6, seed=6), ("4", "0"))
-    _rows_agree_until_they_part(runs)
-
-
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_attn_prologue_equals_two_launches(cfg_path, quant, monkeypatch):
-    """METAINFER_ATTN_PROLOGUE 1 vs 0: decode-only steps with q/k norm, RoPE and the cache write inside
-    the attention split kernel give the two launches' logits to a rounding (the q rows' norm sums in
-    another order), every row conditioned on the same tokens within 1e-2 relative RMSE."""
-    from metainfer.kernels import attention
-
-    runs = _on_and_off(cfg_path, quant, monkeypatch, attention.PROLOGUE_ENV, _prompts(6, seed=7), ("1", "0"))
+    runs = _on_and_off(cfg_path, quant, _prompts(6, seed=6), _patched(ws, "GNORM_MAX_T", 0))
     _rows_agree_until_they_part(runs)
 
 

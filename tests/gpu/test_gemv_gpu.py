@@ -1,7 +1,7 @@
-"""The FP8 wgmma projection of one token (metainfer/kernels/cuda/gemv.cu, KB-0094) on the H200 (skipped
-without an sm_90 GPU and nvcc): against a float64 reference of the dequantised weights, against the Triton
-path it replaces (`fp8_linear` with the switch off), inside a CUDA graph, and in a PDL chain after a Triton
-kernel that writes its input (the wait before reading x).
+"""The FP8 wgmma projection of one token (metainfer/kernels/cuda/gemv.cu) on the H200 (skipped without an
+sm_90 GPU and nvcc): against a float64 reference of the dequantised weights, against the Triton path it
+replaces (`fp8_linear` with gemv.cu declining: `_triton_only`), inside a CUDA graph, and in a PDL chain after
+a Triton kernel that writes its input (the wait before reading x).
 
 Tolerance (relative RMSE): 5e-3 against float64 (bf16 outputs: 2^-9 rounding; x's two e4m3 terms are exact for
 bf16 down to 2^-9 of each 128-column block's largest), 8e-3 against the Triton path (both rounded to bf16)."""
@@ -44,6 +44,11 @@ def _captured_with_new_input(step, src):
     return out
 
 
+def _triton_only(monkeypatch):
+    """gemv.cu declines every shape from here on (no kernel loaded): the Triton paths it replaces serve."""
+    monkeypatch.setattr(gemv, "_kernel", lambda device: None)
+
+
 def _reference(x, w, s):
     deq = w.double() * s.double().repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)
     return (x.double() @ deq.T).float()
@@ -52,10 +57,9 @@ def _reference(x, w, s):
 @pytest.mark.parametrize("n", [16, 144, 9216, 12352])
 def test_matches_float64_and_the_triton_path(n, monkeypatch):
     x, w, s = _problem(n)
-    monkeypatch.setenv(gemv.ENV, "1")
     assert gemv.wanted(x, w, s)
     got = fp8_linear.fp8_linear(x, w, s)
-    monkeypatch.setenv(gemv.ENV, "0")
+    _triton_only(monkeypatch)
     triton_y = fp8_linear.fp8_linear(x, w, s)
     want = _reference(x, w, s)
     assert got.shape == (1, n) and got.dtype == torch.bfloat16
@@ -64,20 +68,18 @@ def test_matches_float64_and_the_triton_path(n, monkeypatch):
 
 
 def test_not_wanted_off_its_shapes(monkeypatch):
-    monkeypatch.setenv(gemv.ENV, "1")
     x, w, s = _problem(144)
     assert not gemv.wanted(x.float(), w, s)  # bf16 x only
     assert not gemv.wanted(torch.cat([x, x]), w, s)  # one token
     w2, s2 = quantize_fp8_block(torch.randn(136, gemv.K, device="cuda"))
     assert not gemv.wanted(x, w2, s2)  # N a multiple of 16
-    monkeypatch.setenv(gemv.ENV, "0")
+    _triton_only(monkeypatch)
     assert not gemv.wanted(x, w, s)
 
 
 def test_graph_replay_and_pdl_chain(monkeypatch):
     """An RMSNorm (Triton, PDL) writes x, the projection reads it: eager, then captured in a graph and
     replayed with a new input; the same bits both ways."""
-    monkeypatch.setenv(gemv.ENV, "1")
     _, w, s = _problem(9216, seed=1)
     src = torch.randn(1, gemv.K, device="cuda").to(torch.bfloat16)
     nw = torch.randn(gemv.K, device="cuda").to(torch.bfloat16)
@@ -106,12 +108,11 @@ def test_conv_epilogue_matches_the_triton_path(has, monkeypatch):
     slots = torch.tensor([3], device="cuda")
     has_state = torch.tensor([has], device="cuda")
     ref_state = state.clone()
-    monkeypatch.setenv(gemv.ENV, "0")
-    want = weight_stream.linear_conv_update(x, w, s, cw, ref_state, slots, has_state)
-    monkeypatch.setenv(gemv.ENV, "1")
-    monkeypatch.delenv(gemv.CONV_ENV, raising=False)
-    assert gemv.wanted_conv(x, w, s, cw, state, slots)  # on by default (KB-0095)
+    assert gemv.wanted_conv(x, w, s, cw, state, slots)
     got = weight_stream.linear_conv_update(x, w, s, cw, state, slots, has_state)
+    with monkeypatch.context() as mp:
+        _triton_only(mp)
+        want = weight_stream.linear_conv_update(x, w, s, cw, ref_state, slots, has_state)
     assert rel_rmse(got[:, :C].float(), want[:, :C].float()) < 8e-3  # the conv's columns
     assert rel_rmse(got[:, C:].float(), want[:, C:].float()) < 8e-3  # z, b, a: the projection alone
     assert rel_rmse(state.float(), ref_state.float()) < 8e-3
@@ -133,12 +134,11 @@ def _moe_problem(E: int, top_k: int, seed: int, ties: bool, rows: int = 1024):
 
 @pytest.mark.parametrize("E,top_k,ties", [(256, 8, False), (256, 8, True), (40, 5, True), (7, 3, False)])
 def test_moe_gate_up_routes_and_projects(E, top_k, ties, monkeypatch):
-    """cuda/gemv.cu's experts' gate/up for one token (METAINFER_WGMMA_GEMV_MOE=1): its picks equal the Triton
+    """cuda/gemv.cu's experts' gate/up for one token: its picks equal the Triton
     routing's (`routing.route_topk`, ties to the lowest index) exactly, its weights within 1e-5, and each
     pair's rows (routed in slot order, then the shared expert) against float64 within 5e-3."""
     from metainfer.kernels import routing
 
-    monkeypatch.setenv(gemv.MOE_ENV, "1")
     x, logits, w, s = _moe_problem(E, top_k, seed=E + top_k, ties=ties)
     assert gemv.wanted_moe(x, logits, top_k, w, s)
     gu, tw, ids = gemv.moe_gate_up(x, logits, top_k, w, s)
@@ -161,10 +161,10 @@ def test_moe_routed_rows_on_gemv_equal_the_triton_path(ties, monkeypatch):
     x, logits, w, s = _moe_problem(E, top_k, seed=11, ties=ties)
     g = torch.Generator(device="cuda").manual_seed(12)
     w_dn, s_dn = quantize_fp8_block(torch.randn(E + 1, gemv.K, 512, generator=g, device="cuda") * 0.05)
-    monkeypatch.setenv(gemv.MOE_ENV, "0")
-    want_rows, want_tw = moe.moe_routed_rows(x, logits, top_k, True, w, w_dn, s, s_dn)
-    monkeypatch.setenv(gemv.MOE_ENV, "1")
     rows, tw = moe.moe_routed_rows(x, logits, top_k, True, w, w_dn, s, s_dn)
+    with monkeypatch.context() as mp:
+        _triton_only(mp)
+        want_rows, want_tw = moe.moe_routed_rows(x, logits, top_k, True, w, w_dn, s, s_dn)
     assert rows.shape == want_rows.shape == (1, top_k + 1, gemv.K)
     assert rel_rmse(rows, want_rows) < 8e-3
     assert torch.allclose(tw, want_tw, rtol=1e-5, atol=1e-7)
@@ -196,13 +196,12 @@ def _pre_problem(seed: int):
 
 @pytest.mark.parametrize("conv", [False, True])
 def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
-    """gemv_e4m3_pre (METAINFER_WGMMA_GEMV_PRE=1): the previous MoE's rows summed into the residual and the
+    """gemv_e4m3_pre: the previous MoE's rows summed into the residual and the
     input RMSNorm in the x prologue, against norm.moe_add_rms_norm then the projection (gemv.cu's plain form;
     with conv, the in_proj and its decode conv): outputs within 8e-3 (the norm's sum of squares reduces in
     another order: a bf16 step in x here and there), the new residual the same bits but for rare elements."""
     from metainfer.kernels import norm, weight_stream
 
-    monkeypatch.setenv(gemv.PRE_ENV, "1")
     rows, tw, residual, nw = _pre_problem(21 + conv)
     want_h, want_res = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
     new_res = torch.empty_like(residual)
@@ -224,13 +223,12 @@ def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
         assert rel_rmse(state.float(), ref_state.float()) < 8e-3
     assert rel_rmse(new_res.float(), want_res.float()) < 1e-3
     assert (new_res != want_res).float().mean() < 0.01
-    monkeypatch.setenv(gemv.PRE_ENV, "0")
-    assert gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s) is None  # off: the caller's norm
+    _triton_only(monkeypatch)
+    assert gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s) is None  # declined: the norm first
 
 
-def test_pre_prologue_graph_replay(monkeypatch):
+def test_pre_prologue_graph_replay():
     """The prologue's kernel captured in a CUDA graph and replayed with new rows: the same bits as eager."""
-    monkeypatch.setenv(gemv.PRE_ENV, "1")
     rows, tw, residual, nw = _pre_problem(31)
     _, w, s = _problem(9216, seed=32)
     new_res = torch.empty_like(residual)
@@ -247,18 +245,18 @@ def test_pre_prologue_graph_replay(monkeypatch):
 
 
 @pytest.fixture
-def timeline_build(monkeypatch):
+def timeline_build():
     """gemv.cu's timeline build loaded for the test (the default build reloaded after it)."""
     from metainfer.kernels.cuda import gemv_timeline
 
-    monkeypatch.setenv(gemv.DEFINES_ENV, " ".join([*gemv.build_defines(), gemv_timeline.DEFINE]))
+    gemv.use_timeline_build(True)
     gemv.reset()
     yield gemv_timeline
-    monkeypatch.undo()
+    gemv.use_timeline_build(False)
     gemv.reset()
 
 
-def test_timeline_build_records_each_cta_and_computes_the_same(timeline_build, monkeypatch):
+def test_timeline_build_records_each_cta_and_computes_the_same(timeline_build):
     """The timeline build (-DGEMV_TIMELINE=1): the same output bits as the default build, one record a CTA of
     each launch in its sequence slot, the events of each CTA in their order on one time axis, and nothing
     written once the records are off."""
@@ -285,7 +283,7 @@ def test_timeline_build_records_each_cta_and_computes_the_same(timeline_build, m
     rec.clear()
     y2 = fp8_linear.fp8_linear(x, w, s)
     assert T.decode(rec.read()) == []  # off: nothing written
-    monkeypatch.setenv(gemv.DEFINES_ENV, "")
+    gemv.use_timeline_build(False)
     gemv.reset()
     assert gemv._kernel(x.device).timeline_built is False
     new_res2 = torch.empty_like(residual)

@@ -72,7 +72,7 @@ def test_add_rms_norm_router_full_shapes(T, monkeypatch):
     `add_rms_norm`'s bits (same math; residual exactly), logits within a bf16 rounding of F.linear's."""
     from metainfer.kernels import norm
 
-    monkeypatch.setenv(norm.ROUTER_T_ENV, str(norm.ROUTER_MAX_T))
+    monkeypatch.setattr(norm, "ROUTER_MAX_T", 16)  # the kernel's rows past the engine's bound too
     g = gen(100 + T)
     x = torch.randn(T, H, device=DEV, generator=g).bfloat16()
     r = torch.randn(T, H, device=DEV, generator=g).bfloat16()
@@ -145,11 +145,10 @@ def _gdn_ref(q, k, v, g, beta, state, slots, has):
 
 @cuda
 def test_conv_prefill_full_shape(monkeypatch):
-    """The varlen prefill conv (METAINFER_CONV_PREFILL=1) at the model's 8,192 channels: sequences
+    """The varlen prefill conv at the model's 8,192 channels: sequences
     of 1,000, 3 and 4,000 tokens (one without state) against `reference.causal_conv1d`."""
     from metainfer.kernels import conv1d
 
-    monkeypatch.setenv(conv1d.PREFILL_ENV, "1")
     g = gen(41)
     qsl, slots, has = [0, 1000, 1003, 5003], [4, 1, 7], [True, False, True]
     x = torch.randn(qsl[-1], C, device=DEV, generator=g).bfloat16()
@@ -255,17 +254,15 @@ def test_paged_attention_full_shapes(query_lens, context_lens, bs):
 
 
 @cuda
-@pytest.mark.parametrize("decode_cfg", ["", "block_n=32,min_split_tokens=32",
-                                        "block_n=16,min_split_tokens=16"])
+@pytest.mark.parametrize("decode_cfg", [{}, dict(block_n=32, min_split_tokens=32),
+                                        dict(block_n=16, min_split_tokens=16)])
 @pytest.mark.parametrize("context_lens", [[1055], [0, 99, 1000, 4096, 7999, 63]])
-@pytest.mark.parametrize("active", ["0", "1"])
-def test_decode_configs_full_shapes(context_lens, decode_cfg, active, monkeypatch):
-    """Smaller key tiles / more splits (METAINFER_ATTN_DECODE, for A/Bs) and the reduce over the splits
-    with keys only (METAINFER_ATTN_REDUCE_ACTIVE): the same bound against the reference."""
+def test_decode_configs_full_shapes(context_lens, decode_cfg, monkeypatch):
+    """The decode config (attention.DECODE) and smaller key tiles / more splits, the reduce over the splits
+    with keys only: the same bound against the reference."""
     from metainfer.kernels import attention
 
-    monkeypatch.setenv(attention.DECODE_ENV, decode_cfg)
-    monkeypatch.setenv(attention.REDUCE_ACTIVE_ENV, active)
+    monkeypatch.setattr(attention, "DECODE", attention.DecodeConfig(**decode_cfg))
     q, kc, vc, meta = _attn_setup([1] * len(context_lens), context_lens, 16, seed=len(context_lens))
     close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
 
@@ -274,43 +271,14 @@ def test_decode_configs_full_shapes(context_lens, decode_cfg, active, monkeypatc
 @pytest.mark.parametrize(
     "query_lens,context_lens", [([5], [1000]), ([1, 1, 5, 3, 16], [30, 2047, 4000, 37, 0])]
 )
-def test_paged_attention_prefill_split_full_shapes(query_lens, context_lens, monkeypatch):
-    """Split-KV prefill (METAINFER_ATTN_PREFILL_SPLIT=1, KB-0041): short chunks (a verify's 1 + K)
-    split their keys across programs, merged by the reduce kernel; same bound as the unsplit ones."""
+def test_paged_attention_prefill_split_full_shapes(query_lens, context_lens):
+    """Split-KV prefill: short chunks (a verify's 1 + K) split their keys across programs, merged by the
+    reduce kernel; same bound as the unsplit ones."""
     from metainfer.kernels import attention
 
-    monkeypatch.setenv(attention.PREFILL_SPLIT_ENV, "1")
     q, kc, vc, meta = _attn_setup(query_lens, context_lens, 16, seed=sum(query_lens))
     assert attention.prefill_num_splits(max(query_lens), kc.shape[2], meta.block_tables.shape[1] * 16) > 1
     close(attention.paged_attention(q, kc, vc, meta, D**-0.5), _attn_ref(q, kc, vc, meta), *ATTN)
-
-
-@cuda
-@pytest.mark.parametrize("context_lens", [[8191], [0, 99, 1000, 4096, 7999, 63]])
-def test_decode_prologue_full_shapes(context_lens):
-    """`decode_attention_prologue` (METAINFER_ATTN_PROLOGUE: q/k norm + partial RoPE + the cache write
-    inside the split kernel) against `qk_norm_rope_write` then `paged_attention` at the model's
-    shapes (16 query heads, 2 KV heads, head dim 256, rotary dim 64): the same caches, outputs within
-    the attention bound (the q rows' norm sums in another order)."""
-    from metainfer.kernels import attention
-    from metainfer.kernels.qk_norm_rope import qk_norm_rope_write
-
-    B = len(context_lens)
-    _, kc, vc, meta = _attn_setup([1] * B, context_lens, 16, seed=B)
-    gd = gen(B + 1)
-    qg = torch.randn(B, HQ, 2 * D, device=DEV, generator=gd).bfloat16()
-    q, gate = qg[..., :D], qg[..., D:]
-    k, v = (torch.randn(B, HKV, D, device=DEV, generator=gd).bfloat16() for _ in range(2))
-    wq, wk = ((torch.rand(D, device=DEV, generator=gd) * 0.2 - 0.1).bfloat16() for _ in range(2))
-    pos = torch.tensor(context_lens, device=DEV)
-    inv = ref.rope_inv_freq(64, 1e7).to(DEV)
-    kc2, vc2 = kc.clone(), vc.clone()
-    qn = qk_norm_rope_write(q, k, v, wq, wk, 1e-6, pos, inv, kc2, vc2, meta.slot_mapping)
-    want = attention.paged_attention(qn, kc2, vc2, meta, D**-0.5, gate=gate)
-    got = attention.decode_attention_prologue(q, k, v, wq, wk, 1e-6, pos, inv, kc, vc, meta.slot_mapping,
-                                              meta, D**-0.5, gate)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    close(got, want, *ATTN)
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------
@@ -393,7 +361,7 @@ _COMPILE = textwrap.dedent(
     bf, f32 = "*bf16", "*fp32"
     build(norm._rms_norm_kernel, dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, eps="fp32", sx0="i64", sx1="i64"),
           dict(BLOCK_R=2, BLOCK_N=2048), norm.NUM_WARPS)
-    qa = dict(q_ptr="*fp8e4nv", s_ptr=f32)  # METAINFER_NORM_QUANT's e4m3 copy (QUANT=1)
+    qa = dict(q_ptr="*fp8e4nv", s_ptr=f32)  # the norm's e4m3 copy (QUANT=1)
     for quant in (0, 1):
         build(norm._add_rms_norm_kernel,
               dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, new_res_ptr=bf, eps="fp32", **qa),
@@ -415,12 +383,11 @@ _COMPILE = textwrap.dedent(
           BLOCK_C=conv1d.PREFILL_BLOCK_C), 4)
     build(conv1d._conv_update_kernel, dict(x_ptr=bf, state_ptr=bf, w_ptr=bf, out_ptr=bf, slots_ptr="*i64",
           has_ptr="*u8"), dict(K=4, Y_DT=tl.bfloat16, BLOCK_C=conv1d.BLOCK_C), conv1d.NUM_WARPS)
-    for gated, preload in ((False, 0), (True, 0), (True, 1)):
+    for gated in (False, True):
         build(gdn_decode._gdn_decode_kernel,
               dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=bf if gated else f32, beta_ptr=bf, state_ptr=f32,
                    slots_ptr="*i64", has_ptr="*u8", out_ptr=bf, alog_ptr=bf, dtb_ptr=bf, scale="fp32"),
-              dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gdn_decode.BLOCK_V, GATED=gated,
-                   PRELOAD=preload),
+              dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gdn_decode.BLOCK_V, GATED=gated),
               gdn_decode.NUM_WARPS)
     dc, pc = A.DECODE, A.PREFILL
     for split, gate in ((False, 0), (False, 1), (True, 0)):
@@ -428,21 +395,15 @@ _COMPILE = textwrap.dedent(
               out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, gate_ptr=bf, scale_log2="fp32"),
               dict(HQ=16, G=8, G_PAD=16, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=dc.block_n, SPLIT=split,
                    PREC="tf32", UPCAST=False, GATE=gate), dc.num_warps, dc.num_stages)
-    # the qk_norm_rope launch folded in (METAINFER_ATTN_PROLOGUE: decode-only steps)
-    build(A._decode_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, bt_ptr="*i32", seq_lens_ptr="*i32",
-          out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32, gate_ptr=bf, scale_log2="fp32", wq_ptr=bf, wk_ptr=bf,
-          pos_ptr="*i64", inv_freq_ptr=f32, slot_ptr="*i64", kn_ptr=bf, vn_ptr=bf, eps="fp32"),
-          dict(HQ=16, G=8, G_PAD=16, D=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=dc.block_n, SPLIT=True,
-               PREC="tf32", UPCAST=False, GATE=1, PROLOGUE=1, RD=64), dc.num_warps, dc.num_stages)
     for gate in (0, 1):
         build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf, gate_ptr=bf),
               dict(HQ=16, D=256, BLOCK_D=256, CHUNK=dc.reduce_chunk, GATE=gate), 4)
-        # the splits with keys only (METAINFER_ATTN_REDUCE_ACTIVE), chunks of 16 and 32
+        # the decode reduce: the splits with keys only, chunks of 16 and 32
         for chunk in (dc.reduce_chunk, 32):
             build(A._decode_reduce_kernel, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=bf, gate_ptr=bf,
                   seq_lens_ptr="*i32"), dict(HQ=16, D=256, BLOCK_D=256, CHUNK=chunk, GATE=gate,
                   ACTIVE_N=dc.block_n), 4)
-        for split in (0, 1):  # split-KV for short chunks (METAINFER_ATTN_PREFILL_SPLIT)
+        for split in (0, 1):  # split-KV for short chunks
             build(A._prefill_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, out_ptr=bf, gate_ptr=bf,
                   bt_ptr="*i32", qsl_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32", part_o_ptr=f32,
                   part_lse_ptr=f32),
@@ -453,28 +414,18 @@ _COMPILE = textwrap.dedent(
     for bt, f16, bk, ck in ((1, 0, 128, 0), (16, 1, 128, 0), (16, 1, 256, 0),
                             (16, 1, 128, 4), (1, 0, 256, 4)):
         build(ws._skinny_kernel, dict(x_ptr=bf, w_ptr=f8, s_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
-              cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
-              ids_ptr="*i64"), dict(SPLIT_K=2, BLOCK_N=32, BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0,
-              DOT_F16=f16, CONV_K=ck, Y_DT=tl.bfloat16), 4)
-    for split in (1, 8):  # the BF16 router with the routing epilogue
-        build(ws._skinny_kernel, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, y_ptr=bf, part_ptr=f32, lock_ptr="*i32",
-              cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32,
-              ids_ptr="*i64"), dict(SPLIT_K=split, BLOCK_N=16, BLOCK_T=1, BLOCK_K=256, STAGES=3, UPCAST=0,
-              HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 4)
-    for fp8, bn, heads, bt, w in ((1, 16, 32, 1, 8), (1, 16, 16, 1, 8), (0, 8, 32, 1, 8), (1, 32, 8, 16, 8),
-                                  (0, 16, 8, 16, 8)):  # gated norm + out_proj; BLOCK_T 16: the MMA form
+              cstate_ptr=bf, cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8"), dict(SPLIT_K=2, BLOCK_N=32,
+              BLOCK_T=bt, BLOCK_K=bk, STAGES=5, UPCAST=0, DOT_F16=f16, CONV_K=ck, Y_DT=tl.bfloat16), 4)
+    for fp8, bn, heads in ((1, 16, 32), (1, 16, 16), (0, 8, 32)):  # gated norm + out_proj, one token
         build(ws._gnorm_gemv_kernel, dict(core_ptr=bf, z_ptr=bf, gw_ptr=f32, weight_ptr=f8 if fp8 else bf,
               wscale_ptr=f32 if fp8 else bf, y_ptr=bf, part_ptr=f32, lock_ptr="*i32", eps="fp32"),
-              dict(SPLIT_K=32 // heads, BLOCK_N=bn, BLOCK_T=bt, HEADS=heads, D=128, MID=tl.float32,
-                   HAS_SCALE=fp8, MMA=int(bt > 1), DOT_F16=fp8), w)
+              dict(SPLIT_K=32 // heads, BLOCK_N=bn, BLOCK_T=1, HEADS=heads, D=128, MID=tl.float32,
+                   HAS_SCALE=fp8), 8)
     gv = dict(x_ptr=bf, weight_ptr=f8, wscale_ptr=f32, y_ptr=bf, part_ptr=f32, lock_ptr="*i32", cstate_ptr=bf,
-              cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8", rlock_ptr="*i32", tw_ptr=f32, ids_ptr="*i64")
-    for bn, bt, ks, split, ck, w, pre in ((8, 1, 2048, 1, 4, 8, 1), (8, 1, 4096, 1, 0, 4, 0),
-                                          (16, 4, 512, 4, 0, 4, 1)):
-        build(ws._gemv_kernel, gv, dict(SPLIT_K=split, BLOCK_N=bn, BLOCK_T=bt, KS=ks, PRELOAD=pre, CONV_K=ck,
+              cw_ptr=bf, slots_ptr="*i64", has_ptr="*u8")
+    for bn, bt, ks, split, ck, w in ((8, 1, 2048, 1, 4, 8), (8, 1, 4096, 1, 0, 4), (16, 4, 512, 4, 0, 4)):
+        build(ws._gemv_kernel, gv, dict(SPLIT_K=split, BLOCK_N=bn, BLOCK_T=bt, KS=ks, CONV_K=ck,
               Y_DT=tl.bfloat16), w)
-    build(ws._gemv_kernel, dict(gv, weight_ptr=bf, wscale_ptr=bf), dict(SPLIT_K=1, BLOCK_N=4, BLOCK_T=1,
-          KS=2048, HAS_SCALE=0, TOPK=8, SHARED=1, E_P2=256, K_P2=8), 16)
     for fp8, mma, route in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 0, 8), (1, 0, 8)):
         wt = f8 if fp8 else bf
         build(moe._pair_gate_up_kernel, dict(x_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", act_ptr=bf,
@@ -482,17 +433,16 @@ _COMPILE = textwrap.dedent(
               UPCAST=0, DOT_F16=mma, ROUTE_K=route, E_P2=256, K_P2=8), 2)
         build(moe._pair_down_rows_kernel, dict(act_ptr=bf, w_ptr=wt, s_ptr=f32, ids_ptr="*i64", y_ptr=f32),
               dict(FP8=fp8, BLOCK_H=32, BLOCK_K=128, STAGES=4, MMA=mma, UPCAST=0, DOT_F16=mma), 2)
-    for a8 in (0, 1):  # the bucketed (prefill) path, FP8 weights, bf16 or e4m3 activations
-        xt, st = (f8, f32) if a8 else (bf, bf)
-        idx = dict(sorted_ptr="*i32", ends_ptr="*i32", counts_ptr="*i32")
-        tiles = dict(FP8=1, UPCAST=0, E_P2=256, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, A8=a8)
-        for desc in (None, "tensordesc<fp8e4nv[64,128]>"):  # weight tiles by pointer loads, by TMA (KB-0048)
-            wd, wc = (dict(w_desc=desc), {}) if desc else ({}, dict(w_desc=None))
-            gu_types = dict(idx, x_ptr=xt, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=st, **wd)
-            dn_types = dict(idx, act_ptr=xt, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=st, **wd)
-            for swap in (0, 1):  # SWAP: weights as the MMA's M side (METAINFER_MOE_GROUPED_SWAP)
-                build(mg._grouped_gate_up_kernel, gu_types, dict(tiles, TOP_K=8, SWAP=swap, **wc), 4, 3)
-                build(mg._grouped_down_kernel, dn_types, dict(tiles, SWAP=swap, **wc), 4, 3)
+    # the bucketed (prefill) path, FP8 weights and e4m3 activations
+    idx = dict(sorted_ptr="*i32", ends_ptr="*i32", counts_ptr="*i32")
+    tiles = dict(FP8=1, UPCAST=0, E_P2=256, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128)
+    for desc in (None, "tensordesc<fp8e4nv[64,128]>"):  # weight tiles by pointer loads, by TMA
+        wd, wc = (dict(w_desc=desc), {}) if desc else ({}, dict(w_desc=None))
+        gu_types = dict(idx, x_ptr=f8, w_ptr=f8, s_ptr=f32, act_ptr=bf, xs_ptr=f32, **wd)
+        dn_types = dict(idx, act_ptr=f8, w_ptr=f8, s_ptr=f32, y_ptr=bf, as_ptr=f32, **wd)
+        for swap in (0, 1):  # SWAP: weights as the MMA's M side
+            build(mg._grouped_gate_up_kernel, gu_types, dict(tiles, TOP_K=8, SWAP=swap, **wc), 4, 3)
+            build(mg._grouped_down_kernel, dn_types, dict(tiles, SWAP=swap, **wc), 4, 3)
     for bm in (16, 64):  # the down kernel's e4m3 input: valid rows only (and act_quant's kernel)
         build(mg._valid_rows_quant_kernel,
               dict(x_ptr=bf, q_ptr=f8, s_ptr=f32, ends_ptr="*i32", counts_ptr="*i32"),
@@ -503,7 +453,7 @@ _COMPILE = textwrap.dedent(
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr=bf, y_ptr=f32),
           dict(SLOTS=9, ROUTE_K=8, FP8=1, BLOCK_H=32, I_P2=512, E_P2=256, K_P2=8), 4)
     build(moe._routed_down_kernel, dict(act_ptr=bf, w_ptr=f8, s_ptr=f32, logits_ptr="*i64", y_ptr=f32),
-          dict(SLOTS=9, ROUTE_K=0, FP8=1, BLOCK_H=32, I_P2=512, E_P2=1, K_P2=1), 4)  # METAINFER_MOE_DOWN_IDS
+          dict(SLOTS=9, ROUTE_K=0, FP8=1, BLOCK_H=32, I_P2=512, E_P2=1, K_P2=1), 4)  # from the route's ids
     build(routing._combine_kernel, dict(y_ptr=f32, tw_ptr=f32, out_ptr=bf), dict(TOP_K=9, BLOCK_H=1024), 4)
     build(routing._route_kernel, dict(logits_ptr=bf, w_ptr=f32, ids_ptr="*i64"),
           dict(TOP_K=8, E_P2=256, K_P2=8, SHARED=1), 4)

@@ -9,7 +9,6 @@ import torch
 from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import attention as attn
 from metainfer.kernels import reference as ref
-from metainfer.kernels.qk_norm_rope import qk_norm_rope_write
 from tests.helpers import rel_rmse
 
 # (relative RMSE, max abs); bf16 is loose: the interpreter truncates fp32 -> bf16 casts
@@ -52,13 +51,11 @@ def _close(got, want, dtype):
     assert (got.float() - want.float()).abs().max().item() < ma
 
 
-@pytest.mark.parametrize("active", ["0", "1"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_decode_splits(bs, num_splits, active, monkeypatch):
-    """METAINFER_ATTN_REDUCE_ACTIVE=1: the reduce reads only the splits that held keys (seq_lens 1, 5, 17,
-    33 over 3 or 8 splits of 8-key steps leave some empty)."""
-    monkeypatch.setenv(attn.REDUCE_ACTIVE_ENV, active)
+def test_decode_splits(bs, num_splits):
+    """The reduce reads only the splits that held keys (seq_lens 1, 5, 17, 33 over 3 or 8 splits of 8-key
+    steps leave some empty)."""
     ctx = [0, 4, 16, 32]  # seq_lens 1, 5, 17, 33
     q, kc, vc, meta = _setup([1] * 4, ctx, Hq=4, Hkv=2, D=32, bs=bs, dtype=torch.float32, seed=bs * 7)
     scale = 32**-0.5
@@ -66,32 +63,6 @@ def test_decode_splits(bs, num_splits, active, monkeypatch):
     cfg = attn.DecodeConfig(block_n=8)
     attn._decode(q, kc, vc, meta, scale, out, cfg, num_splits=num_splits)
     _close(out, _want(q, kc, vc, meta, scale), torch.float32)
-
-
-@pytest.mark.parametrize("num_splits,bs,dtype", [(1, 4, torch.float32), (3, 16, torch.float32),
-                                                 (8, 4, torch.bfloat16)])
-def test_decode_prologue_equals_norm_rope_then_attention(num_splits, bs, dtype):
-    """`decode_attention_prologue` (the qk_norm_rope launch folded into the split kernel) against
-    `qk_norm_rope_write` then the split kernels: the same output, and the same caches (this step's
-    key and value rows written once, by the program whose split holds the last position)."""
-    ctx = [0, 4, 16, 33]  # seq_lens 1, 5, 17, 34
-    _, kc, vc, meta = _setup([1] * 4, ctx, Hq=4, Hkv=2, D=32, bs=bs, dtype=dtype, seed=11)
-    g = torch.Generator().manual_seed(5)
-    qg = torch.randn(4, 4, 64, generator=g).to(dtype)  # q and the gate: strided views, as in the model
-    q, gate = qg[..., :32], qg[..., 32:]
-    k, v = (torch.randn(4, 2, 32, generator=g).to(dtype) for _ in range(2))
-    wq, wk = ((torch.rand(32, generator=g) * 0.2 - 0.1).to(dtype) for _ in range(2))
-    pos, inv = torch.tensor(ctx), ref.rope_inv_freq(8, 1e7)
-    scale, cfg = 32**-0.5, attn.DecodeConfig(block_n=8)
-    kc2, vc2 = kc.clone(), vc.clone()
-    qn = qk_norm_rope_write(q, k, v, wq, wk, 1e-6, pos, inv, kc2, vc2, meta.slot_mapping)
-    want = torch.empty_like(qn)
-    attn._decode(qn, kc2, vc2, meta, scale, want, cfg, num_splits=num_splits, gate=gate)
-    got = attn.decode_attention_prologue(q, k, v, wq, wk, 1e-6, pos, inv, kc, vc, meta.slot_mapping, meta,
-                                         scale, gate, cfg=cfg, num_splits=num_splits)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    _close(got, want, dtype)
-    assert rel_rmse(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,38 +114,23 @@ def test_output_gate(dtype, num_splits):
 
 
 @pytest.mark.parametrize("chunk", [2, 4, 16])
-def test_decode_reduce_active_splits_equal_the_two_pass_reduce(chunk, monkeypatch):
-    """The active-split reduce (running max over chunks; one chunk: the same sums) against the two-pass
-    one, with splits beyond the active ones filled with garbage (NaN) that neither may read, a padding
-    row of length 0 (zeros), and chunks smaller than the active count (the running max rescales)."""
-    monkeypatch.delenv(attn.DECODE_ENV, raising=False)
+def test_decode_reduce_active_splits_equal_no_split(chunk, monkeypatch):
+    """The active-split reduce (running max over chunks) against the unsplit kernel, with splits beyond the
+    active ones filled with garbage (NaN) that it may not read, a padding row of length 0 (zeros), and
+    chunks smaller than the active count (the running max rescales)."""
     ctx = [40, 0, 7, 63, 0]  # seq_lens 41, 1, 8, 64; the last row is padding (length 0)
     q, kc, vc, meta = _setup([1] * 5, ctx, Hq=4, Hkv=2, D=32, bs=8, dtype=torch.float32, seed=5)
     meta.seq_lens[4] = 0
     cfg = attn.DecodeConfig(block_n=8, reduce_chunk=chunk)
-    outs = []
+    want = torch.full_like(q, 7.0)
+    attn._decode(q, kc, vc, meta, 32**-0.5, want, cfg, num_splits=1)
     real_empty = torch.empty
     with monkeypatch.context() as mp:  # part_o / part_lse start as garbage
         mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-        for active in ("0", "1"):
-            mp.setenv(attn.REDUCE_ACTIVE_ENV, active)
-            out = torch.full_like(q, 7.0)
-            attn._decode(q, kc, vc, meta, 32**-0.5, out, cfg, num_splits=8)
-            outs.append(out)
-    assert torch.isfinite(outs[1]).all() and (outs[1][4] == 0).all()
-    assert rel_rmse(outs[1][:4], outs[0][:4]) < 1e-6, rel_rmse(outs[1][:4], outs[0][:4])
-
-
-def test_decode_config_from_the_environment(monkeypatch):
-    """METAINFER_ATTN_DECODE overrides DecodeConfig's fields by name for A/Bs; unset, DECODE."""
-    monkeypatch.delenv(attn.DECODE_ENV, raising=False)
-    assert attn.decode_config() is attn.DECODE
-    monkeypatch.setenv(attn.DECODE_ENV, "block_n=32, min_split_tokens=16")
-    cfg = attn.decode_config()
-    assert (cfg.block_n, cfg.min_split_tokens, cfg.num_warps) == (32, 16, attn.DECODE.num_warps)
-    monkeypatch.setenv(attn.DECODE_ENV, "blockn=32")
-    with pytest.raises(TypeError):
-        attn.decode_config()
+        out = torch.full_like(q, 7.0)
+        attn._decode(q, kc, vc, meta, 32**-0.5, out, cfg, num_splits=8)
+    assert torch.isfinite(out).all() and (out[4] == 0).all()
+    assert rel_rmse(out[:4], want[:4]) < 1e-6, rel_rmse(out[:4], want[:4])
 
 
 def test_num_splits_from_host_ints():
@@ -220,41 +176,7 @@ def test_prefill_split_kv(dtype, num_splits, gated):
     assert rel_rmse(outs[1], outs[0]) < TOL[dtype][0]
 
 
-def test_prefill_num_splits_only_when_on_and_short(monkeypatch):
-    monkeypatch.setenv(attn.PREFILL_SPLIT_ENV, "0")
-    assert attn.prefill_num_splits(5, 2, 8192) == 1  # switched off
-    monkeypatch.delenv(attn.PREFILL_SPLIT_ENV)  # on by default (KB-0041)
+def test_prefill_num_splits_only_when_short():
     assert attn.prefill_num_splits(5, 2, 8192) == attn.decode_num_splits(1, 2, 8192, attn.DECODE) > 1
     assert attn.prefill_num_splits(attn.PREFILL_SPLIT_MAX_Q + 1, 2, 8192) == 1
     assert attn.prefill_num_splits(5, 2, 16) == 1  # a context too short to split
-
-
-def test_gated_attention_takes_the_prologue_path(monkeypatch, tmp_path):
-    """GatedAttention.forward on a decode-only step with METAINFER_ATTN_PROLOGUE=1 (the kernels'
-    dispatch, on the interpreter) equals its forward with the switch off (qk_norm_rope_write, then
-    paged_attention): the same output and caches; a step with a prefill row keeps the two launches."""
-    from metainfer.config import ModelConfig
-    from metainfer.kernels import ops, registry
-    from metainfer.model.attention import GatedAttention
-    from tests.helpers import write_config
-
-    kernels = registry.load()
-    monkeypatch.setattr(ops, "_kernel", lambda name, x: kernels.get(name))  # the GPU dispatch, on the CPU
-    cfg = ModelConfig.from_hf(write_config(tmp_path))
-    torch.manual_seed(0)
-    att = GatedAttention(cfg)
-    for p in att.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    ctx = [0, 7, 40]
-    _, kc, vc, meta = _setup([1] * 3, ctx, Hq=4, Hkv=2, D=32, bs=4, dtype=torch.float32, seed=3)
-    x, pos = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(1)), torch.tensor(ctx)
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv(attn.PROLOGUE_ENV, on)
-        k2, v2 = kc.clone(), vc.clone()
-        outs[on] = (att(x, pos, meta, k2, v2), k2, v2)
-    assert attn.prologue_enabled(meta)
-    assert torch.equal(outs["0"][1], outs["1"][1]) and torch.equal(outs["0"][2], outs["1"][2])
-    assert rel_rmse(outs["1"][0], outs["0"][0]) < 1e-5
-    _, _, _, mixed = _setup([1, 3], [5, 0], Hq=4, Hkv=2, D=32, bs=4, dtype=torch.float32, seed=4)
-    assert not attn.prologue_enabled(mixed)  # a prefill row: the two-launch path

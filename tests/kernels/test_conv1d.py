@@ -80,12 +80,11 @@ def test_conv1d_update_in_place_into_strided_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [4, 2])
-def test_prefill_varlen_matches_reference(K, dtype, monkeypatch):
-    """The varlen prefill kernel (METAINFER_CONV_PREFILL=1): four sequences of 1, 2, 37 and 70
+def test_prefill_varlen_matches_reference(K, dtype):
+    """The varlen prefill kernel: four sequences of 1, 2, 37 and 70
     tokens (shorter than the state, than a 32-token block, several blocks) over 200 channels (a
     ragged 128-wide block) of strided rows, with and without state; outputs and the updated
     states against `reference.causal_conv1d`, other slots untouched."""
-    monkeypatch.setenv(conv1d.PREFILL_ENV, "1")
     g = torch.Generator().manual_seed(5)
     lens, C, S = [1, 2, 37, 70], 200, 7
     qsl = [0]
@@ -103,5 +102,5 @@ def test_prefill_varlen_matches_reference(K, dtype, monkeypatch):
     rmse, max_abs = TOL[dtype]
     assert rel_rmse(got, want) < rmse and (got.float() - want.float()).abs().max() < max_abs
     assert torch.equal(state, want_state)  # the new states are copies of inputs: exact
-    monkeypatch.setenv(conv1d.PREFILL_ENV, "0")  # off: the reference itself
+    # without the device offsets: the reference itself
     assert torch.equal(conv1d.causal_conv1d(x, state0, w, qsl, slots, has), want)

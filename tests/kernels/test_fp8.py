@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metainfer.kernels import common, ops
 from metainfer.kernels import fp8_linear as fl
+from metainfer.kernels import ops
 from metainfer.kernels import weight_stream as ws
 from metainfer.kernels.ops import ref_dequant_fp8
 from metainfer.model.fp8 import quantize_fp8_block
@@ -102,8 +102,8 @@ def _problem(T: int, N: int = 200, K: int = 300, seed: int = 0, dtype: torch.dty
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3, 16, 17])
 def test_fp8_linear_skinny(T, dtype, monkeypatch):
-    """The weight-streaming path (17 tokens: with METAINFER_FP8_STREAM_MAX_T=64, the old bound)."""
-    monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, "64")
+    """The weight-streaming path (17 tokens: with the bound moved to 64)."""
+    monkeypatch.setattr(fl, "FP8_STREAM_MAX_T", 64)
     x, w, q, s, ref = _problem(T, dtype=dtype)
     y = fl.fp8_linear(x, q, s)
     assert y.shape == (T, 200) and y.dtype == dtype
@@ -213,35 +213,6 @@ def test_skinny_with_conv_epilogue(T, block_t, split, B, fp8, dtype):
     assert torch.equal(state[untouched], want_state[untouched])
 
 
-@pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("T,block_t,split", [(1, 1, 1), (1, 1, 3), (3, 16, 2)])
-def test_skinny_router_with_route_epilogue(T, block_t, split, shared):
-    """TOPK: the router projection routes in its epilogue (the last program to store a finished
-    tile, counted by an int counter): the same ids and weights as `reference.route(_with_shared)`
-    of the logits it wrote, 20 experts (+1 shared) over 16-wide tiles, split-K or not; the counter
-    is left at zero."""
-    from metainfer.kernels import reference as ref
-
-    E, k, K = 20, 3, 200
-    N = E + int(shared)
-    g = torch.Generator().manual_seed(17)
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
-    x = (torch.randn(T, K, generator=g) * 2).to(torch.bfloat16)
-    k_iters = math.ceil(K / 64) if block_t == 1 else math.ceil(K / 128)
-    per = math.ceil(k_iters / split)
-    cfg = dict(BLOCK_N=16 if block_t == 1 else 32, BLOCK_T=block_t, BLOCK_K=64 if block_t == 1 else 128,
-               SPLIT_K=math.ceil(k_iters / per), iters_per_split=per, STAGES=2, num_warps=4)
-    W = k + int(shared)
-    y = torch.empty(T, N, dtype=torch.bfloat16)
-    tw, ids = torch.full((T, W), -1.0), torch.full((T, W), -1, dtype=torch.int64)
-    ws.stream_linear(x, w, None, y, cfg, route=(k, shared, tw, ids))
-    assert rel_rmse(y, F.linear(x, w)) < 2e-2
-    tw_want, ids_want = (ref.route_with_shared if shared else ref.route)(y, k)
-    assert torch.equal(ids, ids_want) and torch.allclose(tw, tw_want, rtol=1e-5, atol=1e-7)
-    assert not ws._route_lock(x.device).any()
-    assert ws.router_topk(x, w, k, shared) is None  # CPU tensors (and the switch off): not served
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_w8a8(dtype):
     T = ws.SKINNY_MAX_T + 6
@@ -255,24 +226,21 @@ def test_fp8_linear_w8a8(dtype):
     assert rel_rmse(y, F.linear(x.float(), w)) < 6e-2
 
 
-@pytest.mark.parametrize("env,bound", [(None, 16), ("24", 24)])
-def test_fp8_stream_max_t_moves_mid_batches_to_the_w8a8_gemm(env, bound, monkeypatch):
-    """FP8 projections of more tokens than the bound (default 16, KB-0036; METAINFER_FP8_STREAM_MAX_T)
-    take the W8A8 path (activations quantised: equal to the torch emulation of it), up to it they
-    stream (W8A16: equal to the dequantised reference); bad values are refused."""
-    if env:
-        monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, env)
-    assert ws.fp8_stream_max_t() == bound
+@pytest.mark.parametrize("bound", [None, 24])
+def test_fp8_stream_max_t_moves_mid_batches_to_the_w8a8_gemm(bound, monkeypatch):
+    """FP8 projections of more tokens than the bound (FP8_STREAM_MAX_T, 16) take the W8A8 path
+    (activations quantised: equal to the torch emulation of it), up to it they stream (W8A16: equal to
+    the dequantised reference)."""
+    if bound:
+        monkeypatch.setattr(fl, "FP8_STREAM_MAX_T", bound)
+    bound = fl.FP8_STREAM_MAX_T
+    assert ws.FP8_STREAM_MAX_T == 16
     x, _, q, s, ref = _problem(bound + 4, N=200, K=300, dtype=torch.float32)
     xq, xs = _act_quant_ref(x)
     x_deq = xq.float() * xs.t().repeat_interleave(128, dim=1)[:, :300]
     emul = F.linear(x_deq, ref_dequant_fp8(q, s, torch.float32))
     assert rel_rmse(fl.fp8_linear(x, q, s), emul) < 1e-5
     assert rel_rmse(fl.fp8_linear(x[:bound], q, s), ref[:bound]) < 1e-5
-    for bad in ("0", "65", "x"):
-        monkeypatch.setenv(ws.FP8_STREAM_MAX_T_ENV, bad)
-        with pytest.raises(ValueError, match="METAINFER_FP8_STREAM_MAX_T"):
-            fl.fp8_linear(x, q, s)
 
 
 def test_fp8_linear_leading_dims_and_asserts():
@@ -341,22 +309,21 @@ def test_quantize_model_fp8(aligned_cfg):
     assert quantize_model_fp8(m) == 0
 
 
-def test_quantize_model_fp8_lm_head(aligned_cfg, monkeypatch):
-    """METAINFER_FP8_LM_HEAD=1 (or lm_head=True): the untied lm_head goes FP8 too, once; the logits
-    stay within the block quantisation's error of the BF16 head's."""
-    from metainfer.model.fp8 import LM_HEAD_ENV, fp8_linears, fp8_moes, quantize_model_fp8
+def test_quantize_model_fp8_lm_head(aligned_cfg):
+    """lm_head=True (--fp8-lm-head): the untied lm_head goes FP8 too, once; the logits stay within the
+    block quantisation's error of the BF16 head's."""
+    from metainfer.model.fp8 import fp8_linears, fp8_moes, quantize_model_fp8
 
     m = _model(aligned_cfg, seed=0)
     assert not m.cfg.tie_word_embeddings
     h = torch.randn(5, m.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     want = m.compute_logits(h)
-    monkeypatch.setenv(LM_HEAD_ENV, "1")
-    assert quantize_model_fp8(m) == len(fp8_linears(m)) + 2 * len(fp8_moes(m)) + 1
+    assert quantize_model_fp8(m, lm_head=True) == len(fp8_linears(m)) + 2 * len(fp8_moes(m)) + 1
     assert m.lm_head.weight.dtype == torch.float8_e4m3fn and m.lm_head.weight_scale_inv is not None
     assert m.embed_tokens.weight.dtype != torch.float8_e4m3fn
     got = m.compute_logits(h)
     assert got.dtype == torch.float32 and 0 < rel_rmse(got, want) < 4e-2
-    assert quantize_model_fp8(m) == 0
+    assert quantize_model_fp8(m, lm_head=True) == 0
 
 
 def test_mtp_draft_head_slices_an_fp8_lm_head(aligned_cfg):
@@ -480,21 +447,21 @@ def test_gemv_kernel(T, block_n, ks, preload, fp8, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("T,Hv,D,N,cfg", [(1, 4, 128, 64, "16,4,4"), (1, 4, 128, 40, "8,2,4"),
-                                          (3, 4, 128, 40, "16,2,4"), (5, 4, 128, 24, "16,1,4"),
-                                          (2, 6, 32, 24, "16,2,4")])
+@pytest.mark.parametrize("T,Hv,D,N,cfg", [(1, 4, 128, 64, (16, 4, 4)), (1, 4, 128, 40, (8, 2, 4)),
+                                          (1, 4, 128, 24, (16, 1, 4)), (2, 4, 32, 24, (16, 2, 4))])
 def test_gated_norm_linear(T, Hv, D, N, cfg, fp8, dtype, monkeypatch):
-    """`_gnorm_gemv_kernel`: the DeltaNet gated RMSNorm as out_proj's prologue. One token on the CUDA
-    cores, 2-5 on the batched-dot (MMA) form; whole-K programs and 2-4 way split-K over heads (the
-    fix-up), N not a multiple of the row tiles, FP8 block scales (D = 128) or unquantised weights,
-    strided z rows, against gated_rms_norm then F.linear; None past the token bound, for heads per
-    program not a power of two, or (MMA) for fewer than 16 rows per program."""
+    """`_gnorm_gemv_kernel`: the DeltaNet gated RMSNorm as out_proj's prologue, on the CUDA cores one token
+    at a time: whole-K programs and 2-4 way split-K over heads (the fix-up), N not a multiple of the row
+    tiles, FP8 block scales (D = 128) or unquantised weights, strided z rows, against gated_rms_norm then
+    F.linear; None past GNORM_MAX_T tokens (2 tokens: with the bound moved) and for heads per program not
+    a power of two."""
     if fp8 and D != 128:
         pytest.skip("FP8: a head is one 128-column scale block")
     from metainfer.kernels import reference as ref
 
-    monkeypatch.setenv(ws.GNORM_CFG_ENV, cfg)
-    monkeypatch.setenv(ws.GNORM_ENV, "8")
+    tiles = dict(zip(("BLOCK_N", "HEADS", "num_warps"), cfg))
+    monkeypatch.setattr(ws, "gnorm_config", lambda N, Hv, fp8: dict(tiles))
+    monkeypatch.setattr(ws, "GNORM_MAX_T", T)
     g = torch.Generator().manual_seed(T * 10 + Hv)
     core = torch.randn(T, Hv, D, generator=g).to(dtype)
     z = torch.randn(T, 2 * Hv * D, generator=g).to(dtype)[:, Hv * D :].view(T, Hv, D)
@@ -507,20 +474,17 @@ def test_gated_norm_linear(T, Hv, D, N, cfg, fp8, dtype, monkeypatch):
     rmse, max_abs = (1e-6, 1e-5) if dtype == torch.float32 else (2e-2, 8e-2)  # the interpreter truncates bf16
     assert got.dtype == dtype and rel_rmse(got, want) < rmse and _max_rel(got, want) < max_abs
     assert not ws._LOCKS[ws._lock_key(core.device)][:64].any()  # split-K counters left at zero
-    monkeypatch.setenv(ws.GNORM_ENV, str(T - 1))
+    monkeypatch.setattr(ws, "GNORM_MAX_T", T - 1)
     assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
-    monkeypatch.setenv(ws.GNORM_ENV, "8")
-    monkeypatch.setenv(ws.GNORM_CFG_ENV, "16,3,4")
+    monkeypatch.setattr(ws, "GNORM_MAX_T", T)
+    tiles.update(HEADS=3)
     assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
-    if T > 1:
-        monkeypatch.setenv(ws.GNORM_CFG_ENV, "8,2,4")
-        assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
 
 
 @pytest.mark.parametrize("T,ks", [(1, 512), (3, 128)])
-def test_gemv_kernel_with_conv_and_route_epilogues(T, ks):
-    """The shared `_store_tile` epilogues on the GEMV kernel: the DeltaNet conv on the first C
-    columns of the decode rows, and routing from the router logits, as on `_skinny_kernel`."""
+def test_gemv_kernel_with_the_conv_epilogue(T, ks):
+    """The shared `_store_tile` epilogue on the GEMV kernel: the DeltaNet conv on the first C columns of the
+    decode rows, as on `_skinny_kernel`."""
     from metainfer.kernels import reference as ref
 
     N, K, C, S, ck, dtype = 200, 300, 136, 5, 4, torch.float32
@@ -539,27 +503,16 @@ def test_gemv_kernel_with_conv_and_route_epilogues(T, ks):
     ws.stream_linear(x, q, sc, y, ws.gemv_config(K, T, 16, ks), conv=(cw, state, slots, has))
     assert rel_rmse(y, want) < TOL[dtype][0] and rel_rmse(state, want_state) < TOL[dtype][0]
 
-    E, k = 20, 3
-    wr = (torch.randn(E + 1, K, generator=g) / K**0.5).to(torch.bfloat16)
-    xr = (x * 2).to(torch.bfloat16)
-    yr = torch.empty(T, E + 1, dtype=torch.bfloat16)
-    tw, ids = torch.full((T, k + 1), -1.0), torch.full((T, k + 1), -1, dtype=torch.int64)
-    ws.stream_linear(xr, wr, None, yr, ws.gemv_config(K, T, 8, ks), route=(k, True, tw, ids))
-    assert rel_rmse(yr, F.linear(xr, wr)) < 2e-2
-    tw_want, ids_want = ref.route_with_shared(yr, k)
-    assert torch.equal(ids, ids_want) and torch.allclose(tw, tw_want, rtol=1e-5, atol=1e-7)
-    assert not ws._route_lock(x.device).any()
-
 
 def test_stream_config_prefers_the_gemv_entry(monkeypatch):
-    """A "gemv:" table entry serves the shape unless METAINFER_GEMV=0; BF16 without an entry: None."""
+    """A "gemv:" table entry serves the shape before its skinny entry; BF16 without an entry: None."""
     key = "200,300,1"
-    monkeypatch.setitem(common._TUNED, "fp8_skinny_h200.json",
-                        {f"gemv:{key}": ws.gemv_config(300, 1, 16, 512), key: dict(BLOCK_N=64, BLOCK_T=1,
-                         BLOCK_K=256, SPLIT_K=1, iters_per_split=2, STAGES=2, num_warps=4)})
+    skinny = dict(BLOCK_N=64, BLOCK_T=1, BLOCK_K=256, SPLIT_K=1, iters_per_split=2, STAGES=2, num_warps=4)
+    table = {f"gemv:{key}": ws.gemv_config(300, 1, 16, 512), key: skinny}
+    monkeypatch.setattr(ws, "tuned_table", lambda: table)
     dev = torch.device("cpu")
     assert "KS" in ws.stream_config(1, 200, 300, True, dev)
-    monkeypatch.setenv(ws.GEMV_ENV, "0")
+    del table[f"gemv:{key}"]
     assert ws.stream_config(1, 200, 300, True, dev)["BLOCK_K"] == 256
     assert ws.stream_config(1, 200, 300, False, dev) is None
 
@@ -603,39 +556,30 @@ def test_aligned_linear_on_an_inference_tensor():
     assert ws.aligned_linear(x, w).stride(0) == 16
 
 
-def test_wgmma_gemv_switch(monkeypatch):
-    """cuda/gemv.cu serves one CUDA token only (tests/gpu/test_gemv_gpu.py runs it): on the CPU, and with the
-    switch off, fp8_linear keeps its Triton path; the conv epilogue variant and the experts' gate/up
-    likewise."""
+def test_wgmma_gemv_only_on_cuda():
+    """cuda/gemv.cu serves one CUDA token only (tests/gpu/test_gemv_gpu.py runs it): on the CPU fp8_linear
+    keeps its Triton path; the conv epilogue variant and the experts' gate/up likewise."""
     from metainfer.kernels.cuda import gemv
 
     x = torch.zeros(1, gemv.K, dtype=torch.bfloat16)
     w = torch.zeros(144, gemv.K, dtype=torch.float8_e4m3fn)
     s = torch.ones(2, gemv.K // 128)
-    monkeypatch.delenv(gemv.ENV, raising=False)
-    assert gemv.enabled() and not gemv.wanted(x, w, s)  # on by default, not on the CPU
-    monkeypatch.setenv(gemv.ENV, "0")
-    assert not gemv.enabled()
-    monkeypatch.delenv(gemv.CONV_ENV, raising=False)
+    assert not gemv.wanted(x, w, s)
     cw = torch.zeros(128, gemv.CONV_K, dtype=torch.bfloat16)
     state = torch.zeros(2, gemv.CONV_K - 1, 128, dtype=torch.bfloat16)
     assert not gemv.wanted_conv(x, w, s, cw, state, torch.zeros(1, dtype=torch.int64))
-    monkeypatch.setenv(gemv.ENV, "1")  # K = 2,048 only (the K = 4,096 form was removed, KB-0095)
-    w4, s4 = torch.zeros(144, 4096, dtype=torch.float8_e4m3fn), torch.ones(2, 32)
+    w4, s4 = torch.zeros(144, 4096, dtype=torch.float8_e4m3fn), torch.ones(2, 32)  # K = 2,048 only
     assert not gemv.wanted(torch.zeros(1, 4096, dtype=torch.bfloat16), w4, s4)
-    monkeypatch.delenv(gemv.MOE_ENV, raising=False)  # the experts' gate/up: CUDA only
     wm, sm = torch.zeros(9, 1024, gemv.K, dtype=torch.float8_e4m3fn), torch.ones(9, 8, gemv.K // 128)
     assert not gemv.wanted_moe(x, torch.zeros(1, 9, dtype=torch.bfloat16), 4, wm, sm)
 
 
-def test_pending_norm_materializes_where_no_kernel_takes_it(monkeypatch):
+def test_pending_norm_materializes_where_no_kernel_takes_it():
     """`layers.PendingNorm` (a decode token's input norm left to its projection's prologue, gemv.cu's on
     the GPU): on the CPU no kernel takes it, so `Linear.forward` / `conv_forward` run the norm first, with
     the same output and new residual as `RMSNorm.add_forward`; the decoder never builds one on the CPU."""
-    from metainfer.kernels.cuda import gemv
     from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm
 
-    monkeypatch.setenv(gemv.PRE_ENV, "1")
     g = torch.Generator().manual_seed(7)
     H, W = 256, 9
     rows = ExpertRows(torch.randn(1, W, H, generator=g), torch.rand(1, W, generator=g), torch.bfloat16)
@@ -659,14 +603,16 @@ def test_pending_norm_materializes_where_no_kernel_takes_it(monkeypatch):
     assert torch.equal(pn2.new_res, want_res)
 
 
-def test_gemv_build_defines_from_the_environment(monkeypatch):
-    """METAINFER_WGMMA_GEMV_DEFINES: extra -D flags for gemv.cu's build (A/Bs of a compile-time form, e.g.
-    GEMV_PRE_EARLY); anything but -DNAME[=VALUE] is refused before nvcc runs."""
+def test_gemv_timeline_build_is_a_load_switch(monkeypatch):
+    """`use_timeline_build` picks the build gemv.cu loads as next (the default build unless asked); anything
+    but -DNAME[=VALUE] is refused by the build before nvcc runs."""
     from metainfer.kernels.cuda import gemv, launch
 
-    monkeypatch.delenv(gemv.DEFINES_ENV, raising=False)
-    assert gemv.build_defines() == ()
-    monkeypatch.setenv(gemv.DEFINES_ENV, " -DGEMV_PRE_EARLY=1  -DGEMV_PRE_WAVE=9 ")
-    assert gemv.build_defines() == ("-DGEMV_PRE_EARLY=1", "-DGEMV_PRE_WAVE=9")
+    assert gemv._TIMELINE is False
+    monkeypatch.setattr(gemv, "_TIMELINE", False)
+    gemv.use_timeline_build()
+    assert gemv._TIMELINE
+    gemv.use_timeline_build(False)
+    assert not gemv._TIMELINE
     with pytest.raises(ValueError):
-        launch.build(main="gemv.cu", defines=("-UGEMV_PRE_EARLY",))
+        launch.build(main="gemv.cu", defines=("-UGEMV_TIMELINE",))

@@ -40,12 +40,9 @@ def _inputs(B, Hk, Hv, Dk, Dv, S, dtype, seed):
     return q, k, v, g, beta, state, slots, has
 
 
-@pytest.mark.parametrize("onepass", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,Hk,Hv,Dk,Dv", [(1, 2, 4, 16, 16), (3, 1, 2, 16, 24), (5, 2, 2, 8, 16)])
-def test_gdn_decode(B, Hk, Hv, Dk, Dv, dtype, onepass, monkeypatch):
-    """Also with METAINFER_GDN_ONEPASS=1 (the reductions of the raw q, k, all from the old state)."""
-    monkeypatch.setenv(gdn.ONEPASS_ENV, onepass)
+def test_gdn_decode(B, Hk, Hv, Dk, Dv, dtype):
     q, k, v, g, beta, state, slots, has = _inputs(B, Hk, Hv, Dk, Dv, S=7, dtype=dtype, seed=B * 31 + Dv)
     want, want_state = _reference(q, k, v, g, beta, state, slots, has)
     got = gdn._launch(q, k, v, g, beta, state, slots, has, block_v=8, num_warps=1)
@@ -65,31 +62,14 @@ def test_gdn_decode_default_launcher():
     assert rel_rmse(got, want) < 1e-5 and rel_rmse(state, want_state) < 1e-5
 
 
-@pytest.mark.parametrize("block_v,warps", [("4", "2"), ("16", "1")])
-def test_gdn_decode_launch_config_from_the_environment(block_v, warps, monkeypatch):
-    """METAINFER_GDN_BLOCK_V / _WARPS (the A/Bs' launch config) reach the launch: the same result; a value
-    that is not a power of two is refused."""
-    monkeypatch.setenv(gdn.BLOCK_V_ENV, block_v)
-    monkeypatch.setenv(gdn.WARPS_ENV, warps)
-    assert gdn.decode_launch() == (int(block_v), int(warps))
-    q, k, v, g, beta, state, slots, has = _inputs(2, 2, 4, 16, 24, S=3, dtype=torch.float32, seed=5)
-    want, want_state = _reference(q, k, v, g, beta, state, slots, has)
-    got = gdn.gdn_decode(q, k, v, g, beta, state, slots, has)
-    assert rel_rmse(got, want) < 1e-5 and rel_rmse(state, want_state) < 1e-5
-    monkeypatch.setenv(gdn.BLOCK_V_ENV, "24")
-    with pytest.raises(ValueError, match="powers of two"):
-        gdn.decode_launch()
-
-
 def test_registered():
     from metainfer.kernels import registry
 
     assert registry.load({"gdn_decode"}) == {"gdn_decode": gdn.gdn_decode}
 
 
-@pytest.mark.parametrize("preload,onepass", [("0", "0"), ("1", "0"), ("1", "1")])
-def test_gated_variant_matches_reference_gating(preload, onepass, monkeypatch):
-    """Also with the state block read before the PDL wait (METAINFER_GDN_PRELOAD=1): same result."""
+def test_gated_variant_matches_reference_gating():
+    """The gating folded into the kernel (the state block read before the PDL wait): the reference's."""
     from metainfer.kernels import ops
     from metainfer.kernels.gdn_decode import gdn_decode_gated
 
@@ -103,8 +83,6 @@ def test_gated_variant_matches_reference_gating(preload, onepass, monkeypatch):
     slots, has = torch.tensor([4, 1, 2]), torch.tensor([True, False, True])
     s1 = torch.randn(S, Hv, Dk, Dv, generator=g)
     s2 = s1.clone()
-    monkeypatch.setenv(gdn.PRELOAD_ENV, preload)
-    monkeypatch.setenv(gdn.ONEPASS_ENV, onepass)
     got = gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s1, slots, has)
     want = ops.gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, s2, slots, has)  # CPU: reference
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and torch.allclose(s1, s2, atol=1e-5, rtol=1e-5)

@@ -176,17 +176,16 @@ def test_gdn_prefill_varlen_gated(dtype):
     assert rel_rmse(got, want) < tol and rel_rmse(s1, s2) < tol, (rel_rmse(got, want), rel_rmse(s1, s2))
 
 
-@pytest.mark.parametrize("gated,onepass", [(False, "0"), (True, "0"), (True, "1")])
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, onepass, monkeypatch):
+def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, monkeypatch):
     """Chunks of at most RECURRENT_MAX_T tokens (speculative verifies) run the decode update token by
     token (`gdn_decode.gdn_recurrent_varlen`): against the fp64 recurrence (fp32: 1e-5 out and
-    state; bf16: 1e-2, the bf16 output) and against the chunked kernels on the same call (env 0), on
+    state; bf16: 1e-2, the bf16 output) and against the chunked kernels on the same call (bound 0), on
     odd head dims (Dk 12, Dv 24: masked lanes), GQA 2:4, an empty and a fresh sequence, rows outside
     cu[0]:cu[N] untouched."""
     from metainfer.kernels import gdn_decode
 
-    monkeypatch.setenv(gdn_decode.ONEPASS_ENV, onepass)  # "1": the one-pass step (METAINFER_GDN_ONEPASS)
     Hk, Hv, Dk, Dv, S = 2, 4, 12, 24, 7
     lens, has_list, slot_list = [5, 1, 0, 16, 3], [True, False, False, True, True], [4, 0, 5, 2, 6]
     lead, tail = 2, 3
@@ -209,12 +208,12 @@ def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, onepass, monke
     slots, has = torch.tensor(slot_list), torch.tensor(has_list)
     gating = (A_log, dt_bias) if gated else None
     runs = {}
-    for max_t in ("16", "0"):  # the recurrent kernel, then the chunked kernels
-        monkeypatch.setenv(gdn_decode.RECURRENT_MAX_T_ENV, max_t)
+    for max_t in (gdn_decode.RECURRENT_MAX_T, 0):  # the recurrent kernel, then the chunked kernels
+        monkeypatch.setattr(gdn_decode, "RECURRENT_MAX_T", max_t)
         st, out = state.clone(), torch.full((T, Hv, Dv), 7.0, dtype=dtype)
         gp.gdn_prefill_varlen(q, k, v, g, beta, cu, st, slots, has, max(lens), out=out, gating=gating)
         runs[max_t] = st, out
-    st, out = runs["16"]
+    st, out = runs[16]
     assert torch.equal(out[:lead], torch.full_like(out[:lead], 7.0))
     assert torch.equal(out[cu_list[-1] :], torch.full_like(out[cu_list[-1] :], 7.0))
     tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 3e-2)
@@ -229,7 +228,7 @@ def test_gdn_short_chunks_take_the_recurrent_kernel(dtype, gated, onepass, monke
                f"state {i}")
     others = [i for i in range(S) if i not in slot_list]
     assert torch.equal(st[others], state[others])
-    c_st, c_out = runs["0"]  # the chunked kernels agree (bf16: their bf16 output path)
+    c_st, c_out = runs[0]  # the chunked kernels agree (bf16: their bf16 output path)
     assert rel_rmse(out[lead : cu_list[-1]], c_out[lead : cu_list[-1]]) < tol[0] and rel_rmse(st, c_st) < 1e-2
 
 

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from metainfer import settings
 from metainfer.kernels.cuda import gemv, launch
 
 nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
@@ -26,18 +27,22 @@ def test_sources_are_the_folders_parts():
 
 
 @nvcc
-def test_build_caches_a_cubin(tmp_path, monkeypatch):
-    monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path))
-    out = launch.build(main="gemv.cu")
-    assert out.is_file() and out.suffix == ".cubin" and out.parent.parent == tmp_path
-    assert launch.build(main="gemv.cu") == out  # the same sources: the cached file
+def test_build_caches_a_cubin(tmp_path):
+    with settings.override(cache_dir=tmp_path):  # METAINFER_CACHE
+        out = launch.build(main="gemv.cu")
+        assert out.is_file() and out.suffix == ".cubin" and out.parent.parent == tmp_path
+        assert launch.build(main="gemv.cu") == out  # the same sources: the cached file
 
 
 @nvcc
-def test_build_from_another_folder(tmp_path, monkeypatch):
+def test_build_from_another_folder(tmp_path):
     """src: another tree's copy of the sources (an A/B in one process) is built from that folder; the same
     sources give the same cubin, a changed copy its own."""
-    monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path / "cache"))
+    with settings.override(cache_dir=tmp_path / "cache"):
+        _build_from_another_folder(tmp_path)
+
+
+def _build_from_another_folder(tmp_path):
     ref = tmp_path / "ref"
     ref.mkdir()
     for name in (*launch.MAINS, *launch.SOURCES):
@@ -49,7 +54,7 @@ def test_build_from_another_folder(tmp_path, monkeypatch):
 
 
 def test_build_refuses_what_is_not_one_define():
-    for bad in ("-O0", "-DA -DB", "GEMV_SLOTS=4"):
+    for bad in ("-O0", "-DA -DB", "GEMV_TIMELINE=1"):
         with pytest.raises(ValueError, match="-DNAME"):
             launch.build(main="gemv.cu", defines=(bad,))
     with pytest.raises(ValueError, match="not one of"):
@@ -57,16 +62,16 @@ def test_build_refuses_what_is_not_one_define():
 
 
 @nvcc
-@pytest.mark.parametrize("defines", [(), ("-DGEMV_PRE_EARLY=1",), ("-DGEMV_TIMELINE=1",)])
-def test_gemv_builds_without_spills(tmp_path, monkeypatch, defines):
-    """gemv.cu (the FP8 projection of one token, KB-0094, and the experts' gate/up, KB-0096) builds into its
-    own cubin, its kernels with no stack frame and no spills; also with the prologue's early loads
-    (GEMV_PRE_EARLY, METAINFER_WGMMA_GEMV_DEFINES) and in the timeline build, whose stamps must stay in
-    registers (a stamp field indexed at run time put them in a 152-byte stack frame)."""
-    monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path / "cache"))
-    out = launch.build(main="gemv.cu", defines=defines)
+@pytest.mark.parametrize("defines", [(), ("-DGEMV_TIMELINE=1",)])
+def test_gemv_builds_without_spills(tmp_path, defines):
+    """gemv.cu (the FP8 projection of one token and the experts' gate/up) builds into its own cubin, its
+    kernels with no stack frame and no spills; also in the timeline build, whose stamps must stay in
+    registers (a stamp field indexed at run time put them in a stack frame)."""
+    with settings.override(cache_dir=tmp_path / "cache"):
+        out = launch.build(main="gemv.cu", defines=defines)
+        default = launch.build(main="gemv.cu")
     assert out.is_file() and out.name.startswith("gemv-")
-    assert (out == launch.build(main="gemv.cu")) == (not defines)  # each flag set its own cubin
+    assert (out == default) == (not defines)  # each flag set its own cubin
     cmd = launch.nvcc_command(tmp_path / "g.cubin", main="gemv.cu", defines=defines)
     res = subprocess.run([*cmd[:1], "-Xptxas", "-v", *cmd[1:]], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "warning" not in res.stderr.lower(), res.stderr[-3000:]

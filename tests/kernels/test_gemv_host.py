@@ -1,29 +1,13 @@
-"""cuda/gemv.py's host side on the CPU: the ring sizes it builds gemv.cu with, and the watchdog's report (the
-kernels themselves run in tests/gpu/test_gemv_gpu.py)."""
+"""cuda/gemv.py's host side on the CPU: the watchdog's report (the kernels themselves run in
+tests/gpu/test_gemv_gpu.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from metainfer.kernels.cuda import gemv
-
-
-def test_ring_slots_even_only(monkeypatch):
-    """gemv.cu's two warpgroups take alternate chunks: with an odd ring a slot's next chunk would be the other
-    warpgroup's, which could pass its mbarrier wait a phase early (a review found it; 3 and 5 slots had been
-    measured, KB-0106). The launcher refuses odd rings before nvcc runs, and 2 slots (nondeterministic tokens
-    on the H200, 2026-12-05b)."""
-    monkeypatch.delenv(gemv.SLOTS_ENV, raising=False)
-    assert gemv.ring_slots() == 4
-    monkeypatch.setenv(gemv.SLOTS_ENV, "6")
-    assert gemv.ring_slots() == 6
-    for bad in ("2", "3", "5", "8"):
-        monkeypatch.setenv(gemv.SLOTS_ENV, bad)
-        with pytest.raises(ValueError, match="SLOTS"):
-            gemv.ring_slots()
 
 
 def test_watchdog_report_names_the_wait(monkeypatch):

@@ -21,7 +21,7 @@ from metainfer.kernels import moe, moe_grouped, routing
 from metainfer.kernels import reference as ref
 from metainfer.kernels.ops import ref_dequant_fp8
 from metainfer.model.fp8 import quantize_fp8_block
-from tests.helpers import assert_fp8_grouped_switch_exact, rel_rmse
+from tests.helpers import rel_rmse
 
 H, I, E, K = 160, 48, 8, 2
 
@@ -60,10 +60,9 @@ def test_moe_unquantised(T, path, dtype):
     assert rel_rmse(got, want) < rmse and _max_rel(got, want) < max_abs
 
 
-@pytest.mark.parametrize("T,path,dtype", CASES)
-def test_moe_fp8(T, path, dtype, monkeypatch):
-    """Weight-only FP8 (METAINFER_MOE_W8A8=0 in the grouped path; e4m3 activations: the test below)."""
-    monkeypatch.setenv(moe_grouped.A8_ENV, "0")
+@pytest.mark.parametrize("T,path,dtype", [c for c in CASES if c[1] == "pair"])
+def test_moe_fp8(T, path, dtype):
+    """Weight-only FP8 (the per-pair path; the grouped path's e4m3 activations: the test below)."""
     x, w_gu, w_dn, tw, ids = _problem(T, seed=1, dtype=dtype)
     q_gu, s_gu = quantize_fp8_block(w_gu)
     q_dn, s_dn = quantize_fp8_block(w_dn)
@@ -87,12 +86,11 @@ def _fake_quant(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("skew", [False, True])
-def test_moe_grouped_w8a8(skew, monkeypatch):
-    """The grouped path's FP8 default (METAINFER_MOE_W8A8=1): e4m3 x e4m3 (activations quantised per token and
-    128 columns, the SiLU*up activation too): against the same quantisation applied in an fp32
-    reference (rel RMSE < 1e-3: an activation on an e4m3 rounding boundary may round the other
-    way), and within 8% of the weight-only FP8 reference."""
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
+def test_moe_grouped_w8a8(skew):
+    """The grouped path's FP8: e4m3 x e4m3 (activations quantised per token and 128 columns, the SiLU*up
+    activation too): against the same quantisation applied in an fp32 reference (rel RMSE < 1e-3: an
+    activation on an e4m3 rounding boundary may round the other way), and within 8% of the weight-only
+    FP8 reference."""
     x, w_gu, w_dn, tw, ids = _problem(17, seed=2, skew=skew, dtype=F32)
     (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
     dq_gu, dq_dn = ref_dequant_fp8(q_gu, s_gu, F32), ref_dequant_fp8(q_dn, s_dn, F32)
@@ -181,10 +179,9 @@ def test_moe_bucket_one_program_layout(T, bm, skew):
 
 def test_moe_grouped_one_bucket_launch_equals_two(monkeypatch):
     x, w_gu, w_dn, tw, ids = _problem(17, seed=6, skew=True)
-    monkeypatch.setenv(moe_grouped.BUCKET_ONE_ENV, "0")
-    two = moe.moe_experts(x, w_gu, w_dn, tw, ids, path="grouped")
-    monkeypatch.setenv(moe_grouped.BUCKET_ONE_ENV, "1")
     one = moe.moe_experts(x, w_gu, w_dn, tw, ids, path="grouped")
+    monkeypatch.setattr(moe_grouped, "BUCKET_ONE_MAX", 0)  # the two-launch bucketing of wider steps
+    two = moe.moe_experts(x, w_gu, w_dn, tw, ids, path="grouped")
     assert torch.equal(one, two)
 
 
@@ -279,16 +276,13 @@ def test_moe_with_shared_expert_slot_matches_separate_shared_mlp():
     assert rel_rmse(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("preload", ["0", "1"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("T,dtype", [(1, F32), (3, F32), (3, BF16)])
-def test_moe_routed_rows(T, dtype, shared, fp8, preload, monkeypatch):
+def test_moe_routed_rows(T, dtype, shared, fp8):
     """Routing inside the gate/up kernel: the same ids and weights as `route_topk`, each pair's
-    unweighted output as `reference.moe_expert_rows`, and their weighted sum as `moe_experts`.
-    preload "1": the down kernel that routes from the logits itself and loads its weights before
-    the PDL wait (METAINFER_MOE_DOWN_PRELOAD=1), the same figures."""
-    monkeypatch.setenv(moe.DOWN_PRELOAD_ENV, preload)
+    unweighted output as `reference.moe_expert_rows`, and their weighted sum as `moe_experts` (the down
+    kernel routes from the logits itself and loads its weights before the PDL wait)."""
     g = torch.Generator().manual_seed(20 + T)
     x, w_gu, w_dn, _, _ = _problem(T, seed=8, dtype=dtype)
     n = E + int(shared)
@@ -323,19 +317,11 @@ def test_moe_routed_rows_asserts():
 
 
 
-def test_routed_rows_bound(monkeypatch):
-    """moe_routed_rows serves FP8 batches up to ROUTED_MAX_T tokens; METAINFER_MOE_ROUTED_MAX_T moves
-    the bound (a verify of 1 + 4 tokens), METAINFER_MOE_ROUTED=0 turns it off, bad values are refused."""
-    monkeypatch.delenv(moe.ROUTED_MAX_T_ENV, raising=False)
+def test_routed_rows_bound():
+    """moe_routed_rows serves FP8 batches up to ROUTED_MAX_T tokens (a verify of 1 + 4 tokens is past it)."""
     assert moe.routed_rows_ok(moe.ROUTED_MAX_T, True) and not moe.routed_rows_ok(moe.ROUTED_MAX_T + 1, True)
+    assert not moe.routed_rows_ok(0, True)
     assert not moe.routed_rows_ok(1, False)  # BF16 experts route in their own launch
-    monkeypatch.setenv(moe.ROUTED_MAX_T_ENV, "5")
-    assert moe.routed_rows_ok(5, True) and not moe.routed_rows_ok(6, True)
-    monkeypatch.setenv(moe.ROUTED_ENV, "0")
-    assert not moe.routed_rows_ok(1, True)
-    monkeypatch.setenv(moe.ROUTED_MAX_T_ENV, "five")
-    with pytest.raises(ValueError):
-        moe.routed_rows_ok(1, True)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -410,10 +396,9 @@ def test_grouped_rows_summed_by_the_norm_equal_combine(T, dtype, fp8):
 
 
 @pytest.mark.parametrize("T", [3, 17])
-def test_moe_rows_serves_wide_batches_unless_switched_off(T, monkeypatch):
+def test_moe_rows_serves_wide_batches(T, monkeypatch):
     """`ops.moe_rows` serves small batches by the per-pair rows and hands batches past the per-pair
-    path to the grouped rows (the combine launch saved); wide ones go back to route + `moe_experts`
-    with METAINFER_MOE_GROUPED_ROWS=0."""
+    path to the grouped rows (the combine launch saved)."""
     from metainfer.kernels import ops, registry
 
     kernels = registry.load()
@@ -427,15 +412,12 @@ def test_moe_rows_serves_wide_batches_unless_switched_off(T, monkeypatch):
     assert torch.equal(got[1], tw)
     want = moe.moe_experts(x, w_gu, w_dn, tw, ids)
     assert rel_rmse(torch.einsum("tw,twh->th", tw, got[0].float()), want.float()) < 1e-5
-    monkeypatch.setenv(moe.GROUPED_ROWS_ENV, "0")
-    assert (ops.moe_rows(x, logits, K, w_gu, w_dn) is None) == (T > moe.PAIR_MAX_T)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_moe_grouped_tma_weights(fp8, monkeypatch):
     """A config's TMA=1 (the weight tiles by TMA descriptor, `moe_grouped.tma_ok`'s shapes: N and K
     tiles that divide the experts' rows) gives the pointer-load kernels' result exactly."""
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
     g = torch.Generator().manual_seed(7)
     h, i, e, T = 256, 64, 8, 19
     x = torch.randn(T, h, generator=g).to(BF16)
@@ -478,19 +460,11 @@ def test_quant_valid_rows_equals_act_quant(bm, K):
     assert torch.equal(s[:, valid], s_all[:, valid])
 
 
-def test_moe_grouped_valid_rows_quant_equals_all_rows(monkeypatch):
-    """FP8 grouped experts with the down input quantised on the valid rows only
-    (METAINFER_MOE_QUANT_VALID=1, the default) equal the all-rows quantisation exactly."""
-    problem = _problem(19, seed=8, skew=True, dtype=BF16)
-    assert_fp8_grouped_switch_exact(monkeypatch, moe_grouped.VALID_ROWS_ENV, problem)
-
-
 def test_moe_grouped_takes_the_norms_e4m3_copy(monkeypatch):
     """The grouped FP8 experts given x's e4m3 copy (a norm's `act_buffers`, padded rows) compute what
     they compute from act_quant(x) themselves, bit for bit."""
     from metainfer.kernels import fp8_linear
 
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1")
     x, w_gu, w_dn, tw, ids = _problem(19, seed=9, skew=True, dtype=BF16)
     (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
     gu, dn = moe._scale_args(s_gu, q_gu), moe._scale_args(s_dn, q_dn)
@@ -502,29 +476,24 @@ def test_moe_grouped_takes_the_norms_e4m3_copy(monkeypatch):
     assert torch.equal(moe_grouped.grouped_rows(x, q_gu, q_dn, ids, gu, dn, True, cfg, xq=xq), want)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8", "w8a8", "w8a8-skew"])
-def test_moe_grouped_swapped_operands(kind, monkeypatch):
-    """METAINFER_MOE_GROUPED_SWAP=1 (the grouped GEMMs as weights @ rows^T: the weight tile the
-    MMA's M side): within the dtype's tolerance of the reference and of the unswapped kernels
-    (rel RMSE < 1e-5 fp32 / 1e-2 bf16, e4m3 x e4m3 1e-3: the sums' order may differ)."""
+@pytest.mark.parametrize("kind", ["f32", "bf16", "w8a8", "w8a8-skew"])
+def test_moe_grouped_swapped_operands(kind):
+    """A config's SWAP=1 (the grouped GEMMs as weights @ rows^T: the weight tile the MMA's M side):
+    within the dtype's tolerance of the reference and of the unswapped kernels (rel RMSE < 1e-5 fp32 /
+    1e-2 bf16, e4m3 x e4m3 1e-3: the sums' order may differ)."""
     dtype = BF16 if kind == "bf16" else F32
-    monkeypatch.setenv(moe_grouped.A8_ENV, "1" if kind.startswith("w8a8") else "0")
     x, w_gu, w_dn, tw, ids = _problem(17, seed=5, skew=kind.endswith("skew"), dtype=dtype)
     args, ref_w = (x, w_gu, w_dn, tw, ids), (w_gu, w_dn)
-    if kind in ("fp8", "w8a8", "w8a8-skew"):
+    fp8 = kind.startswith("w8a8")
+    if fp8:
         (q_gu, s_gu), (q_dn, s_dn) = quantize_fp8_block(w_gu), quantize_fp8_block(w_dn)
         args = (x, q_gu, q_dn, tw, ids, s_gu, s_dn)
         ref_w = (ref_dequant_fp8(q_gu, s_gu, dtype), ref_dequant_fp8(q_dn, s_dn, dtype))
-    runs = {}
-    for swap in ("0", "1"):
-        monkeypatch.setenv(moe_grouped.SWAP_ENV, swap)
-        runs[swap] = moe.moe_experts(*args, path="grouped")
+    cfg = moe_grouped.grouped_config(17, K, E, fp8)
+    runs = {swap: moe.moe_experts(*args, path="grouped", config=dict(cfg, SWAP=swap)) for swap in (0, 1)}
     want = ref.moe_experts(x, *ref_w, tw, ids)
     rmse, max_abs = TOL[dtype]
-    tol = 8e-2 if kind.startswith("w8a8") else rmse  # e4m3 activations: as test_moe_grouped_w8a8
-    assert rel_rmse(runs["1"], want) < tol
-    same = 1e-2 if dtype == BF16 else 1e-3 if kind.startswith("w8a8") else 1e-5
-    assert rel_rmse(runs["1"], runs["0"]) < same, rel_rmse(runs["1"], runs["0"])
-    monkeypatch.setenv(moe_grouped.SWAP_ENV, "2")
-    with pytest.raises(ValueError, match="METAINFER_MOE_GROUPED_SWAP"):
-        moe.moe_experts(*args, path="grouped")
+    tol = 8e-2 if fp8 else rmse  # e4m3 activations: as test_moe_grouped_w8a8
+    assert rel_rmse(runs[1], want) < tol
+    same = 1e-2 if dtype == BF16 else 1e-3 if fp8 else 1e-5
+    assert rel_rmse(runs[1], runs[0]) < same, rel_rmse(runs[1], runs[0])

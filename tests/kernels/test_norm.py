@@ -70,7 +70,7 @@ def test_add_rms_norm(T, dtype):
 def test_add_rms_norm_router(T, N, E, dtype, monkeypatch):
     """The norm and the MoE router's logits of its output in one launch: odd widths, a router not a
     multiple of the programs' rows, strided x rows; None past the token bound."""
-    monkeypatch.setenv(norm.ROUTER_T_ENV, "8")
+    assert T <= norm.ROUTER_MAX_T
     g = torch.Generator().manual_seed(20 + T)
     x = torch.randn(T, N + 16, generator=g).to(dtype)[:, 8 : N + 8]
     r = torch.randn(T, N, generator=g).to(dtype)
@@ -82,14 +82,9 @@ def test_add_rms_norm_router(T, N, E, dtype, monkeypatch):
     _close(out, want_out, dtype)
     _close(logits, torch.nn.functional.linear(want_out, rw), dtype)
     assert norm.add_rms_norm_router(x, r, w, 1e-6, rw.double()) is None  # a router in another dtype
-    monkeypatch.setenv(norm.ROUTER_BLOCK_ENV, "4")  # the A/Bs' launch config: the same logits
-    monkeypatch.setenv(norm.ROUTER_WARPS_ENV, "2")
+    monkeypatch.setattr(norm, "ROUTER_BLOCK_E", 4)  # other rows a program: the same logits
     _close(norm.add_rms_norm_router(x, r, w, 1e-6, rw)[2], logits, dtype)
-    monkeypatch.setenv(norm.ROUTER_BLOCK_ENV, "3")
-    with pytest.raises(ValueError, match="powers of two"):
-        norm.add_rms_norm_router(x, r, w, 1e-6, rw)
-    monkeypatch.delenv(norm.ROUTER_BLOCK_ENV)
-    monkeypatch.setenv(norm.ROUTER_T_ENV, str(T - 1))
+    monkeypatch.setattr(norm, "ROUTER_MAX_T", T - 1)
     assert norm.add_rms_norm_router(x, r, w, 1e-6, rw) is None
 
 
@@ -141,7 +136,7 @@ def test_moe_add_rms_norm(T, W, dtype):
 
 @pytest.mark.parametrize("moe_rows", [False, True])
 def test_norm_writes_act_quant_copy(moe_rows):
-    """xq_out (METAINFER_NORM_QUANT's buffers): the fused add+norm also writes its output's e4m3
+    """xq_out (`fp8_linear.act_buffers`): the fused add+norm also writes its output's e4m3
     copy and per-128-column scales, the bits `fp8_linear.act_quant` gives for that output; the
     padding rows of the buffers (T = 5 -> 8 rows) stay zeros."""
     from metainfer.kernels import fp8_linear

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import metainfer
+from metainfer import settings
 from metainfer.kernels import pdl
 
 ROOT = Path(metainfer.__file__).resolve().parent
@@ -69,43 +70,11 @@ def test_read_before_wait_names_real_parameters():
         assert ptrs <= params and all(p.endswith("_ptr") for p in ptrs), (name, ptrs - params)
 
 
-def test_early_release_only_where_allowed(monkeypatch):
-    """`pdl.release` (the next kernel released at this one's start: two kernels ahead) is the first statement
-    of the kernels of pdl.EARLY_KERNELS only, under a constexpr of their own; the experts' down takes it only
-    where its switch (METAINFER_MOE_DOWN_EARLY, ...) or its default says so and PDL is on."""
-    seen = set()
+def test_no_kernel_releases_the_next_before_its_wait():
+    """Every kernel releases the next one only in `pdl.wait` (after its own wait): at most one runs ahead."""
     for path in KERNEL_FILES:
-        for fn in _kernels(ast.parse(path.read_text())):
-            body = [ast.unparse(st) for st in fn.body]
-            releases = [i for i, st in enumerate(body) if "pdl.release(" in st]
-            if not releases:
-                continue
-            seen.add(fn.name)
-            doc = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
-            assert fn.name in pdl.EARLY_KERNELS and releases == [int(doc)], (fn.name, body[:3])
-            assert body[int(doc)] == "pdl.release(USE_PDL, EARLY)", body[int(doc)]
-    assert seen == set(pdl.EARLY_KERNELS)
-    for kernel, (env, default) in pdl.EARLY_KERNELS.items():
-        assert default in ("0", "1"), (kernel, default)
-        monkeypatch.setenv(env, "1")
-        monkeypatch.setattr(pdl, "_SUPPORTED", False)
-        assert pdl.early(kernel) == 0  # nothing to release without PDL
-        monkeypatch.setattr(pdl, "_SUPPORTED", True)
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        monkeypatch.delenv(pdl.ENV, raising=False)
-        assert pdl.early(kernel) == 1
-        monkeypatch.setenv(env, "0")
-        assert pdl.early(kernel) == 0
-        monkeypatch.delenv(env)
-        assert pdl.early(kernel) == int(default)  # its default
-        monkeypatch.setenv(pdl.ENV, "0")
-        assert pdl.early(kernel) == 0  # PDL off
-        monkeypatch.delenv(pdl.ENV)
-        monkeypatch.setattr(pdl, "_SUPPORTED", None)
-    assert pdl.early("_routed_down_kernel") == 0  # (no GPU here: PDL off)
-    # the experts' gate/up releases its down only after its own wait: the down reads the router's logits (two
-    # kernels back) before its wait
-    assert "moe_gate_up" not in " ".join(pdl.EARLY_KERNELS)
+        src = path.read_text()
+        assert "gdc_launch_dependents" not in src or path.name == "pdl.py", path.name
 
 
 def test_the_before_wait_check_rejects():
@@ -133,38 +102,32 @@ def test_every_launch_passes_the_flag():
     assert launches >= 20  # the walk found the launch sites
 
 
-def test_off_on_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert pdl.kw() == {} and not pdl.enabled()
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv(pdl.ENV, "0")
-    assert pdl.kw() == {}
+def test_off_on_the_interpreter_and_by_its_setting(monkeypatch):
+    monkeypatch.setattr(pdl, "_SUPPORTED", True)
+    with settings.override(triton_interpret=True):
+        assert pdl.kw() == {} and not pdl.enabled()
+    with settings.override(triton_interpret=False, pdl=False):  # METAINFER_PDL=0
+        assert pdl.kw() == {}
+    with settings.override(triton_interpret=False):
+        assert pdl.enabled()
 
 
 def test_prefill_chunks_launch_without_pdl(monkeypatch):
-    """By default (METAINFER_PDL_PREFILL unset or 0) steps with a chunk longer than PREFILL_MAX_TOKENS
-    (and graphs captured for them) launch without PDL; decode steps and short verify chunks keep it;
-    METAINFER_PDL_PREFILL=1: PDL for all."""
-    from metainfer.kernels import pdl
-
+    """Steps with a chunk longer than PREFILL_MAX_TOKENS (and graphs captured for them) launch without PDL;
+    decode steps and short verify chunks keep it."""
     monkeypatch.setattr(pdl, "_SUPPORTED", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv(pdl.ENV, raising=False)
-    monkeypatch.setenv(pdl.PREFILL_ENV, "1")
-    with pdl.off_for(1024):  # PDL for prefill too
-        assert pdl.enabled()
-    monkeypatch.delenv(pdl.PREFILL_ENV)  # the default
-    assert pdl.kw() == {"USE_PDL": 1, "launch_pdl": True}
-    with pdl.off_for(pdl.PREFILL_MAX_TOKENS):
-        assert pdl.enabled()
-    with pdl.off_for(1024):
-        assert not pdl.enabled() and pdl.kw() == {}
-        with pdl.off_for(1):  # nested: still off
-            assert not pdl.enabled()
-    assert pdl.enabled()
-    try:
+    with settings.override(triton_interpret=False, pdl=True):
+        assert pdl.kw() == {"USE_PDL": 1, "launch_pdl": True}
+        with pdl.off_for(pdl.PREFILL_MAX_TOKENS):
+            assert pdl.enabled()
         with pdl.off_for(1024):
-            raise RuntimeError
-    except RuntimeError:
-        pass
-    assert pdl.enabled()  # restored after an error inside
+            assert not pdl.enabled() and pdl.kw() == {}
+            with pdl.off_for(1):  # nested: still off
+                assert not pdl.enabled()
+        assert pdl.enabled()
+        try:
+            with pdl.off_for(1024):
+                raise RuntimeError
+        except RuntimeError:
+            pass
+        assert pdl.enabled()  # restored after an error inside

@@ -1,28 +1,19 @@
-"""One decode token's FP8 projection on wgmma, a kernel of its own (`gemv.cu`, KB-0094): the consumers of the
-former megakernel (W as A of m64n8k32 landed by TMA, x as two e4m3 terms) in a launch that joins the step's
-programmatic-dependent-launch chain. Its producer streams the weights before `griddepcontrol.wait`, so they
-load while the previous kernel runs. KB-0092 measured the form on the step's skeleton: a small launch plus
-in_proj's 25 MB in 10.0 us, qkv's 19 MB in 8.8 us (the Triton path: 11.3-12.6 / 9.5-12.3 us).
+"""One decode token's FP8 projection on wgmma, a kernel of its own (`gemv.cu`): W as A of m64n8k32 landed by
+TMA, x as two e4m3 terms, in a launch that joins the step's programmatic-dependent-launch chain. Its
+producer streams the weights before `griddepcontrol.wait`, so they load while the previous kernel runs.
 
-`fp8_linear` calls `project` for one token when `wanted` says so (on by default; METAINFER_WGMMA_GEMV=0 keeps
-the Triton kernels): an sm_90 GPU with nvcc on PATH (built once and cached:
-`launch.build(main="gemv.cu")`), K = 2048, N a multiple of 16 up to MAX_N, bf16 x: the attention qkv (FP8
-batch 1 +2 %, KB-0094). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with
-its decode conv as the epilogue (METAINFER_WGMMA_GEMV_CONV=0 keeps Triton's): with a ring of 4 slots (128 KB,
-so the next kernel's CTA fits beside it) FP8 batch 1 went 531 -> 541-542 tok/s (KB-0095).
-Launched through the driver on the current torch stream with the programmatic-stream-serialization attribute
-when `pdl.enabled()`; CUDA graphs record it like any kernel.
-
-Measured slower on the H200 and removed (2026-12-05b; the code: `git show 68438ee:metainfer/kernels/mega/`):
-fused launches whose consumers waited on per-head / per-pair counts (the DeltaNet step in the in_proj's
-launch, KB-0108; the experts' down, KB-0109, and post-mixer norm and router, KB-0111, in the gate/up's), the
-next projection prefetched into L2 (KB-0110), the experts' own 6-slot ring (KB-0113), bf16 weights (KB-0114).
+`fp8_linear` calls `project` for one token when `wanted` says so: an sm_90 GPU with nvcc on PATH (built
+once and cached: `launch.build(main="gemv.cu")`), K = 2048, N a multiple of 16 up to MAX_N, bf16 x (the
+attention qkv). `linear_conv_update` does likewise (`wanted_conv`) for the DeltaNet in_proj with its decode
+conv as the epilogue; `project_pre` takes the previous MoE's rows and the input norm as its x prologue;
+`moe_gate_up` runs one token's experts' gate/up, routed in the kernel. Launched through the driver on the
+current torch stream with the programmatic-stream-serialization attribute when `pdl.enabled()`; CUDA graphs
+record it like any kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 import warnings
@@ -30,19 +21,13 @@ import warnings
 import torch
 
 from metainfer.kernels import pdl
-from metainfer.kernels.common import env_int
+from metainfer.kernels.common import interpreting
 from metainfer.kernels.cuda import gemv_timeline
 
-ENV = "METAINFER_WGMMA_GEMV"  # "0": one token's FP8 projections stay on the Triton kernels
-CONV_ENV = "METAINFER_WGMMA_GEMV_CONV"  # "0": the DeltaNet in_proj (conv epilogue) back on Triton
-SLOTS_ENV = "METAINFER_WGMMA_GEMV_SLOTS"  # the ring's 32 KB slots (4 or 6; default 4): same outputs
-DEFINES_ENV = "METAINFER_WGMMA_GEMV_DEFINES"  # more -D flags for gemv.cu's build (A/Bs): "-DGEMV_PRE_EARLY=1"
-MOE_ENV = "METAINFER_WGMMA_GEMV_MOE"  # "0": one token's experts' gate/up back on Triton (KB-0096)
-PRE_ENV = "METAINFER_WGMMA_GEMV_PRE"  # "0": the input norm in its own launch, not qkv / in_proj (KB-0097)
-K = 2048  # the K served (a K = 4,096 form measured no faster and was removed: KB-0095)
-MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV stays (KB-0067)
+K = 2048  # the K served
+MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV serves
 _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-THREADS = 32 * (8 + 1)  # gemv.cu's CTA (mega_base.cuh's NT = 32 * (NCW + 1)): 8 consumer warps, the producer
+THREADS = 32 * (8 + 1)  # gemv.cu's CTA (gemv_math.cuh's NT = 32 * (NCW + 1)): 8 consumer warps, the producer
 
 
 class _AttrValue(ctypes.Union):
@@ -85,20 +70,15 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
-
-
 def wanted(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
     """Whether gemv.cu serves x [1, K] @ dequant(w [N, K] e4m3, s [N / 128, K / 128])^T (N a multiple of 16;
     the caller has checked the dtypes and shapes fp8_linear asserts)."""
-    if not enabled() or not x.is_cuda or x.shape[0] != 1 or x.dtype != torch.bfloat16 or w.dim() != 2:
+    if not x.is_cuda or x.shape[0] != 1 or x.dtype != torch.bfloat16 or w.dim() != 2:
         return False
     N, k = w.shape
     weights = w.dtype == torch.float8_e4m3fn and s is not None and N % 16 == 0 and s.is_contiguous()
     return (weights and k == K and N <= MAX_N and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and w.is_contiguous() and w.data_ptr() % 16 == 0 and not interpreting()
             and _kernel(x.device) is not None)
 
 
@@ -106,22 +86,18 @@ def wanted_conv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, conv_weight: 
                 conv_state: torch.Tensor, slots: torch.Tensor) -> bool:
     """`wanted`, with the DeltaNet decode conv of one decoding row as the epilogue (`project`'s conv)."""
     C, ck = conv_weight.shape
-    return (os.environ.get(CONV_ENV, "1") != "0" and w.shape[1] == K and wanted(x, w, s)
+    return (w.shape[1] == K and wanted(x, w, s)
             and slots.shape == (1,) and slots.dtype == torch.int64 and ck == CONV_K and C <= w.shape[0]
             and conv_weight.dtype == conv_state.dtype == torch.bfloat16 and conv_weight.is_contiguous()
             and conv_state.shape[1:] == (ck - 1, C) and conv_state.stride(2) == 1)
-
-
-def pre_enabled() -> bool:
-    return os.environ.get(PRE_ENV, "1") != "0" and enabled()
 
 
 def wanted_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                new_res: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> bool:
     """Whether `project_pre` serves rms_norm(sum_j tw[j] rows[j] + residual) @ dequant(w, s)^T for one
     token (the previous MoE's rows [1, W, K] fp32, W <= PRE_MAX_W; residual, new_res [1, K] bf16; the
-    norm's weight [K] bf16): its switch, and `wanted` for the projection."""
-    if not pre_enabled() or not rows.is_cuda or rows.dim() != 3:
+    norm's weight [K] bf16), and `wanted` for the projection."""
+    if not rows.is_cuda or rows.dim() != 3:
         return False
     W = rows.shape[1]
     return (rows.shape == (1, W, K) and 0 < W <= PRE_MAX_W and rows.dtype == tw.dtype == torch.float32
@@ -134,11 +110,11 @@ def wanted_pre(rows: torch.Tensor, tw: torch.Tensor, residual: torch.Tensor, nor
 
 
 def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tensor, s: torch.Tensor) -> bool:
-    """Whether `moe_gate_up` serves one token's routed and shared experts' gate/up: its switch, x [1, K]
+    """Whether `moe_gate_up` serves one token's routed and shared experts' gate/up: x [1, K]
     bf16, logits [1, E + 1] bf16 (the shared expert's gate last), w [E + 1, rows, K] e4m3 (the shared expert
     at E), rows a multiple of 128, s its [E + 1, rows / 128, K / 128] block scales, E <= MOE_MAX_E,
     top_k < MOE_MAX_K."""
-    if os.environ.get(MOE_ENV, "1") == "0" or not enabled() or not x.is_cuda or w.dim() != 3:
+    if not x.is_cuda or w.dim() != 3:
         return False
     E1, rows, k = w.shape
     weights = (w.dtype == torch.float8_e4m3fn and s is not None and s.is_contiguous()
@@ -146,8 +122,7 @@ def wanted_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: torch.Tenso
     return (weights and x.shape == (1, K) and x.dtype == logits.dtype == torch.bfloat16
             and logits.shape == (1, E1) and 0 < top_k < min(MOE_MAX_K, E1) and E1 - 1 <= MOE_MAX_E and k == K
             and rows % 128 == 0 and w.is_contiguous() and x.is_contiguous() and logits.is_contiguous()
-            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and not interpreting()
             and _kernel(x.device) is not None)
 
 
@@ -155,8 +130,8 @@ KERNEL_NAMES = ("gemv_e4m3", "gemv_e4m3_pre", "moe_gate_up_e4m3")
 
 
 class _Kernel:
-    """gemv.cu loaded on one device: built with METAINFER_WGMMA_GEMV_SLOTS's ring, its layout constants
-    checked against the host's structs, its watchdog pointed at pinned host memory."""
+    """gemv.cu loaded on one device (the timeline build where `use_timeline_build` says so), its layout
+    constants checked against the host's structs, its watchdog pointed at pinned host memory."""
 
     def __init__(self, device: torch.device) -> None:
         from metainfer.kernels.cuda import launch
@@ -167,7 +142,7 @@ class _Kernel:
         # the watchdog's report: pinned host memory (the device writes it through unified addressing), which
         # stays readable once a trap has ended the context (watchdog_report)
         self.watch = torch.zeros(8, dtype=torch.int32, pin_memory=True)
-        image = launch.build(main="gemv.cu", defines=(f"-DGEMV_SLOTS={ring_slots()}", *build_defines()))
+        image = launch.build(main="gemv.cu", defines=(gemv_timeline.DEFINE,) if _TIMELINE else ())
         self.module = ctypes.c_void_p()  # (loaded for the process)
         self.drv("cuModuleLoadData", ctypes.byref(self.module), image.read_bytes())
         fns = {}
@@ -267,23 +242,6 @@ class _Kernel:
         self.drv("cuLaunchKernelEx", ctypes.byref(cfg), fn, params, None)
 
 
-def ring_slots() -> int:
-    """METAINFER_WGMMA_GEMV_SLOTS: 4 (the default) or 6. Even only: the two consumer warpgroups take alternate
-    chunks, so with an odd ring a slot's next chunk would be the other warpgroup's, which could pass its
-    mbarrier wait a phase early (gemv.cu's static_assert says why). Not 2: on the H200 (2026-12-05b) a 2-slot
-    ring gave greedy tokens that differ from run to run of the same mode, a race not yet found; 4 slots gave
-    the same tokens in every run and process."""
-    slots = env_int(SLOTS_ENV, 4, 2, 6)
-    if slots not in (4, 6):
-        raise ValueError(f"{SLOTS_ENV} must be 4 or 6 (an even ring; 2 races, 2026-12-05b); got {slots}")
-    return slots
-
-
-def build_defines() -> tuple[str, ...]:
-    """METAINFER_WGMMA_GEMV_DEFINES's flags, space-separated (launch.build rejects any but -DNAME[=VALUE])."""
-    return tuple(os.environ.get(DEFINES_ENV, "").split())
-
-
 _KERNELS: dict[torch.device, _Kernel | None] = {}
 WATCH_CODES = {2: "a full ring slot", 3: "an empty ring slot"}
 
@@ -302,14 +260,21 @@ def watchdog_report() -> str | None:
     return None
 
 
-LOAD_ENVS = (SLOTS_ENV, DEFINES_ENV)  # read when gemv.cu is built and loaded (then `reset`)
+_TIMELINE = False  # the next load builds gemv.cu with the timeline's stamps (`use_timeline_build`)
+
+
+def use_timeline_build(on: bool = True) -> None:
+    """gemv.cu loads as the timeline build (gemv_timeline.DEFINE: each CTA's phases recorded) from the next
+    load on, or as the default build (off); `reset` after a load, graphs captured with the old module
+    dropped first."""
+    global _TIMELINE
+    _TIMELINE = on
 
 
 def reset() -> None:
-    """Forgets the loaded kernels: the next call builds (or finds in the cubin cache) and loads gemv.cu for
-    the ring size and -D flags the environment says now (an in-process A/B of METAINFER_WGMMA_GEMV_SLOTS or
-    _DEFINES: benchmarks/ab_inproc.py). The modules loaded before stay loaded; graphs captured
-    with them must be dropped first."""
+    """Forgets the loaded kernels: the next call builds (or finds in the cubin cache) and loads gemv.cu again
+    (the build `use_timeline_build` says now). The modules loaded before stay loaded; graphs captured with
+    them must be dropped first."""
     _KERNELS.clear()
 
 

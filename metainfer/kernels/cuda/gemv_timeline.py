@@ -1,5 +1,5 @@
 """Where a gemv.cu launch's time goes, CTA by CTA: the timeline build's records (`gemv_timeline.cuh`,
-`-DGEMV_TIMELINE=1` in METAINFER_WGMMA_GEMV_DEFINES) read back and put on one time axis.
+`gemv.use_timeline_build()`) read back and put on one time axis.
 
 Each CTA of each launch writes TL_N 64-bit words: SM cycles (clock64) when it entered, when its
 `griddepcontrol.wait` returned (the previous kernel done), when its x prologue had summed the MoE rows (the
@@ -7,7 +7,7 @@ Each CTA of each launch writes TL_N 64-bit words: SM cycles (clock64) when it en
 was done, with the cycles it spent waiting for full slots; the producer's wait (the experts' routing) and
 its last chunk's slot, with its cycles waiting for empty ones. Two globaltimer readings a CTA (entry, the
 first warpgroup's end) tie the cycles to nanoseconds: `calibrate` fits each SM's clock to globaltimer over
-all its records (a step's 80 launches span ~1.6 ms, so globaltimer's coarse ticks average out), which
+all its records (a step's launches span milliseconds, so globaltimer's coarse ticks average out), which
 lines the SMs up.
 
 `Recorder(device)` points the records at a buffer (`[slots, grid, TL_N]`, a launch's place its sequence
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFINE = "-DGEMV_TIMELINE=1"  # the timeline build (gemv.py's DEFINES_ENV)
+DEFINE = "-DGEMV_TIMELINE=1"  # the timeline build's flag (gemv.use_timeline_build)
 FIELDS = ("meta", "seq", "gt_in", "in", "wait", "rows", "staged", "x", "first", "end0", "waitcyc0", "gt_end0",
           "first1", "end1", "waitcyc1", "p_wait", "p_last", "p_emptycyc")  # gemv_timeline.cuh's TL_* order
 TL_N = len(FIELDS)
@@ -202,16 +202,16 @@ def table(rows: list[dict]) -> str:
 
 class Recorder:
     """The timeline build's records on `device` pointed at a buffer of `slots` launches (`read` after a
-    step; `clear` before the next). The process's gemv.cu must be the timeline build: set
-    METAINFER_WGMMA_GEMV_DEFINES to include DEFINE before gemv.cu loads (or gemv.reset() after)."""
+    step; `clear` before the next). The process's gemv.cu must be the timeline build:
+    `gemv.use_timeline_build()` before gemv.cu loads (or `gemv.reset()` after)."""
 
     def __init__(self, device: torch.device, slots: int = 256) -> None:
         from metainfer.kernels.cuda import gemv
 
         kernel = gemv._kernel(device)
         if kernel is None or not kernel.timeline_built:
-            raise RuntimeError(f"gemv.cu is not the timeline build here: put {DEFINE} in {gemv.DEFINES_ENV} "
-                               "before it loads (or call gemv.reset() after setting it)")
+            raise RuntimeError("gemv.cu is not the timeline build here: call gemv.use_timeline_build() "
+                               "before it loads (or gemv.reset() after)")
         self.kernel, self.slots, self.grid = kernel, slots, kernel.sms
         self.buf = torch.zeros(slots, self.grid, TL_N, dtype=torch.int64, device=device)
         kernel.set_timeline(self.buf, slots, self.grid)

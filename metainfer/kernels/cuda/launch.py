@@ -1,11 +1,7 @@
-"""Builds gemv.cu (the default path's FP8 projection of one token, KB-0094) into a cubin with nvcc (sm_90a;
-cached by the sources' hash) and gives the CUDA driver API's few entry points (ctypes on libcuda) that
-`gemv` launches it through, on the current torch stream, so a launch can be captured in a CUDA graph like any
-kernel. No torch extension build: nvcc alone, seconds.
-
-(The persistent batch-1 megakernel this build and launcher were written for, mega.cu with its program,
-emulator and profiler, left the product; its code is at commit b4eb65f, metainfer/kernels/mega/, and
-docs/megakernel.md is its history.)
+"""Builds gemv.cu (the default path's FP8 projection of one token) into a cubin with nvcc (sm_90a; cached
+by the sources' hash under METAINFER_CACHE) and gives the CUDA driver API's few entry points (ctypes on
+libcuda) that `gemv` launches it through, on the current torch stream, so a launch can be captured in a
+CUDA graph like any kernel. No torch extension build: nvcc alone, seconds.
 """
 
 from __future__ import annotations
@@ -19,11 +15,12 @@ from pathlib import Path
 
 import torch
 
+from metainfer.settings import settings
+
 HERE = Path(__file__).resolve().parent
 SOURCES = ("ptx.cuh", "mega_base.cuh", "mega_math.cuh",  # the parts gemv.cu includes (the cubin cache's key)
            "gemv_args.cuh", "gemv_io.cuh", "gemv_sync.cuh", "gemv_timeline.cuh")
 MAINS = ("gemv.cu",)  # the translation units built here (build(main=...)); each hashes SOURCES too
-CACHE_ENV = "METAINFER_CACHE"  # cubin cache folder (default ~/.cache/metainfer)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin")
 
 
@@ -37,7 +34,7 @@ def nvcc_command(out: Path, defines: tuple[str, ...] = (), src: Path = HERE,
 
 def build(defines: tuple[str, ...] = (), src: Path = HERE, main: str = "gemv.cu") -> Path:
     """The cubin for the sources in src (default: this package's; another folder holds an older tree's
-    copy for an A/B in one process), extra -D flags in defines (e.g. "-DGEMV_PRE_EARLY=1"), compiled once
+    copy for an A/B in one process), extra -D flags in defines (e.g. "-DGEMV_TIMELINE=1"), compiled once
     per source hash and flags. main: the translation unit (gemv.cu)."""
     if main not in MAINS:
         raise ValueError(f"cuda build: {main!r} is not one of {MAINS}")
@@ -48,7 +45,7 @@ def build(defines: tuple[str, ...] = (), src: Path = HERE, main: str = "gemv.cu"
     for name in dict.fromkeys((main, *SOURCES)):
         h.update((src / name).read_bytes())
     h.update(" ".join(NVCC_FLAGS + tuple(defines)).encode())
-    root = Path(os.environ.get(CACHE_ENV, "") or Path.home() / ".cache" / "metainfer") / "cuda"
+    root = settings().cache_dir / "cuda"
     out = root / f"{Path(main).stem}-{h.hexdigest()[:16]}.cubin"
     if not out.is_file():
         root.mkdir(parents=True, exist_ok=True)
