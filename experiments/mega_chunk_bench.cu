@@ -9,7 +9,7 @@
 // out[cta * 4 + 0..1]: consumer warp 0's cycles over its chunks, globaltimer ns over the same span.
 #include <cuda.h>
 
-#include "../metainfer/kernels/cuda/mega_math.cuh"
+#include "mega_math.cuh"
 
 using namespace mega;
 

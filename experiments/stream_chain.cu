@@ -72,7 +72,7 @@
 #include <string>
 #include <vector>
 
-#include "../metainfer/kernels/cuda/mega_math.cuh"  // (ptx.cuh; the megakernel's wgmma GEMV: stage_kernel_wg)
+#include "mega_math.cuh"  // (ptx.cuh; the megakernel's wgmma GEMV: stage_kernel_wg)
 
 #define CK(x)                                                                                  \
   do {                                                                                         \

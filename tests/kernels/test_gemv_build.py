@@ -18,10 +18,10 @@ nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this 
 
 def test_sources_are_the_folders_parts():
     """Every .cu / .cuh beside the launcher is in the cubin cache's key (or is a main), and the CTA size the
-    launcher checks gemv.cu's constants against is mega_base.cuh's."""
+    launcher checks gemv.cu's constants against is gemv_math.cuh's."""
     parts = sorted(f.name for f in launch.HERE.iterdir() if f.suffix in (".cu", ".cuh"))
     assert sorted(set(launch.SOURCES) | set(launch.MAINS)) == parts
-    src = (launch.HERE / "mega_base.cuh").read_text()
+    src = (launch.HERE / "gemv_math.cuh").read_text()
     ncw = int(re.search(r"constexpr int NCW = (\d+);", src).group(1))
     assert "constexpr int NT = 32 * (NCW + 1);" in src and gemv.THREADS == 32 * (ncw + 1)
 
@@ -48,7 +48,7 @@ def _build_from_another_folder(tmp_path):
     for name in (*launch.MAINS, *launch.SOURCES):
         shutil.copy(launch.HERE / name, ref / name)
     assert launch.build(src=ref) == launch.build()
-    (ref / "mega_base.cuh").write_text((ref / "mega_base.cuh").read_text() + "\n// changed\n")
+    (ref / "gemv_math.cuh").write_text((ref / "gemv_math.cuh").read_text() + "\n// changed\n")
     other = launch.build(src=ref)
     assert other != launch.build() and other.is_file()
 

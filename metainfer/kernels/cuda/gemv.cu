@@ -1,4 +1,4 @@
-// One decode token's FP8 projection on the megakernel's wgmma consumers, as a kernel of its own (KB-0092, KB-0094):
+// One decode token's FP8 projection on wgmma, a kernel of its own:
 //   y[n] = bf16( sum_b scale[n / 128][b] * (W[n, 128 b : 128 b + 128] . x[128 b : 128 b + 128]) ),
 // W [N, K] e4m3 with K = 2048 (N a multiple of 16), scale [ceil(N / 128), K / 128] fp32, x [K] bf16, y [N] bf16.
 //
@@ -10,45 +10,24 @@
 // kernel runs (programmatic dependent launch; metainfer/kernels/pdl.py's contract). Warps 0-7 (two warpgroups,
 // alternate chunks) wait for the previous kernel, release the next one, read x, split it into two e4m3 terms per
 // 128-column block (exact for bf16 down to 2^-9 of the block's largest) and reduce each chunk on wgmma
-// (mega::stage_x8 and mega::wg_dot16: m64n8k32, B = the 4 segments' hi and lo terms). (A K = 4,096 form, m64n16k32
-// on 8-row chunks, for the attention o_proj and the DeltaNet out_proj with its gated norm, measured no faster and
-// was removed: KB-0095; its patch is in git history, 91fe9d4:benchmarks/results/2026-12-04e/.)
+// (gemv::stage_x8 and gemv::wg_dot16: m64n8k32, B = the 4 segments' hi and lo terms).
 // Each 128-column block's product (its own accumulator chain) times the weight and x block scales, summed in fp32.
 //
-// moe_gate_up_e4m3 (KB-0096): the same K = 2048 kernel over one token's experts' gate/up rows (routed pairs and the
+// moe_gate_up_e4m3: the same K = 2048 kernel over one token's experts' gate/up rows (routed pairs and the
 // shared expert, W [E + 1, rows, 2048]): chunk c of the (top_k + 1) rows / 16 is virtual (the shared expert's first,
 // then pair 0's, ...). The producer lands the shared expert's chunks before griddepcontrol.wait, then routes (the
 // top_k largest router logits, lowest index on ties: routing.softmax_topk's picks), landing each routed chunk as soon
 // as its pick is found; the consumers write each row's dot in fp32 (gate and up apart: the down kernel forms
 // silu(gate) * up).
 //
-// The timeline build (-DGEMV_TIMELINE=1 in gemv.py's DEFINES_ENV; gemv_timeline.cuh, gemv_timeline.py) records each
+// The timeline build (-DGEMV_TIMELINE=1: gemv.use_timeline_build; gemv_timeline.cuh, gemv_timeline.py) records each
 // CTA's phases (entry, the wait, the prologue, x staged, the first chunk, the end) in SM cycles and globaltimer; every
 // launch takes its sequence number (seq) for the record's place. The default build's code is unchanged by it.
-//
-// Measured slower on the H200 and removed (2026-12-05b; the code: git show 68438ee:metainfer/kernels/mega/): the
-// DeltaNet decode step (KB-0108), the experts' down (KB-0109) and the post-mixer norm and router (KB-0111) fused into
-// these launches through in-kernel count waits, the next projection prefetched into L2 (KB-0110), the experts' own
-// 6-slot ring (KB-0113) and bf16 weights (KB-0114); 2026-12-05c: the chunks past the ring prefetched into L2 before
-// the wait (KB-0115) and wg_dot16's chains issued in turn (KB-0116).
 #include <cuda.h>  // CUtensorMap
 
-#include "mega_math.cuh"
+#include "gemv_math.cuh"  // the warps, the reductions, x's layout, the wgmma dot
 
-#ifndef GEMV_PRE_EARLY
-#define GEMV_PRE_EARLY 0  // 1: the prologue's residual, norm weight and routing weights before the PDL wait, its rows
-                          // in one wave of loads (gemv.py's DEFINES_ENV): neutral on the H200, KB-0102
-#endif
-#ifndef GEMV_PRE_WAVE
-#define GEMV_PRE_WAVE 9  // GEMV_PRE_EARLY's rows in one wave of loads: the model's 8 routed experts and the shared one
-#endif
-#ifndef GEMV_EARLY
-#define GEMV_EARLY 0  // 1: a projection (not MOE: its down reads the router's logits before its wait) releases the
-                      // next kernel at its start, not after its wait (pdl.py's EARLY_KERNELS; gemv.py's DEFINES_ENV)
-#endif
-#ifndef GEMV_SLOTS
-#define GEMV_SLOTS 4  // ring slots of 32 KB (fewer: room on the SM for the next kernel's CTAs; gemv.py's SLOTS_ENV)
-#endif
+#define GEMV_SLOTS 4  // ring slots of 32 KB, even (gemv_args.cuh); few enough for the next kernel's CTAs beside it
 
 // The watchdog: every wait on the ring is bounded (~2^22 polls, seconds); the first thread to give up writes what
 // it waited for into gemv_watch and traps. gemv.py points gemv_watch at pinned host
@@ -71,16 +50,13 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
   float* wsc = reinterpret_cast<float*>(ring + NS * CHUNK);  // [NS][NB] each chunk's block scales
   uint8_t* b8 = reinterpret_cast<uint8_t*>(wsc + NS * NB);   // x's two e4m3 terms (K * 2 bytes)
   float* xf = reinterpret_cast<float*>(b8 + KK * 2);         // [NB] 2^-e per block
-  float* xs = xf + NB;                                       // [KK] x (fp32, permuted: mega::xpos)
+  float* xs = xf + NB;                                       // [KK] x (fp32, permuted: gemv::xpos)
   float* red = xs + KK;                                      // [NCW] the prologue's block sum
-  uint64_t* full = reinterpret_cast<uint64_t*>(red + mega::NCW);
+  uint64_t* full = reinterpret_cast<uint64_t*>(red + gemv::NCW);
   uint64_t* empty = full + NS;
   int* pick = reinterpret_cast<int*>(empty + NS);  // MOE: the routed experts
   Tl tl;  // (the timeline build's stamps)
   if (threadIdx.x == 0) tl_enter(tl, MOE ? 2 : PRE ? 1 : 0, n_rows, seq);
-#if GEMV_EARLY
-  if (!MOE && threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_chunks = n_rows / ROWS, grid = gridDim.x;
   if (threadIdx.x == 0) {
@@ -91,7 +67,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == mega::NCW) {  // producer: no wait (static bytes only), except for MOE's routing
+  if (warp == gemv::NCW) {  // producer: no wait (static bytes only), except for MOE's routing
     // chunk it of this CTA into its slot: W's chunk g (its rows g * ROWS..) and their block scales
     auto land = [&](uint32_t it, int g) {
       const uint32_t slot = it % NS;
@@ -139,34 +115,32 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
     }
     return;
   }
-  PreEarly early;
-  if constexpr (PRE && GEMV_PRE_EARLY) early = pre_early(pre);  // none of it written by the previous kernel
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (threadIdx.x == 0) tl.at(TL_WAIT);
-  static_assert(KK % (8 * mega::CT) == 0, "whole 16-byte loads of x per consumer thread");
-  constexpr int NV = KK / (8 * mega::CT);
+  static_assert(KK % (8 * gemv::CT) == 0, "whole 16-byte loads of x per consumer thread");
+  constexpr int NV = KK / (8 * gemv::CT);
   if (PRE) {
-    stage_pre(pre, early, xs, red, warp, lane, tl);
+    stage_pre(pre, xs, red, warp, lane, tl);
   } else {
     uint4 xv[NV];  // x: 16-byte loads of 8 bf16, all in flight, then fp32 into xs at xpos
 #pragma unroll
-    for (int j = 0; j < NV; ++j) xv[j] = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x + j * mega::CT);
+    for (int j = 0; j < NV; ++j) xv[j] = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x + j * gemv::CT);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const uint32_t w[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int e = (threadIdx.x + j * mega::CT) * 8 + 2 * i;
-        xs[mega::xpos(e)] = __uint_as_float(w[i] << 16);
-        xs[mega::xpos(e + 1)] = __uint_as_float(w[i] & 0xffff0000u);
+        const int e = (threadIdx.x + j * gemv::CT) * 8 + 2 * i;
+        xs[gemv::xpos(e)] = __uint_as_float(w[i] << 16);
+        xs[gemv::xpos(e + 1)] = __uint_as_float(w[i] & 0xffff0000u);
       }
     }
   }
-  consumers_sync(mega::CT);
+  consumers_sync(gemv::CT);
   if (threadIdx.x == 0) tl.at(TL_STAGED);
-  mega::stage_x8(xs, b8, xf, warp, lane);
-  consumers_sync(mega::CT);
+  gemv::stage_x8(xs, b8, xf, warp, lane);
+  consumers_sync(gemv::CT);
   if (threadIdx.x == 0) tl.at(TL_X);
   const int wg = warp / 4, w4 = warp & 3;
   const long long slot = conv.n_conv ? conv.slots[0] : 0;  // (after the wait: the step's inputs)
@@ -190,7 +164,7 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
         if (it == 1) tl.put(TL_FIRST1, t1);
       }
     }
-    const float2 v = mega::wg_dot16(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf, lane);
+    const float2 v = gemv::wg_dot16(ring + slot_i * CHUNK, wsc + slot_i * NB, b8, xf, lane);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot_i]);
     // wg_dot16: rows 4 w4 + {0, 1} (.x on lanes 0, 16) and 4 w4 + {2, 3} (.y on lanes 0, 16)
@@ -217,21 +191,21 @@ __device__ __forceinline__ void gemv_body(const CUtensorMap* wmap, const float* 
 }
 
 // K = 2048 (with the conv epilogue where conv.n_conv > 0)
-extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+extern "C" __global__ void __launch_bounds__(gemv::NT, 1)
     gemv_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, const __nv_bfloat16* x,
               __nv_bfloat16* y, int n_rows, const Conv conv, int seq) {
   gemv_body<false>(&wmap, ws, x, y, n_rows, conv, Pre{}, Moe{}, seq);
 }
 
 // the same with x from the prologue (Pre: the previous MoE's sum, the residual add and the input norm)
-extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+extern "C" __global__ void __launch_bounds__(gemv::NT, 1)
     gemv_e4m3_pre(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws, __nv_bfloat16* y,
                   int n_rows, const Conv conv, const Pre pre, int seq) {
   gemv_body<false, true>(&wmap, ws, nullptr, y, n_rows, conv, pre, Moe{}, seq);
 }
 
 // one token's experts' gate/up (x: the normed hidden state), routed here from moe.logits (see the header)
-extern "C" __global__ void __launch_bounds__(mega::NT, 1)
+extern "C" __global__ void __launch_bounds__(gemv::NT, 1)
     moe_gate_up_e4m3(const __grid_constant__ CUtensorMap wmap, const float* __restrict__ ws,
                      const __nv_bfloat16* x, const Moe moe, int seq) {
   gemv_body<true>(&wmap, ws, x, nullptr, (moe.top_k + 1) * moe.rows, Conv{}, Pre{}, moe, seq);
@@ -247,7 +221,7 @@ extern "C" __global__ void gemv_set_timeline(unsigned long long* buf, int slots,
 
 // the layout constants the launcher (gemv.py) must agree with
 extern "C" __global__ void gemv_constants(long long* out) {  // [6]
-  out[0] = mega::NT;
+  out[0] = gemv::NT;
   out[1] = static_cast<long long>(SMEM);
   out[2] = static_cast<long long>(sizeof(Conv)) * 100 + CONV_K;
   out[3] = static_cast<long long>(sizeof(Moe)) * 10000 + MOE_MAX_E * 100 + MOE_MAX_K;

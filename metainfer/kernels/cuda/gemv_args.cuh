@@ -5,13 +5,13 @@
 namespace {
 constexpr int CHUNK = 32768, SEG = 512, NS = GEMV_SLOTS;
 constexpr int MOE_MAX_E = 256, MOE_MAX_K = 16;  // routing: 8 logits a lane; the picks in shared memory
-static_assert(NS >= 2 && NS <= 6 && NS % 2 == 0, "2, 4 or 6 ring slots (gemv.py refuses 2: it races)");  // even: the two warpgroups take
-// alternate chunks, so a slot's successive chunks are one warpgroup's, which waits their phases in order (with an
-// odd ring the other warpgroup could wait a phase ahead: try_wait.parity passes on the phase before the current)
+static_assert(NS == 4 || NS == 6, "4 or 6 ring slots");  // even: the two warpgroups take alternate chunks, so a
+// slot's successive chunks are one warpgroup's, which waits their phases in order (with an odd ring the other
+// warpgroup could wait a phase ahead: try_wait.parity passes on the phase before the current); 2 slots race
 constexpr int KK = 2048, ROWS = CHUNK / KK, NB = KK / 128;  // K, rows a chunk, blocks a row
 // shared memory: 1024 (alignment) + the ring and each slot's scales + B's terms (4 KB) + x's block powers of two,
 // x (fp32) and the prologue's block sum + the ring's mbarriers + MOE's picks
-constexpr size_t SMEM = 1024 + (size_t)NS * (CHUNK + NB * 4) + KK * 2 + (NB + KK + mega::NCW) * sizeof(float) +
+constexpr size_t SMEM = 1024 + (size_t)NS * (CHUNK + NB * 4) + KK * 2 + (NB + KK + gemv::NCW) * sizeof(float) +
                         2 * NS * sizeof(uint64_t) + MOE_MAX_K * sizeof(int);
 static_assert(SMEM <= 227 * 1024, "one CTA per SM");
 constexpr int CONV_K = 4;  // the DeltaNet conv's kernel size (the launcher checks it)
@@ -25,7 +25,7 @@ struct Conv {  // the conv epilogue's operands (n_conv == 0: none)
   int n_conv;
 };
 
-// The x prologue of gemv_e4m3_pre (KB-0097): x = the previous MoE's rows summed into
+// The x prologue of gemv_e4m3_pre: x = the previous MoE's rows summed into
 // the residual, then this layer's input RMSNorm, as norm.moe_add_rms_norm computes it (sum_j tw[j] rows[j] in fp32
 // and slot order, rounded to bf16; + res, rounded; rms over K; * (1 + w), rounded), each CTA for itself; CTA 0
 // writes the new residual.

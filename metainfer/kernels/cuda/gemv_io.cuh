@@ -52,62 +52,24 @@ __device__ void route_weights(const Moe& m, const int* pick, int lane) {
     l[i] = lane + 32 * i < m.E ? bf16_at(m.logits, lane + 32 * i) : -INFINITY;
     mx = fmaxf(mx, l[i]);
   }
-  mx = mega::warp_max(mx);
+  mx = gemv::warp_max(mx);
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < MOE_MAX_E / 32; ++i) sum += lane + 32 * i < m.E ? expf(l[i] - mx) : 0.f;
-  sum = mega::warp_sum(sum);
+  sum = gemv::warp_sum(sum);
   const float p = lane < m.top_k ? expf(bf16_at(m.logits, pick[lane]) - mx) / sum : 0.f;
-  const float psum = mega::warp_sum(p);
+  const float psum = gemv::warp_sum(p);
   if (lane < m.top_k) m.tw[lane] = p / psum, m.ids[lane] = pick[lane];
   if (lane == m.top_k) m.tw[lane] = 1.f / (1.f + expf(-bf16_at(m.logits, m.E))), m.ids[lane] = m.E;
 }
 
-// Pre's x into xs (fp32 of the bf16 values, at mega::xpos): consumer thread t holds columns 8 t .. 8 t + 7
-// What the prologue may read before griddepcontrol.wait (GEMV_PRE_EARLY): the residual (written by the post-
-// attention / post-DeltaNet norm three launches back), the norm's weight and the routing weights (written by the
-// gate/up kernel two launches back); only the rows come from the launch just before (the experts' down).
-struct PreEarly {
-  uint4 res, w;
-  float tw[GEMV_PRE_WAVE];  // the first rows' weights (pre_rows)
-};
-__device__ __forceinline__ PreEarly pre_early(const Pre& p) {
-  const int c0 = threadIdx.x * 8;
-  PreEarly e;
-  e.res = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
-  e.w = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
-#pragma unroll
-  for (int j = 0; j < GEMV_PRE_WAVE; ++j) e.tw[j] = j < p.W ? __ldcg(p.tw + j) : 0.f;
-  return e;
-}
-
-// the sum of the W rows' columns c0..c0 + 7 weighted by tw, in slot order. GEMV_PRE_EARLY: the first
-// GEMV_PRE_WAVE rows' loads all issued before the first FMA (one round trip: the per-row loop below issues the
-// model's 9 rows in two waves, 8 then 1). A wave of 9 takes the kernel from 94 to 114 registers; all 16 rows
-// unrolled together took 168, room the next kernel's CTAs need beside it under PDL.
-__device__ __forceinline__ void pre_rows(const Pre& p, const float* tw, float (&acc)[8]) {
+// Pre's x into xs (fp32 of the bf16 values, at gemv::xpos): consumer thread t holds columns 8 t .. 8 t + 7
+// the sum of the W rows' columns c0..c0 + 7 weighted by tw, in slot order (the loads unrolled: the model's
+// 9 rows issue in two waves, 8 then 1)
+__device__ __forceinline__ void pre_rows(const Pre& p, float (&acc)[8]) {
   const int c0 = threadIdx.x * 8;
   int j0 = 0;
-#if GEMV_PRE_EARLY
-  float4 a[GEMV_PRE_WAVE], b[GEMV_PRE_WAVE];
 #pragma unroll
-  for (int j = 0; j < GEMV_PRE_WAVE; ++j)
-    if (j < p.W) {
-      a[j] = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0));
-      b[j] = __ldcg(reinterpret_cast<const float4*>(p.rows + (size_t)j * KK + c0) + 1);
-    }
-#pragma unroll
-  for (int j = 0; j < GEMV_PRE_WAVE; ++j)
-    if (j < p.W) {
-      const float v[8] = {a[j].x, a[j].y, a[j].z, a[j].w, b[j].x, b[j].y, b[j].z, b[j].w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = fmaf(tw[j], v[i], acc[i]);
-    }
-  j0 = GEMV_PRE_WAVE;
-#pragma unroll 1  // rows past the wave (none in the model): one at a time, not hoisted into the wave
-#else
-#pragma unroll
-#endif
   for (int j = j0; j < PRE_MAX_W; ++j) {
     if (j < p.W) {
       const float t = __ldcg(p.tw + j);
@@ -120,17 +82,13 @@ __device__ __forceinline__ void pre_rows(const Pre& p, const float* tw, float (&
   }
 }
 
-__device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float* red, int cw, int lane, Tl& tl) {
+__device__ void stage_pre(const Pre& p, float* xs, float* red, int cw, int lane, Tl& tl) {
   const int c0 = threadIdx.x * 8;
   float acc[8] = {};
-  pre_rows(p, early.tw, acc);
+  pre_rows(p, acc);
   if (threadIdx.x == 0) tl.at(TL_ROWS);  // (the timeline build: when thread 0's rows are in)
-#if GEMV_PRE_EARLY
-  const uint4 rv = early.res, wv = early.w;
-#else
   const uint4 rv = __ldcg(reinterpret_cast<const uint4*>(p.res + c0));
   const uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + c0));
-#endif
   const uint32_t rw[4] = {rv.x, rv.y, rv.z, rv.w}, ww[4] = {wv.x, wv.y, wv.z, wv.w};
   float r[8], ss = 0.f;
   uint32_t out[4];
@@ -145,11 +103,11 @@ __device__ void stage_pre(const Pre& p, const PreEarly& early, float* xs, float*
     out[i / 2] = i & 1 ? out[i / 2] | (bits << 16) : bits;
   }
   if (blockIdx.x == 0) *reinterpret_cast<uint4*>(p.new_res + c0) = make_uint4(out[0], out[1], out[2], out[3]);
-  const float rstd = rsqrtf(mega::block_sum(ss, red, cw, lane) / KK + p.eps);
+  const float rstd = rsqrtf(gemv::block_sum(ss, red, cw, lane) / KK + p.eps);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float w = __uint_as_float(i & 1 ? ww[i / 2] & 0xffff0000u : ww[i / 2] << 16);
-    xs[mega::xpos(c0 + i)] = __bfloat162float(__float2bfloat16_rn(r[i] * rstd * (1.f + w)));
+    xs[gemv::xpos(c0 + i)] = __bfloat162float(__float2bfloat16_rn(r[i] * rstd * (1.f + w)));
   }
 }
 

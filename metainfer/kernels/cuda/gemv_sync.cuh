@@ -20,11 +20,11 @@ __device__ __noinline__ void give_up(unsigned code, unsigned saw, unsigned need)
 }
 // an mbarrier phase (`mbar_wait`, bounded): a ring slot's (chunk `it` of this CTA); one try inline
 __device__ __noinline__ void ring_wait_slow(uint64_t* bar, uint32_t parity, unsigned code, unsigned it) {
-  for (uint32_t n = 0; !mega::bar_try(bar, parity);)
+  for (uint32_t n = 0; !gemv::bar_try(bar, parity);)
     if (++n == WATCH_LIMIT) give_up(code, it, parity);
 }
 __device__ __forceinline__ void ring_wait(uint64_t* bar, uint32_t parity, unsigned code, unsigned it) {
-  if (!mega::bar_try(bar, parity)) ring_wait_slow(bar, parity, code, it);
+  if (!gemv::bar_try(bar, parity)) ring_wait_slow(bar, parity, code, it);
 }
 
 }  // namespace

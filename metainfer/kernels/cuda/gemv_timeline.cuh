@@ -66,7 +66,7 @@ struct Tl {
   }
   __device__ __forceinline__ void at_ns(int f) {  // globaltimer into f
 #if GEMV_TIMELINE
-    v[f] = mega::global_ns(), set |= 1u << f;
+    v[f] = gemv::global_ns(), set |= 1u << f;
 #endif
   }
   __device__ __forceinline__ void put(int f, unsigned long long x) {

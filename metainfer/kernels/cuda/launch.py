@@ -18,7 +18,7 @@ import torch
 from metainfer.settings import settings
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("ptx.cuh", "mega_base.cuh", "mega_math.cuh",  # the parts gemv.cu includes (the cubin cache's key)
+SOURCES = ("ptx.cuh", "gemv_math.cuh",  # the parts gemv.cu includes (the cubin cache's key)
            "gemv_args.cuh", "gemv_io.cuh", "gemv_sync.cuh", "gemv_timeline.cuh")
 MAINS = ("gemv.cu",)  # the translation units built here (build(main=...)); each hashes SOURCES too
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin")

@@ -1,5 +1,4 @@
-// PTX helpers shared by gemv.cu, the batch-1 megakernel (mega.cu, removed: its code at commit b4eb65f) and its
-// skeleton (experiments/stream_chain.cu):
+// PTX wrappers for gemv.cu (and experiments/'s CUDA probes, which include this file):
 // mbarriers, 1-D bulk and 2-D tensor copies and L2 prefetches (sm_90), gpu-scope loads and stores, the e4m3
 // convert, wgmma's descriptors and its m64n8k32 e4m3 instruction (sm_90a).
 #pragma once
@@ -149,7 +148,7 @@ __device__ __forceinline__ void wgmma_m64n8k32(float (&d)[4], uint64_t da, uint6
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "l"(da), "l"(db), "n"(SCALE_D));
 }
-// D (64 x 16, fp32: 8 per thread) (+)= A . B, K = 32, both e4m3 from descriptors (gemv.cu's K = 4096 chunks)
+// D (64 x 16, fp32: 8 per thread) (+)= A . B, K = 32, both e4m3 from descriptors
 template <int SCALE_D>
 __device__ __forceinline__ void wgmma_m64n16k32(float (&d)[8], uint64_t da, uint64_t db) {
   asm volatile(

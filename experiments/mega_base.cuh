@@ -6,7 +6,7 @@
 
 #include <cuda_bf16.h>
 
-#include "ptx.cuh"
+#include "../metainfer/kernels/cuda/ptx.cuh"
 
 #ifndef MEGA_PROF
 #define MEGA_PROF 0  // 1: the profiling build (launch.MegaKernel(prof=True)); see profile.py
