@@ -20,7 +20,7 @@ def main() -> None:
             same = all(torch.equal(a, b) for a, b in zip(ref, torch.load(f), strict=True))
             print(f"{f}: {'bit-identical to' if same else 'DIFFERS from'} {sys.argv[2]}")
         return
-    from metainfer.kernels import fp8_linear, weight_stream
+    from metainfer.kernels import fp8_linear
     from metainfer.kernels.cuda import gemv
     from metainfer.model.fp8 import quantize_fp8_block
 
@@ -32,7 +32,7 @@ def main() -> None:
     wq, sq = w[:9216].contiguous(), s[:72].contiguous()
     assert gemv.wanted(x, wq, sq) and gemv.wanted_conv(x, w, s, cw, state, torch.zeros(1, dtype=torch.int64))
     y1 = fp8_linear.fp8_linear(x, wq, sq)
-    y2 = weight_stream.linear_conv_update(x, w, s, cw, state, torch.tensor([2], device="cuda"),
+    y2 = fp8_linear.linear_conv_update(x, w, s, cw, state, torch.tensor([2], device="cuda"),
                                           torch.tensor([True], device="cuda"))
     torch.save((y1.cpu(), y2.cpu(), state.cpu()), sys.argv[1])
 

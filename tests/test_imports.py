@@ -31,9 +31,6 @@ PKG = "metainfer"
 # functions that exist for other reasons (the CLI's fast --help, Triton loaded only with the
 # kernels on, optional dependencies) are not listed: they close no circle.
 DEFERRED_CYCLE_EDGES: set[tuple[str, str]] = {
-    # weight_stream.linear_conv_update falls back on fp8_linear.fp8_linear, whose module imports
-    # weight_stream's streaming kernel
-    ("metainfer.kernels.weight_stream", "metainfer.kernels.fp8_linear"),
     # gemv_timeline.Recorder asks gemv for its kernel; gemv reads gemv_timeline's DEFINE and TL_N
     ("metainfer.kernels.cuda.gemv_timeline", "metainfer.kernels.cuda.gemv"),
 }

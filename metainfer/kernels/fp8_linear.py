@@ -8,6 +8,8 @@ The token count T picks the kernel:
   runs the FP8 tensor-core GEMM and applies both scales to the fp32 accumulator per 128-wide K
   block. On sm_90 with torch >= 2.9 (the H200) this case runs torch._scaled_mm's blockwise (1x128,
   128x128) cuBLASLt recipe instead (faster there).
+
+`linear_conv_update`: the DeltaNet in_proj (FP8 or BF16 weights) with its decode conv, picked likewise.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from metainfer.kernels import pdl
+from metainfer.kernels import conv1d, pdl
 from metainfer.kernels.common import interpreting, mma
 from metainfer.kernels.cuda import gemv
-from metainfer.kernels.weight_stream import FP8_STREAM_MAX_T, stream_linear
+from metainfer.kernels.weight_stream import (
+    FP8_STREAM_MAX_T,
+    SKINNY_MAX_T,
+    dense_linear,
+    stream_config,
+    stream_linear,
+)
 
 FP8_MAX = 448.0
 BLOCK = 128  # the checkpoint's weight_block_size
@@ -224,3 +232,38 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     if T:
         stream_linear(x2, weight, scale_inv, y)
     return y.reshape(*lead, N)
+
+
+def linear_conv_update(
+    x: torch.Tensor,  # [T, K], the first B rows decoding
+    weight: torch.Tensor,  # [N, K] e4m3 (with scale_inv) or x's dtype
+    scale_inv: torch.Tensor | None,
+    conv_weight: torch.Tensor,  # [C, k]
+    conv_state: torch.Tensor,  # [S, k-1, C], updated in place at slots
+    slots: torch.Tensor,  # [B] int64
+    has_state: torch.Tensor,  # [B] bool
+) -> torch.Tensor:
+    """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
+    y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
+    weight-streaming kernel's epilogue where it serves (FP8 up to FP8_STREAM_MAX_T tokens; BF16 where the
+    H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N]."""
+    T, K = x.shape
+    N = weight.shape[0]
+    fp8 = scale_inv is not None
+    if fp8 and T == 1 and gemv.wanted_conv(x, weight, scale_inv, conv_weight, conv_state, slots):
+        y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+        gemv.project(x, weight, scale_inv, y, conv=(conv_weight, conv_state, slots, has_state))
+        return y
+    cfg = None
+    max_t = FP8_STREAM_MAX_T if fp8 else SKINNY_MAX_T
+    if x.is_cuda and 0 < T <= max_t and x.stride(1) == 1:
+        cfg = stream_config(T, N, K, fp8, x.device)
+    if cfg is None:
+        y = fp8_linear(x, weight, scale_inv) if fp8 else dense_linear(x, weight)
+        B, C = slots.shape[0], conv_weight.shape[0]
+        if B:
+            conv1d.causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state, out=y[:B, :C])
+        return y
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    stream_linear(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state))
+    return y

@@ -30,7 +30,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "moe_grouped_rows": ("metainfer.kernels.moe", "moe_grouped_rows"),
     "fp8_linear": ("metainfer.kernels.fp8_linear", "fp8_linear"),
     "linear": ("metainfer.kernels.weight_stream", "dense_linear"),
-    "linear_conv_update": ("metainfer.kernels.weight_stream", "linear_conv_update"),
+    "linear_conv_update": ("metainfer.kernels.fp8_linear", "linear_conv_update"),
     "gated_norm_linear": ("metainfer.kernels.weight_stream", "gated_norm_linear"),
     "pending_norm_linear": ("metainfer.kernels.cuda.gemv", "project_pre"),
     "decode_inputs": ("metainfer.kernels.decode_io", "decode_inputs"),

@@ -12,9 +12,9 @@ inputs of every dense projection are). Split-K keeps 4 (T == 1) or 2 CTAs per SM
 N = 2048; the last CTA of each N tile to finish adds the fp32 partials in split order
 (deterministic, one launch, counters reset by that CTA). `_gemv_kernel` loads each program's whole
 tile in one go, before the PDL wait. The epilogue shared by both (`_store_tile`): the DeltaNet decode
-conv (`linear_conv_update`). Configs come from the H200 table (`stream_config`). `_gnorm_gemv_kernel`
-is the DeltaNet out_proj of one decode token with the gated RMSNorm as its prologue, its weights
-loaded before the PDL wait (`gated_norm_linear`).
+conv (`fp8_linear.linear_conv_update`). Configs come from the H200 table (`stream_config`).
+`_gnorm_gemv_kernel` is the DeltaNet out_proj of one decode token with the gated RMSNorm as its
+prologue, its weights loaded before the PDL wait (`gated_norm_linear`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import triton.language as tl
 
 from metainfer.kernels import pdl
 from metainfer.kernels.common import TL_DTYPE, gated_norm, load_tuned, num_sms, upcast_dots, wdot
-from metainfer.kernels.cuda import gemv
 from metainfer.settings import settings
 
 SKINNY_MAX_T = 64  # the most tokens the streaming kernels serve (more: fp8_linear's GEMM)
@@ -467,45 +466,6 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     stream_linear(x2, weight, None, y, hit)
     return y.reshape(*lead, N)
-
-
-def linear_conv_update(
-    x: torch.Tensor,  # [T, K], the first B rows decoding
-    weight: torch.Tensor,  # [N, K] e4m3 (with scale_inv) or x's dtype
-    scale_inv: torch.Tensor | None,
-    conv_weight: torch.Tensor,  # [C, k]
-    conv_state: torch.Tensor,  # [S, k-1, C], updated in place at slots
-    slots: torch.Tensor,  # [B] int64
-    has_state: torch.Tensor,  # [B] bool
-) -> torch.Tensor:
-    """The DeltaNet in_proj with the decode conv: y = x W^T, then for the first B rows
-    y[:, :C] <- silu(causal conv1d update of y[:, :C]) (`conv1d.causal_conv1d_update`). In the
-    weight-streaming kernel's epilogue where it serves (FP8 up to FP8_STREAM_MAX_T tokens; BF16 where the
-    H200 table has a config), else the projection, then the conv kernel in place. -> y [T, N]."""
-    from metainfer.kernels import conv1d
-
-    T, K = x.shape
-    N = weight.shape[0]
-    fp8 = scale_inv is not None
-    if fp8 and T == 1 and gemv.wanted_conv(x, weight, scale_inv, conv_weight, conv_state, slots):
-        y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-        gemv.project(x, weight, scale_inv, y, conv=(conv_weight, conv_state, slots, has_state))
-        return y
-    cfg = None
-    max_t = FP8_STREAM_MAX_T if fp8 else SKINNY_MAX_T
-    if x.is_cuda and 0 < T <= max_t and x.stride(1) == 1:
-        cfg = stream_config(T, N, K, fp8, x.device)
-    if cfg is None:
-        from metainfer.kernels.fp8_linear import fp8_linear  # (the module imports this one)
-
-        y = fp8_linear(x, weight, scale_inv) if fp8 else dense_linear(x, weight)
-        B, C = slots.shape[0], conv_weight.shape[0]
-        if B:
-            conv1d.causal_conv1d_update(y[:B, :C], conv_state, conv_weight, slots, has_state, out=y[:B, :C])
-        return y
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    stream_linear(x, weight, scale_inv, y, cfg, conv=(conv_weight, conv_state, slots, has_state))
-    return y
 
 
 GNORM_MAX_T = 1  # the most tokens `gated_norm_linear` takes (decode batches past 1 measured slower)

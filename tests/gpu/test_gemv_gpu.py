@@ -99,8 +99,6 @@ def test_conv_epilogue_matches_the_triton_path(has, monkeypatch):
     """The DeltaNet in_proj with its decode conv (`linear_conv_update`): output and conv state against the
     Triton kernel's epilogue (both bf16; the projections' sums differ in order, so a bf16 step here and
     there)."""
-    from metainfer.kernels import weight_stream
-
     C, S = 8192, 5
     x, w, s = _problem(12352, seed=2)
     cw = (torch.randn(C, 4, device="cuda") * 0.5).to(torch.bfloat16)
@@ -109,10 +107,10 @@ def test_conv_epilogue_matches_the_triton_path(has, monkeypatch):
     has_state = torch.tensor([has], device="cuda")
     ref_state = state.clone()
     assert gemv.wanted_conv(x, w, s, cw, state, slots)
-    got = weight_stream.linear_conv_update(x, w, s, cw, state, slots, has_state)
+    got = fp8_linear.linear_conv_update(x, w, s, cw, state, slots, has_state)
     with monkeypatch.context() as mp:
         _triton_only(mp)
-        want = weight_stream.linear_conv_update(x, w, s, cw, ref_state, slots, has_state)
+        want = fp8_linear.linear_conv_update(x, w, s, cw, ref_state, slots, has_state)
     assert rel_rmse(got[:, :C].float(), want[:, :C].float()) < 8e-3  # the conv's columns
     assert rel_rmse(got[:, C:].float(), want[:, C:].float()) < 8e-3  # z, b, a: the projection alone
     assert rel_rmse(state.float(), ref_state.float()) < 8e-3
@@ -200,7 +198,7 @@ def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
     input RMSNorm in the x prologue, against norm.moe_add_rms_norm then the projection (gemv.cu's plain form;
     with conv, the in_proj and its decode conv): outputs within 8e-3 (the norm's sum of squares reduces in
     another order: a bf16 step in x here and there), the new residual the same bits but for rare elements."""
-    from metainfer.kernels import norm, weight_stream
+    from metainfer.kernels import norm
 
     rows, tw, residual, nw = _pre_problem(21 + conv)
     want_h, want_res = norm.moe_add_rms_norm(rows, tw, residual, nw, 1e-6)
@@ -218,7 +216,7 @@ def test_pre_prologue_equals_the_norm_then_the_projection(conv, monkeypatch):
         ref_state = state.clone()
         slots, has = torch.tensor([2], device="cuda"), torch.tensor([True], device="cuda")
         got = gemv.project_pre(rows, tw, residual, nw, 1e-6, new_res, w, s, conv=(cw, state, slots, has))
-        want = weight_stream.linear_conv_update(want_h, w, s, cw, ref_state, slots, has)
+        want = fp8_linear.linear_conv_update(want_h, w, s, cw, ref_state, slots, has)
         assert got is not None and rel_rmse(got.float(), want.float()) < 8e-3
         assert rel_rmse(state.float(), ref_state.float()) < 8e-3
     assert rel_rmse(new_res.float(), want_res.float()) < 1e-3

@@ -302,7 +302,7 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
     """y [1, N] bf16 = x [1, K] bf16 @ dequant(w [N, K], s)^T on gemv.cu (the caller checked `wanted`). conv =
     (conv_weight [C, 4], conv_state [S, 3, C], slots [1] int64, has_state [1] bool), checked by `wanted_conv`:
     y[:, :C] becomes the decode conv + SiLU of itself, the slot's conv state updated in place
-    (`weight_stream.linear_conv_update`'s epilogue)."""
+    (`fp8_linear.linear_conv_update`'s epilogue)."""
     assert y.is_contiguous() and y.shape == (1, w.shape[0]) and y.dtype == torch.bfloat16, (y.shape, y.dtype)
     kernel = _kernel(x.device)
     assert kernel is not None, "project() without wanted()"
