@@ -30,10 +30,7 @@ PKG = "metainfer"
 # Deferred imports that close a circle, as (importer, imported): none may be added. Imports inside
 # functions that exist for other reasons (the CLI's fast --help, Triton loaded only with the
 # kernels on, optional dependencies) are not listed: they close no circle.
-DEFERRED_CYCLE_EDGES: set[tuple[str, str]] = {
-    # gemv_timeline.Recorder asks gemv for its kernel; gemv reads gemv_timeline's DEFINE and TL_N
-    ("metainfer.kernels.cuda.gemv_timeline", "metainfer.kernels.cuda.gemv"),
-}
+DEFERRED_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 KERNELS = f"{PKG}.kernels"
 KERNELS_MAY_IMPORT = {PKG, f"{PKG}.settings", f"{PKG}.forward_meta"}  # (PKG: the package above them)

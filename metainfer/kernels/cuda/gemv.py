@@ -22,7 +22,6 @@ import torch
 
 from metainfer.kernels import pdl
 from metainfer.kernels.common import interpreting
-from metainfer.kernels.cuda import gemv_timeline
 
 K = 2048  # the K served
 MAX_N = 16384  # past it (the FP8 lm_head's 248,320 rows) the swept Triton GEMV serves
@@ -142,7 +141,7 @@ class _Kernel:
         # the watchdog's report: pinned host memory (the device writes it through unified addressing), which
         # stays readable once a trap has ended the context (watchdog_report)
         self.watch = torch.zeros(8, dtype=torch.int32, pin_memory=True)
-        image = launch.build(main="gemv.cu", defines=(gemv_timeline.DEFINE,) if _TIMELINE else ())
+        image = launch.build(main="gemv.cu", defines=(TIMELINE_DEFINE,) if _TIMELINE else ())
         self.module = ctypes.c_void_p()  # (loaded for the process)
         self.drv("cuModuleLoadData", ctypes.byref(self.module), image.read_bytes())
         fns = {}
@@ -157,9 +156,7 @@ class _Kernel:
             self.drv("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, stream,
                      launch.kernel_params([ctypes.c_void_p(arg)]), None)
         self.threads, self.smem, conv, moe, pre, tl = out.tolist()
-        if tl % 100 != gemv_timeline.TL_N:
-            raise RuntimeError(f"gemv.cu's timeline records hold {tl % 100} words, gemv_timeline.py reads "
-                               f"{gemv_timeline.TL_N}")
+        self.timeline_words = tl % 100  # per CTA record (gemv_timeline.Recorder checks them against TL_N)
         self.timeline_built = tl // 100 == 1  # built with -DGEMV_TIMELINE=1
         self.seq = 0  # gemv.cu launches so far: each launch's place in the timeline's records
         want = (THREADS, ctypes.sizeof(_Conv) * 100 + CONV_K,
@@ -260,11 +257,12 @@ def watchdog_report() -> str | None:
     return None
 
 
+TIMELINE_DEFINE = "-DGEMV_TIMELINE=1"  # the timeline build's flag (gemv_timeline.py reads its records)
 _TIMELINE = False  # the next load builds gemv.cu with the timeline's stamps (`use_timeline_build`)
 
 
 def use_timeline_build(on: bool = True) -> None:
-    """gemv.cu loads as the timeline build (gemv_timeline.DEFINE: each CTA's phases recorded) from the next
+    """gemv.cu loads as the timeline build (TIMELINE_DEFINE: each CTA's phases recorded) from the next
     load on, or as the default build (off); `reset` after a load, graphs captured with the old module
     dropped first."""
     global _TIMELINE

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-DEFINE = "-DGEMV_TIMELINE=1"  # the timeline build's flag (gemv.use_timeline_build)
+from metainfer.kernels.cuda import gemv
+
+DEFINE = gemv.TIMELINE_DEFINE  # the timeline build's flag (gemv.use_timeline_build)
 FIELDS = ("meta", "seq", "gt_in", "in", "wait", "rows", "staged", "x", "first", "end0", "waitcyc0", "gt_end0",
           "first1", "end1", "waitcyc1", "p_wait", "p_last", "p_emptycyc")  # gemv_timeline.cuh's TL_* order
 TL_N = len(FIELDS)
@@ -206,12 +208,13 @@ class Recorder:
     `gemv.use_timeline_build()` before gemv.cu loads (or `gemv.reset()` after)."""
 
     def __init__(self, device: torch.device, slots: int = 256) -> None:
-        from metainfer.kernels.cuda import gemv
-
         kernel = gemv._kernel(device)
         if kernel is None or not kernel.timeline_built:
             raise RuntimeError("gemv.cu is not the timeline build here: call gemv.use_timeline_build() "
                                "before it loads (or gemv.reset() after)")
+        if kernel.timeline_words != TL_N:
+            raise RuntimeError(f"gemv.cu's timeline records hold {kernel.timeline_words} words, "
+                               f"gemv_timeline.py reads {TL_N}")
         self.kernel, self.slots, self.grid = kernel, slots, kernel.sms
         self.buf = torch.zeros(slots, self.grid, TL_N, dtype=torch.int64, device=device)
         kernel.set_timeline(self.buf, slots, self.grid)
