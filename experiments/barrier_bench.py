@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # t
 import grid_sync as gs  # noqa: E402  (experiments/grid_sync.py, beside this script)
 from engine_smoke import env_info  # noqa: E402
 
+from metainfer import settings  # noqa: E402
 from metainfer.kernels import pdl  # noqa: E402
 
 BW = 4.3e12  # bytes/s, the H200's measured copy bandwidth (docs/design.md §2)
@@ -70,20 +71,19 @@ def run_case(S: int, N: int, reps: int, block_n: int) -> list[dict]:
         variants += [(f"persistent, {p} programs", "1", p, False),
                      (f"persistent, {p} programs, next tile prefetched", "1", p, True)]
     for label, pdl_on, programs, prefetch in variants:
-        os.environ[pdl.ENV] = pdl_on
-        y = gs.chain_buffer(w, x)
-        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-        err = torch.zeros(1, dtype=torch.int32, device="cuda")
-        fn = _variant(w, y, counter, err, programs, block_n, prefetch)
-        us = _time_graph(fn, reps)
-        y[1:] = float("nan")  # a last run from scratch: a stage reading before its input is written shows
-        fn()
-        torch.cuda.synchronize()
-        ok = bool(torch.equal(y, want)) and int(err) == 0
-        rows.append(dict(case=f"S={S} N={N}", variant=label, programs=programs, prefetch=prefetch,
-                         pdl=pdl.enabled(), us_total=us, us_per_stage=us / S, floor_us_per_stage=floor_us,
-                         pct_of_floor=100 * floor_us / (us / S), equal_to_launches=ok))
-    os.environ.pop(pdl.ENV, None)
+        with settings.override(pdl=pdl_on == "1"):  # METAINFER_PDL
+            y = gs.chain_buffer(w, x)
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            err = torch.zeros(1, dtype=torch.int32, device="cuda")
+            fn = _variant(w, y, counter, err, programs, block_n, prefetch)
+            us = _time_graph(fn, reps)
+            y[1:] = float("nan")  # a last run from scratch: a stage reading before its input is written shows
+            fn()
+            torch.cuda.synchronize()
+            ok = bool(torch.equal(y, want)) and int(err) == 0
+            rows.append(dict(case=f"S={S} N={N}", variant=label, programs=programs, prefetch=prefetch,
+                             pdl=pdl.enabled(), us_total=us, us_per_stage=us / S, floor_us_per_stage=floor_us,
+                             pct_of_floor=100 * floor_us / (us / S), equal_to_launches=ok))
     return rows
 
 
