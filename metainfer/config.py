@@ -222,7 +222,7 @@ class ModelConfig:
 
 
 DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = (None, "fp8")
+QUANTIZATIONS = (None, "fp8", "none")  # None: as the checkpoint declares; "none": unquantised weights
 SPECULATIVE = (None, "ngram", "repeat", "mtp")  # repeat: the last token K times (judging the verify path)
 
 
@@ -238,6 +238,8 @@ class EngineConfig:
     model: str = ""
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
+    # weights: None = as config.json declares (an FP8 checkpoint loads as FP8), "fp8" (BF16 weights
+    # quantised on load), "none" (unquantised; an error for an FP8 checkpoint)
     quantization: str | None = None
     # quantization "fp8": the untied lm_head in FP8 too (half its bytes per decode step; beyond the
     # published FP8 checkpoint, which keeps it BF16)

@@ -38,8 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--quantization",
         default=None,
-        choices=["fp8"],
-        help="fp8: FP8 weights, as --dtype fp8 (default: none)",
+        choices=["fp8", "none"],
+        help="fp8: FP8 weights, as --dtype fp8; none: unquantised weights (default: as config.json "
+        "declares: an FP8 checkpoint loads as FP8)",
     )
     m.add_argument(
         "--load-format",
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from metainfer.engine.engine import RequestError
     from metainfer.engine.request import SamplingParams
     from metainfer.llm import LLM
+    from metainfer.model.quant_config import CheckpointError
 
     texts = list(args.prompts) + list(args.prompt)
     if not texts and not args.prompt_token_ids:
@@ -228,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except json.JSONDecodeError as e:
         print(f"error: a model file is not valid JSON: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:  # a checkpoint that cannot be loaded as asked
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         outs = llm.generate(texts or None, params, prompt_token_ids=args.prompt_token_ids or None)

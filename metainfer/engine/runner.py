@@ -17,6 +17,7 @@ from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.warmup import run_warmup, warmup_steps
 from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.kernels import ops
+from metainfer.model.quant_config import Fp8Scheme, read_scheme, resolve_quantization
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
 from metainfer.model.weights import build_model, init_dummy, load_checkpoint
 
@@ -49,6 +50,15 @@ class ModelSource:
         if not d.is_dir():
             raise FileNotFoundError(f"model directory not found: {d}")
         return cls(d / "config.json", _weights_dir(d, load_format), str(d))
+
+    def quantization(self, requested: str | None) -> tuple[str | None, Fp8Scheme | None]:
+        """The engine's weight quantization ("fp8" or None) for EngineConfig.quantization `requested`,
+        and the FP8 scheme of the checkpoint to load (None: no checkpoint, or not FP8): a config
+        declaring FP8 gives FP8 without asking (`quant_config.resolve_quantization`); CheckpointError
+        for a quantization_config the engine cannot load or an FP8 checkpoint asked for unquantised."""
+        scheme = read_scheme(self.config_path)
+        quant = resolve_quantization(requested, scheme, self.weights_dir)
+        return quant, scheme if self.weights_dir is not None else None
 
 
 def _weights_dir(d: Path, load_format: str) -> Path | None:
@@ -107,12 +117,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(ecfg.dtype, self.device)
         self.ssm_dtype = getattr(torch, ecfg.ssm_state_dtype)  # DeltaNet recurrent states' storage
         torch.manual_seed(ecfg.seed)
-        self.model: Qwen3_5MoeModel = build_model(model_cfg, self.dtype, self.device)
+        # "fp8" or None; an FP8 checkpoint's e4m3 tensors are allocated and loaded as such
+        self.quantization, ckpt_fp8 = source.quantization(ecfg.quantization)
+        self.model: Qwen3_5MoeModel = build_model(model_cfg, self.dtype, self.device,
+                                                  fp8=ckpt_fp8 is not None)
         if source.weights_dir is None:
             init_dummy(self.model, ecfg.seed)
         else:
-            load_checkpoint(self.model, source.weights_dir, progress=progress)
-        if ecfg.quantization == "fp8":
+            load_checkpoint(self.model, source.weights_dir, progress=progress, fp8=ckpt_fp8)
+        if self.quantization == "fp8":
             from metainfer.model.fp8 import quantize_model_fp8
 
             quantize_model_fp8(self.model, lm_head=True if ecfg.fp8_lm_head else None)

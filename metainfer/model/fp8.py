@@ -19,6 +19,7 @@ deltanet.py) would remove it.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +133,8 @@ def quantize_model_fp8(model: nn.Module, expert_chunk: int = 16, lm_head: bool =
 # ---- FP8 checkpoints -----------------------------------------------------------------------------
 def prepare_fp8_storage(model: nn.Module) -> None:
     """Replaces every FP8-eligible weight by uninitialised e4m3 storage + fp32 scales (freeing the
-    BF16 tensors), ready for `Fp8CheckpointLoader`. Call before loading an FP8 checkpoint."""
+    BF16 tensors), ready for `Fp8CheckpointLoader`. Call before loading an FP8 checkpoint; on a model
+    on the meta device nothing is allocated (then `Module.to_empty` and `scales_to`)."""
     for _, lin in fp8_linears(model):
         (N, K), dev = lin.weight.shape, lin.weight.device
         s = torch.empty(_cdiv(N, BLOCK), _cdiv(K, BLOCK), dtype=torch.float32, device=dev)
@@ -148,6 +150,18 @@ def prepare_fp8_storage(model: nn.Module) -> None:
                 )
             )
         _set_experts(moe, pairs[0], pairs[1])
+
+
+def scales_to(model: nn.Module, device: torch.device | str) -> None:
+    """Uninitialised fp32 scales on `device` for every FP8 weight: the scales are plain attributes,
+    which `Module.to_empty` does not move (after `prepare_fp8_storage` on the meta device)."""
+    for _, lin in fp8_linears(model):
+        if lin.weight_scale_inv is not None:
+            lin.weight_scale_inv = torch.empty_like(lin.weight_scale_inv, device=device)
+    for moe in fp8_moes(model):
+        if moe.w_gate_up_scale is not None:
+            moe.w_gate_up_scale = torch.empty_like(moe.w_gate_up_scale, device=device)
+            moe.w_down_scale = torch.empty_like(moe.w_down_scale, device=device)
 
 
 @dataclass
@@ -181,21 +195,25 @@ class Fp8CheckpointLoader:
     block by `finish()`.
 
     In the loader: `if fp8.load_tensor(name, tensor): continue` for every canonical name, then
-    `fp8.finish()`; names it declines (BF16 parameters) go through the normal path."""
+    `fp8.finish()`; names it declines (BF16 parameters) go through the normal path. `views`: every
+    canonical checkpoint name (fused and per-expert expert keys) -> its view of the engine's storage
+    (`weights.param_targets` and `weights._per_expert_targets`, `Target.view`)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        from metainfer.model.weights import _per_expert_targets, param_targets
-
+    def __init__(self, model: nn.Module, views: dict[str, torch.Tensor]) -> None:
         owners = [(lin.weight.data, lin.weight_scale_inv) for _, lin in fp8_linears(model)]
         for moe in fp8_moes(model):
             owners += [(moe.w_gate_up.data, moe.w_gate_up_scale), (moe.w_down.data, moe.w_down_scale)]
         assert all(w.dtype == torch.float8_e4m3fn for w, _ in owners), "call prepare_fp8_storage first"
+        owners.sort(key=lambda o: o[0].data_ptr())
+        starts = [w.data_ptr() for w, _ in owners]
         self.dests: dict[str, _Dest] = {}
-        for name, tgt in {**param_targets(model), **_per_expert_targets(model)}.items():
-            dest = _locate(tgt.view, owners)
+        for name, view in views.items():
+            dest = _locate(view, owners, starts)
             if dest is not None:
                 self.dests[name.removesuffix(".weight")] = dest
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        # base -> the parts (weight / scale) seen so far: the tensors where they are needed later
+        # (staged destinations), else None (already copied: no host copy is kept)
+        self._pending: dict[str, dict[str, torch.Tensor | None]] = {}
         self._filled: set[str] = set()
         self._staged: dict[tuple[int, tuple[int, ...]], list[tuple[_Dest, torch.Tensor]]] = {}
 
@@ -206,13 +224,34 @@ class Fp8CheckpointLoader:
                 return name[: -len(suffix)], kind
         return name, "weight"
 
+    def owns(self, name: str) -> bool:
+        """Whether the canonical checkpoint name (weight or scale) has an FP8 destination."""
+        return self._split(name)[0] in self.dests
+
+    @staticmethod
+    def _check(name: str, t: torch.Tensor, kind: str, dest: _Dest) -> None:
+        """The checkpoint tensor's dtype and shape against its destination's (ValueError naming it)."""
+        want = tuple(dest.weight_rows().shape)
+        if kind == "scale":
+            want = (*want[:-2], _cdiv(dest.rows, BLOCK), _cdiv(want[-1], BLOCK))
+            if not t.dtype.is_floating_point or t.element_size() < 2:
+                raise ValueError(f"{name}: scales in {t.dtype}; expected float32, bfloat16 or float16")
+        elif t.dtype != torch.float8_e4m3fn and (not t.dtype.is_floating_point or t.element_size() < 2):
+            raise ValueError(f"{name}: weights in {t.dtype}; expected float8_e4m3fn or a float type")
+        if tuple(t.shape) != want:
+            what = f"one scale per {BLOCK} x {BLOCK} block of {tuple(dest.weight_rows().shape)}"
+            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != expected {want}"
+                             + (f" ({what})" if kind == "scale" else ""))
+
     @torch.no_grad()
     def load_tensor(self, name: str, t: torch.Tensor) -> bool:
-        """Consumes one canonical-named checkpoint tensor; False if it has no FP8 destination."""
+        """Consumes one canonical-named checkpoint tensor; False if it has no FP8 destination.
+        Scales may be BF16 / FP16 (widened to float32 exactly); a misshapen tensor is a ValueError."""
         base, kind = self._split(name)
         dest = self.dests.get(base)
         if dest is None:
             return False
+        self._check(name, t, kind, dest)
         if kind == "weight" and t.dtype != torch.float8_e4m3fn:  # BF16 in the checkpoint
             t = t.to(dest.weight.device).reshape(dest.weight_rows().shape)
             if dest.direct():
@@ -224,11 +263,13 @@ class Fp8CheckpointLoader:
             self._filled.add(base)
             return True
         got = self._pending.setdefault(base, {})
-        got[kind] = t
         if dest.direct():
             target = dest.weight_rows() if kind == "weight" else dest.scale_rows()
             target.copy_(t.reshape(target.shape))
-        elif len(got) == 2:
+            got[kind] = None
+        else:
+            got[kind] = t
+        if not dest.direct() and len(got) == 2:
             from metainfer.kernels.ops import ref_dequant_fp8
 
             self._stage(dest, ref_dequant_fp8(got["weight"], got["scale"], torch.float32))
@@ -237,13 +278,20 @@ class Fp8CheckpointLoader:
             del self._pending[base]
         return True
 
-    def _covered(self, dest: _Dest) -> bool:
-        """Whether other names filled these bytes (fused vs per-expert expert keys)."""
-        lo, hi = _span(dest)
-        for a, b in sorted(_span(self.dests[n]) for n in self._filled):
-            if a <= lo < b:
-                lo = b
-        return lo >= hi
+    def _uncovered(self, names: set[str]) -> list[str]:
+        """Those of `names` whose bytes no filled name covered (fused vs per-expert expert keys)."""
+        spans = sorted(_span(self.dests[n]) for n in self._filled)
+        starts = [a for a, _ in spans]
+        out = []
+        for n in names:
+            lo, hi = _span(self.dests[n])
+            i = max(bisect.bisect_right(starts, lo) - 1, 0)
+            while i < len(spans) and spans[i][0] <= lo < hi:
+                lo = max(lo, spans[i][1])
+                i += 1
+            if lo < hi:
+                out.append(n)
+        return sorted(out)
 
     def _stage(self, dest: _Dest, t: torch.Tensor) -> None:
         key = (dest.weight.data_ptr(), tuple(dest.weight.shape))
@@ -253,8 +301,11 @@ class Fp8CheckpointLoader:
     def finish(self) -> None:
         """Quantises the staged rows per engine 128-row block; errors on incomplete tensors."""
         if self._pending:
-            raise ValueError(f"FP8 weights without scales (or scales alone): {sorted(self._pending)[:5]}")
-        missing = sorted(n for n in set(self.dests) - self._filled if not self._covered(self.dests[n]))
+            lacks = [f"{b} ({'weight_scale_inv' if 'weight' in g else 'weight'})"
+                     for b, g in sorted(self._pending.items())]
+            raise ValueError(f"{len(lacks)} FP8 tensors lack their weight or weight_scale_inv in the "
+                             f"checkpoint: {', '.join(lacks[:3])}{', ...' if len(lacks) > 3 else ''}")
+        missing = self._uncovered(set(self.dests) - self._filled)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} FP8 tensors, e.g. {missing[:5]}")
         for parts in self._staged.values():
@@ -278,11 +329,14 @@ def _span(dest: _Dest) -> tuple[int, int]:
     return rows.data_ptr(), rows.data_ptr() + rows.numel()
 
 
-def _locate(view: torch.Tensor, owners: list[tuple[torch.Tensor, torch.Tensor]]) -> _Dest | None:
-    """The FP8 matrix whose storage holds `view` (a Target view of the engine's parameters)."""
+def _locate(view: torch.Tensor, owners: list[tuple[torch.Tensor, torch.Tensor]], starts: list[int]
+            ) -> _Dest | None:
+    """The FP8 matrix whose storage holds `view` (a Target view of the engine's parameters); owners
+    sorted by address, `starts` their addresses (storages never overlap: one candidate)."""
     if view.dtype != torch.float8_e4m3fn:
         return None
-    for w, s in owners:
+    i = bisect.bisect_right(starts, view.data_ptr()) - 1
+    for w, s in owners[max(i, 0) : i + 1]:
         off = view.data_ptr() - w.data_ptr()  # bytes == elements for e4m3
         if not 0 <= off < w.numel():
             continue

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 from metainfer.config import FULL, ModelConfig
+from metainfer.model.fp8 import Fp8CheckpointLoader, prepare_fp8_storage, scales_to
 from metainfer.model.layers import Linear
+from metainfer.model.quant_config import CheckpointError, Fp8Scheme
 from metainfer.model.qwen3_5_moe import DecoderLayer, Qwen3_5MoeModel
 
 
@@ -117,8 +119,11 @@ def canonical_name(name: str) -> str | None:
 
 
 # ---- construction --------------------------------------------------------------------------------
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Qwen3_5MoeModel:
-    """An uninitialised model allocated on `device` in `dtype` (no host round trip)."""
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, fp8: bool = False
+) -> Qwen3_5MoeModel:
+    """An uninitialised model allocated on `device` in `dtype` (no host round trip). fp8: the
+    FP8-eligible weights allocated as e4m3 + fp32 scales from the start (for an FP8 checkpoint)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -126,7 +131,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
             model = Qwen3_5MoeModel(cfg)
     finally:
         torch.set_default_dtype(old)
+    if fp8:
+        prepare_fp8_storage(model)
     model = model.to_empty(device=device)
+    if fp8:
+        scales_to(model, device)
     for mod in model.modules():  # buffers computed, not loaded
         if hasattr(mod, "inv_freq"):
             from metainfer.kernels.ops import rope_inv_freq
@@ -147,42 +156,81 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_checkpoint(model: Qwen3_5MoeModel, model_dir: Path, progress: bool = True) -> None:
-    """Copies every checkpoint tensor into the model; errors on missing or misshapen tensors."""
+def load_checkpoint(
+    model: Qwen3_5MoeModel, model_dir: Path, progress: bool = True, fp8: Fp8Scheme | None = None
+) -> None:
+    """Copies every checkpoint tensor into the model, shard by shard and tensor by tensor (safetensors
+    maps each shard; the host holds the tensor in hand, not the model), with a progress bar in bytes
+    on stderr. fp8: the checkpoint's FP8 scheme (`quant_config.read_scheme`); the model then holds
+    e4m3 storage (`build_model(fp8=True)`): e4m3 weights and their `weight_scale_inv` are copied as
+    they are, BF16 tensors bound for e4m3 storage are quantised by the engine's own quantiser (as
+    online quantisation would), the rest is copied as is. Every error is a CheckpointError naming the
+    tensor: missing, unexpected or misshapen tensors, e4m3 where the engine or the config keeps BF16."""
     from safetensors import safe_open
     from tqdm import tqdm
 
     targets = param_targets(model)
     per_expert = _per_expert_targets(model)
+    loader = None
+    if fp8 is not None:
+        loader = Fp8CheckpointLoader(model, {n: t.view for n, t in {**targets, **per_expert}.items()})
     filled: set[str] = set()
     files = checkpoint_files(model_dir)
-    total = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            total += len(list(sf.keys()))
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                bar.update(1)
-                name = canonical_name(key)
-                if name is None or (name.startswith("mtp.") and model.mtp is None):
-                    continue
-                tgt = targets.get(name) or per_expert.get(name)
-                if tgt is None:
-                    raise ValueError(f"unexpected checkpoint tensor {key!r}")
-                src = sf.get_tensor(key)
-                if tuple(src.shape) != tgt.hf_shape:
-                    raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != expected {tgt.hf_shape}")
-                tgt.hf_view().copy_(src)
-                filled.add(name)
-    bar.close()
+    bar = tqdm(total=sum(f.stat().st_size for f in files), desc="loading weights", unit="B",
+               unit_scale=True, disable=not progress)
+    try:
+        for f in files:
+            done = bar.n
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    name = canonical_name(key)
+                    if name is None or (name.startswith("mtp.") and model.mtp is None):
+                        continue
+                    src = sf.get_tensor(key)
+                    _place(key, name, src, targets, per_expert, loader, fp8, filled)
+                    bar.update(src.numel() * src.element_size())
+            bar.update(done + f.stat().st_size - bar.n)  # the header and the tensors skipped
+        if loader is not None:
+            loader.finish()
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    finally:
+        bar.close()
     for fused, parts in _expert_groups(model).values():
         if all(p in filled for p in parts):
             filled.add(fused)
     missing = sorted(set(targets) - filled)
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        raise CheckpointError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _place(key: str, name: str, src: torch.Tensor, targets: dict[str, Target], per_expert: dict[str, Target],
+           loader, fp8: Fp8Scheme | None, filled: set[str]) -> None:
+    """One checkpoint tensor (`key`, canonical `name`) into the model; ValueError naming it."""
+    e4m3 = src.dtype == torch.float8_e4m3fn
+    module = name.removesuffix(".weight").removesuffix(".weight_scale_inv").removesuffix("_scale_inv")
+    if e4m3 and fp8 is None:
+        raise ValueError(f"{key} is float8_e4m3fn, but config.json declares no FP8 quantization_config")
+    if e4m3 and fp8.keeps_unquantised(module):
+        raise ValueError(
+            f"{key} is float8_e4m3fn, but quantization_config lists {module} in modules_to_not_convert"
+        )
+    if loader is not None and loader.owns(name):
+        loader.load_tensor(name, src)
+        if not name.endswith("scale_inv"):
+            filled.add(name)
+        return
+    if e4m3 or name.endswith("scale_inv"):
+        raise ValueError(f"{key}: FP8 tensors for {module}, which the engine keeps unquantised")
+    tgt = targets.get(name) or per_expert.get(name)
+    if tgt is None:
+        raise ValueError(f"unexpected checkpoint tensor {key!r}")
+    if tuple(src.shape) != tgt.hf_shape:
+        raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != expected {tgt.hf_shape}")
+    tgt.hf_view().copy_(src)
+    filled.add(name)
 
 
 def _per_expert_targets(model: Qwen3_5MoeModel) -> dict[str, Target]:

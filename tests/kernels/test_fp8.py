@@ -345,12 +345,15 @@ def test_mtp_draft_head_slices_an_fp8_lm_head(aligned_cfg):
 
 def test_fp8_checkpoint_loader(aligned_cfg):
     from metainfer.model.fp8 import Fp8CheckpointLoader, prepare_fp8_storage, quantize_model_fp8
-    from metainfer.model.weights import hf_state_dict, param_targets
+    from metainfer.model.weights import _per_expert_targets, hf_state_dict, param_targets
+
+    def views(m):
+        return {n: t.view for n, t in {**param_targets(m), **_per_expert_targets(m)}.items()}
 
     src = _model(aligned_cfg, seed=0)
     probe = _model(aligned_cfg, seed=0)
     prepare_fp8_storage(probe)
-    fp8_names = set(Fp8CheckpointLoader(probe).dests)
+    fp8_names = set(Fp8CheckpointLoader(probe, views(probe)).dests)
     ckpt: dict[str, torch.Tensor] = {}  # as a published FP8 checkpoint stores it
     for name, t in hf_state_dict(src, include_mtp=True).items():
         base = name.removesuffix(".weight")
@@ -370,7 +373,7 @@ def test_fp8_checkpoint_loader(aligned_cfg):
             ckpt[f"{base}_scale_inv" if "experts." in name else f"{base}.weight_scale_inv"] = s
     dst = _model(aligned_cfg, seed=7)
     prepare_fp8_storage(dst)
-    loader, targets = Fp8CheckpointLoader(dst), param_targets(dst)
+    loader, targets = Fp8CheckpointLoader(dst, views(dst)), param_targets(dst)
     for name in sorted(ckpt, reverse=True):  # scales before weights for some tensors
         if not loader.load_tensor(name, ckpt[name]):
             targets[name].hf_view().copy_(ckpt[name])
