@@ -6,7 +6,10 @@ recipe tensor is regenerated, digested and freed, the reference runs on the engi
 those are checked against the recipe's digests ("shared-digest"). Checkpoints: transformers loads
 the directory itself ("checkpoint"), or, when that does not fit or is not asked for, the reference
 runs on the engine's tensors ("shared"). FP8: `record_prequant_digests` digests the BF16 tensors
-just before `quantize_model_fp8` replaces them; those digests are compared with the reference's.
+just before `quantize_model_fp8` replaces them; those digests are compared with the reference's. An
+FP8 checkpoint ("fp8-checkpoint"): the reference holds its dequantised weights, read by the oracle
+(metainfer.oracle.fp8_checkpoint); the engine's e4m3 tensors are compared with the checkpoint's e4m3
+bytes, its unquantised ones with the reference's.
 `Setup.weights.check()` re-digests every tensor at the end of the run.
 """
 
@@ -57,6 +60,7 @@ class Setup:
                 **ecfg,
                 "resolved_device": str(runner.device),
                 "resolved_dtype": str(runner.dtype).removeprefix("torch."),
+                "resolved_quantization": runner.quantization,  # an FP8 checkpoint's, unasked
             },
             "reference": self.reference.info.to_dict(),
             "weights": self.weights.describe() if self.weights is not None else None,
@@ -125,6 +129,7 @@ def build_setup(
     is engine_kwargs["seed"] (default 0), which the oracle passes to the engine and regenerates."""
     from metainfer.engine.runner import ModelSource
     from metainfer.llm import LLM
+    from metainfer.model.quant_config import CheckpointError
     from metainfer.tokenizer import load_tokenizer
 
     kw = dict(engine_kwargs)
@@ -135,7 +140,8 @@ def build_setup(
         raise OracleSetupError("verify judges bfloat16, float32 and fp8 engines; float16 has no gates")
     try:
         source = ModelSource.parse(model, kw.get("load_format", "auto"))
-    except FileNotFoundError as e:
+        quant, ckpt_fp8 = source.quantization(quant)  # an FP8 checkpoint (config) makes an FP8 engine
+    except (FileNotFoundError, CheckpointError) as e:
         raise OracleSetupError(str(e)) from None
     if quant == "fp8" and reference == "shared":
         raise OracleSetupError("an FP8 engine keeps no BF16 tensors to share: use --reference auto")
@@ -148,7 +154,8 @@ def build_setup(
     kw = engine_defaults(suite, kw, max_pos)
 
     digest = Digester()
-    recorder = record_prequant_digests(digest) if quant == "fp8" else nullcontext(None)
+    online = quant == "fp8" and ckpt_fp8 is None  # quantised by the engine from BF16 weights
+    recorder = record_prequant_digests(digest) if online else nullcontext(None)
     with recorder as box:
         llm = LLM(model=model, **kw)
     runner = llm.engine.runner
@@ -163,7 +170,15 @@ def build_setup(
             )
         prequant = box["digests"]
     pair = _Pair(runner, source.config_path, digest, prequant)
-    if source.weights_dir is None:
+    if ckpt_fp8 is not None:
+        nbytes = _fp8_reference_bytes(source.weights_dir, runner.dtype)
+        if not _fits(nbytes, runner.device):
+            raise OracleSetupError(
+                f"the reference of an FP8 checkpoint (its dequantised weights, {nbytes / 2**30:.1f} GiB) "
+                "does not fit beside the engine"
+            )
+        ref, audit, notes = pair.fp8_checkpoint(source.weights_dir)
+    elif source.weights_dir is None:
         ref, audit, notes = pair.dummy(weights_seed, shared=reference == "shared")
     else:
         use_ckpt = reference == "checkpoint" or (
@@ -175,7 +190,7 @@ def build_setup(
                 f"{_checkpoint_bytes(source.weights_dir) / 2**30:.1f} GiB + headroom"
             )
         ref, audit, notes = pair.checkpoint(source.weights_dir) if use_ckpt else pair.shared()
-    if precision == "fp8":
+    if online:
         notes.append("FP8 engine judged against the BF16 (pre-quantisation) weights it was quantised from")
     return Setup(llm, ref, suite, precision, notes, audit)
 
@@ -194,7 +209,7 @@ class _Pair:
 
         model = self.runner.model
         out = hf_state_dict(model)
-        if self.prequant is not None:
+        if self.runner.quantization == "fp8":
             from metainfer.model.fp8 import fp8_linears, fp8_moes
 
             heads = [("lm_head", model.lm_head)] if hasattr(model, "lm_head") else []
@@ -296,6 +311,37 @@ class _Pair:
         )
         return ref, audit, []
 
+    def fp8_checkpoint(self, weights_dir: Path) -> tuple[Reference, WeightAudit, list[str]]:
+        """The reference on the checkpoint's dequantised weights. The engine's e4m3 tensors must hold
+        the checkpoint's e4m3 bytes (under the same name; stacked experts likewise), its unquantised
+        tensors the reference's values; the scales and the parts the engine quantised itself (stored
+        unquantised, e.g. in_proj_a/b) are checked for stability only and judged by the logits."""
+        r = self.runner
+        stored: dict[str, str] = {}
+        ref = Reference.from_fp8_checkpoint(
+            weights_dir, r.device, r.dtype, lambda n, t: stored.update({n: self.digest(t)})
+        )
+        expected = self.digest.many(ref.tensors())
+        want, bad = {}, []
+        for name, t in self.engine_tensors().items():
+            want[name] = self.digest(t)
+            if t.dtype == torch.float8_e4m3fn:
+                if name in stored and stored[name] != want[name]:
+                    bad.append(name)
+            elif name in expected and expected[name] != want[name]:
+                bad.append(name)
+        bad += [n for n in expected if n not in want]
+        audit = WeightAudit(
+            "fp8-checkpoint", None, "checkpoint-dequantised", expected, want, self.engine_tensors,
+            ref.tensors, build_mismatched=bad, digest=self.digest,
+        )
+        note = (
+            "the reference was built from the dequantised FP8 checkpoint (e4m3 weight x weight_scale_inv "
+            f"per 128 x 128 block, read by the oracle); {len(stored)} e4m3 tensors compared byte for byte "
+            "with the engine's"
+        )
+        return ref, audit, [note]
+
     def shared(self) -> tuple[Reference, WeightAudit, list[str]]:
         """The reference runs on the engine's loaded tensors: only their stability is checked."""
         eng = self.engine_tensors()
@@ -309,6 +355,12 @@ class _Pair:
             "engine's loader is not independently checked (--reference checkpoint loads it again)"
         )
         return ref, audit, [note]
+
+
+def _fp8_reference_bytes(weights_dir: Path, dtype: torch.dtype) -> int:
+    from metainfer.oracle.fp8_checkpoint import reference_bytes
+
+    return reference_bytes(Path(weights_dir), dtype)
 
 
 def _checkpoint_bytes(weights_dir: Path) -> int:

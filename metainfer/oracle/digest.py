@@ -159,7 +159,7 @@ class WeightAudit:
     not the engine's, re-digested against `expected`.
     """
 
-    mode: str  # independent | shared-digest | checkpoint | shared
+    mode: str  # independent | shared-digest | checkpoint | fp8-checkpoint | shared
     seed: int | None  # the weights seed the oracle asked for (dummy models)
     source: str  # the reference's weights: recipe | checkpoint | shared
     expected: dict[str, str]

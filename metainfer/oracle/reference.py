@@ -8,6 +8,8 @@ Three ways to get the weights:
 - `Reference.from_recipe`: regenerated from the seeded dummy recipe (metainfer.oracle.recipe) on
   the device, independently of the engine;
 - `Reference.from_pretrained`: transformers loads a checkpoint directory itself;
+- `Reference.from_fp8_checkpoint`: an FP8 checkpoint, dequantised by the oracle
+  (metainfer.oracle.fp8_checkpoint), the reference's weights being its dequantised values;
 - `Reference.from_weights`: canonical-named tensors (`model.layers.N...`, `lm_head.weight`), e.g.
   views of the engine's tensors when a second copy does not fit: built on the meta device and
   assigned, never copied.
@@ -118,6 +120,24 @@ class Reference:
         if not placed:
             model = model.to(device)
         return cls(model, _info(model, transformers.__version__, "checkpoint", dtype, torch.device(device)))
+
+    @classmethod
+    def from_fp8_checkpoint(
+        cls,
+        model_dir: str | Path,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        on_e4m3: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> Reference:
+        """The weights of an FP8 checkpoint dequantised (e4m3 x weight_scale_inv per 128 x 128 block)
+        into `dtype` on `device`; on_e4m3 sees each stored e4m3 tensor
+        (`fp8_checkpoint.dequantised_weights`)."""
+        from metainfer.oracle.fp8_checkpoint import dequantised_weights
+
+        config_path = Path(model_dir) / "config.json"
+        cfg = text_config(config_path)
+        sd = dequantised_weights(Path(model_dir), torch.device(device), dtype, cfg.num_experts, on_e4m3)
+        return cls.from_weights(config_path, sd, source="checkpoint-dequantised")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The reference's weights by canonical name (tied lm_head included; no rotary buffers)."""
