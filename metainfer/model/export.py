@@ -147,6 +147,13 @@ def quantization_config(keys: list[str]) -> dict:
     }
 
 
+def checkpoint_nbytes(
+    model: Qwen3_5MoeModel, fmt: str = "fp8", scale_dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of tensor data `write_checkpoint` would write (nothing is quantised to count them)."""
+    return sum(it.nbytes for it in _items(model, fmt, scale_dtype))
+
+
 @torch.no_grad()
 def write_checkpoint(
     model: Qwen3_5MoeModel,
