@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 BLOCK = (128, 128)
@@ -38,10 +39,16 @@ class Fp8Scheme:
 
     not_converted: tuple[str, ...] = ()
 
+    @cached_property
+    def _listed(self) -> frozenset[str]:
+        return frozenset(self.not_converted)
+
     def keeps_unquantised(self, module: str) -> bool:
-        """Whether `module` (canonical, e.g. `model.layers.0.mlp.gate`) or a module holding it is listed."""
-        return any(module == m or module.startswith(m + ".") or module.endswith("." + m)
-                   for m in self.not_converted)
+        """Whether `module` (canonical, e.g. `model.layers.0.mlp.gate`), a module holding it, or its
+        last dotted parts (a short entry such as `lm_head` or `mlp.gate`) is listed."""
+        parts = module.split(".")
+        return any(".".join(parts[:i]) in self._listed or ".".join(parts[-i:]) in self._listed
+                   for i in range(1, len(parts) + 1))
 
 
 def _canonical_module(name: str) -> str:
