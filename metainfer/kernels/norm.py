@@ -285,19 +285,21 @@ def add_rms_norm(
     return out, new_res
 
 
+def router_ok(T: int, dtype: torch.dtype, router_dtype: torch.dtype) -> bool:
+    """Whether `add_rms_norm_router` takes T rows of x in `dtype` and a router in `router_dtype`: a decode
+    step's few rows (up to ROUTER_MAX_T), an unquantised router in x's dtype."""
+    return 0 < T <= ROUTER_MAX_T and dtype in _TL_DTYPE and router_dtype == dtype
+
+
 def add_rms_norm_router(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """x, residual [T, N], router_weight [E, N] (x's dtype) -> (rms_norm(x + residual), x + residual,
-    logits [T, E] in x's dtype = the first @ router_weight^T), in one launch of
-    cdiv(E, ROUTER_BLOCK_E) programs; None (the caller runs `add_rms_norm` and the router) for more
-    rows than ROUTER_MAX_T or operands it does not take (a router in another dtype, strided rows)."""
-    if not 0 < x.shape[0] <= ROUTER_MAX_T or x.dim() != 2 or x.dtype not in _TL_DTYPE:
-        return None
-    if x.stride(1) != 1 or residual.stride(-1) != 1 or router_weight.dtype != x.dtype:
-        return None
-    if not router_weight.is_contiguous() or router_weight.shape[1] != x.shape[1]:
-        return None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual [T, N] (rows contiguous), router_weight [E, N] contiguous, `router_ok` -> (rms_norm(x +
+    residual), x + residual, logits [T, E] in x's dtype = the first @ router_weight^T), in one launch of
+    cdiv(E, ROUTER_BLOCK_E) programs."""
+    assert x.dim() == 2 and router_ok(x.shape[0], x.dtype, router_weight.dtype), (x.shape, router_weight)
+    assert x.stride(1) == 1 and residual.stride(-1) == 1, (x.stride(), residual.stride())
+    assert router_weight.is_contiguous() and router_weight.shape[1] == x.shape[1], router_weight.shape
     assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
     T, N = x.shape
     E = router_weight.shape[0]

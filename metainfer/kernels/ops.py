@@ -1,12 +1,17 @@
 """The ops the model calls. Each picks a Triton kernel for CUDA tensors when one is registered and
 enabled, else the PyTorch reference (always on CPU).
 
+Where several ops can do one job (the MoE experts, a norm fused into its neighbour), `step_plan`
+decides once per step and kind of layer which one runs, and the model calls exactly that op.
+
 Kernels are enabled by `use_kernels(True)` (the runner does this on CUDA unless --no-kernels).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -43,6 +48,11 @@ def _kernel(name: str, x: torch.Tensor):
     return None
 
 
+def _serves(name: str, device_type: str) -> bool:
+    """Whether `_kernel(name, x)` gives a kernel for tensors on a device of this type."""
+    return _ENABLED and device_type == "cuda" and name in _KERNELS
+
+
 # ---- what the model asks of the kernel paths (it imports no kernel module but this one) -----------
 def launch_context(max_chunk: int) -> contextlib.AbstractContextManager:
     """The context a step's launches run (and its CUDA graph is captured) in, for a step whose longest
@@ -54,23 +64,118 @@ def launch_context(max_chunk: int) -> contextlib.AbstractContextManager:
     return pdl.off_for(max_chunk)
 
 
-def norm_quant_buffers(T: int, K: int, device, norm_op: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Buffers for the norm kernel `norm_op` to write the e4m3 copy of its [T, K] output into, where an
-    FP8 consumer of T tokens takes that copy (`fp8_linear.norm_quant_wanted`): (q [Tp, K] e4m3,
-    s [K/128, Tp] fp32) from `fp8_linear.act_buffers`; else None."""
-    if not has_kernel(norm_op):
-        return None
-    from metainfer.kernels import fp8_linear
+class LayerWeights(NamedTuple):
+    """What a step plan reads of one decoder layer: its weights' precision and the shapes that the fused
+    kernels take. Fixed once the weights are loaded (or quantised)."""
 
-    return fp8_linear.act_buffers(T, K, device) if fp8_linear.norm_quant_wanted(T, device) else None
+    experts_fp8: bool  # the routed experts e4m3 with block scales
+    fused_shared: bool  # the shared expert stored as expert E (the MoE kernels' layout)
+    router_dtype: torch.dtype  # the router's weights (with the shared expert's gate row)
+    mixer_in_fp8: bool  # the token mixer's first projection e4m3 (attention qkv_proj, DeltaNet in_proj)
+    deltanet: bool = False  # a DeltaNet layer; the fields below describe its out_proj
+    out_heads: int = 0  # Hv: the gated norm's heads; out_proj's input is out_heads x out_head_dim
+    out_head_dim: int = 0
+    out_rows: int = 0
+    out_dtype: torch.dtype | None = None  # e4m3: block-scaled
 
 
-def moe_takes_fp8_input(T: int, fp8: bool) -> bool:
-    """Whether the experts of a T-token step run the grouped e4m3 x e4m3 GEMMs (which take x's e4m3
-    copy from its norm)."""
+@dataclass(frozen=True)
+class StepPlan:
+    """The ops one step runs through one decoder layer (`step_plan`); each named op serves its operands.
+
+    input_norm: the layer's input norm where it adds a residual: "prologue" (where its input is the
+        previous MoE's rows: summed, normed and projected by `pending_norm_linear`), "copy" (the norm also
+        writes its e4m3 copy for the first projection, `act_buffers`), "norm"
+    moe_norm: the norm before the MoE: "router" (with the router's logits, `add_rms_norm_router`),
+        "copy" (x's e4m3 copy for the grouped FP8 experts), "norm"
+    moe: "routed_rows" | "pair_rows" | "grouped_rows" (`moe_*`: rows summed by the next norm), or
+        "experts" (route, then `moe_experts`)
+    out_norm: a DeltaNet layer's gated norm before out_proj: "prologue" (`gated_norm_linear`), "copy",
+        "norm"; "norm" in attention layers
+    """
+
+    input_norm: Literal["prologue", "copy", "norm"]
+    moe_norm: Literal["router", "copy", "norm"]
+    moe: Literal["routed_rows", "pair_rows", "grouped_rows", "experts"]
+    out_norm: Literal["prologue", "copy", "norm"]
+
+
+def step_plan(T: int, decodes: bool, w: LayerWeights, dtype: torch.dtype, device: torch.device) -> StepPlan:
+    """The plan of a step of T tokens (`decodes`: its first sequences decode) through a layer with weights
+    `w`, activations in `dtype` on `device`. Pure Python, no tensor op: safe inside a graph capture."""
+    dev = torch.device(device).type
+    quant: list[bool] = []  # norm_quant_wanted(T, device), asked at most once
+
+    def copy(norm_op: str) -> bool:  # the norm kernel writes an e4m3 copy for an FP8 consumer of T rows
+        if not has_kernel(norm_op):
+            return False
+        if not quant:
+            from metainfer.kernels import fp8_linear
+
+            quant.append(fp8_linear.norm_quant_wanted(T, device))
+        return quant[0]
+
+    moe = _moe_path(T, w, dev)
+    if T == 1 and moe != "experts" and w.mixer_in_fp8 and _serves("pending_norm_linear", dev):
+        input_norm = "prologue"
+    elif w.mixer_in_fp8 and not (w.deltanet and decodes) and copy("add_rms_norm"):  # (a DeltaNet step with
+        input_norm = "copy"  # decodes runs in_proj with the conv epilogue, which takes no e4m3 copy)
+    else:
+        input_norm = "norm"
+    if w.experts_fp8 and w.fused_shared and _moe_module().grouped_rows_ok(T, True) and copy("add_rms_norm"):
+        moe_norm = "copy"
+    elif _serves("add_rms_norm_router", dev) and _norm_module().router_ok(T, dtype, w.router_dtype):
+        moe_norm = "router"
+    else:
+        moe_norm = "norm"
+    out_norm = "norm"
+    if w.deltanet:
+        out_fp8 = w.out_dtype == torch.float8_e4m3fn
+        if out_fp8 and w.out_head_dim % 128 == 0 and copy("gated_rms_norm"):
+            out_norm = "copy"
+        elif _serves("gated_norm_linear", dev):
+            from metainfer.kernels import weight_stream
+
+            same = w.out_dtype == dtype
+            if weight_stream.gnorm_ok(T, w.out_heads, w.out_head_dim, w.out_rows, out_fp8, same):
+                out_norm = "prologue"
+    return StepPlan(input_norm, moe_norm, moe, out_norm)
+
+
+def _moe_path(T: int, w: LayerWeights, dev: str) -> str:
+    """The plan's `moe`: routing inside the FP8 decode kernels, else the per-pair rows, else (past the
+    per-pair bound) the grouped GEMMs' rows; `moe_experts` where no rows kernel serves."""
+    if not w.fused_shared:
+        return "experts"
+    fp8 = w.experts_fp8
+    if _serves("moe_routed_rows", dev) and _moe_module().routed_rows_ok(T, fp8):
+        return "routed_rows"
+    if _serves("moe_pair_rows", dev):
+        if 0 < T and _moe_module().use_pair_path(T, fp8):
+            return "pair_rows"
+        if _moe_module().grouped_rows_ok(T, fp8) and _serves("moe_grouped_rows", dev):
+            return "grouped_rows"
+    return "experts"
+
+
+def _moe_module():
     from metainfer.kernels import moe
 
-    return fp8 and moe.grouped_rows_ok(T, fp8)
+    return moe
+
+
+def _norm_module():
+    from metainfer.kernels import norm
+
+    return norm
+
+
+def act_buffers(T: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for a norm kernel to write the e4m3 copy of its [T, K] output into (a plan's "copy"):
+    (q [Tp, K] e4m3, s [K/128, Tp] fp32), `fp8_linear.act_buffers`."""
+    from metainfer.kernels import fp8_linear
+
+    return fp8_linear.act_buffers(T, K, device)
 
 
 # ---- the ops -------------------------------------------------------------------------------------
@@ -127,47 +232,52 @@ def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None
 
 
 def moe_routed_rows(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
-    """Routing + experts with the weighted sum left to `moe_add_rms_norm` (one launch fewer each).
-    -> (rows [T, W, H] fp32, weights [T, W] fp32), or None where no kernel serves x (the CPU, the
-    reference path, batches past the per-pair decode path): then use route + `moe_experts`."""
+    """Routing + experts with the weighted sum left to `moe_add_rms_norm` (the plan's "routed_rows": the
+    routing inside the gate/up kernel, one launch fewer). -> (rows [T, W, H] fp32, weights [T, W] fp32)."""
     k = _kernel("moe_routed_rows", x)
-    if not k:
-        return None
-    from metainfer.kernels.moe import routed_rows_ok
-
-    if not routed_rows_ok(x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn):
-        return None
-    return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
+    if k:
+        return k(x, router_logits, top_k, shared, w_gate_up, w_down, gate_up_scale, down_scale)
+    weights, ids = (route_with_shared if shared else route)(router_logits, top_k)
+    return _ref_expert_rows(x, w_gate_up, w_down, ids, gate_up_scale, down_scale), weights
 
 
-def moe_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None, xq=None):
-    """The route launch, then the per-pair experts with the weighted sum left to `moe_add_rms_norm`
-    (the combine launch saved; `moe_routed_rows` without the routing inside gate/up, which measured
-    slower for BF16): logits [T, E+1] with the shared expert's gate. -> (rows [T, W, H] fp32,
-    weights [T, W] fp32); past the per-pair path (BF16 8 tokens, FP8 16) the grouped GEMMs' rows
-    in x's dtype (`moe_grouped_rows`); None where no kernel serves x (then route + `moe_experts`).
-    xq: x's e4m3 copy from its norm (`fp8_linear.act_buffers`), taken by the grouped FP8 GEMMs."""
-    k = _kernel("moe_pair_rows", x)
-    if not k:
-        return None
-    from metainfer.kernels.moe import grouped_rows_ok, use_pair_path
-
-    T, fp8 = x.shape[0], w_gate_up.dtype == torch.float8_e4m3fn
-    kw = {}  # the per-pair rows take no extra arguments
-    if not (0 < T and use_pair_path(T, fp8)):
-        if not grouped_rows_ok(T, fp8):
-            return None
-        k, kw = _kernel("moe_grouped_rows", x), dict(xq=xq)  # wider batches, prefills: grouped rows
+def moe_pair_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None):
+    """The route launch, then the per-pair experts with the weighted sum left to `moe_add_rms_norm` (the
+    plan's "pair_rows": the combine launch saved): logits [T, E+1] with the shared expert's gate.
+    -> (rows [T, W, H] fp32, weights [T, W] fp32)."""
     weights, ids = route_with_shared(router_logits, top_k)
-    return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, **kw), weights
+    k = _kernel("moe_pair_rows", x)
+    if k:
+        return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale), weights
+    return _ref_expert_rows(x, w_gate_up, w_down, ids, gate_up_scale, down_scale), weights
+
+
+def moe_grouped_rows(x, router_logits, top_k, w_gate_up, w_down, gate_up_scale=None, down_scale=None,
+                     xq=None):
+    """`moe_pair_rows` for batches past the per-pair path (the plan's "grouped_rows"): the grouped GEMMs'
+    rows, in x's dtype. xq: x's e4m3 copy from its norm (`act_buffers`), taken by the FP8 GEMMs."""
+    weights, ids = route_with_shared(router_logits, top_k)
+    k = _kernel("moe_grouped_rows", x)
+    if k:
+        return k(x, w_gate_up, w_down, ids, gate_up_scale, down_scale, xq=xq), weights
+    return _ref_expert_rows(x, w_gate_up, w_down, ids, gate_up_scale, down_scale).to(x.dtype), weights
+
+
+def _ref_expert_rows(x, w_gate_up, w_down, ids, gate_up_scale, down_scale) -> torch.Tensor:
+    if gate_up_scale is not None:
+        w_gate_up = ref_dequant_fp8(w_gate_up, gate_up_scale, x.dtype)
+        w_down = ref_dequant_fp8(w_down, down_scale, x.dtype)
+    return ref.moe_expert_rows(x, w_gate_up, w_down, ids)
 
 
 def add_rms_norm_router(x, residual, weight, eps, router_weight):
     """`add_rms_norm(x, residual)` and the MoE router's logits of its output (`linear(normed,
-    router_weight)`) in one launch: -> (normed, new residual, logits), or None where no kernel does
-    it (CPU, more tokens than its bound): then the caller runs the two ops."""
+    router_weight)`) in one launch (the plan's "router"): -> (normed, new residual, logits)."""
     k = _kernel("add_rms_norm_router", x)
-    return k(x, residual, weight, eps, router_weight) if k and residual is not None else None
+    if k:
+        return k(x, residual, weight, eps, router_weight)
+    out, new_res = add_rms_norm(x, residual, weight, eps)
+    return out, new_res, linear(out, router_weight)
 
 
 def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=None, res_out=None):
@@ -186,21 +296,22 @@ def moe_add_rms_norm(rows, weights, residual, weight, eps, dtype=None, xq_out=No
     return out, res_out
 
 
-def pending_norm_ok(rows: torch.Tensor, T: int) -> bool:
-    """Whether a decode step's input norm may be left to its projection (`layers.PendingNorm`): one token
-    and a kernel that takes it (cuda/gemv.cu's x prologue); the projection may still decline (then the norm
-    runs as before)."""
-    return T == 1 and bool(_kernel("pending_norm_linear", rows))
-
-
-def pending_norm_linear(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=None):
-    """rms_norm(moe_combine(rows, weights) + residual) @ weight^T in the projection's prologue (new_res gets
-    the new residual; conv: (conv_weight, conv_state, slots, has_state), as `linear_conv_update`'s): -> y, or
-    None where no kernel serves it (then the caller runs the norm, then the projection)."""
+def pending_norm_linear(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=None,
+                        dtype=None):
+    """rms_norm(moe_combine(rows, weights) + residual) @ weight^T for one decode token (the plan's "prologue";
+    weight e4m3 with its scale_inv; new_res gets the new residual; conv: (conv_weight, conv_state, slots,
+    has_state), as `linear_conv_update`'s): the norm in the projection's x prologue (cuda/gemv.cu) where that
+    kernel takes the operands (`gemv.wanted_pre`: sm_90, its build, the shapes), else the norm, then the
+    projection. -> y [1, N]."""
+    assert scale_inv is not None, "the prologue projections are e4m3"
     k = _kernel("pending_norm_linear", rows)
-    if not k or scale_inv is None:
-        return None
-    return k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=conv)
+    y = k(rows, weights, residual, norm_weight, eps, new_res, weight, scale_inv, conv=conv) if k else None
+    if y is not None:  # (None: gemv.cu's operand check declined; GPU-only, it stays the kernel's)
+        return y
+    h = moe_add_rms_norm(rows, weights, residual, norm_weight, eps, dtype, res_out=new_res)[0]
+    if conv is not None:
+        return linear_conv_update(h, weight, scale_inv, *conv)
+    return fp8_linear(h, weight, scale_inv)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -213,10 +324,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def gated_norm_linear(core, z, norm_weight, eps, weight, scale_inv):
     """`gated_rms_norm(core, z)` viewed [T, Hv * D], then the projection by weight (e4m3 with its
-    scale_inv, or unquantised), in one launch -> [T, N]; None where no kernel does it (CPU, more tokens
-    than its bound): then the caller runs the two ops."""
+    scale_inv, or unquantised), in one launch (the plan's out_norm "prologue") -> [T, N]."""
     k = _kernel("gated_norm_linear", core)
-    return k(core, z, norm_weight, eps, weight, scale_inv) if k else None
+    if k:
+        return k(core, z, norm_weight, eps, weight, scale_inv)
+    h = gated_rms_norm(core, z, norm_weight, eps).view(core.shape[0], -1)
+    return linear(h, weight) if scale_inv is None else fp8_linear(h, weight, scale_inv)
 
 
 def linear_conv_update(x, weight, scale_inv, conv_weight, conv_state, slots, has_state):

@@ -477,29 +477,33 @@ def gnorm_config(N: int, Hv: int, fp8: bool) -> dict:
     return dict(BLOCK_N=16 if fp8 else 8, HEADS=Hv, num_warps=8)
 
 
+def gnorm_ok(T: int, Hv: int, D: int, N: int, fp8: bool, same_dtype: bool) -> bool:
+    """Whether `gated_norm_linear` takes T tokens of Hv heads x D into N rows: up to GNORM_MAX_T tokens, D a
+    power of two (FP8: one 128-column scale block, else weights in core's dtype: same_dtype), and a
+    `gnorm_config` whose heads a program (a power of two) divide Hv."""
+    if not 0 < T <= GNORM_MAX_T or D & (D - 1) or (fp8 and D != 128) or (not fp8 and not same_dtype):
+        return False
+    cfg = gnorm_config(N, Hv, fp8)
+    return not (Hv % cfg["HEADS"] or cfg["HEADS"] & (cfg["HEADS"] - 1) or 128 % cfg["BLOCK_N"])
+
+
 def gated_norm_linear(
     core: torch.Tensor,  # [T, Hv, D], D contiguous
     z: torch.Tensor,  # [T, Hv, D], D contiguous (a view of in_proj's output)
     norm_weight: torch.Tensor,  # [D]
     eps: float,
-    weight: torch.Tensor,  # [N, Hv * D]: e4m3 with scale_inv [N/128, Hv * D/128], or core's dtype
+    weight: torch.Tensor,  # [N, Hv * D] contiguous: e4m3 with scale_inv [N/128, Hv * D/128], or core's dtype
     scale_inv: torch.Tensor | None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """`gated_rms_norm(core, z) @ weight^T` (the DeltaNet out_proj) in one launch of weight-preloading
-    programs (`_gnorm_gemv_kernel`) -> y [T, N] in core's dtype; None (the caller runs the norm,
-    then the projection) past GNORM_MAX_T tokens or for shapes it does not take."""
+    programs (`_gnorm_gemv_kernel`) -> y [T, N] in core's dtype, for shapes `gnorm_ok` takes."""
     T, Hv, D = core.shape
     N, K = weight.shape
     fp8 = scale_inv is not None
-    if not 0 < T <= GNORM_MAX_T:
-        return None
-    if K != Hv * D or z.shape != core.shape or core.stride(2) != 1 or z.stride(2) != 1 or D & (D - 1):
-        return None
-    if (fp8 and D != 128) or (not fp8 and weight.dtype != core.dtype) or not weight.is_contiguous():
-        return None
+    assert gnorm_ok(T, Hv, D, N, fp8, weight.dtype == core.dtype), (core.shape, weight.shape, weight.dtype)
+    assert K == Hv * D and z.shape == core.shape and core.stride(2) == 1 and z.stride(2) == 1, (K, z.shape)
+    assert weight.is_contiguous()
     cfg = gnorm_config(N, Hv, fp8)
-    if Hv % cfg["HEADS"] or cfg["HEADS"] & (cfg["HEADS"] - 1) or 128 % cfg["BLOCK_N"]:
-        return None
     s = scale_inv if fp8 else weight
     mid = TL_DTYPE[torch.promote_types(norm_weight.dtype, core.dtype)]
     y = torch.empty(T, N, dtype=core.dtype, device=core.device)

@@ -29,10 +29,6 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.hq * self.d, {"o_proj": H})
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
-    def input_proj(self, meta: ForwardMeta) -> Linear:
-        """The projection that takes the step's normed input (where a norm's e4m3 copy would go)."""
-        return self.qkv_proj
-
     def forward(
         self,
         x: torch.Tensor,  # [T, H]

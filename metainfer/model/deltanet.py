@@ -15,7 +15,7 @@ from torch import nn
 from metainfer.config import ModelConfig
 from metainfer.forward_meta import ForwardMeta
 from metainfer.kernels import ops
-from metainfer.model.layers import Linear, fp8_copy_buffers
+from metainfer.model.layers import Linear
 
 
 class GatedDeltaNet(nn.Module):
@@ -43,13 +43,9 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
         self.out_proj = Linear(self.value_dim, {"out_proj": H})
 
-    def input_proj(self, meta: ForwardMeta) -> Linear | bool:
-        """The projection that takes the step's normed input as is, or False: a step with decodes runs
-        in_proj with the conv epilogue (`Linear.conv_forward`), which takes no e4m3 copy."""
-        return self.in_proj if meta.num_decodes == 0 else False
-
     def forward(
         self, x: torch.Tensor, meta: ForwardMeta, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+        out_norm: str = "norm",  # the step plan's: the gated norm before out_proj
         xq: tuple[torch.Tensor, torch.Tensor] | None = None,  # x's e4m3 copy from its norm, for in_proj
     ) -> torch.Tensor:  # [T, H] -> [T, H]
         T = x.shape[0]
@@ -107,14 +103,11 @@ class GatedDeltaNet(nn.Module):
                 core[s0:],
                 gating=(self.A_log, self.dt_bias),
             )
-        # the gated norm's e4m3 copy for out_proj (a head's row must be whole 128-column groups)
-        hq = fp8_copy_buffers(self.out_proj if self.dv % 128 == 0 else False, T, self.value_dim, x.device,
-                              "gated_rms_norm")
         z = z.view(T, self.hv, self.dv)
-        if hq is None:  # a decode step's few tokens: the norm as out_proj's prologue, one launch
-            y = ops.gated_norm_linear(core, z, self.norm_weight, self.eps, self.out_proj.weight,
-                                      self.out_proj.weight_scale_inv)
-            if y is not None:
-                return y
+        if out_norm == "prologue":  # a decode step's few tokens: the norm as out_proj's prologue, one launch
+            return ops.gated_norm_linear(core, z, self.norm_weight, self.eps, self.out_proj.weight,
+                                         self.out_proj.weight_scale_inv)
+        # "copy": the gated norm's e4m3 copy for out_proj (a head's row is whole 128-column groups)
+        hq = ops.act_buffers(T, self.value_dim, x.device) if out_norm == "copy" else None
         h = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, xq_out=hq)
         return self.out_proj(h.view(T, self.value_dim), hq)

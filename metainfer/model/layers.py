@@ -27,9 +27,8 @@ class ExpertRows:
 @dataclass(frozen=True)
 class PendingNorm:
     """A decode token's input RMSNorm not yet applied: norm(sum of `rows` + residual), left to the
-    projection that takes it as its x prologue (`Linear.forward`, `Linear.conv_forward`: cuda/gemv.cu)
-    or computed by `materialize` where none does. new_res receives the new residual (sum + residual)
-    either way."""
+    projection that takes it (`Linear.forward`, `Linear.conv_forward`: `ops.pending_norm_linear`, the
+    plan's input_norm "prologue"). new_res receives the new residual (sum + residual)."""
 
     rows: ExpertRows
     residual: torch.Tensor  # [1, H]
@@ -52,19 +51,6 @@ class PendingNorm:
     def operands(self) -> tuple:
         return (self.rows.rows, self.rows.weights, self.residual, self.weight, self.eps, self.new_res)
 
-    def materialize(self) -> torch.Tensor:
-        return ops.moe_add_rms_norm(self.rows.rows, self.rows.weights, self.residual, self.weight, self.eps,
-                                    self.rows.dtype, res_out=self.new_res)[0]
-
-
-def fp8_copy_buffers(consumer: Linear | bool, T: int, K: int, device, norm_op: str = "add_rms_norm"
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Buffers for a norm's e4m3 copy of its [T, K] output, where the consumer (a Linear with FP8
-    weights, or True) would quantise the same rows itself (T past the weight-streaming bound, the
-    cuBLAS / grouped e4m3 GEMMs) and the norm's kernel runs (`ops.norm_quant_buffers`); else None."""
-    fp8 = consumer if isinstance(consumer, bool) else consumer.weight_scale_inv is not None
-    return ops.norm_quant_buffers(T, K, device, norm_op) if fp8 else None
-
 
 class RMSNorm(nn.Module):
     """x / rms(x) * (1 + w)."""
@@ -82,7 +68,7 @@ class RMSNorm(nn.Module):
         xq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; xq_out: buffers that also get the output's
-        e4m3 copy (`fp8_copy_buffers`; the norm kernels only)."""
+        e4m3 copy (`ops.act_buffers`, a plan's "copy": the norm kernels only)."""
         if isinstance(x, ExpertRows):
             return ops.moe_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps, x.dtype,
                                         xq_out=xq_out)
@@ -115,12 +101,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm, xq: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
         """xq: x's e4m3 copy from its norm (FP8 weights; an optional shortcut, the same operands). x
-        `PendingNorm`: its norm in the projection's prologue where a kernel takes it."""
+        `PendingNorm`: its norm and this projection in one op (FP8 weights)."""
         if isinstance(x, PendingNorm):
-            y = ops.pending_norm_linear(*x.operands(), self.weight, self.weight_scale_inv)
-            if y is not None:
-                return y
-            x = x.materialize()
+            return ops.pending_norm_linear(*x.operands(), self.weight, self.weight_scale_inv,
+                                           dtype=x.rows.dtype)
         if self.weight_scale_inv is not None:
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv, xq=xq)
         return ops.linear(x, self.weight)
@@ -133,11 +117,9 @@ class Linear(nn.Module):
         the first len(slots) rows (their conv states updated in place); on the GPU kernels it is the
         projection kernel's epilogue (and a `PendingNorm` x's norm its prologue where one takes it)."""
         if isinstance(x, PendingNorm):
-            y = ops.pending_norm_linear(*x.operands(), self.weight, self.weight_scale_inv,
-                                        conv=(conv_weight, conv_state, slots, has_state))
-            if y is not None:
-                return y
-            x = x.materialize()
+            return ops.pending_norm_linear(*x.operands(), self.weight, self.weight_scale_inv,
+                                           conv=(conv_weight, conv_state, slots, has_state),
+                                           dtype=x.rows.dtype)
         return ops.linear_conv_update(x, self.weight, self.weight_scale_inv, conv_weight, conv_state, slots,
                                       has_state)
 
@@ -180,37 +162,26 @@ class SparseMoE(nn.Module):
             self.shared_gate_up = Linear(H, {"gate_proj": Is, "up_proj": Is})
             self.shared_down = Linear(Is, {"down_proj": H})
 
-    def takes_fp8_input(self, T: int) -> bool:
-        """Whether a step of T tokens runs the grouped e4m3 x e4m3 experts (which take x's e4m3 copy)."""
-        fp8 = self.w_gate_up_scale is not None
-        return fp8 and self.fused_shared and ops.moe_takes_fp8_input(T, fp8)
-
-    def norm_and_route(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """`norm.add_forward(x, residual)` and this block's router logits of its output in one launch
-        (`ops.add_rms_norm_router`: a decode step's few tokens, unquantised router): -> (normed,
-        new residual, logits [T, E+1]), or None (then the norm, and `forward` runs the router)."""
-        if self.router.weight_scale_inv is not None:
-            return None
-        return ops.add_rms_norm_router(x, residual, norm.weight, norm.eps, self.router.weight)
-
     def forward(
-        self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, x: torch.Tensor, path: str, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
         logits: torch.Tensor | None = None,
     ) -> torch.Tensor | ExpertRows:  # [T, H] -> [T, H]
-        """Decode batches on the GPU kernels return `ExpertRows` (summed by the next norm). xq: x's
-        e4m3 copy from its norm, taken by the grouped FP8 experts; logits: the router's output for x
-        where `norm_and_route` computed it."""
+        """path: the step plan's `moe`; its "*_rows" paths return `ExpertRows` (summed by the next norm).
+        xq: x's e4m3 copy from its norm, taken by the grouped FP8 experts; logits: the router's output
+        for x where its norm computed it (the plan's moe_norm "router")."""
         scales = (self.w_gate_up_scale, self.w_down_scale)
         if logits is None:
             logits = self.router(x)  # [T, E+1]
+        if path == "routed_rows":
+            return ExpertRows(*ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down,
+                                                   *scales), x.dtype)
+        if path == "pair_rows":
+            return ExpertRows(*ops.moe_pair_rows(x, logits, self.top_k, self.w_gate_up, self.w_down, *scales),
+                              x.dtype)
+        if path == "grouped_rows":
+            return ExpertRows(*ops.moe_grouped_rows(x, logits, self.top_k, self.w_gate_up, self.w_down,
+                                                    *scales, xq=xq), x.dtype)
         if self.fused_shared:
-            part = ops.moe_routed_rows(x, logits, self.top_k, True, self.w_gate_up, self.w_down, *scales)
-            if part is None:  # the route launch, then the experts; the sum still in the next norm
-                part = ops.moe_rows(x, logits, self.top_k, self.w_gate_up, self.w_down, *scales, xq=xq)
-            if part is not None:
-                return ExpertRows(*part, x.dtype)
             weights, ids = ops.route_with_shared(logits, self.top_k)  # [T, k+1]
             return ops.moe_experts(x, self.w_gate_up, self.w_down, weights, ids, *scales)
         weights, ids = ops.route(logits[:, : self.num_experts], self.top_k)

@@ -15,7 +15,9 @@ from metainfer.forward_meta import CacheTensors, ForwardMeta
 from metainfer.kernels import ops
 from metainfer.model.attention import GatedAttention
 from metainfer.model.deltanet import GatedDeltaNet
-from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm, SparseMoE, fp8_copy_buffers
+from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm, SparseMoE
+
+E4M3 = torch.float8_e4m3fn
 
 
 class DecoderLayer(nn.Module):
@@ -30,6 +32,28 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(cfg)
         self.mlp = SparseMoE(cfg)
+        # the modules whose weights' dtypes `plan_key` reads (a tuple: no second registration)
+        first = self.self_attn.qkv_proj if layer_type == FULL else self.linear_attn.in_proj
+        last = None if layer_type == FULL else self.linear_attn.out_proj
+        self._planned = (self.mlp, self.mlp.router, first, last)
+
+    def plan_key(self) -> tuple:
+        """What `plan_weights` depends on beyond the config: the kind and the weights' dtypes (read from the
+        modules' parameter dicts: every step reads them, per layer)."""
+        mlp, router, first, last = self._planned
+        out = last._parameters["weight"].dtype if last is not None else None
+        return (self.layer_type, mlp._parameters["w_gate_up"].dtype, router._parameters["weight"].dtype,
+                first._parameters["weight"].dtype, out)
+
+    def plan_weights(self) -> ops.LayerWeights:
+        """What `ops.step_plan` reads of this layer's weights."""
+        mlp = self.mlp
+        moe = (mlp.w_gate_up.dtype == E4M3, mlp.fused_shared, mlp.router.weight.dtype)
+        if self.layer_type == FULL:
+            return ops.LayerWeights(*moe, self.self_attn.qkv_proj.weight.dtype == E4M3)
+        d = self.linear_attn
+        return ops.LayerWeights(*moe, d.in_proj.weight.dtype == E4M3, True, d.hv, d.dv,
+                                d.out_proj.out_features, d.out_proj.weight.dtype)
 
     def forward(
         self,
@@ -38,30 +62,46 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         meta: ForwardMeta,
         caches: CacheTensors,
+        plan: ops.StepPlan,  # `ops.step_plan` of this step and `plan_weights()`
     ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         T, H, dev = positions.shape[0], self.input_layernorm.weight.shape[0], positions.device
-        mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
-        if isinstance(x, ExpertRows) and residual is not None and ops.pending_norm_ok(x.rows, T):
-            norm = self.input_layernorm  # its norm left to the mixer's first projection (its x prologue)
+        if plan.input_norm == "prologue" and isinstance(x, ExpertRows):
+            norm = self.input_layernorm  # left to the mixer's first projection (its x prologue)
             h = PendingNorm(x, residual, norm.weight, norm.eps, torch.empty_like(residual))
             residual, xq = h.new_res, None
-        else:
-            consumer = mixer.input_proj(meta) if residual is not None else False  # layer 0: no add, no copy
-            xq = fp8_copy_buffers(consumer, T, H, dev)
+        else:  # layer 0 (no residual): no add, no copy
+            xq = ops.act_buffers(T, H, dev) if plan.input_norm == "copy" and residual is not None else None
             h, residual = self.input_layernorm.add_forward(x, residual, xq_out=xq)
         i = self.cache_index
         if self.layer_type == FULL:
             h = self.self_attn(h, positions, meta, caches.k[i], caches.v[i], xq=xq)
         else:
-            h = self.linear_attn(h, meta, caches.conv[i], caches.ssm[i], xq=xq)
-        xq = fp8_copy_buffers(self.mlp.takes_fp8_input(T), T, H, dev)
+            h = self.linear_attn(h, meta, caches.conv[i], caches.ssm[i], plan.out_norm, xq=xq)
         post = self.post_attention_layernorm
-        routed = None if xq is not None else self.mlp.norm_and_route(post, h, residual)
-        if routed is not None:  # the norm and the router in one launch (a decode step's few tokens)
-            h, residual, logits = routed
-            return self.mlp(h, logits=logits), residual
+        if plan.moe_norm == "router":
+            router = self.mlp.router.weight
+            h, residual, logits = ops.add_rms_norm_router(h, residual, post.weight, post.eps, router)
+            return self.mlp(h, plan.moe, logits=logits), residual
+        xq = ops.act_buffers(T, H, dev) if plan.moe_norm == "copy" else None
         h, residual = post.add_forward(h, residual, xq_out=xq)
-        return self.mlp(h, xq), residual
+        return self.mlp(h, plan.moe, xq), residual
+
+
+class StepPlans:
+    """A forward's plans, one per distinct `plan_key()` among its layers (a layer kind, normally): each
+    asked of `ops.step_plan` once."""
+
+    def __init__(self, T: int, meta: ForwardMeta, x: torch.Tensor) -> None:
+        self.args = (T, meta.num_decodes > 0)
+        self.dtype, self.device = x.dtype, x.device
+        self.plans: dict[tuple, ops.StepPlan] = {}
+
+    def __call__(self, layer: DecoderLayer) -> ops.StepPlan:
+        key = layer.plan_key()
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = ops.step_plan(*self.args, layer.plan_weights(), self.dtype, self.device)
+        return plan
 
 
 class Qwen3_5MoeModel(nn.Module):
@@ -93,9 +133,10 @@ class Qwen3_5MoeModel(nn.Module):
         # programmatic dependent launch (`ops.launch_context`)
         with ops.launch_context(meta.prefill_max_len()):
             x = self.embed_tokens(input_ids)
+            plans = StepPlans(input_ids.shape[0], meta, x)
             residual = None
             for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, positions, meta, caches)
+                x, residual = layer(x, residual, positions, meta, caches, plans(layer))
                 if self.layer_hook is not None:  # oracle seam (eager steps): (layer, its output, residual)
                     self.layer_hook(i, x, residual)
             h, _ = self.norm.add_forward(x, residual)
@@ -132,6 +173,7 @@ class MTP(nn.Module):
         caches: CacheTensors,
     ) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        x, residual = self.layers[0](x, None, positions, meta, caches)
+        layer = self.layers[0]
+        x, residual = layer(x, None, positions, meta, caches, StepPlans(x.shape[0], meta, x)(layer))
         h, _ = self.norm.add_forward(x, residual)
         return h

@@ -270,7 +270,7 @@ def test_moe_pair_rows_full_shapes(T, fp8):
     ops.use_kernels(True)
     try:
         def step():
-            return ops.moe_rows(x, logits, TOPK, *args)[0]
+            return ops.moe_pair_rows(x, logits, TOPK, *args)[0]
 
         got = step().clone()
         _, ids = ref.route_with_shared(logits, TOPK)

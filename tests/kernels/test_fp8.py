@@ -456,8 +456,8 @@ def test_gated_norm_linear(T, Hv, D, N, cfg, fp8, dtype, monkeypatch):
     """`_gnorm_gemv_kernel`: the DeltaNet gated RMSNorm as out_proj's prologue, on the CUDA cores one token
     at a time: whole-K programs and 2-4 way split-K over heads (the fix-up), N not a multiple of the row
     tiles, FP8 block scales (D = 128) or unquantised weights, strided z rows, against gated_rms_norm then
-    F.linear; None past GNORM_MAX_T tokens (2 tokens: with the bound moved) and for heads per program not
-    a power of two."""
+    F.linear; `gnorm_ok` (the plan's check) refuses T past GNORM_MAX_T tokens (2 tokens: with the bound
+    moved) and heads per program not a power of two, which the launcher then refuses too."""
     if fp8 and D != 128:
         pytest.skip("FP8: a head is one 128-column scale block")
     from metainfer.kernels import reference as ref
@@ -477,11 +477,16 @@ def test_gated_norm_linear(T, Hv, D, N, cfg, fp8, dtype, monkeypatch):
     rmse, max_abs = (1e-6, 1e-5) if dtype == torch.float32 else (2e-2, 8e-2)  # the interpreter truncates bf16
     assert got.dtype == dtype and rel_rmse(got, want) < rmse and _max_rel(got, want) < max_abs
     assert not ws._LOCKS[ws._lock_key(core.device)][:64].any()  # split-K counters left at zero
+    assert ws.gnorm_ok(T, Hv, D, N, fp8, q.dtype == dtype)
     monkeypatch.setattr(ws, "GNORM_MAX_T", T - 1)
-    assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
+    assert not ws.gnorm_ok(T, Hv, D, N, fp8, q.dtype == dtype)
+    with pytest.raises(AssertionError):
+        ws.gated_norm_linear(core, z, gw, 1e-6, q, s)
     monkeypatch.setattr(ws, "GNORM_MAX_T", T)
     tiles.update(HEADS=3)
-    assert ws.gated_norm_linear(core, z, gw, 1e-6, q, s) is None
+    assert not ws.gnorm_ok(T, Hv, D, N, fp8, q.dtype == dtype)
+    with pytest.raises(AssertionError):
+        ws.gated_norm_linear(core, z, gw, 1e-6, q, s)
 
 
 @pytest.mark.parametrize("T,ks", [(1, 512), (3, 128)])
@@ -580,7 +585,7 @@ def test_wgmma_gemv_only_on_cuda():
 def test_pending_norm_materializes_where_no_kernel_takes_it():
     """`layers.PendingNorm` (a decode token's input norm left to its projection's prologue, gemv.cu's on
     the GPU): on the CPU no kernel takes it, so `Linear.forward` / `conv_forward` run the norm first, with
-    the same output and new residual as `RMSNorm.add_forward`; the decoder never builds one on the CPU."""
+    the same output and new residual as `RMSNorm.add_forward`; the CPU's plans never build one."""
     from metainfer.model.layers import ExpertRows, Linear, PendingNorm, RMSNorm
 
     g = torch.Generator().manual_seed(7)
@@ -593,7 +598,8 @@ def test_pending_norm_materializes_where_no_kernel_takes_it():
     lin = Linear(H, {"w": 384})
     w32 = torch.randn(384, H, generator=g) * 0.05
     lin.weight.data, lin.weight_scale_inv = quantize_fp8_block(w32)
-    assert not ops.pending_norm_ok(rows.rows, 1)  # no kernel on the CPU
+    w = ops.LayerWeights(True, True, torch.bfloat16, True)  # FP8 experts and projections, BF16 router
+    assert ops.step_plan(1, True, w, torch.bfloat16, residual.device).input_norm == "norm"  # no kernel
     pn = PendingNorm(rows, residual, norm.weight, norm.eps, torch.empty_like(residual))
     assert pn.shape == residual.shape and pn.dtype == torch.bfloat16
     assert torch.equal(lin(pn), lin(want_h)) and torch.equal(pn.new_res, want_res)

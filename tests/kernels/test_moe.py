@@ -363,7 +363,7 @@ def _shared_problem(T: int, seed: int, dtype: torch.dtype, fp8: bool):
 
 @pytest.mark.parametrize("T,dtype,fp8", [(1, F32, 0), (5, F32, 0), (8, BF16, 0), (12, BF16, 1)])
 def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype, fp8):
-    """`ops.moe_rows`' wiring (KB-0035): the route launch (shared slot), the per-pair rows, their
+    """`ops.moe_pair_rows`' wiring (KB-0035): the route launch (shared slot), the per-pair rows, their
     weighted sum inside `moe_add_rms_norm` == route, `moe_experts` (pair path, the combine launch),
     `add_rms_norm`: the same fp32 slot-order sum rounded once (rel. RMSE < 1e-6)."""
     from metainfer.kernels import norm
@@ -379,7 +379,7 @@ def test_route_then_pair_rows_summed_by_the_norm_equals_combine(T, dtype, fp8):
 
 @pytest.mark.parametrize("T,dtype,fp8", [(17, F32, 0), (19, BF16, 0), (20, BF16, 1)])
 def test_grouped_rows_summed_by_the_norm_equal_combine(T, dtype, fp8):
-    """`ops.moe_rows` past the per-pair path: the grouped GEMMs' rows (x's dtype, pair order) summed
+    """`ops.moe_grouped_rows` (past the per-pair path): the grouped GEMMs' rows (x's dtype, pair order) summed
     inside `moe_add_rms_norm` == `moe_experts`' grouped path with its combine launch, then
     `add_rms_norm`: the same fp32 slot-order sum of the same rounded rows, rounded once (exact)."""
     from metainfer.kernels import norm
@@ -396,9 +396,9 @@ def test_grouped_rows_summed_by_the_norm_equal_combine(T, dtype, fp8):
 
 
 @pytest.mark.parametrize("T", [3, 17])
-def test_moe_rows_serves_wide_batches(T, monkeypatch):
-    """`ops.moe_rows` serves small batches by the per-pair rows and hands batches past the per-pair
-    path to the grouped rows (the combine launch saved)."""
+def test_moe_rows_ops_serve_small_and_wide_batches(T, monkeypatch):
+    """The plan's "pair_rows" (small batches) and "grouped_rows" (past the per-pair path) ops: the route
+    launch's weights and each pair's rows (the combine launch saved)."""
     from metainfer.kernels import ops, registry
 
     kernels = registry.load()
@@ -406,8 +406,9 @@ def test_moe_rows_serves_wide_batches(T, monkeypatch):
     x, w_gu, w_dn, _, _ = _problem(T, seed=2, dtype=F32)
     w_gu, w_dn = torch.cat([w_gu, w_gu[:1]]), torch.cat([w_dn, w_dn[:1]])
     logits = torch.randn(T, E + 1, generator=torch.Generator().manual_seed(1))
-    got = ops.moe_rows(x, logits, K, w_gu, w_dn)
-    assert got is not None and got[0].shape == (T, K + 1, H) and got[0].dtype == F32
+    rows_op = ops.moe_pair_rows if moe.use_pair_path(T, False) else ops.moe_grouped_rows
+    got = rows_op(x, logits, K, w_gu, w_dn)
+    assert got[0].shape == (T, K + 1, H) and got[0].dtype == F32
     tw, ids = routing.route_topk(logits, K, shared=True)
     assert torch.equal(got[1], tw)
     want = moe.moe_experts(x, w_gu, w_dn, tw, ids)

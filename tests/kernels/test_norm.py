@@ -69,7 +69,8 @@ def test_add_rms_norm(T, dtype):
 @pytest.mark.parametrize("T,N,E", [(1, 48, 9), (3, 100, 7), (8, 64, 33)])
 def test_add_rms_norm_router(T, N, E, dtype, monkeypatch):
     """The norm and the MoE router's logits of its output in one launch: odd widths, a router not a
-    multiple of the programs' rows, strided x rows; None past the token bound."""
+    multiple of the programs' rows, strided x rows; `router_ok` (the plan's check) refuses a router in
+    another dtype and rows past the token bound, which the launcher then refuses too."""
     assert T <= norm.ROUTER_MAX_T
     g = torch.Generator().manual_seed(20 + T)
     x = torch.randn(T, N + 16, generator=g).to(dtype)[:, 8 : N + 8]
@@ -81,11 +82,15 @@ def test_add_rms_norm_router(T, N, E, dtype, monkeypatch):
     _close(new_r, want_r, dtype)
     _close(out, want_out, dtype)
     _close(logits, torch.nn.functional.linear(want_out, rw), dtype)
-    assert norm.add_rms_norm_router(x, r, w, 1e-6, rw.double()) is None  # a router in another dtype
+    assert norm.router_ok(T, dtype, dtype) and not norm.router_ok(T, dtype, torch.float64)
+    with pytest.raises(AssertionError):
+        norm.add_rms_norm_router(x, r, w, 1e-6, rw.double())  # a router in another dtype
     monkeypatch.setattr(norm, "ROUTER_BLOCK_E", 4)  # other rows a program: the same logits
     _close(norm.add_rms_norm_router(x, r, w, 1e-6, rw)[2], logits, dtype)
     monkeypatch.setattr(norm, "ROUTER_MAX_T", T - 1)
-    assert norm.add_rms_norm_router(x, r, w, 1e-6, rw) is None
+    assert not norm.router_ok(T, dtype, dtype)
+    with pytest.raises(AssertionError):
+        norm.add_rms_norm_router(x, r, w, 1e-6, rw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
