@@ -43,6 +43,7 @@ from metainfer.oracle.suites import Suite
 DISTINCT_ROWS = 8  # leading prompt rows kept per prompt for the distinct-prompts check
 SCORE_MAX_LEN = 4096  # longer prompts: judged on their decode rows (no [L, V] teacher-forced logits)
 NOISE_SKIP = ("wide-",)  # prompts without a noise forward (the ratio is measured on the others' rows)
+NOISE_MAX_LEN = 8192  # longer prompts: judged against the exact reference, no noise forward of their own
 REF_BATCH = 16  # prompts without a noise forward share one exact reference forward, this many at a time
 REF_BATCH_MAX_LEN = 256  # ... when prompt + continuation are at most this long
 SEEDS = (1234, 4321, 777)
@@ -145,10 +146,12 @@ def run_verify(
     twin_ref: dict[int, torch.Tensor] = {}
     twin_eng: dict[int, torch.Tensor] = {}
     vocab = 0
-    exact = _ExactRows(reference, seqs, [
-        i for i in scored
-        if not (gates.noise_mode and not names[i].startswith(NOISE_SKIP)) and len(seqs[i]) <= REF_BATCH_MAX_LEN
-    ])
+    def measured_noise(i: int) -> bool:  # the reference's own error is measured on this prompt
+        return bool(gates.noise_mode) and not names[i].startswith(NOISE_SKIP) and len(seqs[i]) <= NOISE_MAX_LEN
+
+    exact = _ExactRows(
+        reference, seqs, [i for i in scored if not measured_noise(i) and len(seqs[i]) <= REF_BATCH_MAX_LEN]
+    )
     for i, seq in enumerate(seqs):
         L, N = len(prompts[i]), len(run.tokens[i])
         long = i not in scored  # judged on its decode rows only (the reference keeps the last N + 1)
@@ -156,7 +159,7 @@ def run_verify(
         ref = exact.get(i, keep)
         off = (L - 1) - (len(seq) - ref.shape[0])  # row of position L - 1 in `ref`
         vocab = ref.shape[-1]
-        measure = gates.noise_mode and not names[i].startswith(NOISE_SKIP)
+        measure = measured_noise(i)
         nz = reference_logits(reference, seq, gates.noise_mode, keep) if measure else None
         eng = scores[i]
         scores[i] = None
