@@ -2,12 +2,16 @@
 # On the H200: the switches built but not yet measured, and the judgement runs after them, in as few calls as
 # possible (OUT set; .whl carried). PHASES picks the parts, each well under the 10-minute call limit.
 #
-# FIRST, before any phase below: the hardened oracle on the full model has not yet run to completion. One call
-# per precision, each a whole call (the fp8 reference loop alone took over 280 s when cut):
-#   PRECISIONS=fp8 LIMIT=560 bash benchmarks/gpu_oracle.sh; then PRECISIONS=bfloat16 LIMIT=560 ...
-# Read its per-phase stderr lines (verify: PHASE SECONDS); calibrate the noise gates (compare.GATES:
-# noise_ratio_rmse 1.5, noise_ratio_kl 2.25, layer_ratio 1.3) against the honest ratios it prints; then the
-# verdicts of final1 and verify need it too.
+# FIRST, before any phase below (each needs an H200: run with needs_h200; the engine and its reference do not
+# fit 80 GiB), one whole call each:
+#   1. PRECISIONS=fp8 LIMIT=560 bash benchmarks/gpu_oracle.sh       the hardened oracle has not yet completed on
+#   2. PRECISIONS=bfloat16 LIMIT=560 bash benchmarks/gpu_oracle.sh  the full model (at half depth on an H100 its
+#      reference phase took 50 s BF16 / 120 s FP8 before NOISE_MAX_LEN); read its per-phase stderr lines
+#      (verify: PHASE SECONDS) and calibrate compare.GATES (noise_ratio_rmse 1.5, noise_ratio_kl 2.25,
+#      layer_ratio 1.3) against the honest ratios it prints.
+#   3. python -m pytest -q tests/gpu (H100 will do): test_moe_pair_rows_full_shapes' distinct-logits fix is unrun.
+#   4. python benchmarks/fp8_checkpoint.py --dir /tmp/ckpt --formats fp8 --keep --out $OUT, then
+#      metainfer verify --model /tmp/ckpt/fp8 --suite full (the published FP8 layout at full size).
 #
 #   timeline - gemv.cu's timeline build (a measuring tool: gemv.use_timeline_build): its GPU test, then one decode
 #              step's qkv / in_proj and gate/up launches CTA by CTA (experiments/gemv_timeline.py: entry, wait,
