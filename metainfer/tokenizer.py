@@ -10,6 +10,7 @@ Two back-ends behind one small interface:
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,6 +114,13 @@ def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
         d = Path(model_dir)
         if (d / "tokenizer.json").is_file():
             return HFJsonTokenizer(d)
+    return _qwen_tokenizer()
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_tokenizer() -> QwenTiktokenTokenizer:
+    """The Qwen3.6 tokenizer, built once per process and shared (parsing its ranks takes a good part of
+    a second; encoding and decoding change nothing in it)."""
     return QwenTiktokenTokenizer()
 
 
