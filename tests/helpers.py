@@ -72,3 +72,14 @@ def token_prompts(lengths, seed: int = 0, vocab: int = 512) -> list[list[int]]:
     """Random token-id prompts of the given lengths (seeded)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def teacher_forced_greedy(hf, prompt: list[int], continuation: list[int]) -> list[int]:
+    """transformers' greedy next token after `prompt` + each prefix of `continuation`, from one forward
+    pass over prompt + continuation[:-1]. It equals `continuation` exactly when transformers' own
+    greedy decoding of `prompt` would generate `continuation` (step by step, each prefix is the same),
+    without one forward per generated token."""
+    ids = list(prompt) + list(continuation[:-1])
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids]), use_cache=False).logits[0]
+    return logits[len(prompt) - 1 :].argmax(-1).tolist()

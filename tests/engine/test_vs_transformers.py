@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from metainfer.llm import LLM, SamplingParams
-from tests.helpers import rel_rmse, save_hf_model
+from tests.helpers import rel_rmse, save_hf_model, teacher_forced_greedy
 
 pytest.importorskip("transformers")
 
@@ -31,15 +31,9 @@ def hf_logits(hf, ids):
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-@torch.no_grad()
-def hf_greedy(hf, ids, n):
-    ids = list(ids)
-    out = []
-    for _ in range(n):
-        nxt = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
-        out.append(nxt)
-        ids.append(nxt)
-    return out
+def hf_greedy_gives(hf, prompt, tokens, n):
+    """`tokens` are n tokens and transformers' greedy decoding of `prompt` (`teacher_forced_greedy`)."""
+    return len(tokens) == n and teacher_forced_greedy(hf, prompt, tokens) == tokens
 
 
 def test_prefill_logits_chunked(tiny):
@@ -88,7 +82,7 @@ def test_greedy_continuous_batching_chunked(tiny):
     llm = LLM(model=str(d), device="cpu", dtype="float32", max_num_batched_tokens=8, max_num_seqs=4)
     outs = _greedy_batch(llm, prompts, 32)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(hf, p, 32), len(p)
+        assert hf_greedy_gives(hf, p, o.token_ids, 32), len(p)
     _assert_all_free(llm)
 
 
@@ -110,7 +104,7 @@ def test_greedy_with_preemption(tiny):
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.num_preemptions for o in outs) > 0
     for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(hf, p, 32), len(p)
+        assert hf_greedy_gives(hf, p, o.token_ids, 32), len(p)
     _assert_all_free(llm)
 
 
@@ -120,7 +114,7 @@ def test_state_slot_shortage_queues(tiny):
     llm = LLM(model=str(d), device="cpu", dtype="float32", num_state_slots=1, max_num_seqs=4)
     outs = _greedy_batch(llm, prompts, 6)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(hf, p, 6)
+        assert hf_greedy_gives(hf, p, o.token_ids, 6), len(p)
     _assert_all_free(llm)
 
 
