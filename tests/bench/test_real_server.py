@@ -28,6 +28,7 @@ def test_short_run_against_metainfer_serve(tmp_path: Path, capsys: pytest.Captur
     server = ServerProcess(
         [sys.executable, "-m", "metainfer.cli", "serve", "--port", str(port), "--device", "cpu"],
         tmp_path / "server.log",
+        env={"OMP_NUM_THREADS": "1"},  # small ops: a second thread on shared cores only waits
     )
     try:
         url = f"http://127.0.0.1:{port}"

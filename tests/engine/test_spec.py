@@ -217,6 +217,9 @@ def test_oracle_rows_of_a_speculative_run_are_plain_decodings(cfg):
         assert na == nb == 16 and rel_rmse(a, b) < 1e-4
 
 
+@pytest.mark.slow  # CI's second pass; the default suite judges n-gram verify rows on the tiny model
+# (tests/oracle/test_paths.py::test_honest_speculative_engine_passes) and the full verify of a
+# speculative engine on the default model with repeat drafts (below), which verify every step
 def test_oracle_passes_a_speculative_engine():
     """`metainfer verify --speculative ngram --speculative-max-seqs 16` on the default model (quick
     suite, fp32 gates): verifies beside other sequences too."""
