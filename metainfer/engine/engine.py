@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from metainfer.config import EngineConfig, ModelConfig
 from metainfer.engine import slow_launch
 from metainfer.engine.cache import CacheManager
+from metainfer.engine.executors import PENDING
 from metainfer.engine.request import Request, RequestOutput, SamplingParams, Status
-from metainfer.engine.runner import PENDING, InFlight, ModelRunner, ModelSource
+from metainfer.engine.runner import InFlight, ModelRunner, ModelSource
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.spec.ngram import NgramIndex
 from metainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer

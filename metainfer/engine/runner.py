@@ -10,12 +10,19 @@ import torch
 
 from metainfer.config import DEFAULT_MODEL_DIR, EngineConfig, ModelConfig
 from metainfer.engine.cuda_graph import DecodeGraphs
+from metainfer.engine.executors import (
+    DecodeExecutor,
+    EagerExecutor,
+    Executor,
+    PrefillExecutor,
+    StepInputs,
+)
 from metainfer.engine.prefill_graph import PrefillGraphs
 from metainfer.engine.request import Request, TokenLogprob
 from metainfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.warmup import run_warmup, warmup_steps
-from metainfer.forward_meta import CacheTensors, ForwardMeta
+from metainfer.forward_meta import CacheTensors
 from metainfer.kernels import ops
 from metainfer.model.quant_config import Fp8Scheme, read_scheme, resolve_quantization
 from metainfer.model.qwen3_5_moe import Qwen3_5MoeModel
@@ -86,8 +93,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 StateCopy = tuple[torch.Tensor, torch.Tensor]  # one slot's DeltaNet conv and recurrent states, [layer, ...]
 
-PENDING = -1  # placeholder for a token sampled by a step whose results are not on the host yet
-
 
 @dataclass
 class InFlight:
@@ -147,6 +152,12 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row of _tok_buf (last launched step)
         self.decode = self._decode_path()
         self.prefill = self._prefill_path()
+        self.executors: list[Executor] = [  # tried in this order
+            *([DecodeExecutor(self.decode, ecfg.block_size)] if self.decode is not None else []),
+            *([PrefillExecutor(self.prefill)] if self.prefill is not None else []),
+            EagerExecutor(self.model, self.caches, self._tok_buf, ecfg.block_size, self.blocks_per_seq,
+                          self.device),
+        ]
         if self.mtp is not None and self.prefill is not None:  # a proposal in one replay (spec.mtp)
             from metainfer.spec.mtp import MTPGraphs
 
@@ -291,18 +302,15 @@ class ModelRunner:
         A request's last token may still be PENDING (sampled by the previous, unfinished step): its
         id is taken on the device from that step's token buffer."""
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
-        argmaxed = False  # the decode graph's step: _tok_buf[:len(items)] holds the rows' argmax
         saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
-        if self.decode is not None and self._pure_decode(items):
-            logits, owners = self._decode_logits(items)
-            argmaxed, path = True, "decode_graph"  # (on the CPU: its persistent buffers, no graph)
-        elif self.prefill is not None and self._lone_prefill(items):
-            logits, owners = self._prefill_logits(items[0])
-            path = "prefill_graph"
-        else:
-            logits, owners = self._eager_logits(items)
-            path = "eager"
-        inflight = InFlight(items=items, saved_states=saved, path=path)
+        inputs = StepInputs.build(items, self._prev_rows)
+        for ex in self.executors:  # the first that supports the step (the eager one, last, takes any)
+            if ex.supports(inputs):
+                break
+        logits, self._hidden = ex.run(inputs)
+        owners = inputs.owners
+        argmaxed = ex.argmaxed  # the decode graph's step: _tok_buf[:len(items)] holds the rows' argmax
+        inflight = InFlight(items=items, saved_states=saved, path=ex.path)
         if self.mtp is not None:
             self._note_hidden(items)
         self._hidden = None  # (held only until noted: a prefill's rows are large)
@@ -343,12 +351,6 @@ class ModelRunner:
         self.conv_states[:, slot].copy_(saved[0])
         self.ssm_states[:, slot].copy_(saved[1])
 
-    @staticmethod
-    def _verify_owners(req: Request, start: int, real: int, n: int) -> list[tuple[Request, str, int]]:
-        """A verify chunk's logits rows (of its n tokens, `real` of them the sequence's own): after
-        the last real token, then after each draft."""
-        return [(req, "verify", start + j) for j in range(real - 1, n)]
-
     def _verify(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight) -> None:
         """Greedy tokens of the verify rows, in order per request, on the host."""
         idx = [i for i, (_, kind, _) in enumerate(owners) if kind == "verify"]
@@ -359,127 +361,11 @@ class ModelRunner:
         for i, tok in zip(idx, toks):
             out.verify.setdefault(owners[i][0].request_id, []).append(tok)
 
-    def _pending_source(self, req: Request, pos: int) -> int:
-        """Row of the previous step's token buffer holding `req`'s token at `pos` (a PENDING one)."""
-        assert pos == req.num_tokens - 1, "only a request's last token can still be pending"
-        return self._prev_rows[req.request_id]
-
     def _needs_fp32(self, owners: list[tuple[Request, str, int]]) -> bool:
         """Whether a step's logits are read beyond their argmax: the hook, sampling, logprobs."""
         return self.logits_hook is not None or any(
             kind != "sample" or not r.params.greedy or r.params.logprobs is not None for r, kind, _ in owners
         )
-
-    def _patch_pending(self, input_ids: torch.Tensor, dst: list[tuple[int, int]]) -> None:
-        """input_ids[d] = previous step's token row s, on the device, for (d, s) in dst."""
-        if dst:
-            idx = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)  # [n, 2]
-            input_ids[idx[:, 0]] = self._tok_buf[idx[:, 1]]
-
-    def _pure_decode(self, items: list[tuple[Request, int]]) -> bool:
-        return len(items) <= self.decode.max_bs and self._decode_only(items)
-
-    @staticmethod
-    def _decode_only(items: list[tuple[Request, int]]) -> bool:
-        """Every sequence decodes its one last token (no drafts, no scoring, no prompt logprobs left)."""
-        return all(
-            n == 1
-            and r.num_computed_tokens == r.num_tokens - 1
-            and not r.score_only
-            and (r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= r.num_prompt_tokens)
-            for r, n in items
-        )
-
-    def _lone_prefill(self, items: list[tuple[Request, int]]) -> bool:
-        """One request's chunk alone in the step, ending its tokens (then its drafts, if any) with a
-        sample or a verify, within the graphs."""
-        if len(items) != 1:
-            return False
-        r, n = items[0]
-        start, real = r.num_computed_tokens, n - len(r.draft_token_ids)
-        return (
-            1 < n <= self.prefill.max_tokens
-            and start + real == r.num_tokens
-            and not r.score_only
-            and r.params.prompt_logprobs is None
-            and r.token_at(start + real - 1) != PENDING
-        )
-
-    def _prefill_logits(self, item: tuple[Request, int]):
-        r, n = item
-        start, drafts = r.num_computed_tokens, r.draft_token_ids
-        real = n - len(drafts)
-        toks = r.tokens_slice(start, start + real) + drafts
-        logits = self.prefill.run(toks, start, r.block_ids, r.state_slot, rows=len(drafts) + 1)
-        self._hidden = self.prefill.last_hidden
-        if drafts:
-            return logits, self._verify_owners(r, start, real, n)
-        return logits, [(r, "sample", start + n - 1)]
-
-    def _decode_logits(self, items):
-        """The decode graphs' step: logits in the model's dtype, their argmax in _tok_buf[:len(items)]
-        (a pending token is read from _tok_buf inside the replay)."""
-        bs_ = self.ecfg.block_size
-        rows = []
-        for r, _ in items:
-            p = r.num_computed_tokens
-            self.decode.sync_tables(r.state_slot, f"{r.request_id}#{r.num_preemptions}", r.block_ids)
-            tok, src = r.token_at(p), -1
-            if tok == PENDING:
-                tok, src = 0, self._pending_source(r, p)
-            rows.append((tok, p, r.block_ids[p // bs_] * bs_ + p % bs_, r.state_slot, src))
-        logits = self.decode.run(rows)
-        self._hidden = self.decode.last_hidden
-        return logits, [(r, "sample", r.num_computed_tokens) for r, _ in items]
-
-    def _eager_logits(self, items):
-        ids: list[int] = []
-        positions: list[int] = []
-        dst: list[tuple[int, int]] = []
-        logits_rows: list[int] = []
-        owners: list[tuple[Request, str, int]] = []  # (request, kind, position) per logits row
-        for req, n in items:
-            start = req.num_computed_tokens
-            base = len(ids)
-            real = n - len(req.draft_token_ids)  # the sequence's own tokens, then the drafts
-            toks = req.tokens_slice(start, start + real)
-            if toks and toks[-1] == PENDING:
-                dst.append((base + real - 1, self._pending_source(req, start + real - 1)))
-                toks = toks[:-1] + [0]
-            ids.extend(toks + req.draft_token_ids)
-            positions.extend(range(start, start + n))
-            if req.draft_token_ids:
-                logits_rows.extend(range(base + real - 1, base + n))
-                owners.extend(self._verify_owners(req, start, real, n))
-            elif req.score_only or (
-                req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
-            ):
-                for j in range(n):
-                    logits_rows.append(base + j)
-                    owners.append((req, "prompt", start + j))
-            elif start + n == req.num_tokens:
-                logits_rows.append(base + n - 1)
-                owners.append((req, "sample", start + n - 1))
-        meta = ForwardMeta.build(
-            query_lens=[n for _, n in items],
-            context_lens=[r.num_computed_tokens for r, _ in items],
-            block_tables=[r.block_ids for r, _ in items],
-            state_slots=[r.state_slot for r, _ in items],
-            block_size=self.ecfg.block_size,
-            logits_rows=logits_rows,
-            device=self.device,
-            # capacity-wide, as the warmup's and the graphs': a narrower table gives the kernels a row
-            # stride the warmup did not compile (Triton specialises it on % 16)
-            max_blocks=self.blocks_per_seq,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        self._patch_pending(input_ids, dst)
-        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, pos, meta, self.caches)
-        self._hidden = hidden
-        if not logits_rows:
-            return None, owners
-        return self.model.compute_logits(hidden[meta.logits_indices]), owners  # [R, V] fp32
 
     def _sample(self, logits: torch.Tensor, owners: list[tuple[Request, str, int]], out: InFlight,
                 argmaxed: bool = False) -> None:
