@@ -12,6 +12,9 @@
 #   3. python -m pytest -q tests/gpu (H100 will do): test_moe_pair_rows_full_shapes' distinct-logits fix is unrun.
 #   4. python benchmarks/fp8_checkpoint.py --dir /tmp/ckpt --formats fp8 --keep --out $OUT, then
 #      metainfer verify --model /tmp/ckpt/fp8 --suite full (the published FP8 layout at full size).
+#   5. the dispatch plan and the runner's executors landed after the last GPU-checked build (5774444): carry
+#      `git archive 5774444 metainfer benchmarks` as .old, BUILDS="old:.old new:." bash benchmarks/gpu_before_after.sh
+#      (H100 will do: same greedy tokens_sha1, bs1 / bs32 / TTFT within 2 %), then the GPU tests and 1.-2. on it.
 #
 #   timeline - gemv.cu's timeline build (a measuring tool: gemv.use_timeline_build): its GPU test, then one decode
 #              step's qkv / in_proj and gate/up launches CTA by CTA (experiments/gemv_timeline.py: entry, wait,
