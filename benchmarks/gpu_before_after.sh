@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Two builds side by side on one GPU: decode_bench.py (FP8, batches 1 and 32, 32 tokens, no profile: steady
-# decode tok/s and the idle 1k-prompt TTFT) for each build, twice in alternation (A B A B), so drift shows.
+# decode tok/s, the idle 1k-prompt TTFT and the greedy tokens' fingerprint) for each build, twice in
+# alternation (A B A B), so drift shows.
 # A build is a folder holding `metainfer/` and `benchmarks/` (e.g. `git archive <sha> metainfer benchmarks`).
 #   BUILDS="old:.old new:." bash benchmarks/gpu_before_after.sh        # OUT defaults to out/before_after
 set -u
@@ -16,5 +17,7 @@ for r in $(seq 1 "$ROUNDS"); do
         --no-profile --out "$OUT/${name}_$r" > "$OUT/${name}_$r.log" 2>&1)
     echo "[$name round $r] exit $?"
     grep -E "^\| (1|32) \||^TTFT 1k" "$OUT/${name}_$r.log" | sed "s/^/  $name r$r /"
+    python -c "import json, sys; d = json.load(open(sys.argv[1])); print('  $name r$r greedy tokens sha1',
+        {r['batch']: r.get('tokens_sha1') for r in d['decode']})" "$OUT/${name}_$r/decode_bench_$DTYPE.json" 2>/dev/null
   done
 done
