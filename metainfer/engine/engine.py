@@ -54,6 +54,7 @@ class LLMEngine:
         )
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
+        self._grammar = None  # engine.grammar.GrammarBackend, built with the first structured request
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(ecfg.seed)
@@ -120,6 +121,7 @@ class LLMEngine:
         if bad_stop:
             raise RequestError(f"stop token id {bad_stop[0]} is out of vocabulary [0, {V})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        grammar = self._grammar_matcher(params) if params.structured is not None else None
         det = (
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if params.detokenize else None
         )
@@ -132,10 +134,29 @@ class LLMEngine:
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
             detokenizer=det,
             score_only=score_only,
+            grammar=grammar,
         )
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def _grammar_matcher(self, params: SamplingParams):
+        """A matcher for params.structured, the grammar compiled now (RequestError if it cannot be)."""
+        from metainfer.engine.grammar import GrammarBackend, GrammarError
+
+        if params.ignore_eos or params.min_tokens:
+            raise RequestError("structured outputs with ignore_eos or min_tokens are not supported: "
+                               "the grammar decides where the output ends")
+        try:
+            if self._grammar is None:
+                self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                               self.eos_token_ids)
+            return self._grammar.matcher(params.structured)
+        except ImportError:
+            raise RequestError("structured outputs need the llguidance package "
+                               "(pip install 'metainfer[server]')") from None
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request at once and frees its cache; returns its final output (or None)."""
@@ -255,6 +276,7 @@ class LLMEngine:
         per step: with speculation it also counts down to the next probe."""
         if not self.async_scheduling or not all(
             not r.score_only and r.params.logprobs is None and r.params.prompt_logprobs is None
+            and r.grammar is None  # a mask needs the last token on the host
             for r, _ in batch.items
         ):
             return False

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from metainfer.engine.grammar import Matcher, StructuredSpec
 from metainfer.tokenizer import IncrementalDetokenizer
 
 
@@ -28,6 +29,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # same for each prompt token (echo)
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured: StructuredSpec | None = None  # an output constraint (engine.grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +94,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
+    grammar: Matcher | None = None  # params.structured's matcher (set when the request is added)
     spec_index: object = None  # the drafter's per-request state (spec.ngram.NgramIndex, spec.mtp.MTPState)
     spec_rejects: int = 0  # verifies in a row that accepted no draft
     spec_skip: int = 0  # drafting chances left to pass up (LLMEngine._note_acceptance)
@@ -126,10 +129,10 @@ class Request:
     @property
     def draftable(self) -> bool:
         """Speculative drafts may serve it: greedy, no logprobs, not a scoring request, no min_tokens
-        ban pending (a verify's argmax would not apply it)."""
+        ban pending (a verify's argmax would not apply it), no grammar (a verify applies no mask)."""
         p = self.params
         return (p.greedy and not self.score_only and p.logprobs is None and p.prompt_logprobs is None
-                and len(self.output_token_ids) >= p.min_tokens)
+                and len(self.output_token_ids) >= p.min_tokens and self.grammar is None)
 
     @property
     def finished(self) -> bool:

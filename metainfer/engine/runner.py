@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from metainfer.config import DEFAULT_MODEL_DIR, EngineConfig, ModelConfig
+from metainfer.engine import grammar
 from metainfer.engine.cuda_graph import DecodeGraphs
 from metainfer.engine.executors import (
     DecodeExecutor,
@@ -388,6 +389,9 @@ class ModelRunner:
             sub = sub.clone()
             for j, ids in banned:
                 sub[j, ids] = float("-inf")
+            argmaxed = False
+        if any(r.grammar is not None for r in reqs):
+            sub = grammar.mask_logits(sub, reqs)  # (only such steps read the mask: they run sync)
             argmaxed = False
         if all(r.params.greedy for r in reqs):
             if not (argmaxed and len(rows) == len(owners)):
