@@ -17,10 +17,12 @@ from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
 from metainfer.engine.engine import RequestError
+from metainfer.engine.grammar import StructuredSpec
 from metainfer.engine.request import SamplingParams, TokenLogprob
 from metainfer.server.async_engine import AsyncEngine, EngineClosed, Prompt, RequestGroup
 from metainfer.server.metrics import ServerMetrics
 from metainfer.server.protocol import APIError, SamplingFields, UsageInfo
+from metainfer.server.structured import structured_spec
 
 MAX_SUB_REQUESTS = 1024  # prompts x n in one API call
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
@@ -72,9 +74,12 @@ class ServingContext:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured: StructuredSpec | None = None,
     ) -> list[SamplingParams]:
-        """One SamplingParams per choice (n); choice j gets seed + j when a seed is given."""
+        """One SamplingParams per choice (n); choice j gets seed + j when a seed is given. The output
+        constraint: `structured` when given, else the request's own (server.structured)."""
         _reject_unsupported(req)
+        structured = structured or structured_spec(req)
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > self.max_logprobs:
                 raise APIError(f"{name} must be at most {self.max_logprobs}, got {value}", 400, name)
@@ -106,6 +111,7 @@ class ServingContext:
                         logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs,
                         skip_special_tokens=req.skip_special_tokens,
+                        structured=structured,
                     )
                 )
             except ValueError as e:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from metainfer.engine.grammar import StructuredSpec
 from metainfer.engine.request import TokenLogprob
 from metainfer.server.async_engine import RequestGroup
 from metainfer.server.chat_output import ChatEvent, ChoiceParser, TextDelta
@@ -48,6 +49,7 @@ from metainfer.server.serving import (
     sse,
     usage,
 )
+from metainfer.server.structured import structured_spec, tool_call_spec
 from metainfer.server.tool_parser import ToolCallArgs, ToolCallStart
 from metainfer.tokenizer import THINK_START, apply_chat_template
 
@@ -80,8 +82,8 @@ def render_chat_prompt(
 
 def parsed_tools(req: ChatCompletionRequest, tools: list[dict] | None) -> list[dict] | None:
     """The tools the output is parsed for calls of (None: no parsing); APIError 400 for a
-    tool_choice the tools do not allow. "required" and a named function are parsed as "auto":
-    nothing forces a call without a grammar, so a reply without one is returned as it is."""
+    tool_choice the tools do not allow ("required" and a named function are forced by a grammar:
+    `forced_tool_calls`)."""
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         names = [t["function"]["name"] for t in tools or ()]
@@ -159,6 +161,18 @@ def _deltas(events: list[ChatEvent]) -> list[DeltaMessage]:
     return out
 
 
+def forced_tool_calls(req: ChatCompletionRequest, tools: list[dict] | None) -> StructuredSpec | None:
+    """tool_choice "required" or a named function: the grammar that forces the call(s) (None
+    otherwise); APIError 400 beside another output constraint."""
+    choice = req.tool_choice
+    if not tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
+        return None
+    if structured_spec(req) is not None:
+        raise APIError("a forced tool call and an output constraint cannot be combined", 400, "tool_choice")
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    return tool_call_spec(tools, name, parallel=name is None and req.parallel_tool_calls is not False)
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     """max_completion_tokens (else max_tokens, else the rest of the context) per choice; a stream opens
     each choice with a role delta. Raises APIError for what the request gets wrong."""
@@ -179,7 +193,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
     ids = ctx.encode(prompt)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = ctx.sampling_params(req, req.max_completion_tokens or req.max_tokens, k)
+    # with thinking on, the constraint would bind the reasoning too: forced calls are then parsed as
+    # "auto" (unforced), and an output constraint is refused
+    forced = None if in_reasoning else forced_tool_calls(req, parse_tools)
+    if in_reasoning and structured_spec(req) is not None:
+        raise APIError('structured outputs with thinking on are not supported yet: send '
+                       'chat_template_kwargs {"enable_thinking": false}', 400, "chat_template_kwargs")
+    params = ctx.sampling_params(req, req.max_completion_tokens or req.max_tokens, k, structured=forced)
     rid = random_id("chatcmpl")
     group = await ctx.submit([(ids, p) for p in params], rid)
     created = now()

@@ -245,8 +245,8 @@ def test_malformed_markup_is_content(client: openai.OpenAI, engine: ScriptedEngi
 
 def test_unsupported_fields_are_named(client: openai.OpenAI, engine: ScriptedEngine) -> None:
     for extra, names in [
-        ({"response_format": {"type": "json_object"}}, ["response_format"]),
-        ({"guided_json": {"type": "object"}, "reasoning_effort": "low"}, ["guided_json", "reasoning_effort"]),
+        ({"reasoning_effort": "low", "web_search_options": {"x": 1}},
+         ["reasoning_effort", "web_search_options"]),
         ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, ["messages[0].audio"]),
         ({"stream_options": {"include_usage": True, "foo": 1}}, ["stream_options.foo"]),
         ({"use_beam_search": True}, ["use_beam_search"]),
@@ -256,8 +256,8 @@ def test_unsupported_fields_are_named(client: openai.OpenAI, engine: ScriptedEng
         msg = e.value.body["message"]
         assert all(n in msg for n in names) and e.value.body["param"] == names[0], e.value.body
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL_NAME, prompt="x", extra_body={"guided_regex": "a+"})
-    assert e.value.body["param"] == "guided_regex"
+        client.completions.create(model=MODEL_NAME, prompt="x", extra_body={"reasoning_effort": "low"})
+    assert e.value.body["param"] == "reasoning_effort"
     harmless = {
         "store": False,
         "metadata": {"k": "v"},
