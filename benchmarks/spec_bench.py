@@ -47,20 +47,21 @@ def prompts(vocab: int, n: int = 1024) -> dict[str, list[int]]:
     return {"random": torch.randint(0, vocab, (n,), generator=g).tolist(), "repeated": (pattern * n)[:n]}
 
 
-PATHS = {"_decode_logits": "decode graph", "_prefill_logits": "lone-prefill graph", "_eager_logits": "eager"}
+# Executor.path -> label
+PATHS = {"decode_graph": "decode graph", "prefill_graph": "lone-prefill graph", "eager": "eager"}
 
 
 def timed_paths(llm: LLM) -> dict[str, list[float]]:
-    """Wraps the runner's three step paths and the engine's step: wall ms of each step() call by the
-    path its launch took (a synchronous step's time includes its GPU time; an async one's, the
+    """Wraps the runner's three executors and the engine's step: wall ms of each step() call by the
+    executor its launch took (a synchronous step's time includes its GPU time; an async one's, the
     previous step's)."""
     runner, engine, last = llm.engine.runner, llm.engine, [None]
     times: dict[str, list[float]] = {v: [] for v in PATHS.values()}
-    for name, label in PATHS.items():
-        def wrapped(*a, _f=getattr(runner, name), _label=label):
+    for ex in runner.executors:
+        def wrapped(*a, _f=ex.run, _label=PATHS[ex.path]):
             last[0] = _label
             return _f(*a)
-        setattr(runner, name, wrapped)
+        ex.run = wrapped
     step = engine.step
 
     def timed_step():

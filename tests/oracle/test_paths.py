@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from metainfer.engine.engine import LLMEngine
-from metainfer.engine.runner import ModelRunner
+from metainfer.engine.executors import DecodeExecutor, EagerExecutor
 from metainfer.engine.scheduler import Scheduler
 from metainfer.oracle import paths
 from metainfer.oracle.compare import GATES, row_stats
@@ -103,15 +103,16 @@ def test_no_preemption_fails_the_preempt_check(tiny, monkeypatch):
 
 
 def _lone_only(orig, error: float, shared: set[str]):
-    """Wraps a runner path so that a request that never shared a step gets logits * (1 + error)."""
+    """Wraps an executor's run so that a request that never shared a step gets logits * (1 + error)."""
 
-    def f(self, items):
-        logits, owners = orig(self, items)
+    def f(self, inputs):
+        logits, hidden = orig(self, inputs)
+        items = inputs.items
         if len(items) > 1:
             shared.update(r.request_id for r, _ in items)
         elif logits is not None and items[0][0].request_id not in shared:
             logits = logits * (1 + error)
-        return logits, owners
+        return logits, hidden
 
     return f
 
@@ -120,8 +121,8 @@ def test_mutant_lone_request_path(tiny, monkeypatch):
     """(a) A bug in the lone-request path only (prefill and batch-1 decode of a request that has the
     engine to itself, as in the batch-1 benchmark): the path checks see it directly."""
     shared: set[str] = set()
-    for name in ("_eager_logits", "_decode_logits"):
-        monkeypatch.setattr(ModelRunner, name, _lone_only(getattr(ModelRunner, name), 0.01, shared))
+    for ex in (EagerExecutor, DecodeExecutor):
+        monkeypatch.setattr(ex, "run", _lone_only(ex.run, 0.01, shared))
     checks, _ = _run(tiny)
     assert _failed(checks) == {"path.alone.logits"}
     assert checks["path.alone.logits"].figure > 10  # rel. RMSE ~1e-2 against a gate of 1e-4
@@ -191,25 +192,26 @@ def test_mutant_answers_seen_prompts_from_a_cache(tiny, monkeypatch):
     memo: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
 
     def cheat(orig):
-        def f(self, items):
-            logits, owners = orig(self, items)
+        def f(self, inputs):
+            logits, hidden = orig(self, inputs)
+            items, owners = inputs.items, inputs.owners
             if logits is None:
-                return logits, owners
+                return logits, hidden
             if len(items) > 1:
                 for k, (r, _, pos) in enumerate(owners):
                     known.add(tuple(r.prompt_token_ids))
                     memo[(tuple(r.prompt_token_ids), pos)] = logits[k].clone()
-                return logits, owners
+                return logits, hidden
             key = tuple(items[0][0].prompt_token_ids)
             if key in known:
                 rows = [memo.get((key, p), logits[k]) for k, (_, _, p) in enumerate(owners)]
-                return torch.stack(rows), owners
-            return logits * 1.02, owners
+                return torch.stack(rows), hidden
+            return logits * 1.02, hidden
 
         return f
 
-    for name in ("_eager_logits", "_decode_logits"):
-        monkeypatch.setattr(ModelRunner, name, cheat(getattr(ModelRunner, name)))
+    for ex in (EagerExecutor, DecodeExecutor):
+        monkeypatch.setattr(ex, "run", cheat(ex.run))
     rr, bad = _old_alone_check(tiny)
     print(
         f"  old alone-vs-batch check: rel. RMSE {rr:.3g} (gate {GATES['float32'].batch_rel_rmse:g}), "
