@@ -30,10 +30,14 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class StructuredSpec:
     """One output constraint. value: the schema as JSON text (json), the regex (regex), the choices
-    as a JSON list of strings (choice), a Lark grammar (grammar); empty for json_object."""
+    as a JSON list of strings (choice), a Lark grammar (grammar); empty for json_object.
+    after_thinking: the output starts inside the model's reasoning (the prompt ends with <think>):
+    any text up to the first </think> (and the newlines after it) is free, the constraint binds the
+    rest (as vLLM applies a grammar after its reasoning parser's end)."""
 
     kind: str
     value: str = ""
+    after_thinking: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -67,8 +71,24 @@ def _closed(schema):
     return out
 
 
+# free text up to the first </think> (lazy: the first one ends it), then the newlines, then the answer
+THINKING_LARK = 'start: think "\\n"* @answer\nthink[lazy]: /(?s:.*)<\\/think>/\n'
+
+
 def grammar_text(spec: StructuredSpec) -> str:
     """The spec as an llguidance grammar (JSON text); GrammarError for a malformed value."""
+    g = _grammar_text(spec)
+    if not spec.after_thinking:
+        return g
+    try:
+        entry = json.loads(g)["grammars"][0]  # the JSON form (schemas, regexes)
+    except ValueError:
+        entry = {"lark_grammar": g}  # Lark text (choices, grammars)
+    entry = {**entry, "name": "answer"}
+    return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": THINKING_LARK}, entry]})
+
+
+def _grammar_text(spec: StructuredSpec) -> str:
     import llguidance
 
     M = llguidance.LLMatcher

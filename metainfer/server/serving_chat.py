@@ -3,6 +3,7 @@ split into reasoning, content and tool calls (`chat_output`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -193,13 +194,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
     ids = ctx.encode(prompt)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    # with thinking on, the constraint would bind the reasoning too: forced calls are then parsed as
-    # "auto" (unforced), and an output constraint is refused
-    forced = None if in_reasoning else forced_tool_calls(req, parse_tools)
-    if in_reasoning and structured_spec(req) is not None:
-        raise APIError('structured outputs with thinking on are not supported yet: send '
-                       'chat_template_kwargs {"enable_thinking": false}', 400, "chat_template_kwargs")
-    params = ctx.sampling_params(req, req.max_completion_tokens or req.max_tokens, k, structured=forced)
+    spec = forced_tool_calls(req, parse_tools) or structured_spec(req)
+    if spec is not None and in_reasoning:  # the reasoning stays free, the constraint binds the answer
+        spec = dataclasses.replace(spec, after_thinking=True)
+    params = ctx.sampling_params(req, req.max_completion_tokens or req.max_tokens, k, structured=spec)
     rid = random_id("chatcmpl")
     group = await ctx.submit([(ids, p) for p in params], rid)
     created = now()

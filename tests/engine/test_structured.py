@@ -85,3 +85,34 @@ def test_constrained_requests_are_not_drafted_and_bad_specs_raise():
         with pytest.raises(RequestError):
             llm.engine.add_request("x", SamplingParams(structured=spec))
     assert not llm.engine.has_unfinished()
+
+
+def test_after_thinking_frees_the_reasoning_only():
+    from metainfer.engine.grammar import GrammarBackend, fill_bitmask
+    from metainfer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("metainfer/assets/stdlib")
+    V = 4096
+    be = GrammarBackend(tok, V, tok.eos_token_ids)
+    spec = StructuredSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                       "required": ["a"]})
+    m = be.matcher(StructuredSpec(spec.kind, spec.value, after_thinking=True))
+    eos = tok.eos_token_ids[0]
+
+    def allowed(t: int) -> bool:
+        bm = fill_bitmask([m], V)
+        return bool((int(bm[0, t // 32]) >> (t % 32)) & 1)
+
+    reasoning = tok.encode("Let me think: a is {not json} here.")
+    out = list(reasoning)
+    m.sync(out)
+    assert allowed(tok.encode(" x")[0]) and not allowed(eos)  # free text, no end yet
+    out += tok.encode("</think>\n\n")
+    m.sync(out)
+    assert not m.error and not allowed(eos) and not allowed(tok.encode("x")[0])  # the answer: JSON
+    out += tok.encode('{"a":7}')
+    m.sync(out)
+    assert not m.error and allowed(eos)
+    bad = be.matcher(spec)  # without the flag, reasoning text is refused
+    bad.sync(reasoning[:1])
+    assert bad.error
