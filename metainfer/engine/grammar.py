@@ -238,13 +238,14 @@ def bitmask_words(vocab: int) -> int:
 _EXECUTOR = None
 
 
-def fill_bitmask(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
-    """The next-token bitmask [len(matchers), bitmask_words(vocab)] int32 on the host, row j for
-    matchers[j]; rows filled in parallel on llguidance's thread pool when there are several."""
+def fill_bitmask(matchers: Sequence[Matcher], vocab: int, pin: bool = False) -> torch.Tensor:
+    """The next-token bitmask [len(matchers), bitmask_words(vocab)] int32 on the host (pinned: for
+    an asynchronous copy to the GPU), row j for matchers[j]; rows filled in parallel on llguidance's
+    thread pool when there are several."""
     global _EXECUTOR
     import llguidance
 
-    bm = torch.empty(len(matchers), bitmask_words(vocab), dtype=torch.int32)
+    bm = torch.empty(len(matchers), bitmask_words(vocab), dtype=torch.int32, pin_memory=pin)
     if len(matchers) == 1:
         matchers[0].fill(bm, 0)
         return bm
@@ -278,7 +279,7 @@ def mask_logits(logits: torch.Tensor, reqs: Sequence) -> torch.Tensor:
     matchers = [reqs[j].grammar for j in rows]
     for j, m in zip(rows, matchers):
         m.sync(reqs[j].output_token_ids)
-    bm = fill_bitmask(matchers, matchers[0].vocab)
     dev = logits.device
+    bm = fill_bitmask(matchers, matchers[0].vocab, pin=dev.type == "cuda")
     idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
     return apply_bitmask(logits, idx, bm.to(dev, non_blocking=True))

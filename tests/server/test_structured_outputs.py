@@ -152,16 +152,24 @@ TOOLS = [
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_call_parses(client: openai.OpenAI, choice) -> None:
-    r = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice=choice,
-                                       temperature=1.0, seed=5, max_tokens=40, parallel_tool_calls=False,
-                                       extra_body=NO_THINK)
+    kw = dict(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=5,
+              max_tokens=44, parallel_tool_calls=False, extra_body=NO_THINK)
+    r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
-    call = c.message.tool_calls[0].function
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    if isinstance(choice, dict):
-        assert call.name == "add"
-    jsonschema.validate(json.loads(call.arguments), params[call.name])
+    calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    for name, args in calls:
+        if isinstance(choice, dict):
+            assert name == "add"
+        jsonschema.validate(json.loads(args), params[name])
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):  # the same seed: the same calls
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            e = streamed.setdefault(d.index, ["", ""])
+            e[0] += (d.function.name or "") if d.function else ""
+            e[1] += (d.function.arguments or "") if d.function else ""
+    assert [(n, json.loads(a)) for n, a in streamed.values()] == [(n, json.loads(a)) for n, a in calls]
 
 
 def test_unconstrained_neighbour_unchanged(client: openai.OpenAI) -> None:
