@@ -86,6 +86,8 @@ def _add_serve(sub: Any) -> None:
     d.add_argument("--vocab-limit", type=int, default=None, metavar="N",
                    help="random ids stay below this (default: the vocab_size in the server's /v1/models)")
     d.add_argument("--timeout", type=float, default=6 * 3600.0, metavar="S", help="per-request timeout (s)")
+    d.add_argument("--extra-body", default="", metavar="JSON",
+                   help="a JSON object merged into every request, e.g. '{\"guided_json\": {...}}'")
     r = p.add_argument_group("results")
     r.add_argument("--label", default="server", help="engine name recorded in the result")
     r.add_argument("--workload", default=None, help="workload name in the result (default: from the run)")
@@ -147,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             warmup=args.warmup,
             timeout_s=args.timeout,
+            extra_body=args.extra_body,
         )
         roof = RooflineSpec(
             model=args.config or args.model,

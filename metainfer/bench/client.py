@@ -34,6 +34,7 @@ class ClientConfig:
     warmup: int = 0  # requests sent (and discarded) before timing
     temperature: float = 0.0
     timeout_s: float = 6 * 3600.0
+    extra_body: str = ""  # a JSON object merged into every request (e.g. a guided_json constraint)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -42,6 +43,8 @@ class ClientConfig:
             raise ValueError("request_rate must be positive (inf for all at once)")
         if self.warmup < 0:
             raise ValueError("warmup must be >= 0")
+        if self.extra_body and not isinstance(json.loads(self.extra_body), dict):
+            raise ValueError("extra_body must be a JSON object")
 
     @property
     def url(self) -> str:
@@ -63,6 +66,7 @@ def request_body(cfg: ClientConfig, req: SampleRequest) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": cfg.ignore_eos,
+        **(json.loads(cfg.extra_body) if cfg.extra_body else {}),
     }
 
 

@@ -144,8 +144,8 @@ class LLMEngine:
         """A matcher for params.structured, the grammar compiled now (RequestError if it cannot be)."""
         from metainfer.engine.grammar import GrammarBackend, GrammarError
 
-        if params.ignore_eos or params.min_tokens:
-            raise RequestError("structured outputs with ignore_eos or min_tokens are not supported: "
+        if params.min_tokens:  # (ignore_eos is fine: past the grammar's end only EOS is allowed)
+            raise RequestError("structured outputs with min_tokens are not supported: "
                                "the grammar decides where the output ends")
         try:
             if self._grammar is None:

@@ -118,3 +118,14 @@ def test_warmup_requests_are_not_counted(fake_server: FakeServer) -> None:
     cfg = ClientConfig(base_url=fake_server.url, model="fake-model", warmup=3)
     m = run(cfg, id_requests(2, 4, 2)).metrics
     assert m.completed == 2 and fake_server.fake.count == 5
+
+
+def test_extra_body_is_merged_into_every_request():
+    from metainfer.bench.client import request_body
+
+    req = id_requests(1, 4, 8)[0]
+    cfg = ClientConfig(base_url="http://x", model="m", extra_body='{"guided_json": {"type": "object"}}')
+    body = request_body(cfg, req)
+    assert body["guided_json"] == {"type": "object"} and body["max_tokens"] == req.output_len
+    with pytest.raises(ValueError):
+        ClientConfig(base_url="http://x", model="m", extra_body="[1]")

@@ -102,6 +102,9 @@ def test_json_object_regex_choice_and_vllm_forms(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL_NAME, prompt="x", temperature=1.0, seed=2, max_tokens=10,
                                   extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
     assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(model=MODEL_NAME, prompt="x", temperature=1.0, seed=2, max_tokens=12,
+                                  extra_body={"guided_choice": ["yes", "no"], "ignore_eos": True})
+    assert r.choices[0].text in ("yes", "no") and r.usage.completion_tokens == 12  # then only EOS
 
 
 def test_bad_constraints_are_400(client: openai.OpenAI, server: LiveServer) -> None:
@@ -115,7 +118,7 @@ def test_bad_constraints_are_400(client: openai.OpenAI, server: LiveServer) -> N
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "xml"}}, None),
-        ({"guided_regex": "a+", "ignore_eos": True}, None),
+        ({"guided_regex": "a+", "min_tokens": 2}, None),
     ]
     for extra, param in bad:
         with pytest.raises(openai.BadRequestError) as e:
