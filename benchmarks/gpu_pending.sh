@@ -15,6 +15,9 @@
 #   5. the dispatch plan and the runner's executors landed after the last GPU-checked build (5774444): carry
 #      `git archive 5774444 metainfer benchmarks` as .old, BUILDS="old:.old new:." bash benchmarks/gpu_before_after.sh
 #      (H100 will do: same greedy tokens_sha1, bs1 / bs32 / TTFT within 2 %), then the GPU tests and 1.-2. on it.
+#   6. structured outputs' cost: gpu_serve.sh's c=32 FP8 run, then the same with bench serve --extra-body
+#      '{"guided_json": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}'
+#      on the same warm card (target: <= 5 % output tok/s).
 #
 #   timeline - gemv.cu's timeline build (a measuring tool: gemv.use_timeline_build): its GPU test, then one decode
 #              step's qkv / in_proj and gate/up launches CTA by CTA (experiments/gemv_timeline.py: entry, wait,
