@@ -85,7 +85,8 @@ def _chunked_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     lq, lk = query.shape[-2], key.shape[-2]
     if lq <= SDPA_CHUNK or dropout_p or (is_causal and lq != lk):
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            **kw,
         )
     out = []
     for q0 in range(0, lq, SDPA_CHUNK):
@@ -94,7 +95,9 @@ def _chunked_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
             m = torch.ones(q1 - q0, q1, dtype=torch.bool, device=query.device).tril(q0)
             k, v = key[..., :q1, :], value[..., :q1, :]
         else:
-            m = None if attn_mask is None else attn_mask[..., q0:q1, :] if attn_mask.shape[-2] > 1 else attn_mask
+            m = attn_mask
+            if attn_mask is not None and attn_mask.shape[-2] > 1:
+                m = attn_mask[..., q0:q1, :]
             k, v = key, value
         out.append(F.scaled_dot_product_attention(query[..., q0:q1, :], k, v, attn_mask=m, scale=scale, **kw))
     return torch.cat(out, dim=-2)

@@ -23,7 +23,8 @@ ORDINARY_IDS = 248044  # Qwen3.6 ids below this are ordinary BPE tokens (no spec
 # up to 129 sequences once the late wave joins (the grouped-MoE and FP8-GEMM decode kernels of the
 # throughput batches, to concurrency 128)
 WIDE_WAVE = 115
-FULL_LENGTHS = (1, 2, 17, 128, 1000, 4000, 8000, 32000)  # capped to the model length; > 4096: decode rows only
+# capped to the model length; > 4096 tokens: judged on the decode rows only
+FULL_LENGTHS = (1, 2, 17, 128, 1000, 4000, 8000, 32000)
 QUICK_LENGTHS = (1, 2, 17, 64, 150)
 
 

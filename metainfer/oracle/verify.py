@@ -147,7 +147,8 @@ def run_verify(
     twin_eng: dict[int, torch.Tensor] = {}
     vocab = 0
     def measured_noise(i: int) -> bool:  # the reference's own error is measured on this prompt
-        return bool(gates.noise_mode) and not names[i].startswith(NOISE_SKIP) and len(seqs[i]) <= NOISE_MAX_LEN
+        short = len(seqs[i]) <= NOISE_MAX_LEN
+        return bool(gates.noise_mode) and not names[i].startswith(NOISE_SKIP) and short
 
     exact = _ExactRows(
         reference, seqs, [i for i in scored if not measured_noise(i) and len(seqs[i]) <= REF_BATCH_MAX_LEN]
