@@ -97,7 +97,9 @@ def test_request_reads_another_requests_cache(tiny, monkeypatch):
     assert {"prefill.rel_rmse", "decode.rel_rmse"} & set(v.failed)
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+# bfloat16 (by default) is the harder case: its gates are loose, only the bias check may fail; float32's
+# tighter gates fail it too (CI's slow pass)
+@pytest.mark.parametrize("precision", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_small_bias_on_one_token(tiny, monkeypatch, precision):
     """+0.5 nats on one token: under the BF16 gates only the bias check can see it."""
     original = Qwen3_5MoeModel.lm_logits  # (under compute_logits and the decode graph's argmax)
