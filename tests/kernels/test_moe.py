@@ -85,7 +85,7 @@ def _fake_quant(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("skew", [False, True])
+@pytest.mark.parametrize("skew", [pytest.param(False, marks=pytest.mark.slow), True])  # skew: the odder one
 def test_moe_grouped_w8a8(skew):
     """The grouped path's FP8: e4m3 x e4m3 (activations quantised per token and 128 columns, the SiLU*up
     activation too): against the same quantisation applied in an fp32 reference (rel RMSE < 1e-3: an
@@ -110,8 +110,11 @@ def test_moe_grouped_w8a8(skew):
 MMA_CFG = dict(BLOCK_I=16, BLOCK_H=32, BLOCK_K=128, STAGES=2, num_warps=4, DOWN="rows", MMA=1)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("T,dtype", [(1, F32), (3, BF16)])
+@pytest.mark.parametrize(  # each T/dtype and each weight kind once by default, the rest in CI's slow pass
+    "T,dtype,fp8",
+    [(1, F32, False), pytest.param(1, F32, True, marks=pytest.mark.slow),
+     pytest.param(3, BF16, False, marks=pytest.mark.slow), (3, BF16, True)],
+)
 def test_moe_pair_tensor_core_variant(T, dtype, fp8):
     """The pair path's MMA variant (the activation as column 0 of a 16-wide operand)."""
     x, w_gu, w_dn, tw, ids = _problem(T, seed=4, dtype=dtype)
@@ -485,7 +488,9 @@ def test_moe_grouped_takes_the_norms_e4m3_copy(monkeypatch):
     assert torch.equal(moe_grouped.grouped_rows(x, q_gu, q_dn, ids, gu, dn, True, cfg, xq=xq), want)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "w8a8", "w8a8-skew"])
+# bf16 runs f32's interpreted program and w8a8 w8a8-skew's on a plainer layout: CI's slow pass
+@pytest.mark.parametrize("kind", ["f32", pytest.param("bf16", marks=pytest.mark.slow),
+                                  pytest.param("w8a8", marks=pytest.mark.slow), "w8a8-skew"])
 def test_moe_grouped_swapped_operands(kind):
     """A config's SWAP=1 (the grouped GEMMs as weights @ rows^T: the weight tile the MMA's M side):
     within the dtype's tolerance of the reference and of the unswapped kernels (rel RMSE < 1e-5 fp32 /
