@@ -199,10 +199,8 @@ _COMPILE = textwrap.dedent(
                  slots_ptr="*i64", has_ptr="*u8", out_ptr=bf, alog_ptr=f32, dtb_ptr=f32, cu_ptr="*i32",
                  scale="fp32")
         c = dict(HV=32, REP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=gd.BLOCK_V, GATED=gated, USE_PDL=1)
-        for pre, one in ((0, 0), (1, 0), (1, 1)):  # the state read before the PDL wait; the one-pass step
-            build(gd._gdn_decode_kernel, t, dict(c, PRELOAD=pre, ONEPASS=one), gd.NUM_WARPS)
-        for one in (0, 1):
-            build(gd._gdn_recurrent_varlen_kernel, t, dict(c, ONEPASS=one), gd.NUM_WARPS)
+        build(gd._gdn_decode_kernel, t, c, gd.NUM_WARPS)
+        build(gd._gdn_recurrent_varlen_kernel, t, c, gd.NUM_WARPS)
     print("ok")
     """
 )
