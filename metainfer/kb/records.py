@@ -26,7 +26,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Record:
-    id: str  # KB-0001
+    id: str  # "KB-" and four digits
     title: str
     date: str  # YYYY-MM-DD
     status: str
@@ -45,7 +45,7 @@ class Record:
     def __post_init__(self) -> None:
         self._check_types()
         if not re.fullmatch(r"KB-\d{4}", self.id):
-            raise ValueError(f"record id must look like KB-0001, got {self.id!r}")
+            raise ValueError(f"record id must be 'KB-' and four digits, got {self.id!r}")
         if self.status not in STATUSES:
             raise ValueError(f"{self.id}: status must be one of {STATUSES}")
         if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", self.date):
