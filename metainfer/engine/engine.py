@@ -14,6 +14,7 @@ from metainfer.engine.cache import CacheManager
 from metainfer.engine.executors import PENDING
 from metainfer.engine.request import Request, RequestOutput, SamplingParams, Status
 from metainfer.engine.runner import InFlight, ModelRunner, ModelSource
+from metainfer.engine.sampler import LogitBias, add_logit_bias
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.spec.ngram import NgramIndex
 from metainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -55,6 +56,8 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
         self._grammar = None  # engine.grammar.GrammarBackend, built with the first structured request
+        self._num_biased = 0  # unfinished requests with a logit_bias (`_bias_hook` is installed while > 0)
+        self._bias_hook_prev = None  # the runner's logits_hook that `_bias_hook` chains
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(ecfg.seed)
@@ -120,6 +123,9 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < V]
         if bad_stop:
             raise RequestError(f"stop token id {bad_stop[0]} is out of vocabulary [0, {V})")
+        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < V]
+        if bad_bias:
+            raise RequestError(f"logit_bias token id {bad_bias[0]} is out of vocabulary [0, {V})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         grammar = self._grammar_matcher(params) if params.structured is not None else None
         det = (
@@ -135,10 +141,39 @@ class LLMEngine:
             detokenizer=det,
             score_only=score_only,
             grammar=grammar,
+            logit_bias=LogitBias.of(params.logit_bias) if params.logit_bias else None,
         )
         self.requests[rid] = req
         self.scheduler.add(req)
+        if req.logit_bias is not None:
+            self._num_biased += 1
+            self._route_bias()
         return rid
+
+    def _route_bias(self) -> None:
+        """Installs `_bias_hook` as the runner's logits_hook while a request with a logit_bias is
+        unfinished (chaining the hook that was there), and takes it out after the last one; without
+        one, the runner's steps run as they would with no bias support."""
+        runner, hook = self.runner, self._bias_hook
+        if self._num_biased and runner.logits_hook != hook:
+            self._bias_hook_prev, runner.logits_hook = runner.logits_hook, hook
+        elif not self._num_biased and runner.logits_hook == hook:
+            runner.logits_hook, self._bias_hook_prev = self._bias_hook_prev, None
+
+    def _bias_hook(self, owners: list[tuple[Request, str, int]], logits) -> None:
+        """The runner's logits_hook: adds each biased request's logit_bias to the logits row its next
+        token is sampled from (logits [len(owners), V], in place, before any ban, mask or sampling),
+        all rows in one device op. Biased requests are not greedy (`SamplingParams.greedy`), so their
+        token comes from these rows and never from an argmax taken before the hook."""
+        if self._bias_hook_prev is not None:
+            self._bias_hook_prev(owners, logits)
+        rows = [
+            i for i, (r, kind, p) in enumerate(owners)
+            if r.logit_bias is not None
+            and (kind == "sample" or kind == "prompt" and not r.score_only and p == r.num_tokens - 1)
+        ]
+        if rows:
+            add_logit_bias(logits, rows, [owners[i][0].logit_bias for i in rows])
 
     def _grammar_matcher(self, params: SamplingParams):
         """A matcher for params.structured, the grammar compiled now (RequestError if it cannot be)."""
@@ -487,6 +522,9 @@ class LLMEngine:
         return delta
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.logit_bias is not None and not req.finished:
+            self._num_biased -= 1
+            self._route_bias()
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 from metainfer.engine.grammar import Matcher, StructuredSpec
+from metainfer.engine.sampler import LogitBias
 from metainfer.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; top_k <= 0 and top_p 1 disable those filters."""
+    """Per-request sampling. temperature 0 is greedy; top_k <= 0 and top_p 1 disable those filters.
+    logit_bias: (token id, value) pairs added to the logits before sampling, ids unique and sorted."""
 
     max_tokens: int | None = 16  # None: up to the model length
     temperature: float = 1.0
@@ -30,8 +33,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured: StructuredSpec | None = None  # an output constraint (engine.grammar)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        bias = dict(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias.items())))
+        if any(t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
+            raise ValueError("logit_bias needs non-negative token ids and finite values")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -59,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The next token is the argmax of the model's own logits (temperature 0, no logit_bias)."""
+        return self.temperature == 0.0 and not self.logit_bias
 
 
 class Status(enum.Enum):
@@ -95,6 +104,7 @@ class Request:
     state_slot: int | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
     grammar: Matcher | None = None  # params.structured's matcher (set when the request is added)
+    logit_bias: LogitBias | None = None  # params.logit_bias as tensors (set when the request is added)
     spec_index: object = None  # the drafter's per-request state (spec.ngram.NgramIndex, spec.mtp.MTPState)
     spec_rejects: int = 0  # verifies in a row that accepted no draft
     spec_skip: int = 0  # drafting chances left to pass up (LLMEngine._note_acceptance)

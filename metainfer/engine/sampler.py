@@ -1,4 +1,4 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, logit bias.
 
 Random draws are Gumbel-max over counter-based noise: u = hash(seed, step, token id). A request's
 draw depends only on its own seed and how many tokens it has produced, not on the batch, the
@@ -7,6 +7,7 @@ device or preemption; and there is no generator state to synchronise.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -113,3 +114,34 @@ def top_logprobs(
         top_v = lp.new_empty(lp.shape[0], 0)
         top_i = tokens.new_empty(lp.shape[0], 0)
     return chosen, top_v, top_i
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """One request's sparse additive logit bias, on the host: token ids [n] int64, values [n] fp32."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[int, float]]) -> LogitBias:
+        pairs = list(pairs)
+        return cls(
+            ids=torch.tensor([t for t, _ in pairs], dtype=torch.int64),
+            values=torch.tensor([v for _, v in pairs], dtype=torch.float32),
+        )
+
+
+def add_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[LogitBias]) -> None:
+    """logits [B, V] += biases[k] in row rows[k], in place: one index_put_ on the logits' device from
+    index and value tensors staged on the host (pinned on CUDA) and copied without a host wait."""
+    pin = logits.device.type == "cuda"
+    counts = torch.tensor([b.ids.numel() for b in biases], dtype=torch.int64)
+    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
+    idx = torch.stack([row_ids, torch.cat([b.ids for b in biases])])  # [2, N]: row, token id
+    vals = torch.cat([b.values for b in biases]).to(logits.dtype)  # [N]
+    if pin:
+        idx, vals = idx.pin_memory(), vals.pin_memory()
+    idx = idx.to(logits.device, non_blocking=True)
+    vals = vals.to(logits.device, non_blocking=True)
+    logits.index_put_((idx[0], idx[1]), vals, accumulate=True)

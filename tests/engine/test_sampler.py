@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from metainfer.engine.sampler import SamplingBatch, sample, uniform_noise
+from metainfer.engine.sampler import LogitBias, SamplingBatch, add_logit_bias, sample, uniform_noise
 
 
 def sb(rows):
@@ -51,3 +51,20 @@ def test_sampling_follows_the_distribution():
     toks = sample(logits, sb([(1.0, 0, 1.0, 0.0, 1234, s) for s in range(6000)]))
     freq = torch.bincount(toks, minlength=3).float() / 6000
     assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03), freq
+
+
+def test_logit_bias_is_a_sparse_per_row_add():
+    logits = torch.randn(4, 50)
+    biases = [LogitBias.of([(3, 100.0), (7, -2.5)]), LogitBias.of([(0, -100.0)])]
+    want = logits.clone()
+    want[1, 3] += 100.0
+    want[1, 7] -= 2.5
+    want[3, 0] -= 100.0
+    got = logits.clone()
+    add_logit_bias(got, [1, 3], biases)
+    assert torch.equal(got, want)
+    bf16 = logits.bfloat16()
+    add_logit_bias(bf16, [1, 3], biases)
+    assert bf16.dtype == torch.bfloat16 and int(bf16[1].argmax()) == 3
+    out = sample(got, sb([(0.0, 0, 1.0, 0.0, 0, 0)] * 2 + [(1.0, 0, 1.0, 0.0, 5, 0)] * 2))
+    assert int(out[1]) == 3 and int(out[3]) != 0
