@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from metainfer.server.protocol import APIError, SamplingFields, UsageInfo
 from metainfer.server.structured import structured_spec
 
 MAX_SUB_REQUESTS = 1024  # prompts x n in one API call
+MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-this, this] (OpenAI's range, vLLM's clamp)
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
@@ -76,9 +78,14 @@ class ServingContext:
         prompt_logprobs: int | None = None,
         structured: StructuredSpec | None = None,
     ) -> list[SamplingParams]:
-        """One SamplingParams per choice (n); choice j gets seed + j when a seed is given. The output
-        constraint: `structured` when given, else the request's own (server.structured)."""
+        """One SamplingParams per choice (n); choice j gets seed + j when a seed is given (so a
+        seeded n-choice request repeats, and its choice 0 is the same request with n = 1), each an
+        independent engine request otherwise. The output constraint: `structured` when given, else
+        the request's own (server.structured)."""
         _reject_unsupported(req)
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options can only be given when stream is true", 400, "stream_options")
+        logit_bias = self.logit_bias(req.logit_bias)
         structured = structured or structured_spec(req)
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > self.max_logprobs:
@@ -112,11 +119,31 @@ class ServingContext:
                         prompt_logprobs=prompt_logprobs,
                         skip_special_tokens=req.skip_special_tokens,
                         structured=structured,
+                        logit_bias=logit_bias,
                     )
                 )
             except ValueError as e:
                 raise APIError(str(e), 400) from None
         return params
+
+    def logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's logit_bias ({"token id": value}) as (id, value) pairs, values clamped to
+        [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; APIError 400 naming logit_bias for a key that is not a
+        token id of this model or a value that is not a number."""
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise APIError(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}", 400, "logit_bias"
+                ) from None
+            if not 0 <= tid < (self.vocab_size or self.tokenizer.vocab_size):
+                raise APIError(f"logit_bias token id {tid} is out of vocabulary", 400, "logit_bias")
+            if math.isnan(value):
+                raise APIError(f"logit_bias value for {key} is not a number", 400, "logit_bias")
+            out[tid] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+        return tuple(out.items())
 
     def encode(self, text: str) -> list[int]:
         """Text -> token ids, on the event loop (the tokenizer is thread-safe; the engine is not)."""
@@ -159,7 +186,6 @@ def _reject_unsupported(req: SamplingFields) -> None:
         ("presence_penalty", req.presence_penalty not in (None, 0.0)),
         ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
         ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
-        ("logit_bias", bool(req.logit_bias)),
     )
     for name, bad in checks:
         if bad:

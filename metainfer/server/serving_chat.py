@@ -254,7 +254,12 @@ async def _stream(
     counts = [0] * len(group.ids)
 
     def chunk(choice: ChatStreamChoice | None = None) -> ChatCompletionChunk:
-        u = usage(n_prompt, sum(counts)) if continuous or choice is None else None
+        """A choice's chunk (with the prompt's and that choice's tokens' usage when continuous, as vLLM
+        counts them), or the final usage chunk (the prompt once, every choice's tokens)."""
+        if choice is None:
+            u = usage(n_prompt, sum(counts))
+        else:
+            u = usage(n_prompt, counts[choice.index]) if continuous else None
         return ChatCompletionChunk(
             id=rid, created=created, model=ctx.model_name, choices=[choice] if choice else [], usage=u
         )

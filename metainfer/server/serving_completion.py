@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ class _Choice:
     prompt: _Prompt
     offset: int = 0  # characters of this choice's text already sent (logprobs text_offset)
     started: bool = False
-    num_tokens: int = 0
+    num_tokens: int = 0  # completion tokens sent
+    prompt_only: bool = False  # echo with max_tokens 0: the engine's token is never shown
 
 
 def _prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[_Prompt]:
@@ -99,17 +101,24 @@ def _echo_logprobs(out: RequestOutput) -> list[TokenLogprob | None]:
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     """Choice i*n + j is prompt i's j-th sample; usage counts each prompt once and every choice's tokens.
-    Raises APIError for what the request gets wrong."""
+    echo with max_tokens 0 (vLLM's): each choice is its prompt alone (with its prompt logprobs), no
+    completion tokens. Raises APIError for what the request gets wrong."""
     ctx.check_model(req.model)
     reject_unsupported_fields(req)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise APIError("best_of is not supported (only best_of == n)", 400, "best_of")
+        raise APIError(
+            f"best_of must equal n ({req.n}): ranking extra samples is not supported", 400, "best_of"
+        )
+    prompt_only = req.max_tokens == 0
+    if prompt_only and not req.echo:
+        raise APIError("max_tokens must be at least 1 (0 only with echo)", 400, "max_tokens")
     prompts = _prompts(ctx, req.prompt)
     echo_lp = req.logprobs if req.echo and req.logprobs is not None else None
-    params = ctx.sampling_params(req, req.max_tokens, req.logprobs, echo_lp)
-    choices = [_Choice(p) for p in prompts for _ in params]
+    max_tokens = 1 if prompt_only else req.max_tokens  # (prompt_only: the one token is dropped)
+    params = ctx.sampling_params(req, max_tokens, req.logprobs, echo_lp)
+    choices = [_Choice(p, prompt_only=prompt_only) for p in prompts for _ in params]
     rid = random_id("cmpl")
     group = await ctx.submit([(c.prompt.ids, sp) for c, sp in zip(choices, params * len(prompts))], rid)
     created = now()
@@ -126,7 +135,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise APIError(errors[0] or "internal error", 500)
     out_choices = []
     for i, (c, o) in enumerate(zip(choices, finals)):
-        text, lps = o.text, None
+        text, lps, finish, stop_reason = o.text, None, o.finish_reason, o.stop_reason
+        if c.prompt_only:
+            o = dataclasses.replace(o, token_ids=[], text="", logprobs=[])
+            text, finish, stop_reason = "", "length", None
         if req.logprobs is not None:
             ids, entries = list(o.token_ids), list(o.logprobs or [])
             if req.echo:
@@ -134,12 +146,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             lps, _ = _logprobs(ctx, ids, entries, 0, req.logprobs, req.return_tokens_as_token_ids)
         if req.echo:
             text = _echo_text(ctx, c.prompt) + text
+        c.num_tokens = len(o.token_ids)
         out_choices.append(
-            CompletionChoice(
-                index=i, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason
-            )
+            CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=finish, stop_reason=stop_reason)
         )
-    n_out = sum(len(o.token_ids) for o in finals)
+    n_out = sum(c.num_tokens for c in choices)
     return json_response(
         CompletionResponse(
             id=rid, created=created, model=ctx.model_name, choices=out_choices, usage=usage(n_prompt, n_out)
@@ -162,7 +173,13 @@ async def _stream(
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
 
     def chunk(choice: CompletionChoice | None = None) -> CompletionResponse:
-        u = usage(n_prompt, sum(c.num_tokens for c in choices)) if continuous or choice is None else None
+        """A choice's chunk (with its own prompt's and its own tokens' usage when continuous, as vLLM
+        counts them), or the final usage chunk (every prompt once, every choice's tokens)."""
+        if choice is None:
+            u = usage(n_prompt, sum(c.num_tokens for c in choices))
+        else:
+            c = choices[choice.index]
+            u = usage(len(c.prompt.ids), c.num_tokens) if continuous else None
         return CompletionResponse(
             id=rid, created=created, model=ctx.model_name, choices=[choice] if choice else [], usage=u
         )
@@ -176,6 +193,12 @@ async def _stream(
                 continue
             i = group.index[out.request_id]
             c = choices[i]
+            finish, stop_reason = out.finish_reason, out.stop_reason
+            if c.prompt_only:
+                if not out.finished:
+                    continue
+                out = dataclasses.replace(out, token_ids=[], new_token_ids=[], new_text="")
+                finish, stop_reason = "length", None
             c.num_tokens = len(out.token_ids)
             text, ids = out.new_text, list(out.new_token_ids)
             entries: list[TokenLogprob | None] = list(new_logprobs(out.logprobs, len(ids)))
@@ -194,8 +217,8 @@ async def _stream(
                         index=i,
                         text=text,
                         logprobs=lps,
-                        finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
+                        finish_reason=finish,
+                        stop_reason=stop_reason,
                     )
                 )
             )

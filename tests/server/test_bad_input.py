@@ -30,6 +30,7 @@ RAW = [  # (path, raw body, status)
     (CHAT, b"{'single': 'quotes'}", 400),
     (CHAT, b"\xff\xfe\x00garbage", 400),
     (CMPL, b'{"prompt": "x", "temperature": NaN}', 400),
+    (CMPL, b'{"prompt": "x", "logit_bias": {"5": NaN}}', 400),
     ("/tokenize", b"{", 400),
 ]
 
@@ -76,6 +77,10 @@ JSON = [  # (path, body, status, param)
     (CMPL, cmpl(seed=2**64 - 1, n=2), 400, None),
     (CMPL, cmpl(min_tokens=5, max_tokens=2), 400, "min_tokens"),
     (CMPL, cmpl(presence_penalty=0.5), 400, "presence_penalty"),
+    (CMPL, cmpl(logit_bias={"x": 1}), 400, "logit_bias"),
+    (CMPL, cmpl(logit_bias={"5": "high"}), 400, None),
+    (CHAT, chat(logit_bias={"99999999": 1}), 400, "logit_bias"),
+    (CMPL, cmpl(best_of=4), 400, "best_of"),
     (CMPL, cmpl(suffix="tail"), 400, "suffix"),
     (CHAT, chat(chat_template_kwargs={"enable_thinking": "yes"}), 400, "chat_template_kwargs"),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
