@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "kb": "metainfer.kb.cli",
     "tune": "metainfer.loop.cli",
     "loop": "metainfer.loop.cli",
+    "sam": "metainfer.sam.cli",
 }
 
 

@@ -71,3 +71,22 @@ class PromptTokenizer:
             ids[i, : len(row)] = torch.tensor(row)
             valid[i, : len(row)] = True
         return ids, valid
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A CLIP-style BPE (`tokenizers.Tokenizer`) trained on `texts`: byte alphabet, `</w>` word ends,
+    BOS/EOS as ids 0 and 1."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = clip_pipeline(models.BPE(end_of_word_suffix="</w>", unk_token=EOS))
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        end_of_word_suffix="</w>",
+        show_progress=False,
+    )
+    # every printable ASCII character as a word of its own, so each has its word-final token
+    ascii_words = " ".join(chr(c) for c in range(33, 127))
+    tok.train_from_iterator([*texts, ascii_words], trainer)
+    return tok

@@ -89,12 +89,17 @@ def _fill(model: SamModel, gen: torch.Generator) -> None:
 
 
 def calibration_batch(config: SamConfig, device, dtype, seed: int) -> tuple[torch.Tensor, ...]:
-    """Seeded smooth images and random prompts:
+    """Seeded synthetic scenes and random prompts:
     (pixel_values [4, 3, S, S], ids [8, T], valid [8, T], image_index [8])."""
+    import numpy as np
+
+    from metainfer.sam.processing import preprocess
+    from metainfer.sam.scenes import render_scene
+
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    rng = np.random.default_rng(seed + 1)
     s = config.image_size
-    coarse = torch.randn(4, 3, 8, 8, generator=gen)
-    pixels = torch.nn.functional.interpolate(coarse, size=(s, s), mode="bilinear", align_corners=False)
+    pixels = torch.stack([preprocess(render_scene(rng, 96, 96).image, s) for _ in range(4)])
     t = min(8, config.text_context)
     ids = torch.randint(0, config.vocab_size, (8, t), generator=gen)
     lengths = torch.randint(3, t + 1, (8,), generator=gen)
