@@ -142,7 +142,7 @@ def test_continuous_usage_stats(client: openai.OpenAI, server: LiveServer) -> No
 # ---- logit_bias ------------------------------------------------------------------------------------
 
 
-def test_logit_bias_forces_and_bans(client: openai.OpenAI) -> None:
+def test_logit_bias_forces_and_bans(client: openai.OpenAI, server: LiveServer) -> None:
     text, ids, _, _ = greedy_tokens(client, "Bias me", 5)
     kw = dict(model=MODEL_NAME, prompt="Bias me", max_tokens=5, temperature=0, logprobs=0)
     body = {"ignore_eos": True, "return_tokens_as_token_ids": True}
@@ -168,6 +168,8 @@ def test_logit_bias_forces_and_bans(client: openai.OpenAI) -> None:
         model=MODEL_NAME, prompt="Bias me", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
     assert plain.choices[0].text == text  # a finished biased request leaves no trace
+    server.wait_idle()
+    assert server.engine.runner.logits_hook is None  # the bias hook goes with the last biased request
 
 
 def test_logit_bias_chat_stream_beside_unbiased(client: openai.OpenAI, server: LiveServer) -> None:

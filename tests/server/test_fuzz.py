@@ -81,6 +81,10 @@ SAMPLING = {
         SOME_JUNK,
     ),
     "presence_penalty": (st.just(0.0), st.floats(0.1, 2.0)),
+    "logit_bias": (
+        st.dictionaries(st.integers(0, 248_319).map(str), st.floats(-300.0, 300.0), max_size=3),
+        st.dictionaries(text(1, 4) | st.integers(248_320, 10**12).map(str), st.floats(-1, 1), min_size=1),
+    ),
     "skip_special_tokens": (st.booleans(), SOME_JUNK),
     "include_stop_str_in_output": (st.booleans(), SOME_JUNK),
     "return_tokens_as_token_ids": (st.booleans(), SOME_JUNK),
