@@ -232,7 +232,7 @@ def test_gdn_recurrent_short_chunks_full_shapes():
     for n in lens:
         cu_list.append(cu_list[-1] + n)
     T = cu_list[-1] + 1
-    assert max(lens) <= gdn_decode.recurrent_max_t()
+    assert max(lens) <= gdn_decode.RECURRENT_MAX_T
     gen = torch.Generator(device=DEV).manual_seed(9)
     ssm = torch.randn(6, HV, DK, DV, device=DEV, generator=gen) * 0.1
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
