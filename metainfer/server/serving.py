@@ -129,7 +129,9 @@ class ServingContext:
     def logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """OpenAI's logit_bias ({"token id": value}) as (id, value) pairs, values clamped to
         [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; APIError 400 naming logit_bias for a key that is not a
-        token id of this model or a value that is not a number."""
+        token id of this model or a value that is not a number. The engine adds them to the logits
+        before sampling, so a biased request's logprobs are those of the biased logits (vLLM
+        reports the model's raw ones)."""
         out: dict[int, float] = {}
         for key, value in (bias or {}).items():
             try:
