@@ -46,7 +46,8 @@ class LLMEngine:
         self.max_model_len = min(ecfg.max_model_len, self.model_config.max_position_embeddings)
         slow_launch.install()  # a slow step launch names the Triton kernels it compiled
         self.runner = ModelRunner(ecfg, self.model_config, self.source, progress=progress)
-        self.cache = CacheManager(self.runner.num_blocks, ecfg.block_size, self.runner.num_slots)
+        self.cache = CacheManager(self.runner.num_blocks, ecfg.block_size, self.runner.num_slots,
+                                  self.runner.num_snapshots, ecfg.snapshot_interval)
         slow_launch.allocator_note(self.runner.device)  # the baseline a slow launch's note counts from
         self.scheduler = Scheduler(
             self.cache, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, self.max_model_len,
@@ -75,7 +76,7 @@ class LLMEngine:
         self._spec_misses = 0  # proposals in a row that found no drafts
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
                       "slow_launches": 0, "async_steps": 0, "spec_verifies": 0, "spec_drafted": 0,
-                      "spec_accepted": 0, "spec_draft_errors": 0, **COVERAGE_STATS}
+                      "spec_accepted": 0, "spec_draft_errors": 0, **COVERAGE_STATS, **self.cache.stats}
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -260,6 +261,7 @@ class LLMEngine:
         decode (a verify is a decode with drafts); a lone prefill is one generating request's
         prompt chunk alone in the step."""
         st = self.stats
+        st.update(self.cache.stats)  # prefix cache: prompt tokens looked up and served, hit requests
         st["preemptions"] += len(batch.preempted)
         prefills = sum(r.num_computed_tokens < r.num_prompt_tokens for r, _ in batch.items)
         decodes = len(batch.items) - prefills
@@ -538,8 +540,8 @@ class LLMEngine:
         for req, _ in items:
             if req.finished:
                 continue
+            req.error = message  # (before its release: a failed step's KV is never cached)
             self.scheduler.remove(req)
-            req.error = message
             self._finish(req, "error")
             outs.append(self._output(req, [], ""))
         return outs

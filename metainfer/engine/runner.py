@@ -32,6 +32,11 @@ from metainfer.model.weights import build_model, init_dummy, load_checkpoint
 log = logging.getLogger("metainfer.engine")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CPU_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
+# prefix caching, num_snapshot_slots None: the share of the CUDA cache budget (KV blocks + state
+# snapshots) that snapshots get; on the CPU SNAPSHOTS_PER_SEQ per max_num_seqs within a quarter of
+# CPU_CACHE_BYTES
+SNAPSHOT_SHARE = 0.25
+SNAPSHOTS_PER_SEQ = 4
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.num_slots = ecfg.num_state_slots or ecfg.max_num_seqs
+        self.num_snapshots = self._num_snapshot_slots()  # state slots num_slots+1.. (engine.cache)
         self.num_blocks = self._num_kv_blocks()
         self.caches = self._allocate_caches()
         self.mtp = None  # speculative="mtp": the drafter, fed every step's hidden rows (`_note_hidden`)
@@ -252,16 +258,32 @@ class ModelRunner:
         ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * ssm_elt
         return len(c.linear_layer_ids) * (conv + ssm)
 
+    def _cuda_cache_budget(self) -> float:
+        """Bytes for KV blocks and state snapshots: free memory after the reserve, activations and
+        the running state slots."""
+        e = self.ecfg
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = (1 - e.gpu_memory_utilization) * total
+        act = max(2 << 30, 3 * e.max_num_batched_tokens * self.cfg.vocab_size * 4)
+        return free - reserve - act - (self.num_slots + 1) * self._bytes_per_slot()
+
+    def _num_snapshot_slots(self) -> int:
+        e = self.ecfg
+        if not e.enable_prefix_caching:
+            return 0
+        if e.num_snapshot_slots is not None:
+            return e.num_snapshot_slots
+        if self.device.type == "cuda":
+            return max(0, int(SNAPSHOT_SHARE * self._cuda_cache_budget() // self._bytes_per_slot()))
+        return min(SNAPSHOTS_PER_SEQ * e.max_num_seqs, CPU_CACHE_BYTES // 4 // self._bytes_per_slot())
+
     def _num_kv_blocks(self) -> int:
         e = self.ecfg
         per_seq = self.blocks_per_seq
         if e.num_kv_blocks is not None:
             n = e.num_kv_blocks
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = (1 - e.gpu_memory_utilization) * total
-            act = max(2 << 30, 3 * e.max_num_batched_tokens * self.cfg.vocab_size * 4)
-            budget = free - reserve - act - (self.num_slots + 1) * self._bytes_per_slot()
+            budget = self._cuda_cache_budget() - self.num_snapshots * self._bytes_per_slot()
             n = int(budget // self._bytes_per_block())
             n = min(n, e.max_num_seqs * per_seq)
         else:
@@ -280,7 +302,7 @@ class ModelRunner:
         views."""
         c, dev, dt = self.cfg, self.device, self.dtype
         nb, bs = self.num_blocks + 1, self.ecfg.block_size  # +1: block 0 is the null block
-        ns = self.num_slots + 1
+        ns = self.num_slots + self.num_snapshots + 1
         kv_shape = (nb, bs, c.num_key_value_heads, c.head_dim)
         n_full, n_lin = self.num_kv_layers, len(c.linear_layer_ids)
         conv_shape = (n_lin, ns, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
@@ -303,12 +325,14 @@ class ModelRunner:
         A request's last token may still be PENDING (sampled by the previous, unfinished step): its
         id is taken on the device from that step's token buffer."""
         items = sorted(batch.items, key=lambda it: it[1] != 1)  # decodes first (stable)
+        self.copy_states(batch.copies.restores)
         saved = {r.request_id: self._save_state(r) for r, _ in items if r.draft_token_ids}
         inputs = StepInputs.build(items, self._prev_rows)
         for ex in self.executors:  # the first that supports the step (the eager one, last, takes any)
             if ex.supports(inputs):
                 break
         logits, self._hidden = ex.run(inputs)
+        self.copy_states(batch.copies.saves)
         owners = inputs.owners
         argmaxed = ex.argmaxed  # the decode graph's step: _tok_buf[:len(items)] holds the rows' argmax
         inflight = InFlight(items=items, saved_states=saved, path=ex.path)
@@ -328,8 +352,15 @@ class ModelRunner:
 
     def _note_hidden(self, items: list[tuple[Request, int]]) -> None:
         """Hands the step's final hidden rows to the MTP drafter, per request (positions start..start+n-1)."""
+        from metainfer.spec.mtp import MTPState
+
         base = 0
         for r, n in items:
+            if r.num_cached_tokens and r.num_computed_tokens == r.num_cached_tokens:
+                # the first step after a prefix hit: MTP rows resume at the hit (the MTP KV below it
+                # is the shared blocks', as their writer left it: drafts only, outputs unaffected)
+                self.mtp.forget(r)
+                r.spec_index = MTPState(done=r.num_cached_tokens, hidden_pos=r.num_cached_tokens)
             self.mtp.note(r, r.num_computed_tokens, self._hidden[base : base + n])
             base += n
 
@@ -338,6 +369,13 @@ class ModelRunner:
         if inflight.event is not None:
             inflight.event.synchronize()
         return inflight.host.tolist() if inflight.host is not None else []
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """DeltaNet conv and recurrent states of every layer from slot src to slot dst, per pair in
+        order (device copies queued on the stream: prefix-cache snapshots and their restores)."""
+        for src, dst in pairs:
+            self.conv_states[:, dst].copy_(self.conv_states[:, src])
+            self.ssm_states[:, dst].copy_(self.ssm_states[:, src])
 
     # ---- speculative verify ---------------------------------------------------------------------
     def _save_state(self, req: Request) -> StateCopy:

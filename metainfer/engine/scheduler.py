@@ -1,22 +1,26 @@
 """Continuous batching: FCFS, chunked prefill under a token budget, decodes and prefills in one
-step, preemption by recompute when KV blocks run out. Host state only."""
+step, preemption by recompute when KV blocks run out, prefix caching (a waiting request starts
+after its longest cached prefix; prompt chunks stop at snapshot checkpoints: `CacheManager`).
+Host state only."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from metainfer.engine.cache import CacheManager
+from metainfer.engine.cache import CacheManager, StateCopies
 from metainfer.engine.request import Request, Status
 
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: (request, number of new tokens) in scheduling order."""
+    """One step's work: (request, number of new tokens) in scheduling order, and the state-slot
+    copies around its forward (prefix caching)."""
 
     items: list[tuple[Request, int]]
     preempted: list[Request]
+    copies: StateCopies = field(default_factory=lambda: StateCopies([], []))
 
     @property
     def num_tokens(self) -> int:
@@ -67,13 +71,17 @@ class Scheduler:
         items: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         scheduled: set[str] = set()
+        copies = StateCopies([], [])
+        for req in self.running:  # the blocks and snapshots the previous steps made final
+            self.cache.commit(req)
 
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            start = req.num_computed_tokens
+            n = self.cache.chunk_end(req, start, start + min(req.num_tokens - start, budget)) - start
             req.draft_token_ids = []
             if n <= 0 or self._done_pending(req):
                 continue
@@ -93,6 +101,7 @@ class Scheduler:
             if req.status != Status.RUNNING:
                 continue
             self.cache.grow(req, n)
+            self._snapshot(req, n, copies)
             items.append((req, n))
             scheduled.add(req.request_id)
             budget -= n
@@ -102,18 +111,30 @@ class Scheduler:
                 req = self.waiting[0]
                 if self.cache.slots.num_free == 0:
                     break
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.cache.can_grow(req, n):
+                hit = self.cache.match(req)
+                start = hit.num_tokens if hit is not None else req.num_computed_tokens
+                n = self.cache.chunk_end(req, start, start + min(req.num_tokens - start, budget)) - start
+                if not self.cache.can_admit(req, hit, n):
                     break
                 self.waiting.popleft()
                 self.cache.assign_slot(req)
+                self.cache.admit(req, hit, copies)
                 self.cache.grow(req, n)
+                self._snapshot(req, n, copies)
                 req.status = Status.RUNNING
                 self.running.append(req)
                 items.append((req, n))
                 scheduled.add(req.request_id)
                 budget -= n
-        return ScheduledBatch(items, preempted)
+        return ScheduledBatch(items, preempted, copies)
+
+    def _snapshot(self, req: Request, n: int, copies: StateCopies) -> None:
+        """A snapshot of req's states after its chunk of n tokens, where one is due; never after a
+        verify (a rejection rolls the states back)."""
+        if not req.draft_token_ids:
+            slot = self.cache.plan_snapshot(req, n)
+            if slot is not None:
+                copies.saves.append((req.state_slot, slot))
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative drafts for a chunk of n tokens that ends the sequence (a decode, or the
