@@ -68,6 +68,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--gpu-memory-utilization", type=float, default=0.90, help="CUDA: share of GPU memory to take"
     )
+    c.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached KV blocks and DeltaNet state snapshots of earlier prompts' prefixes (default: "
+        "on; --no-prefix-caching is --no-enable-prefix-caching)",
+    )
+    c.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS
+    )
+    c.add_argument(
+        "--prefix-snapshot-interval",
+        type=int,
+        default=2048,
+        help="prefix caching: prompt chunks also stop every N tokens (a multiple of --block-size) and, for "
+        "a prompt of N tokens or more, at its last block boundary, to snapshot the DeltaNet states there",
+    )
+    c.add_argument(
+        "--num-snapshot-slots",
+        type=int,
+        default=None,
+        help="prefix caching: DeltaNet state snapshots kept (default: a quarter of the cache memory on "
+        "CUDA, a fixed count on CPU)",
+    )
 
     t = p.add_argument_group(
         "GPU performance tuning", "the defaults suit most runs; most of these do nothing on the CPU"
@@ -143,6 +167,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_snapshot_interval=args.prefix_snapshot_interval,
+        num_snapshot_slots=args.num_snapshot_slots,
         enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs,
         warmup=not args.no_warmup,
