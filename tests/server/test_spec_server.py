@@ -106,3 +106,22 @@ def test_bench_serve_reads_the_servers_speculative_counters(base_url, spec):
     assert ex["server_spec_draft_tokens"] >= ex["server_spec_accepted_tokens"] > 0
     assert 0 < ex["server_spec_acceptance"] <= 1 and "server_mean_ttft_ms" in ex
     assert "Server draft acceptance:" in format_table(res.metrics)
+
+
+def test_logit_bias_is_never_drafted(base_url, spec):
+    """A greedy request with a logit_bias on a speculative server: every token is the biased one
+    (the bias applies to each sampled row) and no draft is verified for it."""
+
+    def drafted(c: httpx.Client) -> float:
+        lines = [ln for ln in c.get("/metrics").text.splitlines()
+                 if ln.startswith("metainfer:spec_draft_tokens_total")]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    body = {"model": "spec", "prompt": PROMPTS[spec], "max_tokens": 8, "temperature": 0, "logprobs": 0,
+            "logit_bias": {"1000": 100}, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        before = drafted(c)
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:1000"] * 8
+        assert drafted(c) == before
