@@ -211,8 +211,9 @@ class CacheManager:
     def match(self, req: Request) -> PrefixHit | None:
         """req's longest cached prefix that ends on a snapshot (its last token is always left to
         compute: its logits are needed). None without one, or for a request that needs every
-        prompt position's logits (scoring, prompt logprobs)."""
-        if not self.prefix_caching or req.score_only or req.params.prompt_logprobs is not None:
+        prompt position's logits (scoring, prompt logprobs), or one that holds cache already."""
+        if (not self.prefix_caching or req.score_only or req.params.prompt_logprobs is not None
+                or req.num_computed_tokens or req.block_ids):
             return None
         n = (min(req.num_tokens - 1, _known(req))) // self.block_size
         hashes = self._hashes(req, n)
@@ -243,7 +244,6 @@ class CacheManager:
         self.stats["prefix_cache_queries"] += req.num_tokens
         if hit is None:
             return
-        assert not req.block_ids and req.num_computed_tokens == 0
         self.blocks.share(hit.block_ids)
         req.block_ids = list(hit.block_ids)
         req.num_cached_blocks = len(hit.block_ids)
