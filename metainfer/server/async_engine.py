@@ -54,6 +54,8 @@ class EngineSnapshot:
     num_step_failures: int = 0
     spec_drafted: int = 0  # speculative draft tokens verified, and those accepted
     spec_accepted: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from it
     alive: bool = True
 
 
@@ -350,5 +352,7 @@ class AsyncEngine:
             num_step_failures=self._failures,
             spec_drafted=e.stats["spec_drafted"],
             spec_accepted=e.stats["spec_accepted"],
+            prefix_cache_queries=e.stats.get("prefix_cache_queries", 0),
+            prefix_cache_hits=e.stats.get("prefix_cache_hits", 0),
             alive=alive,
         )

@@ -122,6 +122,9 @@ class _SnapshotCollector(Collector):
         yield counter("engine_step_failures", "Engine steps that raised.", s.num_step_failures)
         yield counter("spec_draft_tokens", "Speculative draft tokens verified.", s.spec_drafted)
         yield counter("spec_accepted_tokens", "Speculative draft tokens accepted.", s.spec_accepted)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
 
 
 class ServerMetrics:
