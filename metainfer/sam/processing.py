@@ -43,7 +43,7 @@ def load_image(path: str | Path) -> np.ndarray:
 
 def preprocess(image: np.ndarray | torch.Tensor, size: int) -> torch.Tensor:
     """[H, W, 3] uint8 -> [3, size, size] float32."""
-    x = torch.as_tensor(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+    x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)[None].float()
     if x.shape[-2:] != (size, size):
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
     return ((x[0] / 255.0) - MEAN) / STD
