@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="seconds requests in flight may take to finish on SIGTERM before they are aborted",
     )
     add_engine_args(p)
+    from metainfer.deploy.cli import add_replica_args  # flags only: Ray is imported by --replicas N alone
+
+    add_replica_args(p)
     http = p.add_argument_group("HTTP server internals (uvicorn)")
     http.add_argument(
         "--uvicorn-log-level",
@@ -166,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if args.model_tag:
         args.model = args.model_tag
+    from metainfer.deploy.cli import run_replicas, wants_replicas
+
+    if wants_replicas(args):  # N engines on Ray Serve behind one endpoint
+        return run_replicas(args)
     try:
         ecfg = EngineConfig(model=args.model, **engine_kwargs(args))
         cpu_threads = _engine_thread_only(ecfg)
