@@ -281,12 +281,13 @@ class EngineConfig:
     # prefix caching: full KV blocks indexed by a hash chain of their tokens, and the DeltaNet states
     # snapshot at block-aligned chunk ends (engine.cache); a request starts after its longest cached
     # prefix that ends on a snapshot. Prompt chunks also stop at every multiple of
-    # prefix_snapshot_interval tokens (rounded up to a multiple of block_size: `snapshot_interval`)
-    # and, for a prompt at least that long, at its last block boundary, for a snapshot there.
-    # num_snapshot_slots: the snapshot pool (one state slot each, beside the running ones); None: a
-    # share of the cache memory on CUDA (runner.SNAPSHOT_SHARE), a fixed count on the CPU
+    # prefix_snapshot_interval tokens (None: max_num_batched_tokens, where a lone prompt's chunks end
+    # anyway; rounded up to a multiple of block_size: `snapshot_interval`) and, for a prompt at least
+    # that long, at its last block boundary, for a snapshot there. num_snapshot_slots: the snapshot
+    # pool (one state slot each, beside the running ones); None: a share of the cache memory on CUDA
+    # (runner.SNAPSHOT_SHARE), a fixed count on the CPU
     enable_prefix_caching: bool = True
-    prefix_snapshot_interval: int = 2048
+    prefix_snapshot_interval: int | None = None
     num_snapshot_slots: int | None = None
     tokenizer: str | None = None  # None: the model dir's tokenizer.json, else the Qwen3.6 tokenizer
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -334,7 +335,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots <= 0:
             raise ValueError("num_state_slots must be positive")
-        if self.prefix_snapshot_interval <= 0:
+        if self.prefix_snapshot_interval is not None and self.prefix_snapshot_interval <= 0:
             raise ValueError(f"prefix_snapshot_interval must be > 0, got {self.prefix_snapshot_interval}")
         if self.num_snapshot_slots is not None and self.num_snapshot_slots < 0:
             raise ValueError("num_snapshot_slots must be >= 0")
@@ -343,8 +344,9 @@ class EngineConfig:
 
     @property
     def snapshot_interval(self) -> int:
-        """prefix_snapshot_interval rounded up to a multiple of block_size."""
-        return -(-self.prefix_snapshot_interval // self.block_size) * self.block_size
+        """prefix_snapshot_interval (or max_num_batched_tokens) rounded up to a multiple of block_size."""
+        n = self.prefix_snapshot_interval or self.max_num_batched_tokens
+        return -(-n // self.block_size) * self.block_size
 
     @property
     def prefill_graph_sizes(self) -> tuple[int, ...]:

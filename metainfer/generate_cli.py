@@ -81,9 +81,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--prefix-snapshot-interval",
         type=int,
-        default=2048,
-        help="prefix caching: prompt chunks also stop every N tokens (a multiple of --block-size) and, for "
-        "a prompt of N tokens or more, at its last block boundary, to snapshot the DeltaNet states there",
+        default=None,
+        help="prefix caching: prompt chunks also stop every N tokens (rounded up to whole blocks) and, for "
+        "a prompt of N tokens or more, at its last block boundary, to snapshot the DeltaNet states there "
+        "(default: --max-num-batched-tokens)",
     )
     c.add_argument(
         "--num-snapshot-slots",

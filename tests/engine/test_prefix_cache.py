@@ -77,6 +77,7 @@ def test_snapshot_pool_lru_and_ownership():
 
 def test_config_validates_interval():
     assert EngineConfig(prefix_snapshot_interval=40).snapshot_interval == 48  # whole blocks
+    assert EngineConfig(max_num_batched_tokens=1000).snapshot_interval == 1008  # default: the step budget
     with pytest.raises(ValueError, match="prefix_snapshot_interval"):
         EngineConfig(prefix_snapshot_interval=0)
     with pytest.raises(ValueError, match="num_snapshot_slots"):
@@ -156,7 +157,7 @@ def test_hit_on_a_snapshot_older_than_the_match(cold):
     """Chunks of 40 tokens and no interval cuts: the first prompt's states are snapshot at 80 only
     (and past its prompt), its blocks cached to 96; a prompt sharing 100 tokens matches 6 blocks,
     restores the snapshot at 80 and recomputes 80.. (the cached blocks 5 and 6 are not shared)."""
-    llm = _llm(max_num_batched_tokens=40, prefix_snapshot_interval=2048)
+    llm = _llm(max_num_batched_tokens=40, prefix_snapshot_interval=4096)
     a = _ids(100, 5)
     b = a + _ids(20, 6)
     assert _run(llm, [a]) == _run(cold, [a])
