@@ -16,7 +16,8 @@ reference's argmax where its top-1 gap is clear, and the coverage the path exist
 - `path.preempt`: a wave sized from the engine's own cache so that KV blocks run out during decode
   and a request that already generated tokens is preempted and resumed (recompute): every
   request's tokens are judged, and the rows of the resumed requests from their resume on;
-- `path.spec` (speculative engines only): four sequences drafting and verifying at once.
+- `path.spec` (speculative engines only): four sequences drafting and verifying at once;
+- `path.prefix` (prefix caching on): a conversation served from cache hits (`prefix_paths`).
 """
 
 from __future__ import annotations
@@ -357,6 +358,10 @@ def path_checks(llm, reference, suite: Suite, gates: Gates) -> tuple[list[Check]
     paths = [("alone", _alone), ("mixed", _mixed), ("preempt", _preempt)]
     if llm.engine.ecfg.speculative:
         paths.append(("spec", _spec))
+    if llm.engine.cache.prefix_caching:
+        from metainfer.oracle.prefix_paths import prefix_path
+
+        paths.append(("prefix", prefix_path))
     checks: list[Check] = []
     figures: dict = {}
     for name, fn in paths:

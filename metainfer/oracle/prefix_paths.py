@@ -1,0 +1,120 @@
+"""`path.prefix`: requests served from prefix-cache hits judged against the reference directly.
+
+A conversation on fresh prompts (seeded from the suite's seed and the path's name), every request
+greedy, its rows and tokens judged as `paths._judge` does (the reference teacher-forced along the
+engine's own tokens, from the prompt's last position on):
+
+0. pressure: the oracle allocates every free block and frees them (every cached block is evicted,
+   whatever ran before);
+1. turn 1: prompt P (cold); its decode crosses a block boundary, so its states are snapshot there;
+2. turn 2, one batch: P + turn 1's tokens + a new message (a multi-turn hit), and a prompt that
+   shares turn 1's sequence up to the middle of the block after that snapshot (a prefix ending
+   mid-block: the hit stops at the snapshot, the partly shared block is recomputed);
+3. pressure: the oracle allocates free KV blocks (as a burst of other requests would) until
+   allocation has evicted the last cached block of turn 2's multi-turn sequence, then frees them;
+4. turn 3: that sequence + its tokens + a new message: its cached blocks now end one block short of
+   its newest snapshot, so the hit restores an older snapshot and recomputes the cached blocks
+   beyond it.
+
+Coverage: each turn-2 and turn-3 request started from a hit, and turn 3's hit is shorter than its
+cached blocks (a snapshot older than the match).
+"""
+
+from __future__ import annotations
+
+from metainfer.engine.prefix_cache import extend_hashes
+from metainfer.oracle.compare import Check, Gates
+from metainfer.oracle.engine_runs import greedy_batch
+from metainfer.oracle.paths import _gen, _ids, _judge, _Run, _window
+from metainfer.oracle.suites import Suite
+
+MESSAGE = 7  # tokens of each new message
+
+
+def _cached_blocks(cache, seq: list[int]) -> int:
+    """How many of seq's leading full blocks the cache indexes now (`CacheManager.match`'s walk)."""
+    hashes: list[int] = []
+    extend_hashes(hashes, len(seq) // cache.block_size, cache.block_size, seq.__getitem__)
+    n = 0
+    while n < len(hashes) and cache.blocks.lookup(hashes[n]) is not None:
+        n += 1
+    return n
+
+
+def _evict_tail(cache, seq: list[int]) -> int:
+    """Allocates free blocks until the last indexed block of seq is evicted, then frees them all.
+    -> blocks taken."""
+    bs = cache.block_size
+    n = _cached_blocks(cache, seq)
+    if n == 0:
+        return 0
+    hashes: list[int] = []
+    extend_hashes(hashes, n, bs, seq.__getitem__)
+    taken: list[int] = []
+    while cache.blocks.lookup(hashes[n - 1]) is not None and cache.blocks.num_free:
+        taken += cache.blocks.take(1)
+    cache.blocks.give(taken)
+    return len(taken)
+
+
+def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], dict]:
+    eng = llm.engine
+    cache = eng.cache
+    bs, vocab = cache.block_size, eng.model_config.vocab_size
+    gen_n = max(suite.gen_tokens, bs + 2)  # each decode crosses a block boundary: a snapshot
+    first = 2 * bs + 8
+    need = first + 3 * (gen_n + MESSAGE) + 1
+    if not cache.prefix_caching or need > eng.max_model_len:
+        why = "prefix caching is off" if not cache.prefix_caching else f"needs max_model_len >= {need}"
+        return [Check("path.prefix.coverage", None, ">= 4", False, why)], {"coverage": {}}
+    gen = _gen(suite, "prefix")
+    runs: list[tuple[_Run, list]] = []  # (run, each request's Request)
+
+    def drive(prompts: list[list[int]]) -> _Run:
+        run, reqs = _drive_requests(llm, prompts, gen_n)
+        runs.append((run, reqs))
+        return run
+
+    with _window(llm) as cov:
+        cache.blocks.give(cache.blocks.take(cache.blocks.num_free))  # (0.) a clean start
+        p1 = _ids(first, vocab, gen)
+        s1 = p1 + drive([p1]).tokens[0]
+        snap = (len(s1) - 1) // bs * bs  # turn 1's last decode snapshot
+        t2 = [s1 + _ids(MESSAGE, vocab, gen), s1[: snap + bs // 2] + _ids(MESSAGE, vocab, gen)]
+        s2 = t2[0] + drive(t2).tokens[0]
+        cached_before = _cached_blocks(cache, s2) * bs
+        evicted_for = _evict_tail(cache, s2)
+        matched = _cached_blocks(cache, s2) * bs
+        drive([s2 + _ids(MESSAGE, vocab, gen)])
+    merged = _Run([], [], [], [])
+    hits: list[int] = []
+    for run, reqs in runs:
+        merged.prompts += run.prompts
+        merged.tokens += run.tokens
+        merged.rows += run.rows
+        merged.preempted_at += run.preempted_at
+        merged.problems += run.problems
+        hits += [getattr(r, "num_cached_tokens", 0) for r in reqs]
+    older = 0 < hits[3] < matched
+    fig = {"prompt_lens": [len(p) for p in merged.prompts], "cached_tokens": hits,
+           "turn3_cached_tokens": [cached_before, matched], "blocks_taken_to_evict": evicted_for}  # fmt: skip
+    reached = (
+        float(sum(h > 0 for h in hits[1:]) + older) if hits[0] == 0 else 0.0,
+        4,
+        f"turn 2-3 requests served from a hit (cached tokens per request {hits}) + turn 3 on a snapshot "
+        f"older than its {matched} cached tokens (after an eviction from {cached_before})",
+    )
+    return _judge("prefix", reference, merged, g, cov, reached, fig)
+
+
+def _drive_requests(llm, prompts: list[list[int]], gen_n: int) -> tuple[_Run, list]:
+    """`paths._drive`, also returning each prompt's Request (its cached-token count)."""
+    preempted_at: list[dict[int, int]] = [{} for _ in prompts]
+    reqs: list = [None] * len(prompts)
+
+    def on_row(i, req, pos):
+        preempted_at[i][pos] = req.num_preemptions
+        reqs[i] = req
+
+    g = greedy_batch(llm, prompts, gen_n, on_row=on_row)
+    return _Run(g.prompts, g.tokens, g.rows, preempted_at, g.problems), reqs
