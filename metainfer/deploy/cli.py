@@ -36,8 +36,8 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
                    help="requests one replica takes at once (default: --max-num-seqs)")
     g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                   help="requests waiting for a replica, per ingress, before 429 (-1: no limit; default: "
-                   "--max-ongoing-requests)")
+                   help="requests not yet on a replica (waiting or being routed), per ingress, before 429 "
+                   "(-1: no limit; default: --max-ongoing-requests x the most replicas)")
     g.add_argument("--retry-after", type=float, default=1.0, metavar="S", help="a 429's Retry-After, seconds")
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs reserved per replica")
     g.add_argument("--ingress-replicas", type=int, default=1, metavar="N",

@@ -18,8 +18,8 @@ class DeploySpec:
     (starting at `replicas`, clamped) towards `target_ongoing_requests` per replica when
     `max_replicas` is set.
     Admission: a replica takes at most `max_ongoing_requests` requests at once; each ingress replica
-    queues at most `max_queued_requests` more (-1: no limit) and answers 429 with
-    `Retry-After: retry_after_s` past that.
+    holds at most `max_queued_requests` requests not yet on a replica (those being routed included,
+    so a burst needs room; -1: no limit) and answers 429 with `Retry-After: retry_after_s` past that.
     """
 
     engine: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +96,10 @@ def spec_from_args(args: argparse.Namespace, use_gpu: bool) -> DeploySpec:
         engine["device"] = "cpu"
     EngineConfig(**engine)  # a bad engine flag fails here, not in every replica
     ongoing = args.max_ongoing_requests or args.max_num_seqs
+    # requests being routed count as queued too: room for a burst as large as every replica's share
+    queued = args.max_queued_requests
+    if queued is None:
+        queued = (args.max_replicas or args.replicas) * ongoing
     return DeploySpec(
         engine=engine,
         served_model_names=tuple(args.served_model_name or [args.model or "default"]),
@@ -111,7 +115,7 @@ def spec_from_args(args: argparse.Namespace, use_gpu: bool) -> DeploySpec:
         routing=args.routing,
         prefix_chars=args.prefix_chars,
         max_ongoing_requests=ongoing,
-        max_queued_requests=ongoing if args.max_queued_requests is None else args.max_queued_requests,
+        max_queued_requests=queued,
         retry_after_s=args.retry_after,
         use_gpu=use_gpu,
         replica_cpus=args.replica_cpus,
