@@ -145,3 +145,41 @@ def all_prompts() -> list[str]:
                 for plural in ("", "s"):
                     out.append(f"{size} {colour} {shape}{plural}".strip())
     return out
+
+
+def place(
+    scene_image: np.ndarray, instances: list[Instance], rng: np.random.Generator, colour: str, shape: str,
+    size: str, cy: float, cx: float, r: float,
+) -> None:  # fmt: skip
+    """Draw one instance at (cy, cx) with radius r over the image; earlier instances lose what it covers."""
+    h, w = scene_image.shape[:2]
+    m = _shape_mask(shape, h, w, cy, cx, r, rng.uniform(0, 2 * np.pi))
+    scene_image[m] = np.clip(np.array(COLOURS[colour]) + rng.normal(0, 6, size=(int(m.sum()), 3)), 0, 255)
+    for inst in instances:
+        inst.mask &= ~m
+    instances.append(Instance(colour, shape, size, m))
+
+
+def demo_scene(h: int = 240, w: int = 320) -> Scene:
+    """A fixed scene: two red circles, a blue square, a small green triangle, a yellow circle."""
+    rng = np.random.default_rng(2024)
+    img = np.clip(_background(rng, h, w), 0, 255).astype(np.uint8)
+    inst: list[Instance] = []
+    side = min(h, w)
+    for colour, shape, size, fy, fx, fr in [
+        ("red", "circle", "large", 0.30, 0.22, 0.20),
+        ("blue", "square", "large", 0.68, 0.50, 0.19),
+        ("red", "circle", "small", 0.75, 0.85, 0.11),
+        ("green", "triangle", "small", 0.25, 0.62, 0.12),
+        ("yellow", "circle", "small", 0.30, 0.86, 0.10),
+    ]:
+        place(img, inst, rng, colour, shape, size, fy * h, fx * w, fr * side)
+    return Scene(img, inst)
+
+
+if __name__ == "__main__":  # python -m metainfer.sam.scenes demo.png: writes the demo scene
+    import sys
+
+    from PIL import Image
+
+    Image.fromarray(demo_scene().image).save(sys.argv[1] if len(sys.argv) > 1 else "demo.png")
