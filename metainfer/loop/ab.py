@@ -60,13 +60,23 @@ def decide(results: list[MetricAB], primary: str) -> Decision:
     p = by[primary]
     regressed = [r for r in results if r.name != primary and r.change < -r.tolerance]
     if regressed:
-        worst = ", ".join(f"{r.name} {100 * r.change:+.1f}% (tolerance {100 * r.tolerance:.1f}%)" for r in regressed)
+        worst = ", ".join(
+            f"{r.name} {100 * r.change:+.1f}% (tolerance {100 * r.tolerance:.1f}%)" for r in regressed
+        )
         return Decision(False, "regression", f"another goal metric regressed beyond its tolerance: {worst}")
     if p.change <= p.band:
-        return Decision(False, "noise", f"{primary} {100 * p.change:+.1f}% is within the noise band "
-                                        f"{100 * p.band:.1f}% ({p.base_median:.4g} -> {p.candidate_median:.4g})")
-    return Decision(True, "accepted", f"{primary} {100 * p.change:+.1f}% beyond the noise band "
-                                      f"{100 * p.band:.1f}% ({p.base_median:.4g} -> {p.candidate_median:.4g})")
+        return Decision(
+            False,
+            "noise",
+            f"{primary} {100 * p.change:+.1f}% is within the noise band "
+            f"{100 * p.band:.1f}% ({p.base_median:.4g} -> {p.candidate_median:.4g})",
+        )
+    return Decision(
+        True,
+        "accepted",
+        f"{primary} {100 * p.change:+.1f}% beyond the noise band "
+        f"{100 * p.band:.1f}% ({p.base_median:.4g} -> {p.candidate_median:.4g})",
+    )
 
 
 def round_order(rnd: int) -> tuple[str, str]:

@@ -61,36 +61,41 @@ def write(path: Path, repo: Path, cfg: LoopConfig, state: dict[str, Any], wt: Pa
         "",
         f"You work in the git worktree `{wt}` (detached at the ratchet's head {state_head(state)}).",
         "Make one change that makes the engine faster at the goal below without changing what it computes;",
-        "commit it with a message saying what and why (the loop commits uncommitted changes itself), then exit 0.",
+        "commit it with a message saying what and why (the loop commits uncommitted changes itself),",
+        "then exit 0.",
         "Exit non-zero to give up this iteration.",
         "",
         "## Goal",
-        f"Improve **{cfg.primary}** beyond the A/B noise band (at least {100 * cfg.min_gain:.1f}%), with no other "
-        "metric worse than its tolerance:",
+        f"Improve **{cfg.primary}** beyond the A/B noise band (at least {100 * cfg.min_gain:.1f}%), "
+        "with no other metric worse than its tolerance:",
         "",
         "| metric | better | target | tolerance | current |",
         "|---|---|---|---|---|",
     ]
     for m in cfg.metrics:
         cur = f"{figures[m.name]:.4g}" if m.name in figures else "not measured yet"
-        lines.append(f"| {m.name} | {m.better} | {'-' if m.target is None else f'{m.target:g}'} "
-                     f"| {100 * m.tolerance:.1f}% | {cur} |")
+        lines.append(
+            f"| {m.name} | {m.better} | {'-' if m.target is None else f'{m.target:g}'} "
+            f"| {100 * m.tolerance:.1f}% | {cur} |"
+        )
     lines += ["", "Roofline share of the current figures:"]
     lines += _roofline(state.get("roofline") or {}) or ["- not known yet (none measured, or a CPU run)"]
     lines += [
         "",
         "## Boundary (fixed)",
-        f"target {b.target}; model {b.model or 'the embedded default model'}; dtype {b.dtype}; device {b.device}; "
-        f"GPU {b.gpu}; traffic {b.traffic}",
+        f"target {b.target}; model {b.model or 'the embedded default model'}; dtype {b.dtype}; "
+        f"device {b.device}; GPU {b.gpu}; traffic {b.traffic}",
         "",
         "## How you are judged",
         "1. The diff may not touch these paths (rejected as tampering before anything runs): "
-        + ", ".join(f"`{p}`" for p in cfg.protected) + "; nor may added lines import the judge's modules,",
+        + ", ".join(f"`{p}`" for p in cfg.protected)
+        + "; nor may added lines import the judge's modules,",
         "   transformers, or patch the interpreter (metainfer/loop/tamper.py).",
         "2. The CPU tests: " + (f"`{' '.join(cfg.tests.command)}`" if cfg.tests else "none") + ".",
         f"3. The oracle on your engine: `{' '.join(cfg.oracle.command)}`: a fail rejects whatever the speed.",
         f"4. An A/B against the head, {cfg.rounds} rounds of fresh processes, sides alternating: "
-        + "; ".join(f"`{' '.join(w.command)}`" for w in cfg.workloads) + ".",
+        + "; ".join(f"`{' '.join(w.command)}`" for w in cfg.workloads)
+        + ".",
         "",
         "## Latest profile",
         *_profile(cfg, wt, path.parent),
@@ -101,7 +106,9 @@ def write(path: Path, repo: Path, cfg: LoopConfig, state: dict[str, Any], wt: Pa
         "## Last verdicts",
     ]
     its = state.get("iterations", [])[-LAST_VERDICTS:]
-    lines += [f"- iteration {it['n']}: {it['status']} ({it['category']}): {it['reason']}" for it in its] or ["- none yet"]
+    lines += [f"- iteration {it['n']}: {it['status']} ({it['category']}): {it['reason']}" for it in its] or [
+        "- none yet"
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -13,43 +13,68 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("loop", help="the closed loop: an immutable judge, a git ratchet and any coding agent",
-                       description="Point a coding agent at the engine: each change is judged by the base "
-                       "revision's oracle and bench, and kept only if it passes and is faster (docs/loop.md).")
+    p = sub.add_parser(
+        "loop",
+        help="the closed loop: an immutable judge, a git ratchet and any coding agent",
+        description="Point a coding agent at the engine: each change is judged by the base "
+        "revision's oracle and bench, and kept only if it passes and is faster (docs/loop.md).",
+    )
     loop = p.add_subparsers(dest="loop_command", metavar="ACTION")
 
     init = loop.add_parser("init", help="write loop.toml: boundary, goal metrics, judge commands, budgets")
     init.add_argument("--target", default="qwen", choices=["qwen", "sam"], help="what the engine serves")
     init.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the judge measures")
-    init.add_argument("--model", default=None,
-                      help="model dir or dummy:CONFIG (default: the embedded model on cpu, the full config's "
-                      "dummy weights on cuda)")
+    init.add_argument(
+        "--model",
+        default=None,
+        help="model dir or dummy:CONFIG (default: the embedded model on cpu, the full config's "
+        "dummy weights on cuda)",
+    )
     init.add_argument("--dtype", default=None, help="precision (default: float32 on cpu, fp8 on cuda)")
-    init.add_argument("--gpu", default=None, help="GPU name the figures hold for (default: cpu, or H200 on cuda)")
-    init.add_argument("--agent", default="", help="the agent's command (default: none; loop run --agent gives it)")
+    init.add_argument(
+        "--gpu", default=None, help="GPU name the figures hold for (default: cpu, or H200 on cuda)"
+    )
+    init.add_argument(
+        "--agent", default="", help="the agent's command (default: none; loop run --agent gives it)"
+    )
     init.add_argument("--out", type=Path, default=Path("loop.toml"), help="where to write it")
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     init.set_defaults(func=_init)
 
-    judge = loop.add_parser("judge", help="judge one candidate commit against its base (exit 0 accepted, 1 rejected)")
+    judge = loop.add_parser(
+        "judge", help="judge one candidate commit against its base (exit 0 accepted, 1 rejected)"
+    )
     judge.add_argument("--base", required=True, help="the base revision: its oracle, bench and tests judge")
     judge.add_argument("--candidate", required=True, help="the candidate revision")
     _common(judge)
-    judge.add_argument("--work", type=Path, default=None,
-                       help="folder of the judge's logs and JSONs (default: RUN_DIR/judge/BASE-CANDIDATE)")
+    judge.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="folder of the judge's logs and JSONs (default: RUN_DIR/judge/BASE-CANDIDATE)",
+    )
     judge.add_argument("--json", type=Path, default=None, help="write the verdict here (default: none)")
     judge.add_argument("--no-record", action="store_true", help="write no KB record")
     judge.add_argument("--no-ratchet", action="store_true", help="leave the ratchet branch alone")
     judge.set_defaults(func=_judge)
 
-    run = loop.add_parser("run", help="agent, judge, ratchet until a budget ends or the goal is met (resumable)")
-    run.add_argument("--agent", default=None,
-                     help="shell command run in the worktree with the brief's path as its last argument "
-                     "(or in place of {brief}); default: loop.toml's agent.command")
+    run = loop.add_parser(
+        "run", help="agent, judge, ratchet until a budget ends or the goal is met (resumable)"
+    )
+    run.add_argument(
+        "--agent",
+        default=None,
+        help="shell command run in the worktree with the brief's path as its last argument "
+        "(or in place of {brief}); default: loop.toml's agent.command",
+    )
     _common(run)
-    run.add_argument("--run-dir", type=Path, default=None,
-                     help="the run's folder: state, briefs, verdicts, report; an existing one is resumed "
-                     "(default: RUN_DIR/run)")
+    run.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="the run's folder: state, briefs, verdicts, report; an existing one is resumed "
+        "(default: RUN_DIR/run)",
+    )
     run.add_argument("--base", default=None, help="where the ratchet starts (default: its head, else HEAD)")
     run.add_argument("--iterations", type=int, default=None, help="iteration budget (default: loop.toml's)")
     run.set_defaults(func=_run)
@@ -60,8 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, default=None,
-                   help="loop.toml (default: the repository's, else the embedded model's CPU defaults)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="loop.toml (default: the repository's, else the embedded model's CPU defaults)",
+    )
     p.add_argument("--repo", type=Path, default=Path("."), help="the git repository")
 
 
@@ -69,7 +98,9 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", required=True, help="the kernel to sweep: fp8_skinny")
     p.add_argument("--tokens", default="1", help="token counts T of the shapes, comma-separated")
     p.add_argument("--linears", default="", help="fp8_skinny: which projections (default: all)")
-    p.add_argument("--base", default=None, help="commit the table on this (default: the ratchet's head, else HEAD)")
+    p.add_argument(
+        "--base", default=None, help="commit the table on this (default: the ratchet's head, else HEAD)"
+    )
     p.add_argument("--min-gain", type=float, default=0.02, help="a config must beat the default by this much")
     p.add_argument("--no-judge", action="store_true", help="commit the table but do not judge it")
     _common(p)
@@ -84,7 +115,8 @@ def _error(msg: str) -> int:
 def _setup(args: argparse.Namespace):
     """(repo, config) or raises ValueError with the message for an `error:` line."""
     from metainfer.loop import gitops
-    from metainfer.loop.config import defaults, load, parse
+    from metainfer.loop.config import load, parse
+    from metainfer.loop.template import defaults
 
     try:
         repo = gitops.toplevel(args.repo.resolve())
@@ -97,7 +129,8 @@ def _setup(args: argparse.Namespace):
 
 
 def _init(args: argparse.Namespace) -> int:
-    from metainfer.loop.config import ConfigError, defaults, parse, render
+    from metainfer.loop.config import ConfigError, parse
+    from metainfer.loop.template import defaults, render
 
     if args.out.exists() and not args.force:
         return _error(f"{args.out} exists (--force overwrites it)")
@@ -112,8 +145,10 @@ def _init(args: argparse.Namespace) -> int:
         return _error(str(e))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print(f"wrote {args.out}: target {args.target} on {args.device}; edit it, commit it, then "
-          "`metainfer loop run --agent CMD`")
+    print(
+        f"wrote {args.out}: target {args.target} on {args.device}; edit it, commit it, then "
+        "`metainfer loop run --agent CMD`"
+    )
     return 0
 
 
@@ -152,8 +187,10 @@ def _print_verdict(v) -> None:
         print("| metric | base | candidate | change | band | tolerance |")
         print("|---|---|---|---|---|---|")
         for name, f in v.figures.items():
-            print(f"| {name} | {f['base_median']:.4g} | {f['candidate_median']:.4g} | {100 * f['change']:+.1f}% "
-                  f"| {100 * f['band']:.1f}% | {100 * f['tolerance']:.1f}% |")
+            print(
+                f"| {name} | {f['base_median']:.4g} | {f['candidate_median']:.4g} "
+                f"| {100 * f['change']:+.1f}% | {100 * f['band']:.1f}% | {100 * f['tolerance']:.1f}% |"
+            )
     print(f"oracle: {v.oracle.get('summary') or 'not run'}")
     for f in v.findings:
         print(f"tamper: {f}")
@@ -224,14 +261,24 @@ def _tune(args: argparse.Namespace) -> int:
         return _error(f"metainfer loop tune sweeps CUDA kernels ({args.kernel}): this machine has no GPU")
     gpu = torch.cuda.get_device_name()
     try:
-        kernel = load_kernel(args.kernel, tokens=tokens,
-                             linears=tuple(x for x in args.linears.split(",") if x))
+        kernel = load_kernel(
+            args.kernel, tokens=tokens, linears=tuple(x for x in args.linears.split(",") if x)
+        )
     except ValueError as e:
         return _error(str(e))
     root = _run_root(repo, cfg) / "tune" / args.kernel
     try:
-        r = tune(repo, cfg, kernel, gpu, root, args.base, not args.no_judge, args.min_gain,
-                 lambda m: print(m, file=sys.stderr, flush=True))
+        r = tune(
+            repo,
+            cfg,
+            kernel,
+            gpu,
+            root,
+            args.base,
+            not args.no_judge,
+            args.min_gain,
+            lambda m: print(m, file=sys.stderr, flush=True),
+        )
     except JudgeError as e:
         print(f"error: the judge could not judge: {e}", file=sys.stderr)
         return 1

@@ -1,13 +1,12 @@
 """`loop.toml`: the boundary, the goal metrics, the judge's commands and the budgets of `metainfer loop`.
 
-Read with `tomllib` into frozen dataclasses (`load`); written as text by `render` (`metainfer loop init`).
+Read with `tomllib` into frozen dataclasses (`load`); written as text by `template.render` (`loop init`).
 Commands are argument lists whose items may hold the placeholders {python} (this interpreter), {out}
 (the JSON file the command writes), {model}, {dtype} and {device} (the boundary's).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -16,9 +15,19 @@ from typing import Any
 
 TARGETS = ("qwen", "sam")
 DEFAULT_PROTECTED = (
-    "metainfer/oracle/**", "metainfer/bench/**", "metainfer/loop/**", "metainfer/kb/**", "metainfer/cli.py",
-    "benchmarks/ab_inproc.py", "tests/**", "loop.toml", "pyproject.toml", "conftest.py", "pytest.ini",
-    "setup.cfg", "tox.ini",
+    "metainfer/oracle/**",
+    "metainfer/bench/**",
+    "metainfer/loop/**",
+    "metainfer/kb/**",
+    "metainfer/cli.py",
+    "benchmarks/ab_inproc.py",
+    "tests/**",
+    "loop.toml",
+    "pyproject.toml",
+    "conftest.py",
+    "pytest.ini",
+    "setup.cfg",
+    "tox.ini",
 )
 
 
@@ -98,7 +107,9 @@ class LoopConfig:
         if len(set(names)) != len(names):
             raise ConfigError("goal.metrics: duplicate names")
         if self.primary not in names:
-            raise ConfigError(f"goal.primary {self.primary!r} is not one of goal.metrics ({', '.join(names)})")
+            raise ConfigError(
+                f"goal.primary {self.primary!r} is not one of goal.metrics ({', '.join(names)})"
+            )
         loads = {w.name for w in self.workloads}
         if len(loads) != len(self.workloads):
             raise ConfigError("bench.workloads: duplicate names")
@@ -127,7 +138,13 @@ class LoopConfig:
     def fill(self, command: tuple[str, ...], out: str = "") -> list[str]:
         """The command with its placeholders replaced."""
         b = self.boundary
-        values = {"python": sys.executable, "out": out, "model": b.model, "dtype": b.dtype, "device": b.device}
+        values = {
+            "python": sys.executable,
+            "out": out,
+            "model": b.model,
+            "dtype": b.dtype,
+            "device": b.device,
+        }
         return [a.format(**values) for a in command]
 
 
@@ -166,7 +183,11 @@ def _known(d: dict, keys: set[str], where: str) -> None:
 
 def parse(data: dict, source: str = "") -> LoopConfig:
     """A `LoopConfig` from loop.toml's parsed tables; raises ConfigError naming the bad field."""
-    _known(data, {"boundary", "goal", "oracle", "tests", "bench", "judge", "agent", "budget", "paths"}, "loop.toml")
+    _known(
+        data,
+        {"boundary", "goal", "oracle", "tests", "bench", "judge", "agent", "budget", "paths"},
+        "loop.toml",
+    )
     bd = _table(data, "boundary")
     _known(bd, {"target", "model", "dtype", "device", "gpu", "traffic"}, "boundary")
     boundary = Boundary(**{k: _str(bd, k, getattr(Boundary(), k), "boundary") for k in bd})
@@ -182,9 +203,16 @@ def parse(data: dict, source: str = "") -> LoopConfig:
             if not isinstance(m.get(k), str) or not m[k]:
                 raise ConfigError(f"{where}.{k} must be a non-empty string")
         target = m.get("target")
-        metrics.append(Metric(
-            m["name"], m["workload"], m["key"], _str(m, "better", "higher", where),
-            None if target is None else _num(m, "target", 0.0, where), _num(m, "tolerance", 0.05, where)))
+        metrics.append(
+            Metric(
+                m["name"],
+                m["workload"],
+                m["key"],
+                _str(m, "better", "higher", where),
+                None if target is None else _num(m, "target", 0.0, where),
+                _num(m, "tolerance", 0.05, where),
+            )
+        )
     oracle = _table(data, "oracle")
     _known(oracle, {"command", "timeout_minutes"}, "oracle")
     tests = _table(data, "tests")
@@ -197,8 +225,13 @@ def parse(data: dict, source: str = "") -> LoopConfig:
         if not isinstance(w, dict):
             raise ConfigError(f"{where} must be a table")
         _known(w, {"name", "command", "timeout_minutes"}, where)
-        workloads.append(Workload(_str(w, "name", "", where), _cmd(w.get("command"), f"{where}.command"),
-                                  _num(w, "timeout_minutes", 10.0, where)))
+        workloads.append(
+            Workload(
+                _str(w, "name", "", where),
+                _cmd(w.get("command"), f"{where}.command"),
+                _num(w, "timeout_minutes", 10.0, where),
+            )
+        )
     judge = _table(data, "judge")
     _known(judge, {"protected", "forbidden"}, "judge")
     agent = _table(data, "agent")
@@ -217,9 +250,14 @@ def parse(data: dict, source: str = "") -> LoopConfig:
         primary=_str(goal, "primary", metrics[0].name if metrics else "", "goal"),
         min_gain=_num(goal, "min_gain", 0.03, "goal"),
         metrics=tuple(metrics),
-        oracle=Step(_cmd(oracle.get("command"), "oracle.command"), _num(oracle, "timeout_minutes", 30, "oracle")),
-        tests=(Step(_cmd(tests["command"], "tests.command"), _num(tests, "timeout_minutes", 10, "tests"))
-               if tests.get("command") else None),
+        oracle=Step(
+            _cmd(oracle.get("command"), "oracle.command"), _num(oracle, "timeout_minutes", 30, "oracle")
+        ),
+        tests=(
+            Step(_cmd(tests["command"], "tests.command"), _num(tests, "timeout_minutes", 10, "tests"))
+            if tests.get("command")
+            else None
+        ),
         workloads=tuple(workloads),
         rounds=int(rounds),
         protected=tuple(dict.fromkeys(DEFAULT_PROTECTED + extra_protected)),
@@ -246,110 +284,3 @@ def load(path: Path) -> LoopConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
     return parse(data, str(path))
-
-
-# ---- writing (metainfer loop init) ------------------------------------------------------------------------
-def _q(v: Any) -> str:
-    """A TOML value: JSON's strings, numbers, booleans and arrays are TOML's too."""
-    return json.dumps(v)
-
-
-def defaults(target: str, device: str, model: str | None, dtype: str | None, gpu: str | None) -> dict:
-    """loop.toml's tables for a target and device: the embedded default model on a CPU, the full
-    config's dummy weights in FP8 on a GPU."""
-    if target not in TARGETS:
-        raise ConfigError(f"target must be one of {', '.join(TARGETS)}")
-    cuda = device.startswith("cuda")
-    py = "{python}"
-    if target == "qwen":
-        model = model if model is not None else ("dummy:metainfer/configs/qwen3.6-35b-a3b.json" if cuda else "")
-        dtype = dtype or ("fp8" if cuda else "float32")
-        engine = ["--model", "{model}", "--dtype", "{dtype}", "--device", "{device}"]
-        oracle = [py, "-m", "metainfer.cli", "verify", "--suite", "full" if cuda else "quick", *engine,
-                  "--json", "{out}"]
-        offline = [py, "-m", "metainfer.cli", "bench", "offline", *engine]
-        if cuda:
-            workloads = [
-                {"name": "c1", "command": [*offline, "--input-len", "1024", "--output-len", "256",
-                                           "--batch-size", "1", "--json", "{out}"]},
-                {"name": "c32", "command": [*offline, "--input-len", "1024", "--output-len", "256",
-                                            "--batch-size", "32", "--json", "{out}"]},
-            ]
-            metrics = [
-                {"name": "decode_c1_tok_s", "workload": "c1", "key": "metrics.decode_tok_s", "better": "higher",
-                 "target": 1000.0, "tolerance": 0.02},
-                {"name": "ttft_1k_ms", "workload": "c1", "key": "metrics.mean_ttft_ms", "better": "lower",
-                 "target": 15.0, "tolerance": 0.05},
-                {"name": "c32_out_tok_s", "workload": "c32", "key": "metrics.output_throughput",
-                 "better": "higher", "target": 4500.0, "tolerance": 0.03},
-            ]
-        else:
-            workloads = [{"name": "offline", "command": [*offline, "--input-len", "16", "--output-len", "32",
-                                                         "--num-iters", "3", "--json", "{out}"]}]
-            metrics = [
-                {"name": "decode_tok_s", "workload": "offline", "key": "metrics.decode_tok_s",
-                 "better": "higher", "tolerance": 0.10},
-                {"name": "ttft_ms", "workload": "offline", "key": "metrics.mean_ttft_ms", "better": "lower",
-                 "tolerance": 0.50},
-            ]
-        tests = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_default_model.py"]
-    else:
-        model = model or ""
-        dtype = dtype or ("bfloat16" if cuda else "float32")
-        engine = ["--model", "{model}", "--dtype", "{dtype}", "--device", "{device}"]
-        oracle = [py, "-m", "metainfer.cli", "sam", "verify", *engine, "--json", "{out}"]
-        workloads = [{"name": "images", "command": [py, "-m", "metainfer.cli", "sam", "bench", *engine,
-                                                    "--json", "{out}"]}]
-        metrics = [{"name": "sam_img_s", "workload": "images", "key": "metrics.images_per_s", "better": "higher",
-                    "target": 100.0 if cuda else None, "tolerance": 0.03}]
-        tests = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/sam"]
-    return {
-        "boundary": {"target": target, "model": model, "dtype": dtype, "device": "cuda" if cuda else "cpu",
-                     "gpu": gpu or ("H200" if cuda else "cpu"), "traffic": "decode"},
-        "goal": {"primary": metrics[0]["name"], "min_gain": 0.01 if cuda else 0.05, "metrics": metrics},
-        "oracle": {"command": oracle, "timeout_minutes": 60 if cuda else 10},
-        "tests": {"command": tests, "timeout_minutes": 15},
-        "bench": {"rounds": 3, "workloads": workloads},
-        "judge": {"protected": [], "forbidden": []},
-        "agent": {"command": "", "timeout_minutes": 60, "profile_command": []},
-        "budget": {"iterations": 20, "wall_minutes": 1440, "device_minutes": 480},
-        "paths": {"kb_dir": "", "run_dir": ".loop", "ratchet": "loop/ratchet"},
-    }
-
-
-COMMENTS = {
-    "boundary": "what is fixed: the target, the model ('' = the embedded default model; dummy:CONFIG; an HF "
-                "dir), the precision, the device, and the GPU the figures hold for",
-    "goal": "the primary metric must improve beyond the A/B noise band (and at least min_gain, relative); "
-            "no other metric may worsen by more than its tolerance; a run stops once every target is met",
-    "oracle": "run on the candidate's engine with the base revision's oracle; must exit 0 and write "
-              "{\"passed\": true} to {out}",
-    "tests": "the candidate's CPU tests (short); placeholders: {python} {out} {model} {dtype} {device}",
-    "bench": "each workload runs in a fresh process per side and round, base and candidate alternating; "
-             "a metric's key is a dotted path into its workload's JSON",
-    "judge": "paths a candidate may not touch, beyond metainfer loop's own list (oracle, bench, loop, kb, "
-             "tests, loop.toml ...); regexes its added lines may not match",
-    "agent": "CMD runs in a fresh worktree at the ratchet's head with the brief's path as its last argument "
-             "(or in place of {brief}) and in $LOOP_BRIEF",
-    "budget": "a run stops at the first budget spent (device minutes: the judge's commands' time)",
-    "paths": "kb_dir '' = the repository's metainfer/kb/records; run_dir holds worktrees, briefs, verdicts",
-}
-
-
-def render(tables: dict) -> str:
-    """loop.toml's text for `tables` (the shape `defaults` returns), commented."""
-    lines = ["# metainfer loop: the boundary, the goal, the judge and the budgets (docs/loop.md)", ""]
-    for name, body in tables.items():
-        lines.append(f"# {COMMENTS[name]}")
-        lines.append(f"[{name}]")
-        arrays = {k: v for k, v in body.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
-        for k, v in body.items():
-            if k not in arrays and v is not None:
-                lines.append(f"{k} = {_q(v)}")
-        lines.append("")
-        for k, items in arrays.items():
-            for item in items:
-                lines.append(f"[[{name}.{k}]]")
-                lines += [f"{ik} = {_q(iv)}" for ik, iv in item.items() if iv is not None]
-                lines.append("")
-    return "\n".join(lines)

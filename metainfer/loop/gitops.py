@@ -56,8 +56,11 @@ def diff_text(repo: Path, base: str, cand: str, *paths: str) -> str:
 
 def diff_sha256(repo: Path, base: str, cand: str) -> str:
     """sha256 of the binary diff base..cand: the same change hashes the same whatever its commits."""
-    r = subprocess.run(["git", "-C", str(repo), "diff", "--binary", "--no-renames", base, cand],
-                       capture_output=True, check=True)
+    r = subprocess.run(
+        ["git", "-C", str(repo), "diff", "--binary", "--no-renames", base, cand],
+        capture_output=True,
+        check=True,
+    )
     return hashlib.sha256(r.stdout).hexdigest()
 
 
@@ -99,8 +102,18 @@ def commit_all(worktree: Path, msg: str) -> bool:
     git(worktree, "add", "-A")
     if not git(worktree, "status", "--porcelain"):
         return False
-    git(worktree, "-c", "user.name=metainfer loop", "-c", "user.email=loop@metainfer.invalid",
-        "commit", "-q", "--no-verify", "-m", msg)
+    git(
+        worktree,
+        "-c",
+        "user.name=metainfer loop",
+        "-c",
+        "user.email=loop@metainfer.invalid",
+        "commit",
+        "-q",
+        "--no-verify",
+        "-m",
+        msg,
+    )
     return True
 
 

@@ -49,6 +49,7 @@ class Verdict:
     findings: list[str] = field(default_factory=list)
     commands: dict[str, str] = field(default_factory=dict)  # step -> the command line it ran
     roofline: dict[str, Any] = field(default_factory=dict)  # workload -> the candidate's roofline figures
+    steps: dict[str, dict] = field(default_factory=dict)  # command name -> {"rc", "seconds"}
     device_s: float = 0.0  # time spent in the judge's commands
     seconds: float = 0.0
     record: str | None = None  # the KB record's path, once written
@@ -85,7 +86,9 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeo
         f.write(("$ " + " ".join(cmd) + "\n").encode())
         f.flush()
         try:
-            p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            p = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         except OSError as e:
             f.write(f"error: cannot start: {e}\n".encode())
             return Ran(127, time.perf_counter() - t0, log)
@@ -132,9 +135,10 @@ class Judge:
         # PYTHONPATH: this side's tree and nothing else of ours; GIT_COMMIT: what result files record
         return {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "GIT_COMMIT": sha}
 
-    def _run(self, name: str, cmd: list[str], tree: Path, sha: str, timeout_min: float) -> Ran:
+    def _run(self, name: str, cmd: list[str], tree: Path, sha: str, timeout_min: float, v: Verdict) -> Ran:
         r = run_command(cmd, tree, self._env(tree, sha), self.work / "logs" / f"{name}.log", 60 * timeout_min)
         self.device_s += r.seconds
+        v.steps[name] = {"rc": r.rc, "seconds": round(r.seconds, 2)}
         return r
 
     def _trees(self, base: str, cand: str, patterns: tuple[str, ...]) -> tuple[Path, Path]:
@@ -160,12 +164,23 @@ class Judge:
         try:
             base, cand = gitops.rev(repo, base_rev), gitops.rev(repo, cand_rev)
         except gitops.GitError:
-            raise JudgeError(f"not a commit: {base_rev if not gitops.exists(repo, base_rev) else cand_rev}") from None
+            raise JudgeError(
+                f"not a commit: {base_rev if not gitops.exists(repo, base_rev) else cand_rev}"
+            ) from None
         gpu = machine_gpu(cfg)
         self.work.mkdir(parents=True, exist_ok=True)
         files = gitops.changed_files(repo, base, cand)
-        v = Verdict(False, "", "", base, cand, gitops.subject(repo, cand), gitops.diff_sha256(repo, base, cand),
-                    files, gpu)
+        v = Verdict(
+            False,
+            "",
+            "",
+            base,
+            cand,
+            gitops.subject(repo, cand),
+            gitops.diff_sha256(repo, base, cand),
+            files,
+            gpu,
+        )
         self.log(f"judge: {base[:10]} -> {cand[:10]} ({len(files)} files) {v.subject!r}")
 
         def done(accepted: bool, category: str, reason: str) -> Verdict:
@@ -185,14 +200,18 @@ class Judge:
         findings += tamper.check_added_lines(gitops.diff_text(repo, base, cand), cfg.forbidden)
         if findings:
             v.findings = [str(f) for f in findings]
-            return done(False, "tamper", f"tampering: {v.findings[0]}"
-                        + (f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""))
+            return done(
+                False,
+                "tamper",
+                f"tampering: {v.findings[0]}"
+                + (f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""),
+            )
         btree, ctree = self._trees(base, cand, patterns)
 
         if cfg.tests:
             cmd = cfg.fill(cfg.tests.command)
             v.commands["tests"] = " ".join(cmd)
-            r = self._run("tests", cmd, ctree, cand, cfg.tests.timeout_minutes)
+            r = self._run("tests", cmd, ctree, cand, cfg.tests.timeout_minutes, v)
             v.tests = {"passed": r.rc == 0, "log": str(r.log)}
             if r.rc != 0:
                 return done(False, "tests", f"the CPU tests failed (exit {r.rc}): {tail(r.log, 3)}")
@@ -201,7 +220,7 @@ class Judge:
         out.unlink(missing_ok=True)
         cmd = cfg.fill(cfg.oracle.command, str(out))
         v.commands["oracle"] = " ".join(cmd)
-        r = self._run("oracle", cmd, ctree, cand, cfg.oracle.timeout_minutes)
+        r = self._run("oracle", cmd, ctree, cand, cfg.oracle.timeout_minutes, v)
         passed, summary = _oracle_result(out, r)
         v.oracle = {"passed": passed, "verdict": str(out) if out.exists() else None, "summary": summary}
         if not passed:
@@ -211,13 +230,17 @@ class Judge:
             figures = self._ab(btree, ctree, base, cand, v)
         except _CandidateBenchFailed as e:
             return done(False, "bench", str(e))
-        results = [ab.compare(m, figures["base"][m.name], figures["candidate"][m.name], cfg.min_gain)
-                   for m in cfg.metrics]
+        results = [
+            ab.compare(m, figures["base"][m.name], figures["candidate"][m.name], cfg.min_gain)
+            for m in cfg.metrics
+        ]
         v.figures = {r.name: r.to_dict() for r in results}
         d = ab.decide(results, cfg.primary)
         return done(d.accepted, d.category, d.reason)
 
-    def _ab(self, btree: Path, ctree: Path, base: str, cand: str, v: Verdict) -> dict[str, dict[str, list[float]]]:
+    def _ab(
+        self, btree: Path, ctree: Path, base: str, cand: str, v: Verdict
+    ) -> dict[str, dict[str, list[float]]]:
         cfg = self.cfg
         figures: dict[str, dict[str, list[float]]] = {"base": {}, "candidate": {}}
         sides = {"base": (btree, base), "candidate": (ctree, cand)}
@@ -230,7 +253,7 @@ class Judge:
                     out.unlink(missing_ok=True)
                     cmd = cfg.fill(w.command, str(out))
                     v.commands.setdefault(f"bench.{w.name}", " ".join(cfg.fill(w.command, "OUT.json")))
-                    r = self._run(f"{w.name}.{side}.r{rnd}", cmd, tree, sha, w.timeout_minutes)
+                    r = self._run(f"{w.name}.{side}.r{rnd}", cmd, tree, sha, w.timeout_minutes, v)
                     try:
                         if r.rc != 0:
                             raise ValueError(f"exit {r.rc}: {tail(r.log, 3)}")
@@ -245,8 +268,10 @@ class Judge:
                         raise _CandidateBenchFailed(msg) from None
                     if side == "candidate" and isinstance(doc.get("roofline"), dict):
                         v.roofline[w.name] = doc["roofline"]
-                self.log(f"judge: round {rnd} {side}: " + ", ".join(
-                    f"{k} {vals[-1]:.4g}" for k, vals in figures[side].items()))
+                self.log(
+                    f"judge: round {rnd} {side}: "
+                    + ", ".join(f"{k} {vals[-1]:.4g}" for k, vals in figures[side].items())
+                )
         return figures
 
 
@@ -259,7 +284,9 @@ def _oracle_result(out: Path, r: Ran) -> tuple[bool, str]:
     try:
         doc = json.loads(out.read_text())
     except (OSError, ValueError):
-        return False, f"exit {r.rc}, no JSON verdict" + (" (timed out)" if r.timed_out else "") + f": {tail(r.log, 3)}"
+        return False, f"exit {r.rc}, no JSON verdict" + (
+            " (timed out)" if r.timed_out else ""
+        ) + f": {tail(r.log, 3)}"
     checks = doc.get("checks") if isinstance(doc.get("checks"), list) else []
     failed = doc.get("failed") if isinstance(doc.get("failed"), list) else []
     n = f"{len(checks) - len(failed)}/{len(checks)} checks passed" if checks else ""

@@ -52,15 +52,19 @@ def build(v: Verdict, cfg: LoopConfig, rid: str) -> Record:
         status="kept" if v.accepted else "reverted",
         change=change,
         files=tuple(v.files),
-        prediction=f"{cfg.primary} improves beyond the A/B noise band (at least {100 * cfg.min_gain:.1f}%) with "
-                   "the oracle passing and no other goal metric worse than its tolerance",
+        prediction=f"{cfg.primary} improves beyond the A/B noise band (at least {100 * cfg.min_gain:.1f}%) "
+        "with the oracle passing and no other goal metric worse than its tolerance",
         before=_figures(v, "base"),
         after=_figures(v, "candidate"),
         benchmark=(bench + rounds) or "not measured",
         oracle={"verdict": verdict if passed is not None else None, "passed": passed, "note": oracle_note},
         lesson=f"{'accepted' if v.accepted else 'rejected'} ({v.category}): {v.reason}",
-        target=Target(model=b.model or "default (metainfer/assets/stdlib)", gpu=v.gpu, precision=b.dtype,
-                      traffic=b.traffic),
+        target=Target(
+            model=b.model or "default (metainfer/assets/stdlib)",
+            gpu=v.gpu,
+            precision=b.dtype,
+            traffic=b.traffic,
+        ),
         tags=("loop", v.category, f"commit:{v.candidate}", f"diff-sha256:{v.diff_sha256}"),
     )
 

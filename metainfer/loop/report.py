@@ -15,7 +15,9 @@ def series(cfg: LoopConfig, state: dict[str, Any]) -> dict[str, list[tuple[int, 
     for it in state.get("iterations", []):
         for name, f in (it.get("figures") or {}).items():
             if name in out:
-                out[name].append((it["n"], f["candidate_median"] if it["status"] == "accepted" else f["base_median"]))
+                out[name].append(
+                    (it["n"], f["candidate_median"] if it["status"] == "accepted" else f["base_median"])
+                )
     return out
 
 
@@ -49,8 +51,10 @@ def plot(cfg: LoopConfig, state: dict[str, Any], path: Path) -> str | None:
 def _fmt(f: dict[str, Any] | None) -> str:
     if not f:
         return "-"
-    return (f"{f['base_median']:.4g} -> {f['candidate_median']:.4g} ({100 * f['change']:+.1f}%, "
-            f"band {100 * f['band']:.1f}%)")
+    return (
+        f"{f['base_median']:.4g} -> {f['candidate_median']:.4g} ({100 * f['change']:+.1f}%, "
+        f"band {100 * f['band']:.1f}%)"
+    )
 
 
 def write(root: Path, cfg: LoopConfig, state: dict[str, Any], with_plot: bool = True) -> Path:
@@ -60,8 +64,8 @@ def write(root: Path, cfg: LoopConfig, state: dict[str, Any], with_plot: bool = 
     lines = [
         "# metainfer loop run",
         "",
-        f"Started {state.get('started')} at {state.get('start', '')[:10]}; ratchet branch `{state.get('ratchet')}`; "
-        f"agent `{state.get('agent')}`.",
+        f"Started {state.get('started')} at {state.get('start', '')[:10]}; "
+        f"ratchet branch `{state.get('ratchet')}`; agent `{state.get('agent')}`.",
         f"{len(its)} iterations, {accepted} accepted; {state.get('elapsed_s', 0) / 60:.1f} min wall, "
         f"{state.get('device_s', 0) / 60:.1f} min in the judge's commands."
         + (f" Stopped: {state['stopped']}." if state.get("stopped") else ""),
@@ -74,8 +78,15 @@ def write(root: Path, cfg: LoopConfig, state: dict[str, Any], with_plot: bool = 
         lines.append(
             f"| {it['n']} | {it['status']} | {(it.get('candidate') or '-')[:10]} | "
             f"{_fmt((it.get('figures') or {}).get(cfg.primary))} | {it['reason'].replace('|', '/')[:200]} | "
-            f"{'-'.join(rec) if rec else '-'} |")
-    note = "no plot yet: no iteration" if not its else plot(cfg, state, root / "report.png") if with_plot else None
+            f"{'-'.join(rec) if rec else '-'} |"
+        )
+    note = (
+        "no plot yet: no iteration"
+        if not its
+        else plot(cfg, state, root / "report.png")
+        if with_plot
+        else None
+    )
     lines += ["", note or "![goal metrics](report.png)", ""]
     path = root / "report.md"
     path.write_text("\n".join(lines))

@@ -33,8 +33,15 @@ def save_json(path: Path, doc: Any) -> None:
 
 
 class LoopRun:
-    def __init__(self, repo: Path, cfg: LoopConfig, agent: str, root: Path, base: str | None = None,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        cfg: LoopConfig,
+        agent: str,
+        root: Path,
+        base: str | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.repo, self.cfg, self.agent, self.root, self.log = repo, cfg, agent, root, log
         self.state_path = root / "state.json"
         self.t_session = time.monotonic()
@@ -44,23 +51,37 @@ class LoopRun:
         if self.state_path.exists():
             self.state = json.loads(self.state_path.read_text())
             if base and gitops.rev(repo, base) != self.state["start"]:
-                raise ValueError(f"{root} holds a run from {self.state['start'][:10]}; --base differs "
-                                 "(pass no --base to resume it, or another --run-dir)")
+                raise ValueError(
+                    f"{root} holds a run from {self.state['start'][:10]}; --base differs "
+                    "(pass no --base to resume it, or another --run-dir)"
+                )
             self.log(f"loop: resuming {root} after {len(self.state['iterations'])} iterations")
         else:
             start = gitops.rev(repo, base or "HEAD")
             if gitops.exists(repo, f"refs/heads/{cfg.ratchet}"):
                 head = gitops.rev(repo, f"refs/heads/{cfg.ratchet}")
                 if base and head != start:
-                    raise ValueError(f"branch {cfg.ratchet} exists at {head[:10]}, not at --base {start[:10]}: "
-                                     "pass no --base to continue it, or delete it")
+                    raise ValueError(
+                        f"branch {cfg.ratchet} exists at {head[:10]}, not at --base {start[:10]}: "
+                        "pass no --base to continue it, or delete it"
+                    )
                 start = head
             else:
                 gitops.fast_forward(repo, cfg.ratchet, start)
-            self.state = {"id": uuid.uuid4().hex[:8], "start": start, "agent": agent, "ratchet": cfg.ratchet,
-                          "started": datetime.now(UTC).isoformat(timespec="seconds"), "elapsed_s": 0.0,
-                          "device_s": 0.0, "iterations": [], "pending": None, "figures": {}, "roofline": {},
-                          "stopped": None}
+            self.state = {
+                "id": uuid.uuid4().hex[:8],
+                "start": start,
+                "agent": agent,
+                "ratchet": cfg.ratchet,
+                "started": datetime.now(UTC).isoformat(timespec="seconds"),
+                "elapsed_s": 0.0,
+                "device_s": 0.0,
+                "iterations": [],
+                "pending": None,
+                "figures": {},
+                "roofline": {},
+                "stopped": None,
+            }
             self._save()
         self.elapsed0 = float(self.state["elapsed_s"])
 
@@ -83,8 +104,9 @@ class LoopRun:
         if st["device_s"] >= 60 * cfg.device_minutes:
             return f"device-time budget spent ({cfg.device_minutes:g} min)"
         if goal_met(cfg, st["figures"]):
-            return "goal met: " + ", ".join(f"{m.name} {st['figures'][m.name]:.4g}" for m in cfg.metrics
-                                            if m.target is not None)
+            return "goal met: " + ", ".join(
+                f"{m.name} {st['figures'][m.name]:.4g}" for m in cfg.metrics if m.target is not None
+            )
         return None
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -104,19 +126,34 @@ class LoopRun:
         d.mkdir(parents=True, exist_ok=True)
         head = self._head()
         wt = gitops.worktree_add(self.repo, self.root / "worktree", head)
-        it: dict[str, Any] = {"n": n, "base": head, "candidate": None, "status": "", "category": "",
-                              "reason": "", "record": None, "figures": {}, "dir": str(d)}
+        it: dict[str, Any] = {
+            "n": n,
+            "base": head,
+            "candidate": None,
+            "status": "",
+            "category": "",
+            "reason": "",
+            "record": None,
+            "figures": {},
+            "dir": str(d),
+        }
         try:
             path = brief.write(d / "brief.md", self.repo, self.cfg, self.state, wt, n)
             q = shlex.quote(str(path))
             cmd = self.agent.replace("{brief}", q) if "{brief}" in self.agent else f"{self.agent} {q}"
             env = {**os.environ, "LOOP_BRIEF": str(path)}
             self.log(f"loop: iteration {n}: agent in {wt}")
-            r = run_command(["/bin/sh", "-c", cmd], wt, env, d / "agent.log", 60 * self.cfg.agent_timeout_minutes)
+            r = run_command(
+                ["/bin/sh", "-c", cmd], wt, env, d / "agent.log", 60 * self.cfg.agent_timeout_minutes
+            )
             it.update(agent_rc=r.rc, agent_seconds=round(r.seconds, 1))
             if r.rc != 0:
                 why = "timed out" if r.timed_out else f"exit {r.rc}"
-                it.update(status="agent_failed", category="agent", reason=f"the agent failed ({why}): {tail(r.log, 3)}")
+                it.update(
+                    status="agent_failed",
+                    category="agent",
+                    reason=f"the agent failed ({why}): {tail(r.log, 3)}",
+                )
                 self.log(f"loop: iteration {n}: {it['reason']}")
                 return self._append(it)
             gitops.commit_all(wt, f"loop iteration {n}: the agent's uncommitted changes")
@@ -125,7 +162,9 @@ class LoopRun:
                 it.update(status="no_change", category="empty", reason="the agent committed nothing")
                 return self._append(it)
             it["candidate"] = cand
-            gitops.set_ref(self.repo, f"refs/loop/{self.state['id']}/{n}", cand)  # keeps rejected ones reachable
+            gitops.set_ref(
+                self.repo, f"refs/loop/{self.state['id']}/{n}", cand
+            )  # keeps rejected ones reachable
         finally:
             gitops.worktree_remove(self.repo, wt)
         self.state["pending"] = it
@@ -159,10 +198,18 @@ class LoopRun:
             self.state["figures"] = {k: f[side] for k, f in v.figures.items()}
         if v.roofline and v.accepted:
             self.state["roofline"] = v.roofline
-        it.update(status="accepted" if v.accepted else "rejected", category=v.category, reason=v.reason,
-                  record=v.record, ratchet=v.ratchet, judge_seconds=round(v.seconds, 1),
-                  figures={k: {x: f[x] for x in ("base_median", "candidate_median", "change", "band")}
-                           for k, f in v.figures.items()})
+        it.update(
+            status="accepted" if v.accepted else "rejected",
+            category=v.category,
+            reason=v.reason,
+            record=v.record,
+            ratchet=v.ratchet,
+            judge_seconds=round(v.seconds, 1),
+            figures={
+                k: {x: f[x] for x in ("base_median", "candidate_median", "change", "band")}
+                for k, f in v.figures.items()
+            },
+        )
         self.state["pending"] = None
         self._append(it)
 
@@ -177,7 +224,9 @@ class LoopRun:
             self.log(f"loop: iteration {it['n']}: adopting its finished verdict")
             self._conclude(it, Verdict.from_dict(json.loads((work / "verdict.json").read_text())), work)
         else:
-            self.log(f"loop: iteration {it['n']}: its judge was interrupted; judging {it['candidate'][:10]} again")
+            self.log(
+                f"loop: iteration {it['n']}: its judge was interrupted; judging {it['candidate'][:10]} again"
+            )
             self._judge(it)
 
 
@@ -185,5 +234,6 @@ def goal_met(cfg: LoopConfig, figures: dict[str, float]) -> bool:
     targets = [m for m in cfg.metrics if m.target is not None]
     if not targets or any(m.name not in figures for m in targets):
         return False
-    return all(figures[m.name] >= m.target if m.better == "higher" else figures[m.name] <= m.target
-               for m in targets)
+    return all(
+        figures[m.name] >= m.target if m.better == "higher" else figures[m.name] <= m.target for m in targets
+    )

@@ -22,8 +22,9 @@ FORBIDDEN = {
     r"\bmetainfer\.(oracle|bench|loop|kb)\b": "reaches into the judge's modules",
     r"\bfrom\s+metainfer\s+import\s+[^#\n]*\b(oracle|bench|loop|kb)\b": "reaches into the judge's modules",
     r"\btransformers\b": "reaches the oracle's reference implementation",
-    r"\bsys\.modules\b|\bmeta_path\b|\bpath_hooks\b|\bbuiltins\b|\bsettrace\b|\bsetprofile\b":
-        "patches the interpreter",
+    r"\bsys\.modules\b|\bmeta_path\b|\bpath_hooks\b|\bbuiltins\b|\bsettrace\b|\bsetprofile\b": (
+        "patches the interpreter"
+    ),
     r"\bos\._exit\b|\bsys\.exit\b|\batexit\b": "ends the process behind the judge's back",
     r"\bpytest\b|PYTEST_CURRENT_TEST": "reacts to the test runner",
 }
@@ -53,8 +54,11 @@ def protected(path: str, patterns: tuple[str, ...] | list[str]) -> bool:
 
 
 def check_paths(files: list[str], patterns: tuple[str, ...] | list[str]) -> list[TamperFinding]:
-    return [TamperFinding(f, "a protected path (the judge, its thresholds, the tests or loop.toml)")
-            for f in files if protected(f, patterns)]
+    return [
+        TamperFinding(f, "a protected path (the judge, its thresholds, the tests or loop.toml)")
+        for f in files
+        if protected(f, patterns)
+    ]
 
 
 def check_added_lines(diff: str, extra: tuple[str, ...] | list[str] = ()) -> list[TamperFinding]:

@@ -55,8 +55,9 @@ class Trial:
     note: str = ""
 
 
-def sweep(kernel: Kernel, min_gain: float = 0.02, log: Callable[[str], None] = print
-          ) -> tuple[dict[str, dict], list[Trial]]:
+def sweep(
+    kernel: Kernel, min_gain: float = 0.02, log: Callable[[str], None] = print
+) -> tuple[dict[str, dict], list[Trial]]:
     """(winners, every trial): winners[key] = {"config", "us", "default_us"} where the fastest config that
     passes the reference check beats the default by more than min_gain."""
     winners, trials = {}, []
@@ -69,7 +70,16 @@ def sweep(kernel: Kernel, min_gain: float = 0.02, log: Callable[[str], None] = p
                 rows.append(Trial(key, cfg, None, None, False, f"{type(e).__name__}: {e}"[:200]))
                 continue
             ok = err <= kernel.tolerance
-            rows.append(Trial(key, cfg, us, err, ok, "default" if i == 0 else ("" if ok else "disagrees with the reference")))
+            rows.append(
+                Trial(
+                    key,
+                    cfg,
+                    us,
+                    err,
+                    ok,
+                    "default" if i == 0 else ("" if ok else "disagrees with the reference"),
+                )
+            )
         trials += rows
         default = rows[0]
         good = [t for t in rows if t.ok and t.us is not None]
@@ -90,8 +100,10 @@ def write_table(path: Path, gpu: str, kernel: str, winners: dict[str, dict]) -> 
     """Merges the winners' configs into the table at `path` ({"gpu", "source", "configs": {key: config}})."""
     doc: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     doc["gpu"] = gpu
-    note = f"metainfer loop tune --kernel {kernel}, {datetime.now(UTC).isoformat(timespec='seconds')}: " + \
-        ", ".join(f"{k} {w['default_us']} -> {w['us']:.2f} us" for k, w in winners.items())
+    note = (
+        f"metainfer loop tune --kernel {kernel}, {datetime.now(UTC).isoformat(timespec='seconds')}: "
+        + ", ".join(f"{k} {w['default_us']} -> {w['us']:.2f} us" for k, w in winners.items())
+    )
     doc["source"] = f"{doc['source']}; {note}" if doc.get("source") else note
     doc.setdefault("configs", {}).update({k: w["config"] for k, w in winners.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,8 +124,17 @@ class TuneResult:
     message: str
 
 
-def tune(repo: Path, cfg: LoopConfig, kernel: Kernel, gpu: str, root: Path, base: str | None = None,
-         judge: bool = True, min_gain: float = 0.02, log: Callable[[str], None] = print) -> TuneResult:
+def tune(
+    repo: Path,
+    cfg: LoopConfig,
+    kernel: Kernel,
+    gpu: str,
+    root: Path,
+    base: str | None = None,
+    judge: bool = True,
+    min_gain: float = 0.02,
+    log: Callable[[str], None] = print,
+) -> TuneResult:
     """Sweep, commit the table on top of `base` (default: the ratchet's head, else HEAD), judge it, record
     the verdict and ratchet it when accepted."""
     ratchet = f"refs/heads/{cfg.ratchet}"
@@ -127,13 +148,17 @@ def tune(repo: Path, cfg: LoopConfig, kernel: Kernel, gpu: str, root: Path, base
     try:
         table = kernel.table(gpu)
         write_table(wt / table, gpu, kernel.name, winners)
-        gitops.commit_all(wt, f"{kernel.name}: tuned configs for {gpu} at {len(winners)} shapes (metainfer loop tune)")
+        gitops.commit_all(
+            wt, f"{kernel.name}: tuned configs for {gpu} at {len(winners)} shapes (metainfer loop tune)"
+        )
         cand = gitops.rev(wt, "HEAD")
     finally:
         gitops.worktree_remove(repo, wt)
     gitops.set_ref(repo, f"refs/loop/tune/{kernel.name}", cand)
     if not judge:
-        return TuneResult(winners, trials, cand, None, f"committed {cand[:10]} (refs/loop/tune/{kernel.name}), not judged")
+        return TuneResult(
+            winners, trials, cand, None, f"committed {cand[:10]} (refs/loop/tune/{kernel.name}), not judged"
+        )
     v = Judge(repo, cfg, root / "judge", log).judge(head, cand)
     v.record = str(record.write(v, cfg, repo))
     if v.accepted:

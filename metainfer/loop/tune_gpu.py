@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def gpu_slug(gpu: str) -> str:
-    """"NVIDIA H200" -> "h200": the GPU part of a tuned table's file name."""
+    """ "NVIDIA H200" -> "h200": the GPU part of a tuned table's file name."""
     words = [w for w in re.split(r"[^a-z0-9]+", gpu.lower()) if w and w not in ("nvidia", "tesla", "geforce")]
     return "_".join(words[:2]) or "gpu"
 
@@ -38,8 +38,9 @@ class Fp8Skinny:
         if unknown:
             raise ValueError(f"unknown linear(s) {', '.join(unknown)}; known: {', '.join(kernels_b.LINEARS)}")
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.shapes = {f"{N},{K},{T}": (n, N, K, T) for n in names for (N, K) in [kernels_b.LINEARS[n]]
-                       for T in tokens}
+        self.shapes = {
+            f"{N},{K},{T}": (n, N, K, T) for n in names for (N, K) in [kernels_b.LINEARS[n]] for T in tokens
+        }
         self._cases: dict[str, object] = {}
 
     def table(self, gpu: str) -> str:
@@ -64,8 +65,16 @@ class Fp8Skinny:
                 continue
             k_iters = triton.cdiv(K, bk)
             per = triton.cdiv(k_iters, max(1, min(k_iters, mult * self.sms // triton.cdiv(N, bn))))
-            out.append(dict(self.default(key), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=triton.cdiv(k_iters, per),
-                            iters_per_split=per, STAGES=stages))
+            out.append(
+                dict(
+                    self.default(key),
+                    BLOCK_N=bn,
+                    BLOCK_K=bk,
+                    SPLIT_K=triton.cdiv(k_iters, per),
+                    iters_per_split=per,
+                    STAGES=stages,
+                )
+            )
         return out
 
     def measure(self, key: str, config: dict) -> tuple[float, float]:

@@ -19,8 +19,12 @@ AGENT = Path(__file__).with_name("scripted_agent.py")
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@test.invalid", *args],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@test.invalid", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def commit(repo: Path, msg: str) -> str:
@@ -36,7 +40,7 @@ def write_plan(path: Path, steps: list[dict]) -> str:
 
 
 # ---- the toy repository ---------------------------------------------------------------------------------
-TOY_ENGINE = '''\
+TOY_ENGINE = """\
 import json
 import time
 from pathlib import Path
@@ -50,8 +54,8 @@ if _TABLE.exists():
 def compute(x):
     time.sleep(DELAY)
     return 2 * x
-'''
-TOY_ORACLE = '''\
+"""
+TOY_ORACLE = """\
 import json
 import sys
 
@@ -61,8 +65,8 @@ checks = [{"name": f"double.{i}", "passed": compute(i) == 2 * i} for i in range(
 failed = [c["name"] for c in checks if not c["passed"]]
 json.dump({"passed": not failed, "checks": checks, "failed": failed}, open(sys.argv[1], "w"))
 sys.exit(1 if failed else 0)
-'''
-TOY_BENCH = '''\
+"""
+TOY_BENCH = """\
 import json
 import sys
 import time
@@ -75,28 +79,47 @@ for i in range(4):
 dt = (time.perf_counter() - t) / 4
 json.dump({"metrics": {"calls_s": 1 / dt, "call_ms": 1000 * dt}, "roofline": {"omitted": "a toy"}},
           open(sys.argv[1], "w"))
-'''
-TOY_TEST = '''\
+"""
+TOY_TEST = """\
 from toy.engine import compute
 
 
 def test_double():
     assert compute(2) == 4
-'''
+"""
 
 
 def toy_config(kb_dir: Path, rounds: int = 2, **over) -> dict:
     py = "{python}"
     cfg = {
         "boundary": {"target": "qwen", "model": "toy", "dtype": "float32", "device": "cpu", "gpu": "cpu"},
-        "goal": {"primary": "calls_s", "min_gain": 0.10, "metrics": [
-            {"name": "calls_s", "workload": "toy", "key": "metrics.calls_s", "better": "higher", "target": 1e9},
-            {"name": "call_ms", "workload": "toy", "key": "metrics.call_ms", "better": "lower", "tolerance": 0.5},
-        ]},
+        "goal": {
+            "primary": "calls_s",
+            "min_gain": 0.10,
+            "metrics": [
+                {
+                    "name": "calls_s",
+                    "workload": "toy",
+                    "key": "metrics.calls_s",
+                    "better": "higher",
+                    "target": 1e9,
+                },
+                {
+                    "name": "call_ms",
+                    "workload": "toy",
+                    "key": "metrics.call_ms",
+                    "better": "lower",
+                    "tolerance": 0.5,
+                },
+            ],
+        },
         "oracle": {"command": [py, "judge/oracle.py", "{out}"], "timeout_minutes": 1},
         # the tests without pytest's start-up (plugins: seconds), as a one-line runner
         "tests": {"command": [py, "-c", "from tests.test_toy import test_double; test_double()"]},
-        "bench": {"rounds": rounds, "workloads": [{"name": "toy", "command": [py, "judge/bench.py", "{out}"]}]},
+        "bench": {
+            "rounds": rounds,
+            "workloads": [{"name": "toy", "command": [py, "judge/bench.py", "{out}"]}],
+        },
         "budget": {"iterations": 10},
         "paths": {"kb_dir": str(kb_dir)},
     }
@@ -106,18 +129,25 @@ def toy_config(kb_dir: Path, rounds: int = 2, **over) -> dict:
 
 
 def toml_text(cfg: dict) -> str:
-    from metainfer.loop.config import render
+    from metainfer.loop.template import render
 
-    full = {k: cfg.get(k, {}) for k in ("boundary", "goal", "oracle", "tests", "bench", "judge", "agent",
-                                          "budget", "paths")}
+    full = {
+        k: cfg.get(k, {})
+        for k in ("boundary", "goal", "oracle", "tests", "bench", "judge", "agent", "budget", "paths")
+    }
     return render(full)
 
 
 def make_toy_repo(tmp: Path, rounds: int = 2) -> tuple[Path, object]:
     """(repo, LoopConfig): a git repository whose one commit holds the toy and its loop.toml."""
     repo = tmp / "toy"
-    for rel, text in {"toy/__init__.py": "", "toy/engine.py": TOY_ENGINE, "judge/oracle.py": TOY_ORACLE,
-                      "judge/bench.py": TOY_BENCH, "tests/test_toy.py": TOY_TEST}.items():
+    for rel, text in {
+        "toy/__init__.py": "",
+        "toy/engine.py": TOY_ENGINE,
+        "judge/oracle.py": TOY_ORACLE,
+        "judge/bench.py": TOY_BENCH,
+        "tests/test_toy.py": TOY_TEST,
+    }.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
     raw = toy_config(tmp / "kb", rounds)
@@ -133,7 +163,7 @@ def edit(old: str, new: str, file: str = "toy/engine.py") -> dict:
 
 # ---- a copy of this repository with a slowed decode step ---------------------------------------------------
 SLOW_ANCHOR = "        batch = self.scheduler.schedule()\n"
-SLOWDOWN = "        time.sleep(0.02)  # planted: the loop's tests remove it again\n"
+SLOWDOWN = "        time.sleep(0.05)  # planted: the loop's tests remove it again\n"
 
 
 def make_engine_repo(tmp: Path) -> tuple[Path, str]:
@@ -141,10 +171,17 @@ def make_engine_repo(tmp: Path) -> tuple[Path, str]:
     judge runs, in a fresh git repository of two commits: as committed, then a sleep in every engine step."""
     repo = tmp / "engine"
     repo.mkdir()
-    paths = ["metainfer", "pyproject.toml", "tests/__init__.py", "tests/conftest.py", "tests/helpers.py",
-             "tests/test_settings.py"]
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", *paths],
-                         check=True, capture_output=True).stdout
+    paths = [
+        "metainfer",
+        "pyproject.toml",
+        "tests/__init__.py",
+        "tests/conftest.py",
+        "tests/helpers.py",
+        "tests/test_settings.py",
+    ]
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", *paths], check=True, capture_output=True
+    ).stdout
     with tarfile.open(fileobj=BytesIO(tar)) as t:
         t.extractall(repo, filter="data")
     git(tmp, "init", "-q", "-b", "main", str(repo))
@@ -159,14 +196,25 @@ def make_engine_repo(tmp: Path) -> tuple[Path, str]:
 def engine_config(kb_dir: Path, rounds: int = 2) -> dict:
     """The CPU defaults of `metainfer loop init`, made short: the quick oracle, a 2-round A/B of a short
     decode, tests/test_settings.py as the CPU tests."""
-    from metainfer.loop.config import defaults
+    from metainfer.loop.template import defaults
 
     cfg = defaults("qwen", "cpu", None, None, None)
-    cfg["tests"]["command"] = ["{python}", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                               "tests/test_settings.py"]
+    cfg["tests"]["command"] = [
+        "{python}",
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:hypothesispytest",
+        "tests/test_settings.py",
+    ]
     cfg["bench"]["rounds"] = rounds
     w = cfg["bench"]["workloads"][0]["command"]
     w[w.index("--num-iters") + 1] = "2"
+    w[w.index("--output-len") + 1] = "16"
     cfg["goal"]["min_gain"] = 0.08
     cfg["goal"]["metrics"][0]["target"] = 1e6  # never met: the budget ends the runs
     cfg["goal"]["metrics"][1]["tolerance"] = 1.0  # a 16-token prefill's time is noise on a shared CPU

@@ -37,8 +37,21 @@ def main() -> int:
             return 4
         f.write_text(text.replace(e["old"], e["new"], 1))
     if step.get("commit", True):
-        subprocess.run(["git", "-c", "user.name=agent", "-c", "user.email=agent@test.invalid", "commit", "-q", "-a",
-                        "-m", step["message"]], check=True)
+        subprocess.run(
+            [
+                "git",
+                "-c",
+                "user.name=agent",
+                "-c",
+                "user.email=agent@test.invalid",
+                "commit",
+                "-q",
+                "-a",
+                "-m",
+                step["message"],
+            ],
+            check=True,
+        )
     return 0
 
 

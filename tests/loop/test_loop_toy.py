@@ -19,7 +19,10 @@ from tests.loop.loop_helpers import commit, edit, git, make_toy_repo, write_plan
 
 FIX = {"edits": [edit("DELAY = 0.04", "DELAY = 0.01")], "message": "toy: shorter sleep"}
 WRONG = {"edits": [edit("return 2 * x", "return 2 * x + (x == 1)")], "message": "toy: wrong for 1"}
-TAMPER_ORACLE = {"edits": [edit("compute(i) == 2 * i", "True", "judge/oracle.py")], "message": "relax the oracle"}
+TAMPER_ORACLE = {
+    "edits": [edit("compute(i) == 2 * i", "True", "judge/oracle.py")],
+    "message": "relax the oracle",
+}
 TAMPER_TEST = {"edits": [edit("== 4", "is not None", "tests/test_toy.py")], "message": "relax a test"}
 NEUTRAL = {"edits": [edit("def compute(x):", "def compute(x):  # doubles x")], "message": "toy: a comment"}
 CRASH = {"crash": True}
@@ -51,10 +54,16 @@ def test_judge_verdicts_records_and_ratchet(toy, capsys):
             p.write_text(p.read_text().replace(e["old"], e["new"], 1))
         return commit(repo, step["message"])
 
-    fix, wrong, t_oracle, t_test, neutral = (propose(s) for s in (FIX, WRONG, TAMPER_ORACLE, TAMPER_TEST, NEUTRAL))
+    fix, wrong, t_oracle, t_test, neutral = (
+        propose(s) for s in (FIX, WRONG, TAMPER_ORACLE, TAMPER_TEST, NEUTRAL)
+    )
     git(repo, "checkout", "-q", base)
-    t_import = propose({"edits": [edit("import time\n", "import time\nimport judge.oracle\nimport transformers\n")],
-                        "message": "peek"})
+    t_import = propose(
+        {
+            "edits": [edit("import time\n", "import time\nimport judge.oracle\nimport transformers\n")],
+            "message": "peek",
+        }
+    )
     t_toml = propose({"edits": [edit("min_gain = 0.1", "min_gain = 0.0", "loop.toml")], "message": "loosen"})
     git(repo, "checkout", "-q", base)
 
@@ -62,8 +71,15 @@ def test_judge_verdicts_records_and_ratchet(toy, capsys):
     out = capsys.readouterr().out
     assert "verdict: ACCEPTED (accepted)" in out and "| calls_s |" in out and "ratchet:" in out
     assert gitops.rev(repo, "loop/ratchet") == fix
-    expect = {wrong: "oracle", t_oracle: "tamper", t_test: "tamper", t_import: "tamper", t_toml: "tamper",
-              neutral: "noise", base: "empty"}
+    expect = {
+        wrong: "oracle",
+        t_oracle: "tamper",
+        t_test: "tamper",
+        t_import: "tamper",
+        t_toml: "tamper",
+        neutral: "noise",
+        base: "empty",
+    }
     for cand, category in expect.items():
         assert _judge_cli(repo, base, cand) == 1, category
         assert f"REJECTED ({category})" in capsys.readouterr().out
@@ -90,7 +106,9 @@ def test_candidate_cannot_change_the_judge_even_unchecked(toy):
     repo, cfg, tmp = toy
     base = git(repo, "rev-parse", "HEAD")
     (repo / "toy/engine.py").write_text((repo / "toy/engine.py").read_text().replace("2 * x", "3 * x"))
-    (repo / "judge/oracle.py").write_text((repo / "judge/oracle.py").read_text().replace("== 2 * i", "== 3 * i"))
+    (repo / "judge/oracle.py").write_text(
+        (repo / "judge/oracle.py").read_text().replace("== 2 * i", "== 3 * i")
+    )
     cand = commit(repo, "wrong, with an oracle to match")
     judge = Judge(repo, cfg, tmp / "work", log=lambda m: None)
     import metainfer.loop.judge as jm
@@ -109,17 +127,37 @@ def test_run_with_a_scripted_agent(toy):
     start = git(repo, "rev-parse", "HEAD")
     dirty = {**NEUTRAL, "commit": False, "message": "uncommitted"}
     agent = write_plan(tmp / "plan.json", [FIX, WRONG, TAMPER_TEST, CRASH, dirty])
-    rc = main(["loop", "run", "--repo", str(repo), "--agent", agent, "--iterations", "5",
-               "--run-dir", str(tmp / "run")])
+    rc = main(
+        [
+            "loop",
+            "run",
+            "--repo",
+            str(repo),
+            "--agent",
+            agent,
+            "--iterations",
+            "5",
+            "--run-dir",
+            str(tmp / "run"),
+        ]
+    )
     assert rc == 0
     state = json.loads((tmp / "run/state.json").read_text())
     got = [(it["status"], it["category"]) for it in state["iterations"]]
-    assert got == [("accepted", "accepted"), ("rejected", "oracle"), ("rejected", "tamper"),
-                   ("agent_failed", "agent"), ("rejected", "noise")]
+    assert got == [
+        ("accepted", "accepted"),
+        ("rejected", "oracle"),
+        ("rejected", "tamper"),
+        ("agent_failed", "agent"),
+        ("rejected", "noise"),
+    ]
     fix = state["iterations"][0]["candidate"]
     assert gitops.rev(repo, "loop/ratchet") == fix and gitops.is_ancestor(repo, start, fix)
     assert all(it["base"] == fix for it in state["iterations"][1:])
-    assert "exit 3" in state["iterations"][3]["reason"] and "crashing on purpose" in state["iterations"][3]["reason"]
+    assert (
+        "exit 3" in state["iterations"][3]["reason"]
+        and "crashing on purpose" in state["iterations"][3]["reason"]
+    )
     assert state["iterations"][4]["candidate"]  # the loop committed the agent's uncommitted change
     assert state["stopped"].startswith("iteration budget")
     assert state["figures"]["calls_s"] > 50
@@ -158,8 +196,11 @@ def test_run_resumes_without_losing_or_repeating_a_verdict(toy, monkeypatch):
     run.run()
     state = json.loads((root / "state.json").read_text())
     assert [it["n"] for it in state["iterations"]] == [1, 2, 3]
-    assert calls[1:] == [state["iterations"][1]["candidate"], state["iterations"][1]["candidate"],
-                         state["iterations"][2]["candidate"]]
+    assert calls[1:] == [
+        state["iterations"][1]["candidate"],
+        state["iterations"][1]["candidate"],
+        state["iterations"][2]["candidate"],
+    ]
     assert len(_records(tmp)) == 3
 
     # killed after the verdict was saved but before the state knew: adopted, not judged again

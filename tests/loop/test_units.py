@@ -8,7 +8,8 @@ import pytest
 
 from metainfer.cli import main
 from metainfer.loop import ab, tamper
-from metainfer.loop.config import DEFAULT_PROTECTED, ConfigError, Metric, defaults, parse, render
+from metainfer.loop.config import DEFAULT_PROTECTED, ConfigError, Metric, parse
+from metainfer.loop.template import defaults, render
 
 HI = Metric("tok_s", "w", "metrics.tok_s", "higher", None, 0.05)
 LO = Metric("ttft_ms", "w", "metrics.ttft_ms", "lower", None, 0.10)
@@ -50,25 +51,50 @@ def test_round_order_alternates_and_lookup_finds_dotted_keys():
 
 def test_protected_patterns():
     pats = DEFAULT_PROTECTED
-    for path in ("metainfer/oracle/compare.py", "metainfer/bench/offline.py", "metainfer/loop/judge.py",
-                 "tests/engine/test_spec.py", "loop.toml", "tests/conftest.py", "sub/conftest.py",
-                 "benchmarks/ab_inproc.py", "metainfer/kb/records/KB-0001-x.json", "pyproject.toml"):
+    for path in (
+        "metainfer/oracle/compare.py",
+        "metainfer/bench/offline.py",
+        "metainfer/loop/judge.py",
+        "tests/engine/test_spec.py",
+        "loop.toml",
+        "tests/conftest.py",
+        "sub/conftest.py",
+        "benchmarks/ab_inproc.py",
+        "metainfer/kb/records/KB-0001-x.json",
+        "pyproject.toml",
+    ):
         assert tamper.protected(path, pats), path
-    for path in ("metainfer/engine/engine.py", "metainfer/kernels/moe.py", "benchmarks/decode_bench.py",
-                 "metainfer/oracle_notes.md", "docs/loop.toml.md"):
+    for path in (
+        "metainfer/engine/engine.py",
+        "metainfer/kernels/moe.py",
+        "benchmarks/decode_bench.py",
+        "metainfer/oracle_notes.md",
+        "docs/loop.toml.md",
+    ):
         assert not tamper.protected(path, pats), path
 
 
 def test_added_lines_that_reach_into_the_judge():
-    diff = "\n".join([
-        "diff --git a/metainfer/engine/engine.py b/metainfer/engine/engine.py",
-        "--- a/metainfer/engine/engine.py", "+++ b/metainfer/engine/engine.py", "@@ -1,2 +1,3 @@",
-        " import time", "+import metainfer.oracle.compare as c", "-import os",
-    ])
+    diff = "\n".join(
+        [
+            "diff --git a/metainfer/engine/engine.py b/metainfer/engine/engine.py",
+            "--- a/metainfer/engine/engine.py",
+            "+++ b/metainfer/engine/engine.py",
+            "@@ -1,2 +1,3 @@",
+            " import time",
+            "+import metainfer.oracle.compare as c",
+            "-import os",
+        ]
+    )
     found = tamper.check_added_lines(diff)
     assert len(found) == 1 and found[0].path == "metainfer/engine/engine.py" and "judge" in found[0].why
-    for line in ("from metainfer import oracle", "import transformers", "sys.modules['x'] = y", "os._exit(0)",
-                 "if 'PYTEST_CURRENT_TEST' in env:"):
+    for line in (
+        "from metainfer import oracle",
+        "import transformers",
+        "sys.modules['x'] = y",
+        "os._exit(0)",
+        "if 'PYTEST_CURRENT_TEST' in env:",
+    ):
         assert tamper.check_added_lines(f"+++ b/x.py\n+{line}\n"), line
     assert not tamper.check_added_lines("+++ b/x.py\n+y = torch.zeros(3)  # the model's buffers\n")
     assert tamper.check_added_lines("+++ b/x.py\n+FAST = 1\n", extra=[r"\bFAST\b"])
@@ -76,9 +102,16 @@ def test_added_lines_that_reach_into_the_judge():
 
 def test_command_files_protect_what_the_judge_runs():
     files = {"benchmarks/decode_bench.py", "tests/test_a.py", "tests/sub/test_b.py", "metainfer/x.py"}
-    cmds = [["{python}", "benchmarks/decode_bench.py", "--out", "{out}"], ["pytest", "tests/test_a.py::test_1"],
-            ["pytest", "tests/sub"]]
-    assert tamper.command_files(cmds, files) == ["benchmarks/decode_bench.py", "tests/sub/**", "tests/test_a.py"]
+    cmds = [
+        ["{python}", "benchmarks/decode_bench.py", "--out", "{out}"],
+        ["pytest", "tests/test_a.py::test_1"],
+        ["pytest", "tests/sub"],
+    ]
+    assert tamper.command_files(cmds, files) == [
+        "benchmarks/decode_bench.py",
+        "tests/sub/**",
+        "tests/test_a.py",
+    ]
 
 
 @pytest.mark.parametrize("target,device", [("qwen", "cpu"), ("qwen", "cuda"), ("sam", "cuda")])
@@ -90,17 +123,20 @@ def test_init_defaults_round_trip(target, device):
     assert cfg.primary == cfg.metrics[0].name and "loop.toml" in cfg.protected
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda t: t["goal"].update(primary="nope"), "goal.primary"),
-    (lambda t: t["goal"]["metrics"][0].update(workload="nope"), "workload"),
-    (lambda t: t["goal"]["metrics"][0].update(better="up"), "better"),
-    (lambda t: t["bench"].update(rounds=0), "rounds"),
-    (lambda t: t["boundary"].update(target="llama"), "boundary.target"),
-    (lambda t: t["oracle"].update(command="verify"), "oracle.command"),
-    (lambda t: t["oracle"].update(command=["verify"]), "{out}"),
-    (lambda t: t.update(extra={}), "unknown key"),
-    (lambda t: t["budget"].update(iterations=0), "budget"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda t: t["goal"].update(primary="nope"), "goal.primary"),
+        (lambda t: t["goal"]["metrics"][0].update(workload="nope"), "workload"),
+        (lambda t: t["goal"]["metrics"][0].update(better="up"), "better"),
+        (lambda t: t["bench"].update(rounds=0), "rounds"),
+        (lambda t: t["boundary"].update(target="llama"), "boundary.target"),
+        (lambda t: t["oracle"].update(command="verify"), "oracle.command"),
+        (lambda t: t["oracle"].update(command=["verify"]), "{out}"),
+        (lambda t: t.update(extra={}), "unknown key"),
+        (lambda t: t["budget"].update(iterations=0), "budget"),
+    ],
+)
 def test_bad_config_names_the_field(mutate, message):
     t = defaults("qwen", "cpu", None, None, None)
     mutate(t)
@@ -114,7 +150,16 @@ def test_cli_usage_errors(tmp_path, capsys, monkeypatch):
     assert main(["loop", "init", "--out", str(tmp_path / "loop.toml")]) == 2  # exists
     (tmp_path / "bad.toml").write_text("[goal\n")
     cases = [
-        ["loop", "judge", "--base", "HEAD", "--candidate", "HEAD", "--repo", str(tmp_path)],  # not a repository
+        [
+            "loop",
+            "judge",
+            "--base",
+            "HEAD",
+            "--candidate",
+            "HEAD",
+            "--repo",
+            str(tmp_path),
+        ],  # not a repository
         ["loop", "judge", "--base", "nope", "--candidate", "HEAD", "--repo", str(tmp_path / "..")],
         ["loop", "run", "--repo", str(tmp_path), "--agent", "true"],
         ["loop", "tune", "--kernel", "nope"],
@@ -132,8 +177,23 @@ def test_cli_config_errors_and_no_agent(tmp_path, capsys):
 
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "bad.toml").write_text("[goal\n")
-    assert main(["loop", "judge", "--base", "HEAD", "--candidate", "HEAD", "--repo", str(tmp_path),
-                 "--config", str(tmp_path / "bad.toml")]) == 2
+    assert (
+        main(
+            [
+                "loop",
+                "judge",
+                "--base",
+                "HEAD",
+                "--candidate",
+                "HEAD",
+                "--repo",
+                str(tmp_path),
+                "--config",
+                str(tmp_path / "bad.toml"),
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["loop", "run", "--repo", str(tmp_path)]) == 2
     assert "no agent" in capsys.readouterr().err
