@@ -44,8 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     judge = loop.add_parser(
         "judge", help="judge one candidate commit against its base (exit 0 accepted, 1 rejected)"
     )
-    judge.add_argument("--base", required=True, help="the base revision: its oracle, bench and tests judge")
-    judge.add_argument("--candidate", required=True, help="the candidate revision")
+    judge.add_argument(
+        "--base",
+        required=True,
+        help="the base revision, whose oracle, bench and tests judge (required, no default)",
+    )
+    judge.add_argument("--candidate", required=True, help="the candidate revision (required, no default)")
     _common(judge)
     judge.add_argument(
         "--work",
@@ -95,7 +99,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _tune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kernel", required=True, help="the kernel to sweep: fp8_skinny")
+    p.add_argument("--kernel", required=True, help="the kernel to sweep: fp8_skinny (required, no default)")
     p.add_argument("--tokens", default="1", help="token counts T of the shapes, comma-separated")
     p.add_argument("--linears", default="", help="fp8_skinny: which projections (default: all)")
     p.add_argument(
