@@ -40,8 +40,9 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
                    "(-1: no limit; default: --max-ongoing-requests x the most replicas)")
     g.add_argument("--retry-after", type=float, default=1.0, metavar="S", help="a 429's Retry-After, seconds")
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs reserved per replica")
-    g.add_argument("--ingress-replicas", type=int, default=1, metavar="N",
-                   help="HTTP ingress replicas relaying to the engines")
+    g.add_argument("--ingress-replicas", type=int, default=None, metavar="N",
+                   help="HTTP ingress replicas relaying to the engines (default: --replicas; each relays "
+                   "every streamed chunk of its requests)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="Ray cluster to join (default: the environment's RAY_ADDRESS, else a new local one)")
 

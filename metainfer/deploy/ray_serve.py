@@ -6,9 +6,9 @@
 
 Two deployments:
 - `EngineReplica` (one per GPU, or `replica_cpus` CPUs): one `LLMEngine` served by the very app
-  `metainfer.server.api.build_app` builds (routes, errors, API key, metrics), run in-process by
-  `AppRunner`; its `forward` streams a response back as a `ResponseHead` then body chunks, and tags
-  it with the header `x-metainfer-replica: <replica id>`.
+  `metainfer.server.api.build_app` builds (routes, errors, API key, metrics; `replica_app.llm_app`),
+  run in-process by `AppRunner`; its `forward` streams a response back as a `ResponseHead` then body
+  chunks, tagged with the header `x-metainfer-replica: <replica id>`.
 - `OpenAIIngress`: takes every HTTP request, picks a replica through the engine deployment's request
   router and relays the response. It owns the failure answers: 429 + `Retry-After` when every
   replica is full and this ingress's queue too (Ray's `BackPressureError`), 503 JSON when the
@@ -42,6 +42,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from metainfer.deploy.asgi import AppRunner, ForwardedRequest, ResponseHead
+from metainfer.deploy.replica_app import load_factory
 from metainfer.deploy.routing import preferred, route_key
 from metainfer.deploy.spec import DeploySpec
 
@@ -97,32 +98,14 @@ ROUTERS = {"least-loaded": LeastOutstandingRouter, "prefix": PrefixAffinityRoute
 
 
 class EngineReplica:
-    """One engine and its `build_app` app; `forward` answers one HTTP request."""
+    """One replica of the app `spec.app_factory` builds (default: an engine and its `build_app`);
+    `forward` answers one HTTP request."""
 
     async def __init__(self, spec: DeploySpec) -> None:
-        from pathlib import Path
-
-        import torch
-
-        from metainfer.config import EngineConfig
-        from metainfer.engine.engine import LLMEngine
-        from metainfer.engine.runner import resolve_device
-        from metainfer.server.api import build_app, make_context
-
-        ecfg = EngineConfig(**spec.engine)
-        cpu_threads = None
-        if resolve_device(ecfg.device).type == "cpu":  # torch ops on the engine thread only (see AsyncEngine)
-            cpu_threads = max(1, int(spec.replica_cpus))
-            torch.set_num_threads(1)
-        engine = LLMEngine(ecfg, progress=False)
-        gen_dir = {"vllm": None, "auto": engine.source.config_path.parent}.get(
-            spec.generation_config, Path(spec.generation_config).expanduser()
-        )
-        names = list(spec.served_model_names)
-        self.ctx = make_context(engine, names, gen_dir, spec.max_logprobs, cpu_threads, spec.reasoning_parser)
-        app = build_app(self.ctx, api_key=spec.api_key, shutdown_timeout=spec.shutdown_timeout)
+        built = load_factory(spec.app_factory)(spec, spec.replica_cpus)
+        self.alive = built.alive
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.runner = AppRunner(app, extra_headers=[(REPLICA_HEADER, self.replica_id.encode())])
+        self.runner = AppRunner(built.app, extra_headers=[(REPLICA_HEADER, self.replica_id.encode())])
         await self.runner.start()
 
     async def forward(self, req: ForwardedRequest, route_key: str | None = None) -> AsyncIterator[Any]:
@@ -131,9 +114,9 @@ class EngineReplica:
             yield item
 
     def check_health(self) -> None:
-        """Ray Serve replaces a replica whose engine thread has died."""
-        if not self.ctx.engine.alive:
-            raise RuntimeError("the engine thread has stopped")
+        """Ray Serve replaces a replica whose engine has stopped."""
+        if not self.alive():
+            raise RuntimeError("the engine has stopped")
 
     async def __del__(self) -> None:
         await self.runner.stop()

@@ -12,7 +12,8 @@ ROUTINGS = ("least-loaded", "prefix")
 
 @dataclass(frozen=True)
 class DeploySpec:
-    """One engine per replica (`engine`: `EngineConfig` keyword arguments) served by `build_app`.
+    """One engine per replica (`engine`: `EngineConfig` keyword arguments) served by `build_app`, or
+    what another `app_factory` builds from `engine` (see `replica_app`).
 
     Replica count: fixed at `replicas`, or autoscaled between `min_replicas` and `max_replicas`
     (starting at `replicas`, clamped) towards `target_ongoing_requests` per replica when
@@ -23,6 +24,7 @@ class DeploySpec:
     """
 
     engine: dict[str, Any] = field(default_factory=dict)
+    app_factory: str = "metainfer.deploy.replica_app:llm_app"  # "module:function" building a ReplicaApp
     served_model_names: tuple[str, ...] = ("default",)
     api_key: str | None = None
     generation_config: str = "auto"  # auto | vllm | a folder holding generation_config.json
@@ -69,6 +71,7 @@ class DeploySpec:
         need(self.replica_cpus > 0 and self.ingress_cpus >= 0, "--replica-cpus must be > 0")
         need(self.ingress_replicas >= 1, f"--ingress-replicas must be >= 1, got {self.ingress_replicas}")
         need(len(self.served_model_names) >= 1, "at least one served model name")
+        need(self.app_factory.count(":") == 1, f"app_factory is 'module:function', not {self.app_factory!r}")
 
     @property
     def autoscaling(self) -> dict[str, Any] | None:
@@ -119,5 +122,5 @@ def spec_from_args(args: argparse.Namespace, use_gpu: bool) -> DeploySpec:
         retry_after_s=args.retry_after,
         use_gpu=use_gpu,
         replica_cpus=args.replica_cpus,
-        ingress_replicas=args.ingress_replicas,
+        ingress_replicas=args.ingress_replicas or args.replicas,
     )
