@@ -60,6 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     judge.add_argument("--json", type=Path, default=None, help="write the verdict here (default: none)")
     judge.add_argument("--no-record", action="store_true", help="write no KB record")
     judge.add_argument("--no-ratchet", action="store_true", help="leave the ratchet branch alone")
+    judge.add_argument(
+        "--in-place",
+        action="store_true",
+        help="judge with this checkout's metainfer/loop, not the base revision's (which `loop judge` "
+        "otherwise runs, from a copy taken with git archive)",
+    )
     judge.set_defaults(func=_judge)
 
     run = loop.add_parser(
@@ -171,6 +177,10 @@ def _judge(args: argparse.Namespace) -> int:
     work = (args.work or _run_root(repo, cfg) / "judge" / f"{base[:10]}-{cand[:10]}").resolve()
     if repo in work.parents:  # never committed by accident
         gitops.exclude(repo, "/" + work.relative_to(repo).parts[0] + "/")
+    if not args.in_place:
+        rc = _judge_frozen(args, repo, base, cand, work)
+        if rc is not None:
+            return rc
     try:
         v = Judge(repo, cfg, work, lambda m: print(m, file=sys.stderr, flush=True)).judge(base, cand)
     except JudgeError as e:
@@ -184,6 +194,56 @@ def _judge(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(v.to_dict(), indent=1))
     _print_verdict(v)
     return 0 if v.accepted else 1
+
+
+def _judge_frozen(args: argparse.Namespace, repo: Path, base: str, cand: str, work: Path) -> int | None:
+    """Runs this same judge with the base revision's own metainfer package (a git archive copy, run from
+    its folder, so that neither this checkout nor the candidate's code is imported): its exit code, or
+    None when the base has no metainfer/loop to run."""
+    import os
+    import shutil
+    import subprocess
+
+    from metainfer.loop import gitops
+
+    code = work / "judge-code"
+    shutil.rmtree(code, ignore_errors=True)
+    try:
+        gitops.extract(repo, base, code, "metainfer", ":(exclude)metainfer/assets")
+    except gitops.GitError:
+        pass
+    cli = code / "metainfer" / "loop" / "cli.py"
+    if not cli.is_file() or "--in-place" not in cli.read_text():
+        print(
+            f"judge: {base[:10]} has no metainfer/loop judge to run: judging with this checkout's",
+            file=sys.stderr,
+        )
+        shutil.rmtree(code, ignore_errors=True)
+        return None
+    argv = [
+        sys.executable,
+        "-m",
+        "metainfer.cli",
+        "loop",
+        "judge",
+        "--in-place",
+        "--repo",
+        str(repo),
+        "--base",
+        base,
+        "--candidate",
+        cand,
+        "--work",
+        str(work),
+    ]
+    argv += ["--config", str(args.config.resolve())] if args.config else []
+    argv += ["--json", str(args.json.resolve())] if args.json else []
+    argv += ["--no-record"] * args.no_record + ["--no-ratchet"] * args.no_ratchet
+    print(f"judge: running the base revision's metainfer/loop ({base[:10]})", file=sys.stderr, flush=True)
+    try:
+        return subprocess.run(argv, cwd=code, env={**os.environ, "PYTHONPATH": str(code)}).returncode
+    finally:
+        shutil.rmtree(code, ignore_errors=True)
 
 
 def _print_verdict(v) -> None:

@@ -68,9 +68,9 @@ def is_ancestor(repo: Path, old: str, new: str) -> bool:
     return subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", old, new]).returncode == 0
 
 
-def extract(repo: Path, sha: str, dest: Path) -> Path:
-    """The tree of commit `sha` written into `dest` as plain files (no .git)."""
-    r = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", sha], capture_output=True)
+def extract(repo: Path, sha: str, dest: Path, *paths: str) -> Path:
+    """The tree of commit `sha` (only `paths` when given) written into `dest` as plain files (no .git)."""
+    r = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", sha, *paths], capture_output=True)
     if r.returncode != 0:
         raise GitError(f"git archive {sha}: {r.stderr.decode(errors='replace').strip()}")
     dest.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ class Verdict:
     tests: dict[str, Any] = field(default_factory=lambda: {"passed": None, "log": None})
     findings: list[str] = field(default_factory=list)
     commands: dict[str, str] = field(default_factory=dict)  # step -> the command line it ran
-    roofline: dict[str, Any] = field(default_factory=dict)  # workload -> the candidate's roofline figures
+    roofline: dict[str, Any] = field(default_factory=dict)  # side -> workload -> its JSON's "roofline"
     steps: dict[str, dict] = field(default_factory=dict)  # command name -> {"rc", "seconds"}
     device_s: float = 0.0  # time spent in the judge's commands
     seconds: float = 0.0
@@ -266,8 +266,8 @@ class Judge:
                         if side == "base":
                             raise JudgeError(msg) from None
                         raise _CandidateBenchFailed(msg) from None
-                    if side == "candidate" and isinstance(doc.get("roofline"), dict):
-                        v.roofline[w.name] = doc["roofline"]
+                    if isinstance(doc.get("roofline"), dict):
+                        v.roofline.setdefault(side, {})[w.name] = doc["roofline"]
                 self.log(
                     f"judge: round {rnd} {side}: "
                     + ", ".join(f"{k} {vals[-1]:.4g}" for k, vals in figures[side].items())

@@ -196,8 +196,9 @@ class LoopRun:
         if v.figures:
             side = "candidate_median" if v.accepted else "base_median"
             self.state["figures"] = {k: f[side] for k, f in v.figures.items()}
-        if v.roofline and v.accepted:
-            self.state["roofline"] = v.roofline
+        roof = v.roofline.get("candidate" if v.accepted else "base")
+        if roof:  # the head's, as the figures
+            self.state["roofline"] = roof
         it.update(
             status="accepted" if v.accepted else "rejected",
             category=v.category,

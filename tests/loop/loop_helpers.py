@@ -166,7 +166,7 @@ SLOW_ANCHOR = "        batch = self.scheduler.schedule()\n"
 SLOWDOWN = "        time.sleep(0.05)  # planted: the loop's tests remove it again\n"
 
 
-def make_engine_repo(tmp: Path) -> tuple[Path, str]:
+def make_engine_repo(tmp: Path, rev: str = "HEAD") -> tuple[Path, str]:
     """(repo, the slowed commit): this repository's committed package, pyproject and the few tests the
     judge runs, in a fresh git repository of two commits: as committed, then a sleep in every engine step."""
     repo = tmp / "engine"
@@ -180,7 +180,7 @@ def make_engine_repo(tmp: Path) -> tuple[Path, str]:
         "tests/test_settings.py",
     ]
     tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", *paths], check=True, capture_output=True
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, *paths], check=True, capture_output=True
     ).stdout
     with tarfile.open(fileobj=BytesIO(tar)) as t:
         t.extractall(repo, filter="data")

@@ -12,11 +12,13 @@ import json
 
 import pytest
 
+from metainfer.cli import main
 from metainfer.kb.records import load_all
 from metainfer.loop import gitops
 from metainfer.loop.config import parse
 from metainfer.loop.run import LoopRun
-from tests.loop.loop_helpers import SLOWDOWN, engine_config, make_engine_repo, write_plan
+from metainfer.loop.template import render
+from tests.loop.loop_helpers import SLOWDOWN, commit, engine_config, make_engine_repo, write_plan
 
 ENGINE = "metainfer/engine/engine.py"
 
@@ -121,3 +123,30 @@ def test_the_issue_sequence(tmp_path, monkeypatch):
     assert r.status == "reverted" and r.oracle["passed"] is True and "noise band" in r.lesson
     assert its[6]["status"] == "agent_failed"  # (e)
     assert len(recs) == 6
+
+
+def test_judge_cli_runs_the_base_revisions_loop(tmp_path, capsys):
+    """`loop judge` runs the base revision's metainfer/loop, not this checkout's: a rule only the base's
+    tamper check has rejects the candidate."""
+    repo, slow = make_engine_repo(tmp_path)
+    rules = repo / "metainfer/loop/tamper.py"
+    text = rules.read_text()
+    assert "FORBIDDEN = {\n" in text
+    rules.write_text(
+        text.replace("FORBIDDEN = {\n", 'FORBIDDEN = {\n    r"\\bSENTINEL\\b": "a rule of the base",\n', 1)
+    )
+    base = commit(repo, "loop: one more tamper rule")
+    eng = repo / ENGINE
+    eng.write_text(eng.read_text() + "\nSENTINEL = 1\n")
+    cand = commit(repo, "engine: a sentinel")
+    cfg = tmp_path / "loop.toml"
+    cfg.write_text(render(engine_config(tmp_path / "kb")))
+    rc = main(
+        ["loop", "judge", "--repo", str(repo), "--base", base, "--candidate", cand, "--config", str(cfg)]
+    )
+    out = capsys.readouterr()
+    assert rc == 1, out.err[-2000:]
+    assert "running the base revision's metainfer/loop" in out.err
+    assert "REJECTED (tamper)" in out.out and "a rule of the base" in out.out
+    (rec,) = load_all(tmp_path / "kb")
+    assert rec.status == "reverted" and "a rule of the base" in rec.lesson
