@@ -125,7 +125,7 @@ def test_the_issue_sequence(tmp_path, monkeypatch):
     assert len(recs) == 6
 
 
-def test_judge_cli_runs_the_base_revisions_loop(tmp_path, capsys):
+def test_judge_cli_runs_the_base_revisions_loop(tmp_path, capfd):
     """`loop judge` runs the base revision's metainfer/loop, not this checkout's: a rule only the base's
     tamper check has rejects the candidate."""
     repo, slow = make_engine_repo(tmp_path)
@@ -144,7 +144,7 @@ def test_judge_cli_runs_the_base_revisions_loop(tmp_path, capsys):
     rc = main(
         ["loop", "judge", "--repo", str(repo), "--base", base, "--candidate", cand, "--config", str(cfg)]
     )
-    out = capsys.readouterr()
+    out = capfd.readouterr()
     assert rc == 1, out.err[-2000:]
     assert "running the base revision's metainfer/loop" in out.err
     assert "REJECTED (tamper)" in out.out and "a rule of the base" in out.out
