@@ -153,13 +153,21 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (1: shared cores stall multi-threaded ops)"
     )
     ap.add_argument("--eval-scenes", type=int, default=200)
+    ap.add_argument("--new-tokenizer", action="store_true", help="train the tokenizer even if --out has one")
     ap.add_argument("--out", default=str(ROOT / "metainfer" / "assets" / "sam_default"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    hf_tok = train_tokenizer(all_prompts(), 512)
-    hf_tok.save(str(out / "tokenizer.json"))
+    # the `tokenizers` BPE trainer breaks frequency ties in no fixed order: an existing tokenizer.json is
+    # reused so that a rerun with the same seed trains the same model
+    if (out / "tokenizer.json").is_file() and not args.new_tokenizer:
+        from tokenizers import Tokenizer
+
+        hf_tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    else:
+        hf_tok = train_tokenizer(all_prompts(), 512)
+        hf_tok.save(str(out / "tokenizer.json"))
     config = default_config(hf_tok.get_vocab_size())
     tok = PromptTokenizer(hf_tok, config.text_context)
     model = init_model(config, args.seed)

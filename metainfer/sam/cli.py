@@ -65,8 +65,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "overlay per image and prompt into --out; with --json prints one JSON document on stdout (masks as "
         "COCO RLE at the image's own size).",
     )
-    s.add_argument("--image", required=True, action="append", metavar="PATH", help="image file or directory")
-    s.add_argument("--prompt", required=True, action="append", metavar="TEXT", help="noun phrase; repeatable")
+    s.add_argument(
+        "--image",
+        required=True,
+        action="append",
+        metavar="PATH",
+        help="image file or directory; repeatable (no default: required)",
+    )
+    s.add_argument(
+        "--prompt",
+        required=True,
+        action="append",
+        metavar="TEXT",
+        help="noun phrase; repeatable (no default: required)",
+    )
     s.add_argument("--out", default="sam_out", metavar="DIR", help="directory for the PNG overlays")
     s.add_argument("--no-overlays", action="store_true", help="write no PNG files")
     s.add_argument("--json", action="store_true", help="print the detections as one JSON document on stdout")

@@ -178,6 +178,23 @@ def verify(
     r = _cat(refs)
     log(f"reference: {len(suite.cases)} images ({time.perf_counter() - t0:.1f} s)")
 
+    lowp_drift = None
+    if p0.dtype != torch.float32:  # the reference's own drift in our precision: context for the gates
+        t0 = time.perf_counter()
+        lows, start = [], 0
+        for i, c in enumerate(suite.cases):
+            n = len(c.prompts)
+            lows.append(ref(pixels[i : i + 1], ids[start : start + n], valid[start : start + n], p0.dtype))
+            start += n
+        low = _cat(lows)
+        lowp_drift = {
+            "dtype": str(p0.dtype).removeprefix("torch."),
+            "score_max_abs_diff": (low.scores() - r.scores()).abs().max().item(),
+            "box_l1_max": _box_l1(low, r),
+            "mask_logit_cosine_min": _mask_cos(low.masks, r.masks).min().item(),
+        }
+        log(f"reference in {lowp_drift['dtype']} ({time.perf_counter() - t0:.1f} s)")
+
     figures: dict[str, float] = {}
     details: dict[str, str] = {}
     so, sr = ours.scores(), r.scores()
@@ -241,6 +258,7 @@ def verify(
         "mask_threshold": MASK_THRESHOLD,
         "kept_ours": sum(len(d.query) for d in det_o),
         "kept_reference": sum(len(d.query) for d in det_r),
+        "reference_own_drift": lowp_drift,
     }
     return Verdict(all(c.passed for c in checks), checks, context)
 
@@ -279,6 +297,12 @@ def format_table(v: Verdict) -> str:
         rows.append(
             f"{c.name:32} {c.value:12.6g}  {c.op} {c.gate:<9.4g}  {'PASS' if c.passed else 'FAIL'}"
             + (f"  ({c.detail})" if c.detail else "")
+        )
+    d = v.context.get("reference_own_drift")
+    if d:
+        rows.append(
+            f"reference's own {d['dtype']} drift from its fp32 run: score {d['score_max_abs_diff']:.3g}, "
+            f"box L1 {d['box_l1_max']:.3g}, mask cosine {d['mask_logit_cosine_min']:.6f}"
         )
     rows.append(
         f"verdict: {'PASS' if v.passed else 'FAIL'} ({sum(c.passed for c in v.checks)}/{len(v.checks)})"

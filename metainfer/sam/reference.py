@@ -5,6 +5,7 @@ the model under test (copied from it, so a checkpoint is read once). Code this p
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -39,13 +40,23 @@ class Reference:
         self.device = device
 
     @torch.no_grad()
-    def __call__(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor) -> SamOutput:
-        """One image [1, 3, S, S] (fp32) and its P prompts -> outputs for the P prompts."""
+    def __call__(
+        self, pixel_values: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, dtype=torch.float32
+    ) -> SamOutput:
+        """One image [1, 3, S, S] and its P prompts -> outputs (fp32) for the P prompts. A dtype other than
+        fp32 runs a copy of the reference in that precision (its own drift, for the report)."""
+        model = self.model
+        if dtype != torch.float32:
+            if getattr(self, "_lowp", (None, None))[0] != dtype:
+                self._lowp = (dtype, copy.deepcopy(self.model).to(dtype))
+            model = self._lowp[1]
         p = input_ids.shape[0]
         with no_tf32():
-            o = self.model(
-                pixel_values=pixel_values.float().expand(p, -1, -1, -1),
+            o = model(
+                pixel_values=pixel_values.to(dtype).expand(p, -1, -1, -1),
                 input_ids=input_ids,
                 attention_mask=valid.long(),
             )
-        return SamOutput(o.pred_logits, o.presence_logits, o.pred_boxes, o.pred_masks)
+        return SamOutput(
+            o.pred_logits.float(), o.presence_logits.float(), o.pred_boxes.float(), o.pred_masks.float()
+        )

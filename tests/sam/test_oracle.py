@@ -53,3 +53,19 @@ def test_catches_mutant(name, tiny, tok, setup):
     failed = {c.name for c in v.checks if not c.passed}
     assert not v.passed
     assert EXPECTED[name] <= failed, failed
+
+
+def test_low_precision_run_reports_the_references_own_drift(tiny, tok, setup):
+    import copy
+
+    import torch
+
+    from metainfer.sam.weights import init_buffers
+
+    ref, suite = setup
+    low = copy.deepcopy(tiny).to(torch.bfloat16)
+    init_buffers(low, "cpu")
+    v = verify(low, tok, suite, ref)
+    d = v.to_json()["reference_own_drift"]
+    assert d["dtype"] == "bfloat16" and 0 < d["score_max_abs_diff"] < 0.2
+    assert "reference's own bfloat16 drift" in format_table(v)
