@@ -84,7 +84,7 @@ def test_openai_client_completions_chat_and_streams(client: openai.OpenAI) -> No
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
-def test_load_spreads_across_both_replicas(client: openai.OpenAI) -> None:
+def test_load_spreads_across_both_replicas(base_url: str, client: openai.OpenAI) -> None:
     seen: list[str] = []
 
     def one(i: int) -> None:
@@ -98,6 +98,37 @@ def test_load_spreads_across_both_replicas(client: openai.OpenAI) -> None:
         t.join()
     counts = Counter(seen)
     assert len(seen) == 12 and len(counts) == 2 and min(counts.values()) >= 3, counts
+    served = {r: _counter(text, 'outcome="length"') for r, text in _replica_metrics(base_url).items()}
+    assert set(served) == set(counts) and min(served.values()) >= 3, served  # each replica's own count
+
+
+def _replica_metrics(base_url: str, tries: int = 60) -> dict[str, str]:
+    """Each replica's /metrics text (a request reaches one replica; its header says which)."""
+    out: dict[str, str] = {}
+    for _ in range(tries):
+        r = httpx.get(base_url + "/metrics", timeout=60)
+        out[r.headers["x-metainfer-replica"]] = r.text
+        if len(out) == 2:
+            break
+    return out
+
+
+def _counter(text: str, label: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("metainfer:requests_total{") and label in line)
+
+
+def test_a_client_that_disconnects_aborts_its_request_on_the_replica(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        home = r.headers["x-metainfer-replica"]
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 60
+    while _counter(_replica_metrics(base_url)[home], 'outcome="abort"') < 1:
+        assert time.monotonic() < deadline, "the replica never aborted the request"
+        time.sleep(0.5)
 
 
 def test_bad_input_is_still_4xx(base_url: str, client: openai.OpenAI) -> None:
