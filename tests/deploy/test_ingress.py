@@ -122,3 +122,20 @@ def test_replica_lost_mid_stream_ends_the_stream_with_an_error_event() -> None:
 def test_a_finished_stream_is_not_cancelled() -> None:
     h = FakeHandle([SSE_HEAD, b"data: [DONE]\n\n"])
     assert _serve(h, CHAT)[2] == b"data: [DONE]\n\n" and not h.streams[0].cancelled
+
+
+def test_flags_become_the_deployments_bounds_router_and_resources() -> None:
+    from metainfer.deploy.ray_serve import PrefixAffinityRouter, build
+
+    app = build({"replicas": "2", "min_replicas": "1", "max_replicas": "4", "target_ongoing_requests": "8",
+                 "routing": "prefix", "device": "cpu", "replica_cpus": "0.5", "max_num_seqs": "16"})
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    cfg = engine._deployment_config
+    auto = cfg.autoscaling_config
+    bounds = (auto.min_replicas, auto.initial_replicas, auto.max_replicas, auto.target_ongoing_requests)
+    assert bounds == (1, 2, 4, 8)
+    assert cfg.max_ongoing_requests == 16 and cfg.max_queued_requests == 4 * 16
+    assert cfg.request_router_config.request_router_class.endswith(PrefixAffinityRouter.__name__)
+    assert engine.ray_actor_options == {"num_cpus": 0.5}  # no GPU asked on a CPU deployment
+    assert ingress._deployment_config.num_replicas == 2
