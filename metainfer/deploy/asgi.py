@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -119,9 +120,10 @@ class AppRunner:
                 msg, pending = (pending if pending is not None else await out.get()), None
                 if msg is _END or isinstance(msg, Exception):
                     if not started:
+                        from metainfer.server.protocol import error_body
+
                         yield ResponseHead(500, [(b"content-type", b"application/json"), *self.extra_headers])
-                        yield b'{"error":{"message":"internal server error","type":"InternalServerError",' \
-                              b'"param":null,"code":500}}'
+                        yield json.dumps(error_body("internal server error", 500)).encode()
                     return
                 if msg["type"] == "http.response.start":
                     started = True

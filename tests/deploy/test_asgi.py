@@ -81,3 +81,22 @@ def test_a_consumer_that_leaves_aborts_its_requests() -> None:
         await runner.stop()
 
     asyncio.run(main())
+
+
+def test_an_app_that_fails_before_answering_is_a_500() -> None:
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        raise RuntimeError("boom")
+
+    async def main() -> None:
+        runner = AppRunner(app)
+        await runner.start()
+        head, body, _ = await _collect(runner, _post("/v1/completions", {}))
+        assert head.status == 500 and json.loads(body)["error"]["type"] == "InternalServerError"
+        await runner.stop()
+
+    asyncio.run(main())
