@@ -28,6 +28,7 @@ Routers (run in each ingress, one per handle):
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from collections.abc import AsyncIterator
@@ -189,9 +190,9 @@ class OpenAIIngress:
         try:
             head = await gen.__anext__()
         except BackPressureError:
-            retry = max(1, round(self.spec.retry_after_s))
+            retry = str(math.ceil(self.spec.retry_after_s))  # whole seconds, as Retry-After takes
             return error_response(
-                "every replica is busy and the queue is full; retry later", 429, {"Retry-After": str(retry)}
+                "every replica is busy and the queue is full; retry later", 429, {"Retry-After": retry}
             )
         except _REPLICA_GONE as e:
             return error_response(_gone_message(e), 503)
