@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from metainfer.loop import record
+from metainfer.loop import gitops, record
 from metainfer.loop.config import LoopConfig
-from metainfer.loop.judge import run_command
+from metainfer.loop.judge import protected_patterns, run_command
 
 LAST_VERDICTS = 10
 KB_REVERTED = 20
@@ -88,7 +88,7 @@ def write(path: Path, repo: Path, cfg: LoopConfig, state: dict[str, Any], wt: Pa
         "",
         "## How you are judged",
         "1. The diff may not touch these paths (rejected as tampering before anything runs): "
-        + ", ".join(f"`{p}`" for p in cfg.protected)
+        + ", ".join(f"`{p}`" for p in protected_patterns(repo, cfg, gitops.rev(wt, "HEAD")))
         + "; nor may added lines import the judge's modules,",
         "   transformers, or patch the interpreter (metainfer/loop/tamper.py).",
         "2. The CPU tests: " + (f"`{' '.join(cfg.tests.command)}`" if cfg.tests else "none") + ".",

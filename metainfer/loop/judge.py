@@ -107,6 +107,7 @@ def tail(path: Path, n: int = 6) -> str:
         lines = path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
+    lines = lines[1:] if lines and lines[0].startswith("$ ") else lines  # run_command's header
     return " | ".join(line.strip() for line in lines[-n:])[-600:]
 
 
@@ -123,6 +124,14 @@ def machine_gpu(cfg: LoopConfig) -> str:
     if cfg.boundary.gpu.lower() not in ("", "cpu") and cfg.boundary.gpu.lower() not in name.lower():
         raise JudgeError(f"this machine's GPU is {name}; loop.toml's boundary.gpu is {cfg.boundary.gpu}")
     return name
+
+
+def protected_patterns(repo: Path, cfg: LoopConfig, base: str) -> tuple[str, ...]:
+    """loop.toml's protected patterns plus the files of `base` that the judge's commands name."""
+    commands = [cfg.oracle.command, *(w.command for w in cfg.workloads)]
+    if cfg.tests:
+        commands.append(cfg.tests.command)
+    return cfg.protected + tuple(tamper.command_files(commands, set(gitops.tree_files(repo, base))))
 
 
 class Judge:
@@ -192,10 +201,7 @@ class Judge:
 
         if not files:
             return done(False, "empty", "the candidate changes nothing")
-        commands = [cfg.oracle.command, *(w.command for w in cfg.workloads)]
-        if cfg.tests:
-            commands.append(cfg.tests.command)
-        patterns = cfg.protected + tuple(tamper.command_files(commands, set(gitops.tree_files(repo, base))))
+        patterns = protected_patterns(repo, cfg, base)
         findings = tamper.check_paths(files, patterns)
         findings += tamper.check_added_lines(gitops.diff_text(repo, base, cand), cfg.forbidden)
         if findings:

@@ -9,15 +9,22 @@ from typing import Any
 from metainfer.loop.config import LoopConfig
 
 
-def series(cfg: LoopConfig, state: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
-    """metric -> (iteration, the ratchet head's figure after it) for every judged iteration."""
-    out: dict[str, list[tuple[int, float]]] = {m.name: [] for m in cfg.metrics}
+def series(cfg: LoopConfig, state: dict[str, Any]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """metric -> {"head": [(iteration, the ratchet head's figure after it)], "candidate": [(iteration, the
+    candidate's figure)]} over the judged iterations; the head's line starts at iteration 0 with the first
+    base measured."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {
+        m.name: {"head": [], "candidate": []} for m in cfg.metrics
+    }
     for it in state.get("iterations", []):
         for name, f in (it.get("figures") or {}).items():
-            if name in out:
-                out[name].append(
-                    (it["n"], f["candidate_median"] if it["status"] == "accepted" else f["base_median"])
-                )
+            if name not in out:
+                continue
+            head = out[name]["head"]
+            if not head:
+                head.append((0, f["base_median"]))
+            head.append((it["n"], f["candidate_median"] if it["status"] == "accepted" else f["base_median"]))
+            out[name]["candidate"].append((it["n"], f["candidate_median"]))
     return out
 
 
@@ -32,15 +39,29 @@ def plot(cfg: LoopConfig, state: dict[str, Any], path: Path) -> str | None:
         return "no plot: matplotlib is not installed (pip install matplotlib)"
     data = series(cfg, state)
     fig, axes = plt.subplots(len(data), 1, figsize=(7, 2.4 * len(data)), squeeze=False)
-    for ax, (name, pts) in zip(axes[:, 0], data.items()):
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", drawstyle="steps-post")
+    for ax, (name, s) in zip(axes[:, 0], data.items()):
+        head, cand = s["head"], s["candidate"]
+        if head:
+            ax.plot(
+                [p[0] for p in head],
+                [p[1] for p in head],
+                marker="o",
+                drawstyle="steps-post",
+                label="ratchet head",
+            )
+            ax.scatter(
+                [p[0] for p in cand], [p[1] for p in cand], marker="x", color="gray", label="candidate"
+            )
         m = cfg.metric(name)
-        if m.target is not None:
+        values = [p[1] for p in head + cand]
+        if m.target is not None and (not values or min(values) / 3 <= m.target <= 3 * max(values)):
             ax.axhline(m.target, linestyle="--", color="gray", label="target")
-            ax.legend(loc="best")
+        elif m.target is not None:
+            name = f"{name} (target {m.target:g})"
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
+        if head:
+            ax.legend(loc="best", fontsize="small")
     axes[-1, 0].set_xlabel("iteration")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -133,7 +133,19 @@ def defaults(target: str, device: str, model: str | None, dtype: str | None, gpu
         model = model or ""
         dtype = dtype or ("bfloat16" if cuda else "float32")
         engine = ["--model", "{model}", "--dtype", "{dtype}", "--device", "{device}"]
-        oracle = [py, "-m", "metainfer.cli", "sam", "verify", *engine, "--json", "{out}"]
+        oracle = [
+            py,
+            "-m",
+            "metainfer.cli",
+            "sam",
+            "verify",
+            "--suite",
+            "full" if cuda else "quick",
+            *engine,
+            "--json",
+            "{out}",
+        ]
+        # the Sammie benchmark's command and its images/s key: edit to match `metainfer sam bench`
         workloads = [
             {
                 "name": "images",

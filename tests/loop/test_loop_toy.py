@@ -164,6 +164,7 @@ def test_run_with_a_scripted_agent(toy):
     assert len(_records(tmp)) == 4  # the crash made no candidate, so no record
     brief = (tmp / "run/iter-002/brief.md").read_text()
     assert "calls_s" in brief and "iteration 1: accepted" in brief and "tests/**" in brief
+    assert "`judge/bench.py`" in brief  # a file the judge runs is protected too
     report = (tmp / "run/report.md").read_text()
     assert report.count("\n| ") == 6 and "![goal metrics](report.png)" in report
     assert (tmp / "run/report.png").stat().st_size > 1000
