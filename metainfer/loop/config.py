@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 TARGETS = ("qwen", "sam")
+# the judge, its thresholds and the tests; the models and configs of the boundary (a smaller model is faster)
 DEFAULT_PROTECTED = (
+    "metainfer/assets/**",
+    "metainfer/configs/**",
     "metainfer/oracle/**",
     "metainfer/bench/**",
     "metainfer/loop/**",

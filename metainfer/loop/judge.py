@@ -128,7 +128,8 @@ def machine_gpu(cfg: LoopConfig) -> str:
 
 def protected_patterns(repo: Path, cfg: LoopConfig, base: str) -> tuple[str, ...]:
     """loop.toml's protected patterns plus the files of `base` that the judge's commands name."""
-    commands = [cfg.oracle.command, *(w.command for w in cfg.workloads)]
+    model = cfg.boundary.model.removeprefix("dummy:")  # a config or model dir in the repository: fixed too
+    commands = [cfg.oracle.command, *(w.command for w in cfg.workloads), [model]]
     if cfg.tests:
         commands.append(cfg.tests.command)
     return cfg.protected + tuple(tamper.command_files(commands, set(gitops.tree_files(repo, base))))

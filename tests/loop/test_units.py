@@ -62,6 +62,8 @@ def test_protected_patterns():
         "benchmarks/ab_inproc.py",
         "metainfer/kb/records/KB-0001-x.json",
         "pyproject.toml",
+        "metainfer/assets/stdlib/model-00001-of-00002.safetensors",
+        "metainfer/configs/qwen3.6-35b-a3b.json",
     ):
         assert tamper.protected(path, pats), path
     for path in (
@@ -210,3 +212,21 @@ def test_tune_refuses_without_a_gpu(tmp_path, capsys):
     assert main(["tune", "--kernel", "fp8_skinny", "--repo", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "no GPU" in err[0]
+
+
+def test_the_boundarys_model_config_is_protected(tmp_path):
+    import subprocess
+
+    from metainfer.loop.judge import protected_patterns
+
+    (tmp_path / "cfgs").mkdir()
+    (tmp_path / "cfgs/model.json").write_text("{}")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    subprocess.run(
+        ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
+        check=True,
+    )
+    t = defaults("qwen", "cuda", "dummy:cfgs/model.json", None, None)
+    pats = protected_patterns(tmp_path, parse(t), "HEAD")
+    assert tamper.protected("cfgs/model.json", pats)
