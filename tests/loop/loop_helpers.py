@@ -92,7 +92,7 @@ def test_double():
 def toy_config(kb_dir: Path, rounds: int = 2, **over) -> dict:
     py = "{python}"
     cfg = {
-        "boundary": {"target": "qwen", "model": "toy", "dtype": "float32", "device": "cpu", "gpu": "cpu"},
+        "boundary": {"target": "qwen", "model": "a toy", "dtype": "float32", "device": "cpu", "gpu": "cpu"},
         "goal": {
             "primary": "calls_s",
             "min_gain": 0.10,

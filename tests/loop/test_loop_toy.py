@@ -65,6 +65,14 @@ def test_judge_verdicts_records_and_ratchet(toy, capsys):
         }
     )
     t_toml = propose({"edits": [edit("min_gain = 0.1", "min_gain = 0.0", "loop.toml")], "message": "loosen"})
+    broken = propose({"edits": [edit("return 2 * x", "return 2 * x + 1")], "message": "toy: off by one"})
+    # right where the oracle looks (0..2), failing where only the bench goes (3)
+    bench_fail = propose(
+        {
+            "edits": [edit("    time.sleep(DELAY)\n", "    time.sleep(DELAY)\n    assert x < 3\n")],
+            "message": "toy: x < 3",
+        }
+    )
     git(repo, "checkout", "-q", base)
 
     assert _judge_cli(repo, base, fix) == 0
@@ -73,6 +81,8 @@ def test_judge_verdicts_records_and_ratchet(toy, capsys):
     assert gitops.rev(repo, "loop/ratchet") == fix
     expect = {
         wrong: "oracle",
+        broken: "tests",
+        bench_fail: "bench",
         t_oracle: "tamper",
         t_test: "tamper",
         t_import: "tamper",
@@ -87,7 +97,7 @@ def test_judge_verdicts_records_and_ratchet(toy, capsys):
     assert _judge_cli(repo, base, "no-such-rev") == 2
 
     recs = {r.tags[2].removeprefix("commit:"): r for r in _records(tmp)}
-    assert len(recs) == 7  # every verdict but the empty diff's
+    assert len(recs) == 9  # every verdict but the empty diff's
     ok = recs[fix]
     assert ok.status == "kept" and ok.oracle["passed"] is True and Path(ok.oracle["verdict"]).is_file()
     assert ok.before["commit"] == base and ok.after["commit"] == fix and len(ok.after["diff_sha256"]) == 64
