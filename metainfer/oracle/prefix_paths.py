@@ -11,10 +11,10 @@ engine's own tokens, from the prompt's last position on):
    shares turn 1's sequence up to the middle of the block after that snapshot (a prefix ending
    mid-block: the hit stops at the snapshot, the partly shared block is recomputed);
 3. pressure: the oracle allocates free KV blocks (as a burst of other requests would) until
-   allocation has evicted the last cached block of turn 2's multi-turn sequence, then frees them;
-4. turn 3: that sequence + its tokens + a new message: its cached blocks now end one block short of
-   its newest snapshot, so the hit restores an older snapshot and recomputes the cached blocks
-   beyond it.
+   allocation has evicted the last cached block of turn 2's multi-turn sequence, then frees them,
+   and drops the snapshot at the end of the blocks left (if one is there);
+4. turn 3: that sequence + its tokens + a new message: the hit restores a snapshot older than its
+   cached blocks and recomputes the cached blocks beyond it.
 
 Coverage: each turn-2 and turn-3 request started from a hit, and turn 3's hit is shorter than its
 cached blocks (a snapshot older than the match).
@@ -31,30 +31,38 @@ from metainfer.oracle.suites import Suite
 MESSAGE = 7  # tokens of each new message
 
 
-def _cached_blocks(cache, seq: list[int]) -> int:
-    """How many of seq's leading full blocks the cache indexes now (`CacheManager.match`'s walk)."""
+def _hashes(cache, seq: list[int]) -> list[int]:
     hashes: list[int] = []
     extend_hashes(hashes, len(seq) // cache.block_size, cache.block_size, seq.__getitem__)
+    return hashes
+
+
+def _cached_blocks(cache, seq: list[int]) -> int:
+    """How many of seq's leading full blocks the cache indexes now (`CacheManager.match`'s walk)."""
+    hashes = _hashes(cache, seq)
     n = 0
     while n < len(hashes) and cache.blocks.lookup(hashes[n]) is not None:
         n += 1
     return n
 
 
-def _evict_tail(cache, seq: list[int]) -> int:
-    """Allocates free blocks until the last indexed block of seq is evicted, then frees them all.
-    -> blocks taken."""
-    bs = cache.block_size
+def _evict_to_older_snapshot(cache, seq: list[int]) -> tuple[int, int]:
+    """Free KV blocks are allocated (evicting cached ones, least recently freed first, as a burst of
+    other requests would) until seq's last cached block is evicted, then freed; the snapshot at the
+    end of seq's cached blocks left, if any, is dropped (as the snapshot pool's LRU eviction would:
+    taking slots until it goes would evict the older snapshots first).
+    -> (blocks taken, snapshots dropped)."""
+    hashes = _hashes(cache, seq)
     n = _cached_blocks(cache, seq)
-    if n == 0:
-        return 0
-    hashes: list[int] = []
-    extend_hashes(hashes, n, bs, seq.__getitem__)
-    taken: list[int] = []
-    while cache.blocks.lookup(hashes[n - 1]) is not None and cache.blocks.num_free:
-        taken += cache.blocks.take(1)
-    cache.blocks.give(taken)
-    return len(taken)
+    blocks: list[int] = []
+    while n and cache.blocks.lookup(hashes[n - 1]) is not None and cache.blocks.num_free:
+        blocks += cache.blocks.take(1)
+    cache.blocks.give(blocks)
+    n = _cached_blocks(cache, seq)
+    slot = cache.snapshots.lookup(hashes[n - 1]) if n else None
+    if slot is not None:
+        cache.snapshots.drop(slot, hashes[n - 1])
+    return len(blocks), int(slot is not None)
 
 
 def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], dict]:
@@ -83,7 +91,7 @@ def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], di
         t2 = [s1 + _ids(MESSAGE, vocab, gen), s1[: snap + bs // 2] + _ids(MESSAGE, vocab, gen)]
         s2 = t2[0] + drive(t2).tokens[0]
         cached_before = _cached_blocks(cache, s2) * bs
-        evicted_for = _evict_tail(cache, s2)
+        evicted_for = _evict_to_older_snapshot(cache, s2)
         matched = _cached_blocks(cache, s2) * bs
         drive([s2 + _ids(MESSAGE, vocab, gen)])
     merged = _Run([], [], [], [])
@@ -97,7 +105,7 @@ def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], di
         hits += [getattr(r, "num_cached_tokens", 0) for r in reqs]
     older = 0 < hits[3] < matched
     fig = {"prompt_lens": [len(p) for p in merged.prompts], "cached_tokens": hits,
-           "turn3_cached_tokens": [cached_before, matched], "blocks_taken_to_evict": evicted_for}  # fmt: skip
+           "turn3_cached_tokens": [cached_before, matched], "taken_to_evict": evicted_for}  # fmt: skip
     reached = (
         float(sum(h > 0 for h in hits[1:]) + older) if hits[0] == 0 else 0.0,
         4,
