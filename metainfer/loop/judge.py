@@ -50,6 +50,7 @@ class Verdict:
     commands: dict[str, str] = field(default_factory=dict)  # step -> the command line it ran
     roofline: dict[str, Any] = field(default_factory=dict)  # side -> workload -> its JSON's "roofline"
     steps: dict[str, dict] = field(default_factory=dict)  # command name -> {"rc", "seconds"}
+    base_oracle: bool | None = None  # the oracle on the base, when it had to run there
     device_s: float = 0.0  # time spent in the judge's commands
     seconds: float = 0.0
     record: str | None = None  # the KB record's path, once written
@@ -136,8 +137,20 @@ def protected_patterns(repo: Path, cfg: LoopConfig, base: str) -> tuple[str, ...
 
 
 class Judge:
-    def __init__(self, repo: Path, cfg: LoopConfig, work: Path, log: Callable[[str], None] = print) -> None:
+    """base_oracle: whether the oracle is known to pass on the base (None: unknown). When the candidate fails
+    it and the base's result is not known to be a pass, the oracle runs on the base too: a base that fails
+    it is a JudgeError, not a rejection of the candidate."""
+
+    def __init__(
+        self,
+        repo: Path,
+        cfg: LoopConfig,
+        work: Path,
+        log: Callable[[str], None] = print,
+        base_oracle: bool | None = None,
+    ) -> None:
         self.repo, self.cfg, self.work, self.log = repo, cfg, work, log
+        self.base_oracle = base_oracle
         self.device_s = 0.0
 
     # ---- the trees ------------------------------------------------------------------------------------
@@ -230,6 +243,24 @@ class Judge:
         r = self._run("oracle", cmd, ctree, cand, cfg.oracle.timeout_minutes, v)
         passed, summary = _oracle_result(out, r)
         v.oracle = {"passed": passed, "verdict": str(out) if out.exists() else None, "summary": summary}
+        if not passed and self.base_oracle is not True:
+            bout = self.work / "oracle.base.json"
+            bout.unlink(missing_ok=True)
+            rb = self._run(
+                "oracle.base",
+                cfg.fill(cfg.oracle.command, str(bout)),
+                btree,
+                base,
+                cfg.oracle.timeout_minutes,
+                v,
+            )
+            v.base_oracle, bsummary = _oracle_result(bout, rb)
+            if not v.base_oracle:
+                shutil.rmtree(self.work / "trees", ignore_errors=True)
+                raise JudgeError(
+                    f"the oracle fails on the base {base[:10]} too ({bsummary}): no candidate can "
+                    "be judged against it; fix the base first"
+                )
         if not passed:
             return done(False, "oracle", f"the oracle failed: {summary}")
 

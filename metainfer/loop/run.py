@@ -174,7 +174,10 @@ class LoopRun:
     def _judge(self, it: dict[str, Any]) -> None:
         work = Path(it["dir"]) / "judge"
         try:
-            v = Judge(self.repo, self.cfg, work, self.log).judge(it["base"], it["candidate"])
+            known = it["base"] in self.state.setdefault("oracle_passed", [])
+            v = Judge(self.repo, self.cfg, work, self.log, True if known else None).judge(
+                it["base"], it["candidate"]
+            )
         except JudgeError as e:
             it.update(status="error", category="error", reason=str(e))
             self.state["pending"] = None
@@ -193,6 +196,14 @@ class LoopRun:
             v.ratchet = gitops.fast_forward(self.repo, self.cfg.ratchet, v.candidate)
             v.save(work / "verdict.json")
         self.state["device_s"] += v.device_s
+        passed = self.state.setdefault(
+            "oracle_passed", []
+        )  # commits the oracle passed on: not run again there
+        passed += [
+            sha
+            for sha, ok in ((v.candidate, v.oracle.get("passed")), (v.base, v.base_oracle))
+            if ok and sha not in passed
+        ]
         if v.figures:
             side = "candidate_median" if v.accepted else "base_median"
             self.state["figures"] = {k: f[side] for k, f in v.figures.items()}

@@ -170,6 +170,9 @@ def test_run_with_a_scripted_agent(toy):
     )
     assert state["iterations"][4]["candidate"]  # the loop committed the agent's uncommitted change
     assert state["stopped"].startswith("iteration budget")
+    # the head passed the oracle as a candidate: a failing candidate does not make it run on the head again
+    steps = json.loads((tmp / "run/iter-002/judge/verdict.json").read_text())["steps"]
+    assert "oracle" in steps and "oracle.base" not in steps
     assert state["figures"]["calls_s"] > 50
     assert len(_records(tmp)) == 4  # the crash made no candidate, so no record
     brief = (tmp / "run/iter-002/brief.md").read_text()
@@ -228,6 +231,22 @@ def test_run_resumes_without_losing_or_repeating_a_verdict(toy, monkeypatch):
     state = json.loads((root / "state.json").read_text())
     assert [it["n"] for it in state["iterations"]] == [1, 2, 3] and state["pending"] is None
     assert len(_records(tmp)) == 3
+
+
+def test_a_base_the_oracle_fails_is_no_verdict(toy, capsys):
+    repo, cfg, tmp = toy
+    (repo / "toy/engine.py").write_text(
+        (repo / "toy/engine.py").read_text().replace("2 * x", "2 * x + (x == 1)")
+    )
+    base = commit(repo, "toy: wrong for 1, untested")
+    (repo / "toy/engine.py").write_text(
+        (repo / "toy/engine.py").read_text().replace("DELAY = 0.04", "DELAY = 0.01")
+    )
+    cand = commit(repo, "toy: faster")
+    assert _judge_cli(repo, base, cand) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the oracle fails on the base") and "double.1" in err[-1]
+    assert _records(tmp) == [] and not gitops.exists(repo, "loop/ratchet")
 
 
 class FakeKernel:
