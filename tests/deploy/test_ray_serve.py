@@ -22,7 +22,7 @@ from metainfer.deploy.spec import DeploySpec  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
 
 MODEL, KEY = "qwen-test", "test-key"
-PER_REPLICA = 16  # max_ongoing_requests: the 32 streams of the kill test fit
+PER_REPLICA = 20  # max_ongoing_requests: the kill test's 32 streams and 4 plain requests fit
 QUEUED = 32  # requests being routed count as queued: room for a burst
 
 
@@ -196,6 +196,16 @@ def _running_replicas() -> int:
 
 @pytest.mark.slow
 def test_a_replica_killed_under_32_streams_fails_only_its_own(base_url: str, client: openai.OpenAI) -> None:
+    plain: list[httpx.Response] = []
+
+    def post() -> None:
+        body = {"model": MODEL, "prompt": "class A:", "max_tokens": 200, "ignore_eos": True}
+        plain.append(httpx.post(base_url + "/v1/completions", json=body, timeout=300,
+                                headers={"Authorization": f"Bearer {KEY}"}))
+
+    posts = [threading.Thread(target=post, daemon=True) for _ in range(4)]
+    for t in posts:
+        t.start()
     streams = [Stream(base_url, max_tokens=200) for _ in range(32)]
     for s in streams:
         s.start()
@@ -211,6 +221,14 @@ def test_a_replica_killed_under_32_streams_fails_only_its_own(base_url: str, cli
     kept = [s for s in streams if s.replica != victim]
     assert all(s.end == "error" and s.chunks < 200 for s in lost), [(s.end, s.chunks) for s in lost]
     assert all(s.end == "done" and s.chunks == 200 for s in kept), [(s.end, s.chunks) for s in kept]
+    for t in posts:  # a plain request is answered in full by the survivor, or is a 503 JSON error
+        t.join(240)
+    assert len(plain) == 4
+    for r in plain:
+        if r.status_code == 200:
+            assert _replica(r) != victim and r.json()["usage"]["completion_tokens"] == 200
+        else:
+            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
     # new requests go to the survivor at once, and Ray brings the replica count back
     raw = client.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2)
     assert raw.parse().choices and _replica(raw) != victim
