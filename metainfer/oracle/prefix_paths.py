@@ -7,7 +7,7 @@ engine's own tokens, from the prompt's last position on):
 0. pressure: the oracle allocates every free block and frees them (every cached block is evicted,
    whatever ran before);
 1. turn 1: prompt P (cold); its decode crosses a block boundary, so its states are snapshot there;
-2. turn 2, one batch: P + turn 1's tokens + a new message (a multi-turn hit), and a prompt that
+2. turn 2, one batch: P + turn 1's tokens + a 2-block message (a multi-turn hit), and a prompt that
    shares turn 1's sequence up to the middle of the block after that snapshot (a prefix ending
    mid-block: the hit stops at the snapshot, the partly shared block is recomputed);
 3. pressure: the oracle allocates free KV blocks (as a burst of other requests would) until
@@ -28,7 +28,8 @@ from metainfer.oracle.engine_runs import greedy_batch
 from metainfer.oracle.paths import _gen, _ids, _judge, _Run, _window
 from metainfer.oracle.suites import Suite
 
-MESSAGE = 7  # tokens of each new message
+MESSAGE = 7  # tokens of a new message
+LATER_GEN = 4  # greedy tokens per request after turn 1
 
 
 def _hashes(cache, seq: list[int]) -> list[int]:
@@ -69,16 +70,15 @@ def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], di
     eng = llm.engine
     cache = eng.cache
     bs, vocab = cache.block_size, eng.model_config.vocab_size
-    gen_n = max(suite.gen_tokens, bs + 2)  # each decode crosses a block boundary: a snapshot
-    first = 2 * bs + 8
-    need = first + 3 * (gen_n + MESSAGE) + 1
+    first, gen1 = 2 * bs + 8, bs + 2  # turn 1's decode crosses a block boundary: a snapshot there
+    need = first + gen1 + 2 * bs + LATER_GEN + MESSAGE + LATER_GEN + 1
     if not cache.prefix_caching or need > eng.max_model_len:
         why = "prefix caching is off" if not cache.prefix_caching else f"needs max_model_len >= {need}"
         return [Check("path.prefix.coverage", None, ">= 4", False, why)], {"coverage": {}}
     gen = _gen(suite, "prefix")
     runs: list[tuple[_Run, list]] = []  # (run, each request's Request)
 
-    def drive(prompts: list[list[int]]) -> _Run:
+    def drive(prompts: list[list[int]], gen_n: int) -> _Run:
         run, reqs = _drive_requests(llm, prompts, gen_n)
         runs.append((run, reqs))
         return run
@@ -86,14 +86,15 @@ def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], di
     with _window(llm) as cov:
         cache.blocks.give(cache.blocks.take(cache.blocks.num_free))  # (0.) a clean start
         p1 = _ids(first, vocab, gen)
-        s1 = p1 + drive([p1]).tokens[0]
+        s1 = p1 + drive([p1], gen1).tokens[0]
         snap = (len(s1) - 1) // bs * bs  # turn 1's last decode snapshot
-        t2 = [s1 + _ids(MESSAGE, vocab, gen), s1[: snap + bs // 2] + _ids(MESSAGE, vocab, gen)]
-        s2 = t2[0] + drive(t2).tokens[0]
+        # the multi-turn message spans 2 blocks: turn 2's cached blocks reach one past the next boundary
+        t2 = [s1 + _ids(2 * bs, vocab, gen), s1[: snap + bs // 2] + _ids(MESSAGE, vocab, gen)]
+        s2 = t2[0] + drive(t2, LATER_GEN).tokens[0]
         cached_before = _cached_blocks(cache, s2) * bs
         evicted_for = _evict_to_older_snapshot(cache, s2)
         matched = _cached_blocks(cache, s2) * bs
-        drive([s2 + _ids(MESSAGE, vocab, gen)])
+        drive([s2 + _ids(MESSAGE, vocab, gen)], LATER_GEN)
     merged = _Run([], [], [], [])
     hits: list[int] = []
     for run, reqs in runs:
