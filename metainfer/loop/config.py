@@ -31,6 +31,11 @@ DEFAULT_PROTECTED = (
     "pytest.ini",
     "setup.cfg",
     "tox.ini",
+    # what Python or git run before the engine: startup hooks, path files, archive attributes
+    "sitecustomize.py",
+    "usercustomize.py",
+    "*.pth",
+    ".gitattributes",
 )
 
 

@@ -130,10 +130,14 @@ def machine_gpu(cfg: LoopConfig) -> str:
 def protected_patterns(repo: Path, cfg: LoopConfig, base: str) -> tuple[str, ...]:
     """loop.toml's protected patterns plus the files of `base` that the judge's commands name."""
     model = cfg.boundary.model.removeprefix("dummy:")  # a config or model dir in the repository: fixed too
-    commands = [cfg.oracle.command, *(w.command for w in cfg.workloads), [model]]
-    if cfg.tests:
-        commands.append(cfg.tests.command)
+    commands = [*_commands(cfg), [model]]
     return cfg.protected + tuple(tamper.command_files(commands, set(gitops.tree_files(repo, base))))
+
+
+def _commands(cfg: LoopConfig) -> list[tuple[str, ...]]:
+    return [cfg.oracle.command, *(w.command for w in cfg.workloads)] + (
+        [cfg.tests.command] if cfg.tests else []
+    )
 
 
 class Judge:
@@ -217,6 +221,9 @@ class Judge:
             return done(False, "empty", "the candidate changes nothing")
         patterns = protected_patterns(repo, cfg, base)
         findings = tamper.check_paths(files, patterns)
+        base_files = set(gitops.tree_files(repo, base))
+        roots = ("", *tamper.script_dirs(_commands(cfg), base_files))
+        findings += tamper.check_new_top_level(files, base_files, roots)
         findings += tamper.check_added_lines(gitops.diff_text(repo, base, cand), cfg.forbidden)
         if findings:
             v.findings = [str(f) for f in findings]

@@ -61,6 +61,31 @@ def check_paths(files: list[str], patterns: tuple[str, ...] | list[str]) -> list
     ]
 
 
+def check_new_top_level(
+    files: list[str], base_files: set[str], roots: tuple[str, ...] = ("",)
+) -> list[TamperFinding]:
+    """New modules in a folder that is first on a judge process's sys.path: the tree's root (where the
+    commands run) and the folder of every script they run. There a new `json.py` or `torch/` would shadow
+    the installed module of that name in the oracle's or the bench's own process."""
+    out = []
+    for root in roots:
+        pre = root.rstrip("/") + "/" if root else ""
+        names = {f[len(pre) :].split("/", 1)[0] for f in base_files if f.startswith(pre)}
+        for f in files:
+            if f in base_files or not f.startswith(pre) or not f.endswith((".py", ".so", ".pyd")):
+                continue
+            rest = f[len(pre) :]
+            if "/" not in rest or rest.split("/", 1)[0] not in names:
+                out.append(
+                    TamperFinding(
+                        f,
+                        f"a new module in {root or 'the root'}/, first on the judge's "
+                        "sys.path, where it could shadow an installed one",
+                    )
+                )
+    return out
+
+
 def check_added_lines(diff: str, extra: tuple[str, ...] | list[str] = ()) -> list[TamperFinding]:
     """Findings in the added lines of a unified diff (`git diff` output)."""
     rules = [(re.compile(r), why) for r, why in FORBIDDEN.items()]
@@ -77,6 +102,18 @@ def check_added_lines(diff: str, extra: tuple[str, ...] | list[str] = ()) -> lis
                 out.append(TamperFinding(path, why, line[1:]))
                 break
     return out
+
+
+def script_dirs(commands: list[list[str]] | list[tuple[str, ...]], tree_files: set[str]) -> tuple[str, ...]:
+    """The folders of the repository scripts the commands run (`python benchmarks/x.py`): first on those
+    processes' sys.path."""
+    dirs = {
+        a.rsplit("/", 1)[0]
+        for cmd in commands
+        for a in cmd
+        if a in tree_files and a.endswith(".py") and "/" in a
+    }
+    return tuple(sorted(dirs))
 
 
 def command_files(commands: list[list[str]] | list[tuple[str, ...]], tree_files: set[str]) -> list[str]:

@@ -230,3 +230,19 @@ def test_the_boundarys_model_config_is_protected(tmp_path):
     t = defaults("qwen", "cuda", "dummy:cfgs/model.json", None, None)
     pats = protected_patterns(tmp_path, parse(t), "HEAD")
     assert tamper.protected("cfgs/model.json", pats)
+
+
+def test_new_root_modules_could_shadow_installed_ones():
+    base = {"metainfer/engine.py", "README.md", "tools/x.py"}
+    found = tamper.check_new_top_level(
+        ["json.py", "torch/__init__.py", "metainfer/new.py", "tools/y.py", "notes.md", "docs/a.py"], base
+    )
+    assert [f.path for f in found] == ["json.py", "torch/__init__.py", "docs/a.py"]
+    # a script's folder is first on its process's sys.path too
+    found = tamper.check_new_top_level(
+        ["tools/y.py", "tools/z/__init__.py", "metainfer/n.py"], base, ("", "tools")
+    )
+    assert [f.path for f in found] == ["tools/y.py", "tools/z/__init__.py"]
+    assert tamper.script_dirs([["{python}", "tools/x.py", "{out}"]], base) == ("tools",)
+    for path in ("sitecustomize.py", "sub/usercustomize.py", "x.pth", ".gitattributes"):
+        assert tamper.protected(path, DEFAULT_PROTECTED), path
