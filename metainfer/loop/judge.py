@@ -80,7 +80,8 @@ class Ran:
 
 
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout_s: float) -> Ran:
-    """Runs cmd in its own process group (killed whole on timeout), stdout+stderr into `log`."""
+    """Runs cmd in its own process group, stdout+stderr into `log`. The group is killed whole when cmd
+    ends (what it left running), on timeout, and when the caller is interrupted."""
     t0 = time.perf_counter()
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as f:
@@ -97,10 +98,19 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeo
             rc = p.wait(timeout=timeout_s)
             return Ran(rc, time.perf_counter() - t0, log)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            _kill_group(p)
             f.write(f"\nerror: killed after {timeout_s:.0f} s\n".encode())
             return Ran(-9, time.perf_counter() - t0, log, timed_out=True)
+        finally:
+            _kill_group(p)
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    p.wait()
 
 
 def tail(path: Path, n: int = 6) -> str:
