@@ -9,12 +9,16 @@
 #      reference phase took 50 s BF16 / 120 s FP8 before NOISE_MAX_LEN); read its per-phase stderr lines
 #      (verify: PHASE SECONDS) and calibrate compare.GATES (noise_ratio_rmse 1.5, noise_ratio_kl 2.25,
 #      layer_ratio 1.3) against the honest ratios it prints.
-#   3. python -m pytest -q tests/gpu (H100 will do): test_moe_pair_rows_full_shapes' distinct-logits fix is unrun.
-#   4. python benchmarks/fp8_checkpoint.py --dir /tmp/ckpt --formats fp8 --keep --out $OUT, then
-#      metainfer verify --model /tmp/ckpt/fp8 --suite full (the published FP8 layout at full size).
-#   5. the dispatch plan and the runner's executors landed after the last GPU-checked build (5774444): carry
-#      `git archive 5774444 metainfer benchmarks` as .old, BUILDS="old:.old new:." bash benchmarks/gpu_before_after.sh
-#      (H100 will do: same greedy tokens_sha1, bs1 / bs32 / TTFT within 2 %), then the GPU tests and 1.-2. on it.
+#   3. metainfer verify --model /tmp/ckpt/fp8 --suite full after
+#      python benchmarks/fp8_checkpoint.py --dir /tmp/ckpt --formats fp8 --keep --out $OUT (the published FP8
+#      layout at full size: its write, load and bit-identity are measured; the oracle on it is not).
+#   4. prefix caching: `metainfer verify --suite full` (its prefix-hit suites) FP8 and BF16, then a multi-turn
+#      workload (8k shared system prompt + growing history, 256 new tokens a turn, 16 conversations): TTFT on a
+#      hit vs --no-enable-prefix-caching; logit_bias on CUDA: tests/server/test_common_surface.py on the GPU.
+#   5. throughput (c = 32): the grouped MoE's 29 swapped-operand configs at T = 32 / 64 are no faster than the
+#      current one (H100: 216.8 -> 212.5 us, 282.8 -> 277.9 us a layer): the step's gap to its byte floor is in
+#      the launches between kernels (569 a step at batch 32), the dense FP8 GEMMs at M = 32 (cuBLAS, 1.05 ms of
+#      12.3) and the gate/up kernel's ~75 % of peak bandwidth; measure ideas there on an H100 (relative).
 #   6. structured outputs' cost: gpu_serve.sh's c=32 FP8 run, then the same with bench serve --extra-body
 #      '{"guided_json": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}'
 #      on the same warm card (target: <= 5 % output tok/s).
