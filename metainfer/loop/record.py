@@ -34,12 +34,15 @@ def _figures(v: Verdict, side: str) -> dict:
     return out
 
 
-def build(v: Verdict, cfg: LoopConfig, rid: str) -> Record:
+def build(v: Verdict, cfg: LoopConfig, rid: str, repo: Path | None = None) -> Record:
+    """The record of verdict `v`; the oracle's verdict file named relative to `repo` when inside it."""
     b = cfg.boundary
     bench = "; ".join(f"{k}: {c}" for k, c in v.commands.items() if k.startswith("bench."))
     rounds = f" ({cfg.rounds} rounds, fresh processes, sides alternating)" if bench else ""
     oracle_note = v.oracle.get("summary") or ""
     verdict, passed = v.oracle.get("verdict"), v.oracle.get("passed")
+    if verdict and repo is not None and Path(verdict).resolve().is_relative_to(repo.resolve()):
+        verdict = Path(verdict).resolve().relative_to(repo.resolve()).as_posix()
     if passed is None:
         oracle_note = f"not run: rejected ({v.category}) before the oracle"
     elif not verdict:  # it ran but wrote no verdict: nothing to point at
@@ -71,4 +74,4 @@ def build(v: Verdict, cfg: LoopConfig, rid: str) -> Record:
 
 def write(v: Verdict, cfg: LoopConfig, repo: Path) -> Path:
     d = records_dir(repo, cfg)
-    return save(build(v, cfg, next_id(d)), d)
+    return save(build(v, cfg, next_id(d), repo), d)

@@ -99,7 +99,7 @@ def test_judge_verdicts_records_and_ratchet(toy, capsys):
     recs = {r.tags[2].removeprefix("commit:"): r for r in _records(tmp)}
     assert len(recs) == 9  # every verdict but the empty diff's
     ok = recs[fix]
-    assert ok.status == "kept" and ok.oracle["passed"] is True and Path(ok.oracle["verdict"]).is_file()
+    assert ok.status == "kept" and ok.oracle["passed"] is True and (repo / ok.oracle["verdict"]).is_file()
     assert ok.before["commit"] == base and ok.after["commit"] == fix and len(ok.after["diff_sha256"]) == 64
     assert ok.after["calls_s"] > 2 * ok.before["calls_s"] and len(ok.after["calls_s_runs"]) == 2
     assert ok.target.gpu == "cpu" and "judge/bench.py" in ok.benchmark and ok.files == ("toy/engine.py",)
