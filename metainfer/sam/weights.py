@@ -53,7 +53,11 @@ def load_checkpoint(path: str | Path, device: str | torch.device, dtype: torch.d
     names = set(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt", device=str(device)) as sf:
+        try:
+            sf = safe_open(str(f), framework="pt", device=str(device))
+        except Exception as e:  # the library's own error type: a corrupt or truncated file
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+        with sf:
             for key in sf.keys():
                 name = key
                 for p in CHECKPOINT_PREFIXES:
@@ -63,6 +67,12 @@ def load_checkpoint(path: str | Path, device: str | torch.device, dtype: torch.d
                     state[name] = sf.get_tensor(key).to(dtype)
                 elif not unused_key(config, name):
                     raise ValueError(f"{f.name}: unexpected tensor {key!r}")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    for name, t in state.items():
+        if t.shape != shapes[name]:
+            raise ValueError(
+                f"{d}: {name} has shape {tuple(t.shape)}, its config implies {tuple(shapes[name])}"
+            )
     missing = names - set(state)
     if missing:
         raise ValueError(f"{d}: missing tensors, e.g. {sorted(missing)[:5]}")

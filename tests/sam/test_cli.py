@@ -57,7 +57,16 @@ def test_segment_directory(scene_png, tiny_json, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "unreadable", "empty_prompt", "absurd_size", "empty_dir", "bad_model", "bad_threshold"],
+    [
+        "missing",
+        "unreadable",
+        "empty_prompt",
+        "absurd_size",
+        "empty_dir",
+        "bad_model",
+        "corrupt_model",
+        "bad_threshold",
+    ],
 )
 def test_segment_bad_input(case, scene_png, tiny_json, tmp_path, capsys):
     image, prompt, extra = str(scene_png), "red circle", ["--model", f"dummy:{tiny_json}"]
@@ -76,6 +85,11 @@ def test_segment_bad_input(case, scene_png, tiny_json, tmp_path, capsys):
         image = str(tmp_path / "d")
     elif case == "bad_model":
         extra = ["--model", str(tmp_path / "no_model")]
+    elif case == "corrupt_model":
+        (tmp_path / "ck").mkdir()
+        (tmp_path / "ck" / "config.json").write_text(open(tiny_json).read())
+        (tmp_path / "ck" / "model.safetensors").write_bytes(b"garbage")
+        extra = ["--model", str(tmp_path / "ck")]
     elif case == "bad_threshold":
         extra += ["--threshold", "1.5"]
     rc = main(["sam", "segment", "--image", image, "--prompt", prompt, "--out", str(tmp_path / "o"), *extra])
