@@ -3,7 +3,9 @@ response as picklable pieces: what a replica sends back to the ingress over a Ra
 
 `AppRunner.forward(req)` yields one `ResponseHead`, then `bytes` chunks: every body message the app
 has sent by the time the consumer asks for more, joined (so a slow consumer gets fewer, larger
-items). Cancelling the generator (the ingress gone, the client disconnected) makes the app's
+items). With `stream_interval_s` > 0, body chunks after the first are at least that far apart (what
+arrives meanwhile is joined): fewer, larger items through Ray at the price of burstier streams.
+Cancelling the generator (the ingress gone, the client disconnected) makes the app's
 `receive()` return `http.disconnect`, which is how `build_app`'s handlers notice a client leaving.
 """
 
@@ -46,9 +48,12 @@ class ResponseHead:
 class AppRunner:
     """Owns an ASGI app's lifespan (startup before the first request, shutdown on `stop`)."""
 
-    def __init__(self, app: Any, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    def __init__(
+        self, app: Any, extra_headers: list[tuple[bytes, bytes]] | None = None, stream_interval_s: float = 0.0
+    ) -> None:
         self.app = app
         self.extra_headers = list(extra_headers or [])
+        self.stream_interval_s = stream_interval_s
         self._lifespan_in: asyncio.Queue[dict[str, Any]] | None = None
         self._lifespan_out: asyncio.Queue[dict[str, Any]] | None = None
         self._lifespan_task: asyncio.Task[None] | None = None
@@ -113,6 +118,9 @@ class AppRunner:
                 out.put_nowait(_END)
 
         task = asyncio.create_task(run())
+        loop = asyncio.get_running_loop()
+        last_yield: float | None = None  # loop time of the last body chunk sent
+        interval = self.stream_interval_s
         started = False
         pending: Any = None  # a message taken off the queue while joining body chunks
         try:
@@ -133,8 +141,16 @@ class AppRunner:
                 if msg["type"] != "http.response.body":
                     continue
                 chunks, more = [msg.get("body", b"")], msg.get("more_body", False)
-                while more and not out.empty():
-                    nxt = out.get_nowait()
+                while more:
+                    if not out.empty():
+                        nxt = out.get_nowait()
+                    elif last_yield is not None and (left := last_yield + interval - loop.time()) > 0:
+                        try:
+                            nxt = await asyncio.wait_for(out.get(), left)
+                        except TimeoutError:
+                            break
+                    else:
+                        break
                     if not isinstance(nxt, dict) or nxt["type"] != "http.response.body":
                         pending = nxt
                         break
@@ -143,6 +159,7 @@ class AppRunner:
                 data = b"".join(chunks)
                 if data:
                     yield data
+                    last_yield = loop.time()
                 if not more:
                     return
         finally:

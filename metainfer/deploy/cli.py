@@ -43,6 +43,10 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ingress-replicas", type=int, default=None, metavar="N",
                    help="HTTP ingress replicas relaying to the engines (default: --replicas; each relays "
                    "every streamed chunk of its requests)")
+    g.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="MS",
+                   help="a stream's chunks after the first leave a replica at least MS apart (what "
+                   "arrives meanwhile goes as one): fewer relayed items at high concurrency, burstier "
+                   "streams; 0: each as soon as it is ready")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="Ray cluster to join (default: the environment's RAY_ADDRESS, else a new local one)")
 

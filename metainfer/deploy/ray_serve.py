@@ -106,7 +106,9 @@ class EngineReplica:
         built = load_factory(spec.app_factory)(spec, spec.replica_cpus)
         self.alive = built.alive
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.runner = AppRunner(built.app, extra_headers=[(REPLICA_HEADER, self.replica_id.encode())])
+        self.runner = AppRunner(
+            built.app, [(REPLICA_HEADER, self.replica_id.encode())], spec.stream_interval_ms / 1000
+        )
         await self.runner.start()
 
     async def forward(self, req: ForwardedRequest, route_key: str | None = None) -> AsyncIterator[Any]:

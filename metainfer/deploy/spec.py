@@ -45,6 +45,7 @@ class DeploySpec:
     replica_cpus: float = 1.0
     ingress_replicas: int = 1
     ingress_cpus: float = 0.5
+    stream_interval_ms: float = 0.0  # a replica's streamed chunks after the first: at least this far apart
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -69,6 +70,7 @@ class DeploySpec:
              f"--target-ongoing-requests must be > 0, got {self.target_ongoing_requests}")
         need(self.retry_after_s >= 0, f"--retry-after must be >= 0, got {self.retry_after_s}")
         need(self.replica_cpus > 0 and self.ingress_cpus >= 0, "--replica-cpus must be > 0")
+        need(self.stream_interval_ms >= 0, f"--stream-interval-ms: >= 0, not {self.stream_interval_ms}")
         need(self.ingress_replicas >= 1, f"--ingress-replicas must be >= 1, got {self.ingress_replicas}")
         need(len(self.served_model_names) >= 1, "at least one served model name")
         need(self.app_factory.count(":") == 1, f"app_factory is 'module:function', not {self.app_factory!r}")
@@ -123,4 +125,5 @@ def spec_from_args(args: argparse.Namespace, use_gpu: bool) -> DeploySpec:
         use_gpu=use_gpu,
         replica_cpus=args.replica_cpus,
         ingress_replicas=args.ingress_replicas or args.replicas,
+        stream_interval_ms=args.stream_interval_ms,
     )

@@ -100,3 +100,29 @@ def test_an_app_that_fails_before_answering_is_a_500() -> None:
         await runner.stop()
 
     asyncio.run(main())
+
+
+def test_a_stream_interval_joins_chunks_after_the_first() -> None:
+    async def app(scope, receive, send):  # 20 events 5 ms apart
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(20):
+            await send({"type": "http.response.body", "body": b"e%d;" % i, "more_body": True})
+            await asyncio.sleep(0.005)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main(interval: float) -> list[bytes]:
+        runner = AppRunner(app, stream_interval_s=interval)
+        await runner.start()
+        items = [x async for x in runner.forward(_post("/x", {}))]
+        await runner.stop()
+        return items[1:]
+
+    plain, joined = asyncio.run(main(0.0)), asyncio.run(main(0.04))
+    everything = b"".join(f"e{i};".encode() for i in range(20))
+    assert b"".join(plain) == b"".join(joined) == everything
+    assert joined[0] == b"e0;" and len(joined) <= 6 < len(plain)  # ~100 ms in 40 ms windows
