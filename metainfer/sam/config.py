@@ -8,7 +8,7 @@ text prompts is described: the geometry (box-prompt) encoder and the video track
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,6 @@ class SamConfig:
     detector_act: str = "relu"
     mask_heads: int = 8
     upsampling_stages: int = 3
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # unknown keys, kept
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -247,9 +246,7 @@ class SamConfig:
         return SamConfig(**d)
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("extra")
-        return d
+        return asdict(self)
 
 
 def tiny_config(**kw: Any) -> SamConfig:
