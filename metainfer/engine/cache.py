@@ -239,6 +239,7 @@ class CacheManager:
     def admit(self, req: Request, hit: PrefixHit | None, copies: StateCopies) -> None:
         """Counts the lookup; on a hit req shares the prefix's blocks, starts after it, and its
         slot gets the snapshot (a restore before the step's forward). req holds a slot, no blocks."""
+        req.num_cached_tokens = 0
         if not self.prefix_caching or req.score_only or req.params.prompt_logprobs is not None:
             return
         self.stats["prefix_cache_queries"] += req.num_tokens
