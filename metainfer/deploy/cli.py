@@ -55,6 +55,10 @@ def wants_replicas(args: argparse.Namespace) -> bool:
     return getattr(args, "replicas", 1) > 1 or getattr(args, "max_replicas", None) is not None
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_replicas(args: argparse.Namespace) -> int:
     """Serves until SIGINT/SIGTERM, then deletes the application (and stops a Ray it started)."""
     try:
@@ -72,14 +76,18 @@ def run_replicas(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ray.init(address=args.ray_address, logging_level=logging.WARNING)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM: the same clean exit as Ctrl-C
     try:
         spec = spec_from_args(args, use_gpu=ray_serve.uses_gpu(args.device))
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(ray_serve.application(spec), name=ray_serve.APP_NAME, route_prefix="/")
+        try:
+            serve.run(ray_serve.application(spec), name=ray_serve.APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # a replica's constructor failed on every retry
+            print(f"error: the replicas did not start: {e}", file=sys.stderr)
+            return 1
         scale = f"autoscaled {spec.autoscaling}" if spec.autoscaling else f"{spec.replicas} replicas"
         log.info("serving %s on http://%s:%d: %s, %s routing", spec.served_model_names, args.host, args.port,
                  scale, spec.routing)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         while True:
             time.sleep(1.0)
     except KeyboardInterrupt:

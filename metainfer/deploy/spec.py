@@ -99,7 +99,12 @@ def spec_from_args(args: argparse.Namespace, use_gpu: bool) -> DeploySpec:
     engine = {"model": args.model, **engine_kwargs(args)}
     if not use_gpu:
         engine["device"] = "cpu"
-    EngineConfig(**engine)  # a bad engine flag fails here, not in every replica
+    EngineConfig(**engine)  # a bad engine flag or a missing model fails here, not in every replica
+    if args.model and not str(args.model).startswith("dummy:"):
+        from pathlib import Path
+
+        if not Path(args.model).expanduser().is_dir():
+            raise FileNotFoundError(f"model directory not found: {args.model}")
     ongoing = args.max_ongoing_requests or args.max_num_seqs
     # requests being routed count as queued too: room for a burst as large as every replica's share
     queued = args.max_queued_requests

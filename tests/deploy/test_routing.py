@@ -83,9 +83,16 @@ def test_replicas_without_ray_is_one_error_line(capsys: pytest.CaptureFixture[st
     assert err.startswith("error: ") and "pip install -e '.[ray]'" in err and err.count("\n") == 1
 
 
-def test_bad_replica_flags_are_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, says",
+    [(["--max-queued-requests", "0"], "error: --max-queued-requests"),
+     (["--model", "/nonexistent/model"], "error: model directory not found"),
+     (["--min-replicas", "2"], "error: --min-replicas needs --max-replicas")],
+)
+def test_bad_replica_flags_are_one_error_line(argv, says, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("ray")
     from metainfer.cli import main
 
-    assert main(["serve", "--replicas", "2", "--device", "cpu", "--max-queued-requests", "0"]) == 2
-    assert capsys.readouterr().err.startswith("error: --max-queued-requests")
+    assert main(["serve", "--replicas", "2", "--device", "cpu", *argv]) == 2  # before any Ray starts
+    err = capsys.readouterr().err
+    assert err.startswith(says) and err.count("\n") == 1, err
