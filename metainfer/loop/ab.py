@@ -3,7 +3,9 @@
 Per metric and side, one figure per round (a fresh process each). change = the candidate's median
 relative to the base's, signed so that > 0 is better. noise band = max(min_gain, the wider of the
 two sides' relative ranges (max - min) / median): a gain inside it is indistinguishable from a rerun.
-Accept only when the primary metric's change exceeds its band and no other metric's change is below
+Rounds won: the rounds in which the candidate's figure beats the base's of the same round (the two ran
+back to back, so a load that drifts over the A/B moves both). Accept only when the primary metric's
+change exceeds its band, the candidate won every round, and no other metric's change is below
 -tolerance.
 """
 
@@ -27,6 +29,7 @@ class MetricAB:
     change: float  # relative, > 0 = better
     band: float  # relative noise band
     tolerance: float
+    rounds_won: int  # rounds whose candidate figure beats the base's
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,7 +48,8 @@ def compare(metric: Metric, base: list[float], cand: list[float], min_gain: floa
     sign = 1.0 if metric.better == "higher" else -1.0
     change = sign * (cm - bm) / abs(bm) if bm else (0.0 if cm == bm else sign * float("inf"))
     band = max(min_gain, _spread(b), _spread(c))
-    return MetricAB(metric.name, metric.better, b, c, bm, cm, change, band, metric.tolerance)
+    won = sum(sign * (ci - bi) > 0 for bi, ci in zip(b, c))
+    return MetricAB(metric.name, metric.better, b, c, bm, cm, change, band, metric.tolerance, won)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,13 @@ def decide(results: list[MetricAB], primary: str) -> Decision:
             "noise",
             f"{primary} {100 * p.change:+.1f}% is within the noise band "
             f"{100 * p.band:.1f}% ({p.base_median:.4g} -> {p.candidate_median:.4g})",
+        )
+    if p.rounds_won < len(p.base):
+        return Decision(
+            False,
+            "noise",
+            f"{primary} {100 * p.change:+.1f}% but the candidate won only {p.rounds_won} of {len(p.base)} "
+            f"rounds ({p.base_median:.4g} -> {p.candidate_median:.4g})",
         )
     return Decision(
         True,

@@ -108,7 +108,7 @@ def test_judge_verdicts_records_and_ratchet(toy, capsys):
     assert recs[t_oracle].oracle["passed"] is None and "judge/oracle.py" in recs[t_oracle].lesson
     assert "transformers" in recs[t_import].lesson or "judge" in recs[t_import].lesson
     assert "loop.toml" in recs[t_toml].lesson
-    assert recs[neutral].status == "reverted" and "noise band" in recs[neutral].lesson
+    assert recs[neutral].status == "reverted" and "(noise)" in recs[neutral].lesson
 
 
 def test_candidate_cannot_change_the_judge_even_unchecked(toy):

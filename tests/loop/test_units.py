@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 
 import pytest
@@ -24,6 +25,11 @@ def test_accept_needs_a_gain_beyond_the_noise_band():
     assert noisy.band == pytest.approx(0.30)
     d = ab.decide([noisy], "tok_s")
     assert not d.accepted and d.category == "noise"
+    # beyond the band on the medians, but one round lost: a drifting load, not the change
+    drift = ab.compare(HI, [100, 100, 100], [140, 99, 140], min_gain=0.03)
+    assert drift.rounds_won == 2 and drift.change == pytest.approx(0.40)
+    d = ab.decide([dataclasses.replace(drift, band=0.1)], "tok_s")
+    assert not d.accepted and d.category == "noise" and "2 of 3 rounds" in d.reason
     # within min_gain even when the rounds agree
     small = ab.compare(HI, [100, 100], [102, 102], min_gain=0.03)
     assert ab.decide([small], "tok_s").category == "noise"
