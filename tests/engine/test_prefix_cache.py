@@ -221,3 +221,27 @@ def test_scoring_and_prompt_logprobs_never_hit():
     assert len(out.prompt_logprobs) == len(p) and _hits(llm) == (0, 0)
     assert llm.score([p])[0].shape[0] == len(p)
     _assert_clean(llm)
+
+
+def test_abort_of_a_hit_request_frees_its_share():
+    """A request aborted mid-decode while sharing cached blocks with a running one: the survivor's
+    blocks stay held, its output stays cold's, everything is back in the pools at the end."""
+    llm = _llm()
+    head = _ids(64, 12)
+    ref = _run(llm, [head + _ids(9, 13)], 16)  # caches the head (snapshots at 32 and 64)
+    eng = llm.engine
+    keep = eng.add_request(head + _ids(9, 13), _greedy(16))
+    drop = eng.add_request(head + _ids(5, 14), _greedy(16))
+    outs, steps = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+        steps += 1
+        if steps == 3:
+            shared = eng.requests[keep].block_ids[:4]
+            assert eng.requests[drop].block_ids[:4] == shared
+            assert all(eng.cache.blocks.ref(b) == 2 for b in shared)
+            eng.abort_request(drop)
+            assert all(eng.cache.blocks.ref(b) == 1 for b in shared)
+    assert list(outs[keep].token_ids) == ref[0] and eng.requests == {}
+    _assert_clean(llm)
