@@ -163,7 +163,7 @@ def edit(old: str, new: str, file: str = "toy/engine.py") -> dict:
 
 # ---- a copy of this repository with a slowed decode step ---------------------------------------------------
 SLOW_ANCHOR = "        batch = self.scheduler.schedule()\n"
-SLOWDOWN = "        time.sleep(0.05)  # planted: the loop's tests remove it again\n"
+SLOWDOWN = "        time.sleep(0.03)  # planted: the loop's tests remove it again\n"
 
 
 def make_engine_repo(tmp: Path, rev: str = "HEAD") -> tuple[Path, str]:
