@@ -69,3 +69,12 @@ def test_low_precision_run_reports_the_references_own_drift(tiny, tok, setup):
     d = v.to_json()["reference_own_drift"]
     assert d["dtype"] == "bfloat16" and 0 < d["score_max_abs_diff"] < 0.2
     assert "reference's own bfloat16 drift" in format_table(v)
+
+
+@pytest.mark.slow
+def test_full_suite_passes(tiny, tok, setup):
+    """6 images up to 1333×750 and 1008², 16 prompts, two empty-result prompts (~1 min on 2 cores)."""
+    ref, _ = setup
+    v = verify(tiny, tok, build_suite("full", 0), ref)
+    assert v.passed, format_table(v)
+    assert v.context["kept_reference"] > 0
