@@ -182,24 +182,30 @@ class CacheManager:
         """A snapshot slot for req's states after a chunk of num_new_tokens that ends on a block
         boundary (the caller copies the slot after the step's forward), or None. Snapshots inside
         the prompt and at multiples of `snapshot_interval` stay; a later one (decode) replaces the
-        request's previous such snapshot once keyed."""
-        if not self.prefix_caching or req.state_slot is None:
+        request's previous such snapshot once keyed. None for scoring requests."""
+        if not self.prefix_caching or req.state_slot is None or req.score_only:
             return None
         end = req.num_computed_tokens + num_new_tokens
         if end % self.block_size or end <= req.num_cached_blocks * self.block_size:
             return None
-        slot = self.snapshots.take()
+        permanent = end <= req.num_prompt_tokens or end % self.snapshot_interval == 0
+        slot = None
+        if not permanent and req.moving_snapshot is not None and self.snapshots.reclaim(*req.moving_snapshot):
+            slot = req.moving_snapshot[0]  # overwritten in place: no hit can find it from now on
+            req.moving_snapshot = None
+        if slot is None:
+            slot = self.snapshots.take()
         if slot is None:
             return None
-        permanent = end <= req.num_prompt_tokens or end % self.snapshot_interval == 0
         req.pending_snapshots.append((end, slot, permanent))
         return slot
 
     def chunk_end(self, req: Request, start: int, end: int) -> int:
-        """Where a chunk [start, end) that starts inside the prompt stops: at the first snapshot
-        checkpoint inside it (a multiple of `snapshot_interval`, or for a sequence of at least that
-        many tokens its last block boundary), else at `end`."""
-        if not self.prefix_caching or end - start <= 1 or start >= req.num_prompt_tokens:
+        """Where a chunk [start, end) that starts inside a generating request's prompt stops: at the
+        first snapshot checkpoint inside it (a multiple of `snapshot_interval`, or for a sequence of
+        at least that many tokens its last block boundary), else at `end`. Scoring requests take no
+        snapshots: their chunks are not cut."""
+        if not self.prefix_caching or end - start <= 1 or start >= req.num_prompt_tokens or req.score_only:
             return end
         n = self.snapshot_interval
         cut = min(end, (start // n + 1) * n)

@@ -174,6 +174,14 @@ class SnapshotPool:
             del self._lru[slot]
             self._free.append(slot)
 
+    def reclaim(self, slot: int, h: int) -> bool:
+        """Takes a keyed slot back as owned (unkeyed) if it still holds the snapshot of `h`."""
+        if self._by_hash.get(h) != slot:
+            return False
+        del self._by_hash[h]
+        del self._lru[slot]
+        return True
+
     def lookup(self, h: int) -> int | None:
         return self._by_hash.get(h)
 

@@ -71,6 +71,9 @@ def test_snapshot_pool_lru_and_ownership():
     assert s.num_free == 1 and s.num_keyed == 1
     s.drop(a, 99)  # not a's hash: kept
     assert s.lookup(1) == a
+    assert not s.reclaim(a, 99) and s.reclaim(a, 1)  # owned again, unkeyed
+    assert s.lookup(1) is None and s.num_keyed == 0
+    assert s.key(a, 1)
     s.drop(a, 1)
     assert s.num_free == 2 and s.num_keyed == 0
 
