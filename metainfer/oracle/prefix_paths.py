@@ -6,10 +6,11 @@ engine's own tokens, from the prompt's last position on):
 
 0. pressure: the oracle allocates every free block and frees them (every cached block is evicted,
    whatever ran before);
-1. turn 1: prompt P (cold); its decode crosses a block boundary, so its states are snapshot there;
+1. turn 1: prompt P of 3 whole blocks (cold): its states are snapshot where it ends (a prefill
+   chunk ends there; decode snapshots are not relied on: a speculative engine's verifies take none);
 2. turn 2, one batch: P + turn 1's tokens + a 2-block message (a multi-turn hit), and a prompt that
-   shares turn 1's sequence up to the middle of the block after that snapshot (a prefix ending
-   mid-block: the hit stops at the snapshot, the partly shared block is recomputed);
+   shares turn 1's sequence up to the middle of the block after P (a prefix ending mid-block: the
+   hit stops at P's snapshot, the partly shared block is recomputed);
 3. pressure: the oracle allocates free KV blocks (as a burst of other requests would) until
    allocation has evicted the last cached block of turn 2's multi-turn sequence, then frees them,
    and drops the snapshot at the end of the blocks left (if one is there);
@@ -29,7 +30,7 @@ from metainfer.oracle.paths import _gen, _ids, _judge, _Run, _window
 from metainfer.oracle.suites import Suite
 
 MESSAGE = 7  # tokens of a new message
-LATER_GEN = 4  # greedy tokens per request after turn 1
+LATER_GEN = 4  # greedy tokens per request
 
 
 def _hashes(cache, seq: list[int]) -> list[int]:
@@ -70,8 +71,8 @@ def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], di
     eng = llm.engine
     cache = eng.cache
     bs, vocab = cache.block_size, eng.model_config.vocab_size
-    first, gen1 = 2 * bs + 8, bs + 2  # turn 1's decode crosses a block boundary: a snapshot there
-    need = first + gen1 + 2 * bs + LATER_GEN + MESSAGE + LATER_GEN + 1
+    first = 3 * bs
+    need = first + 3 * LATER_GEN + 2 * bs + MESSAGE + 1
     if not cache.prefix_caching or need > eng.max_model_len:
         why = "prefix caching is off" if not cache.prefix_caching else f"needs max_model_len >= {need}"
         return [Check("path.prefix.coverage", None, ">= 4", False, why)], {"coverage": {}}
@@ -86,10 +87,9 @@ def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], di
     with _window(llm) as cov:
         cache.blocks.give(cache.blocks.take(cache.blocks.num_free))  # (0.) a clean start
         p1 = _ids(first, vocab, gen)
-        s1 = p1 + drive([p1], gen1).tokens[0]
-        snap = (len(s1) - 1) // bs * bs  # turn 1's last decode snapshot
+        s1 = p1 + drive([p1], LATER_GEN).tokens[0]
         # the multi-turn message spans 2 blocks: turn 2's cached blocks reach one past the next boundary
-        t2 = [s1 + _ids(2 * bs, vocab, gen), s1[: snap + bs // 2] + _ids(MESSAGE, vocab, gen)]
+        t2 = [s1 + _ids(2 * bs, vocab, gen), s1[: first + bs // 2] + _ids(MESSAGE, vocab, gen)]
         s2 = t2[0] + drive(t2, LATER_GEN).tokens[0]
         cached_before = _cached_blocks(cache, s2) * bs
         evicted_for = _evict_to_older_snapshot(cache, s2)
