@@ -252,3 +252,11 @@ def test_new_root_modules_could_shadow_installed_ones():
     assert tamper.script_dirs([["{python}", "tools/x.py", "{out}"]], base) == ("tools",)
     for path in ("sitecustomize.py", "sub/usercustomize.py", "x.pth", ".gitattributes"):
         assert tamper.protected(path, DEFAULT_PROTECTED), path
+
+
+def test_tuned_tables_are_named_for_the_gpu():
+    from metainfer.loop.tune_gpu import gpu_slug
+
+    assert gpu_slug("NVIDIA H200") == "h200"  # the table the engine reads: fp8_skinny_h200.json
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100_80gb"
+    assert gpu_slug("") == "gpu"
