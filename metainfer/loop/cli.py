@@ -153,8 +153,11 @@ def _init(args: argparse.Namespace) -> int:
         parse(tomllib.loads(text))
     except ConfigError as e:
         return _error(str(e))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    except OSError as e:
+        return _error(f"cannot write {args.out}: {e}")
     print(
         f"wrote {args.out}: target {args.target} on {args.device}; edit it, commit it, then "
         "`metainfer loop run --agent CMD`"
@@ -271,6 +274,7 @@ def _run_root(repo: Path, cfg) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from metainfer.loop import gitops
     from metainfer.loop.config import ConfigError
     from metainfer.loop.judge import JudgeError
     from metainfer.loop.run import LoopRun
@@ -291,12 +295,17 @@ def _run(args: argparse.Namespace) -> int:
     root = (args.run_dir or _run_root(repo, cfg) / "run").resolve()
     try:
         loop = LoopRun(repo, cfg, agent, root, args.base, lambda m: print(m, file=sys.stderr, flush=True))
-    except ValueError as e:
+    except gitops.GitError:
+        return _error(f"not a commit: {args.base}" if args.base else f"{repo}: no HEAD commit to start from")
+    except (ValueError, OSError) as e:
         return _error(str(e))
     try:
         why = loop.run()
     except JudgeError as e:
         print(f"error: the judge could not judge: {e}", file=sys.stderr)
+        return 1
+    except gitops.GitError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"stopped: {why}\nreport: {root / 'report.md'}")
     return 0

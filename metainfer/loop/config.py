@@ -164,6 +164,8 @@ def _table(d: dict, name: str) -> dict:
 
 
 def _cmd(v: Any, where: str) -> tuple[str, ...]:
+    if v is None:
+        raise ConfigError(f"{where} is missing")
     if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
         raise ConfigError(f"{where}: a command is a list of strings")
     return tuple(v)
@@ -289,6 +291,8 @@ def load(path: Path) -> LoopConfig:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file (metainfer loop init writes one)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
     return parse(data, str(path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from metainfer.loop import ab, tamper
 from metainfer.loop.config import DEFAULT_PROTECTED, ConfigError, Metric, parse
 from metainfer.loop.template import defaults, render
 
+ROOT = str(Path(__file__).resolve().parents[2])
 HI = Metric("tok_s", "w", "metrics.tok_s", "higher", None, 0.05)
 LO = Metric("ttft_ms", "w", "metrics.ttft_ms", "lower", None, 0.10)
 
@@ -172,6 +174,9 @@ def test_cli_usage_errors(tmp_path, capsys, monkeypatch):
         ["loop", "run", "--repo", str(tmp_path), "--agent", "true"],
         ["loop", "tune", "--kernel", "nope"],
         ["tune", "--kernel", "fp8_skinny", "--tokens", "x"],
+        ["loop", "init", "--out", "/proc/no/such/loop.toml"],
+        # a folder as loop.toml, in a real repository (read only)
+        ["loop", "judge", "--base", "HEAD", "--candidate", "HEAD", "--config", str(tmp_path), "--repo", ROOT],
     ]
     for argv in cases:
         capsys.readouterr()
