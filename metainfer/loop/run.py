@@ -11,6 +11,7 @@ again, and a pending one is adopted from its verdict.json when the judge had fin
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -46,6 +47,12 @@ class LoopRun:
         self.state_path = root / "state.json"
         self.t_session = time.monotonic()
         root.mkdir(parents=True, exist_ok=True)
+        self._lock = open(root / "lock", "w")  # held until close() (run() ends with it): one run per folder
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise ValueError(f"another metainfer loop run is using {root}") from None
         if repo in root.resolve().parents:
             gitops.exclude(repo, "/" + root.resolve().relative_to(repo).as_posix() + "/")
         if self.state_path.exists():
@@ -111,15 +118,21 @@ class LoopRun:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> str:
-        """Iterates until a budget ends or the goal is met; returns why it stopped."""
-        if self.state.get("pending"):
-            self._finish_pending()
-        while (why := self.budget_left()) is None:
-            self.iteration(len(self.state["iterations"]) + 1)
-        self.state["stopped"] = why
-        self._save(plot=True)
-        self.log(f"loop: stopped: {why}; report {self.root / 'report.md'}")
-        return why
+        """Iterates until a budget ends or the goal is met; returns why it stopped. Releases the folder."""
+        try:
+            if self.state.get("pending"):
+                self._finish_pending()
+            while (why := self.budget_left()) is None:
+                self.iteration(len(self.state["iterations"]) + 1)
+            self.state["stopped"] = why
+            self._save(plot=True)
+            self.log(f"loop: stopped: {why}; report {self.root / 'report.md'}")
+            return why
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._lock.close()  # closing the file releases its lock
 
     def iteration(self, n: int) -> None:
         d = self.root / f"iter-{n:03d}"

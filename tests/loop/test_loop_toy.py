@@ -199,8 +199,11 @@ def test_run_resumes_without_losing_or_repeating_a_verdict(toy, monkeypatch):
         return real(self, base, cand)
 
     monkeypatch.setattr(Judge, "judge", judge_then_die)
+    first = LoopRun(repo, cfg, agent, root, log=lambda m: None)
+    with pytest.raises(ValueError, match="another metainfer loop run"):
+        LoopRun(repo, cfg, agent, root, log=lambda m: None)
     with pytest.raises(KeyboardInterrupt):
-        LoopRun(repo, cfg, agent, root, log=lambda m: None).run()
+        first.run()
     state = json.loads((root / "state.json").read_text())
     assert len(state["iterations"]) == 1 and state["pending"]["n"] == 2
     # restarted: iteration 2's candidate is judged (once), iteration 1 is not judged again
