@@ -193,9 +193,12 @@ def _judge(args: argparse.Namespace) -> int:
     if v.accepted and not args.no_ratchet:
         v.ratchet = gitops.fast_forward(repo, cfg.ratchet, cand)
     v.save(work / "verdict.json")
-    if args.json:
-        args.json.write_text(json.dumps(v.to_dict(), indent=1))
     _print_verdict(v)
+    if args.json:
+        try:
+            args.json.write_text(json.dumps(v.to_dict(), indent=1))
+        except OSError as e:
+            return _error(f"cannot write {args.json}: {e} (the verdict is in {work / 'verdict.json'})")
     return 0 if v.accepted else 1
 
 
