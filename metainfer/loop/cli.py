@@ -335,6 +335,11 @@ def _tune(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         return _error(f"metainfer loop tune sweeps CUDA kernels ({args.kernel}): this machine has no GPU")
+    if not args.no_judge and not cfg.boundary.device.startswith("cuda"):
+        return _error(
+            f"{cfg.source}: the boundary's device is {cfg.boundary.device}; a GPU kernel's table is "
+            "judged on the GPU (metainfer loop init --device cuda), or pass --no-judge"
+        )
     gpu = torch.cuda.get_device_name()
     try:
         kernel = load_kernel(

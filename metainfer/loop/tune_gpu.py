@@ -47,7 +47,9 @@ class Fp8Skinny:
         return f"metainfer/kernels/fp8_skinny_{gpu_slug(gpu)}.json"
 
     def keys(self) -> list[str]:
-        return list(self.shapes)
+        """The shapes whose projection runs this kernel: not those the table sends to the GEMV kernel."""
+        table = self._kb.ws.tuned_table()
+        return [k for k in self.shapes if f"gemv:{k}" not in table]
 
     def default(self, key: str) -> dict:
         """The engine's config today: the committed table's, else the heuristic (through the benchmark's
