@@ -23,12 +23,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u in (0, 1) of shape [B, vocab] from int64 seeds [B] and steps [B]."""
+    """u in (0, 1) of shape [B, vocab] from int64 seeds [B] and steps [B]: 23 bits of the hash plus a
+    half, over 2^23, so every value is exact in fp32 and u <= 1 - 2^-24 (a u rounded to 1 would give its
+    id an infinite Gumbel score: that id sampled whatever the logits and the filters)."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     key = _mix32(lo ^ _mix32(hi ^ _mix32(steps & _M32)))  # [B]
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     h = _mix32(((idx * 0x9E3779B1) & _M32)[None, :] ^ key[:, None])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

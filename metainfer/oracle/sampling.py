@@ -7,7 +7,7 @@ imported from it: the two are compared by a unit test):
     mix(x)  = x ^= x >> 16; x = x * 0x45D9F3B mod 2^32; x ^= x >> 16; x = x * 0x45D9F3B mod 2^32;
               x ^ (x >> 16)
     key     = mix(lo ^ mix(hi ^ mix(step)))     lo, hi: low and high 32 bits of (seed mod 2^64)
-    u[i]    = ((mix((i * 0x9E3779B1 mod 2^32) ^ key) >> 8) + 0.5) / 2^24     for token id i
+    u[i]    = ((mix((i * 0x9E3779B1 mod 2^32) ^ key) >> 9) + 0.5) / 2^23     for token id i
     token   = argmax over the ids the filters keep of logits / T - ln(-ln u)
 
 `step` is the number of tokens the request had generated before this one. The filters follow vLLM:
@@ -70,7 +70,7 @@ def noise_uniform(seed: int, step: int, vocab: int) -> np.ndarray:
     key = _mix32((s & _M32) ^ _mix32((s >> 32) ^ _mix32(step & _M32)))
     ids = np.arange(vocab, dtype=np.uint64)
     h = _mix32(((ids * np.uint64(0x9E3779B1)) & np.uint64(_M32)) ^ np.uint64(key))
-    return ((h >> np.uint64(8)).astype(np.float64) + 0.5) / float(1 << 24)
+    return ((h >> np.uint64(9)).astype(np.float64) + 0.5) / float(1 << 23)
 
 
 @dataclass(frozen=True)
