@@ -23,6 +23,11 @@ class ExpertRows:
     weights: torch.Tensor
     dtype: torch.dtype
 
+    def value(self) -> torch.Tensor:
+        """The block's output [T, H] as its own tensor (the weighted sum in fp32, rounded to `dtype`); for
+        observers such as the oracle's layer hook, never on the serving path."""
+        return (self.rows.float() * self.weights[..., None]).sum(1).to(self.dtype)
+
 
 @dataclass(frozen=True)
 class PendingNorm:

@@ -138,7 +138,7 @@ class Qwen3_5MoeModel(nn.Module):
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, positions, meta, caches, plans(layer))
                 if self.layer_hook is not None:  # oracle seam (eager steps): (layer, its output, residual)
-                    self.layer_hook(i, x, residual)
+                    self.layer_hook(i, x.value() if isinstance(x, ExpertRows) else x, residual)
             h, _ = self.norm.add_forward(x, residual)
         return h
 
