@@ -105,7 +105,8 @@ def _round_up(n: int, k: int) -> int:
 
 def engine_defaults(suite: Suite, kwargs: dict, max_positions: int) -> dict:
     """Fills what the user left unset: the suite's chunk budget, a model length that fits the suite,
-    and a KV cache sized to the suite (not to free memory, which the reference needs)."""
+    and a KV cache and a prefix-cache snapshot pool sized to the suite (not to free memory, which the
+    reference needs: the engine's own default gives the snapshots a share of it)."""
     out = dict(kwargs)
     bs = int(out.get("block_size") or 16)
     if out.get("max_num_batched_tokens") is None:
@@ -117,6 +118,8 @@ def engine_defaults(suite: Suite, kwargs: dict, max_positions: int) -> dict:
         need = sum(-(-(len(p) + suite.gen_tokens) // bs) + 1 for p in suite.prompts)
         out["num_kv_blocks"] = max(per_seq, need) + per_seq
     out["max_num_seqs"] = max(int(out.get("max_num_seqs") or 0), len(suite.prompts) + 4)
+    if out.get("num_snapshot_slots") is None:
+        out["num_snapshot_slots"] = out["max_num_seqs"]
     return out
 
 

@@ -41,3 +41,15 @@ def test_layer_hook_sees_expert_rows_as_their_sum(tiny, monkeypatch):
     assert rows is not None, why
     for a, b in zip(plain, rows):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_defaults_size_the_snapshot_pool_to_the_suite():
+    """The engine's own default takes a share of free GPU memory for prefix-cache snapshots; the oracle
+    sizes them to the suite so the reference fits beside the engine."""
+    from metainfer.oracle.build import engine_defaults
+    from metainfer.oracle.suites import build_suite
+
+    suite = build_suite("quick", 4096)
+    out = engine_defaults(suite, {}, 4096)
+    assert out["num_snapshot_slots"] == out["max_num_seqs"] >= len(suite.prompts)
+    assert engine_defaults(suite, {"num_snapshot_slots": 3}, 4096)["num_snapshot_slots"] == 3
