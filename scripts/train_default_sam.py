@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=40.0, help="training time budget")
     ap.add_argument("--steps", type=int, default=20000, help="at most this many steps")
     ap.add_argument("--images", type=int, default=8, help="scenes per step (two prompts each)")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: shared cores stall multi-threaded ops)"
