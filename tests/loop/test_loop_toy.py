@@ -178,6 +178,7 @@ def test_run_with_a_scripted_agent(toy):
     brief = (tmp / "run/iter-002/brief.md").read_text()
     assert "calls_s" in brief and "iteration 1: accepted" in brief and "tests/**" in brief
     assert "`judge/bench.py`" in brief  # a file the judge runs is protected too
+    assert "roofline omitted (a toy)" in brief  # the bench's own word on its roofline share
     report = (tmp / "run/report.md").read_text()
     assert report.count("\n| ") == 6 and "![goal metrics](report.png)" in report
     assert (tmp / "run/report.png").stat().st_size > 1000
@@ -286,3 +287,24 @@ def test_tune_sweeps_checks_writes_and_judges(toy):
     assert r.verdict.accepted, r.verdict.reason
     assert gitops.rev(repo, "loop/ratchet") == r.commit and git(repo, "rev-parse", "HEAD") == base
     assert _records(tmp)[0].status == "kept" and _records(tmp)[0].files == ("toy/tuned_cpu.json",)
+
+
+def test_report_without_matplotlib(toy, monkeypatch):
+    import sys
+
+    from metainfer.loop import report
+
+    repo, cfg, tmp = toy
+    it = {
+        "n": 1,
+        "status": "rejected",
+        "candidate": "c" * 40,
+        "reason": "x",
+        "record": None,
+        "figures": {"calls_s": {"base_median": 25.0, "candidate_median": 25.5, "change": 0.02, "band": 0.1}},
+    }
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    path = report.write(tmp, cfg, {"iterations": [it], "start": "a" * 40})
+    text = path.read_text()
+    assert "no plot: matplotlib is not installed" in text and "25 -> 25.5 (+2.0%, band 10.0%)" in text
+    assert not (tmp / "report.png").exists()
