@@ -120,7 +120,7 @@ class CacheManager:
         if self.prefix_caching:
             if req.error is None:
                 self.commit(req)
-            for _, slot, _ in req.pending_snapshots:  # (their blocks never became final)
+            for _, slot, _, _ in req.pending_snapshots:  # (their blocks never became final)
                 self.snapshots.give(slot)
             req.pending_snapshots = []
             req.num_cached_blocks = 0
@@ -167,9 +167,12 @@ class CacheManager:
             return
         done = full * self.block_size
         keep = []
-        for pos, slot, permanent in req.pending_snapshots:
+        for pos, slot, permanent, drafts in req.pending_snapshots:
             if pos > done:
-                keep.append((pos, slot, permanent))
+                keep.append((pos, slot, permanent, drafts))
+                continue
+            if drafts and tuple(req.tokens_slice(pos - len(drafts), pos)) != drafts:
+                self.snapshots.give(slot)  # taken after a verify that rejected a draft: not these tokens'
                 continue
             h = req.block_hashes[pos // self.block_size - 1]
             if self.snapshots.key(slot, h) and not permanent:  # a request keeps its latest such snapshot
@@ -179,8 +182,10 @@ class CacheManager:
         req.pending_snapshots = keep
 
     def plan_snapshot(self, req: Request, num_new_tokens: int) -> int | None:
-        """A snapshot slot for req's states after a chunk of num_new_tokens that ends on a block
-        boundary (the caller copies the slot after the step's forward), or None. Snapshots inside
+        """A snapshot slot for req's states after a chunk of num_new_tokens (with its drafts, if a
+        verify) that ends on a block boundary (the caller copies the slot after the step's forward),
+        or None. A verify's snapshot is keyed only if the drafts became the sequence's tokens (a
+        rejection rolls the states back: the snapshot holds the drafts' states). Snapshots inside
         the prompt and at multiples of `snapshot_interval` stay; a later one (decode) replaces the
         request's previous such snapshot once keyed. None for scoring requests."""
         if not self.prefix_caching or req.state_slot is None or req.score_only:
@@ -189,15 +194,17 @@ class CacheManager:
         if end % self.block_size or end <= req.num_cached_blocks * self.block_size:
             return None
         permanent = end <= req.num_prompt_tokens or end % self.snapshot_interval == 0
+        drafts = tuple(req.draft_token_ids)  # a verify's snapshot is kept only if they all are accepted
         slot = None
-        if not permanent and req.moving_snapshot is not None and self.snapshots.reclaim(*req.moving_snapshot):
+        if (not permanent and not drafts and req.moving_snapshot is not None
+                and self.snapshots.reclaim(*req.moving_snapshot)):
             slot = req.moving_snapshot[0]  # overwritten in place: no hit can find it from now on
             req.moving_snapshot = None
         if slot is None:
             slot = self.snapshots.take()
         if slot is None:
             return None
-        req.pending_snapshots.append((end, slot, permanent))
+        req.pending_snapshots.append((end, slot, permanent, drafts))
         return slot
 
     def chunk_end(self, req: Request, start: int, end: int) -> int:

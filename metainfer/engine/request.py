@@ -103,11 +103,12 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     # prefix caching (engine.cache): chain hashes of the sequence's full blocks so far, how many of
-    # block_ids are indexed, snapshots taken but not keyed yet (position, slot, permanent), the
-    # latest non-permanent snapshot keyed (slot, hash), and the tokens a prefix hit served
+    # block_ids are indexed, snapshots taken but not keyed yet (position, slot, permanent, the drafts
+    # of the verify it follows), the latest non-permanent snapshot keyed (slot, hash), and the
+    # tokens its latest admission took from a prefix hit
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
-    pending_snapshots: list[tuple[int, int, bool]] = field(default_factory=list)
+    pending_snapshots: list[tuple[int, int, bool, tuple[int, ...]]] = field(default_factory=list)
     moving_snapshot: tuple[int, int] | None = None
     num_cached_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts

@@ -129,12 +129,10 @@ class Scheduler:
         return ScheduledBatch(items, preempted, copies)
 
     def _snapshot(self, req: Request, n: int, copies: StateCopies) -> None:
-        """A snapshot of req's states after its chunk of n tokens, where one is due; never after a
-        verify (a rejection rolls the states back)."""
-        if not req.draft_token_ids:
-            slot = self.cache.plan_snapshot(req, n)
-            if slot is not None:
-                copies.saves.append((req.state_slot, slot))
+        """A snapshot of req's states after its chunk of n tokens (drafts included), where one is due."""
+        slot = self.cache.plan_snapshot(req, n)
+        if slot is not None:
+            copies.saves.append((req.state_slot, slot))
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative drafts for a chunk of n tokens that ends the sequence (a decode, or the

@@ -248,3 +248,27 @@ def test_abort_of_a_hit_request_frees_its_share():
             assert all(eng.cache.blocks.ref(b) == 1 for b in shared)
     assert list(outs[keep].token_ids) == ref[0] and eng.requests == {}
     _assert_clean(llm)
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_verify_snapshots_kept_only_when_every_draft_is_accepted(cold, right):
+    """Every decode step verifies 3 drafts ("repeat" never backs off): their snapshots at block
+    boundaries hold the drafts' states, so they are keyed only where the drafts were all accepted
+    (turn 2 then starts near turn 1's end) and freed where one was rejected (turn 2 starts at turn
+    1's prompt-end snapshot)."""
+    llm = _llm(speculative="repeat", num_speculative_tokens=3)
+    a = _ids(48, 15)
+    truth = _run(cold, [a], 40)[0]
+
+    def drafter(req, k):  # the true continuation, or each of its tokens off by one
+        cont = truth[len(req.output_token_ids):][:k]
+        return cont if right else [(t + 1) % VOCAB for t in cont]
+
+    llm.engine.proposer = drafter
+    assert _run(llm, [a], 40)[0] == truth
+    b = a + truth + _ids(5, 16)
+    assert _run(llm, [b], 8) == _run(cold, [b], 8)
+    _, hit = _hits(llm)
+    assert llm.engine.stats["spec_verifies"] >= (10 if right else 35)
+    assert hit >= 48 + 40 - 2 * B if right else hit == 48
+    _assert_clean(llm)
