@@ -285,7 +285,7 @@ class EngineConfig:
     # anyway; rounded up to a multiple of block_size: `snapshot_interval`) and, for a prompt at least
     # that long, at its last block boundary, for a snapshot there. num_snapshot_slots: the snapshot
     # pool (one state slot each, beside the running ones); None: a share of the cache memory on CUDA
-    # (runner.SNAPSHOT_SHARE), a fixed count on the CPU
+    # (runner.SNAPSHOT_SHARE, of free memory or beside num_kv_blocks' KV), a fixed count on the CPU
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int | None = None
     num_snapshot_slots: int | None = None

@@ -32,9 +32,9 @@ from metainfer.model.weights import build_model, init_dummy, load_checkpoint
 log = logging.getLogger("metainfer.engine")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CPU_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
-# prefix caching, num_snapshot_slots None: the share of the CUDA cache budget (KV blocks + state
-# snapshots) that snapshots get; on the CPU SNAPSHOTS_PER_SEQ per max_num_seqs within a quarter of
-# CPU_CACHE_BYTES
+# prefix caching, num_snapshot_slots None: the share of the CUDA cache (KV blocks + state snapshots,
+# sized from free memory, or from num_kv_blocks where that is given) that snapshots get; on the CPU
+# SNAPSHOTS_PER_SEQ per max_num_seqs within a quarter of CPU_CACHE_BYTES
 SNAPSHOT_SHARE = 0.25
 SNAPSHOTS_PER_SEQ = 4
 
@@ -273,9 +273,12 @@ class ModelRunner:
             return 0
         if e.num_snapshot_slots is not None:
             return e.num_snapshot_slots
-        if self.device.type == "cuda":
-            return max(0, int(SNAPSHOT_SHARE * self._cuda_cache_budget() // self._bytes_per_slot()))
-        return min(SNAPSHOTS_PER_SEQ * e.max_num_seqs, CPU_CACHE_BYTES // 4 // self._bytes_per_slot())
+        if self.device.type != "cuda":
+            return min(SNAPSHOTS_PER_SEQ * e.max_num_seqs, CPU_CACHE_BYTES // 4 // self._bytes_per_slot())
+        if e.num_kv_blocks is not None:  # the same share of a cache whose KV part is given
+            kv = e.num_kv_blocks * self._bytes_per_block()
+            return int(SNAPSHOT_SHARE / (1 - SNAPSHOT_SHARE) * kv // self._bytes_per_slot())
+        return max(0, int(SNAPSHOT_SHARE * self._cuda_cache_budget() // self._bytes_per_slot()))
 
     def _num_kv_blocks(self) -> int:
         e = self.ecfg
