@@ -1,7 +1,7 @@
 """`path.prefix`: requests served from prefix-cache hits judged against the reference directly.
 
 A conversation on fresh prompts (seeded from the suite's seed and the path's name), every request
-greedy, its rows and tokens judged as `paths._judge` does (the reference teacher-forced along the
+greedy, its rows and tokens judged as `path_runs._judge` does (the reference teacher-forced along the
 engine's own tokens, from the prompt's last position on):
 
 0. pressure: the oracle allocates every free block and frees them (every cached block is evicted,
@@ -26,7 +26,7 @@ from __future__ import annotations
 from metainfer.engine.prefix_cache import extend_hashes
 from metainfer.oracle.compare import Check, Gates
 from metainfer.oracle.engine_runs import greedy_batch
-from metainfer.oracle.paths import _gen, _ids, _judge, _Run, _window
+from metainfer.oracle.path_runs import _gen, _ids, _judge, _Run, _window
 from metainfer.oracle.suites import Suite
 
 MESSAGE = 7  # tokens of a new message
@@ -117,7 +117,7 @@ def prefix_path(llm, reference, suite: Suite, g: Gates) -> tuple[list[Check], di
 
 
 def _drive_requests(llm, prompts: list[list[int]], gen_n: int) -> tuple[_Run, list]:
-    """`paths._drive`, also returning each prompt's Request (its cached-token count)."""
+    """`path_runs._drive`, also returning each prompt's Request (its cached-token count)."""
     preempted_at: list[dict[int, int]] = [{} for _ in prompts]
     reqs: list = [None] * len(prompts)
 

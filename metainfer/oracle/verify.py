@@ -34,7 +34,8 @@ from metainfer.oracle.compare import (
 )
 from metainfer.oracle.engine_runs import GreedyRun, greedy_batch, sample_batch, score_batch
 from metainfer.oracle.layers import layer_checks
-from metainfer.oracle.paths import coverage, path_checks, stats_snapshot
+from metainfer.oracle.path_runs import coverage, stats_snapshot
+from metainfer.oracle.paths import path_checks
 from metainfer.oracle.precision import reference_logits, reference_logits_batch
 from metainfer.oracle.reference import Reference
 from metainfer.oracle.sampling import sampling_checks

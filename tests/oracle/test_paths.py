@@ -14,7 +14,7 @@ import torch
 from metainfer.engine.engine import LLMEngine
 from metainfer.engine.executors import DecodeExecutor, EagerExecutor
 from metainfer.engine.scheduler import Scheduler
-from metainfer.oracle import paths
+from metainfer.oracle import path_runs, paths
 from metainfer.oracle.compare import GATES, row_stats
 from metainfer.oracle.engine_runs import greedy_batch
 
@@ -49,9 +49,9 @@ def _failed(checks: dict) -> set[str]:
 
 
 def test_honest_engine_passes_every_path_and_coverage_is_filled(tiny):
-    before = paths.stats_snapshot(tiny.llm)
+    before = path_runs.stats_snapshot(tiny.llm)
     checks, figures = _run(tiny)
-    cov = paths.coverage(before, dict(tiny.llm.engine.stats))
+    cov = path_runs.coverage(before, dict(tiny.llm.engine.stats))
     assert not _failed(checks)
     # no spec: not speculative; prefix: prefix caching is on by default
     assert {n.split(".")[1] for n in checks} == {"alone", "mixed", "preempt", "prefix"}
@@ -66,24 +66,24 @@ def test_fresh_prompts_per_path(tiny):
     """Seeded from the suite's seed and the path's name: never the suite's prompts, never shared."""
     suite = tiny.suite
     tags = ("alone", "mixed", "preempt", "spec")
-    streams = {tag: paths._ids(17, 512, paths._gen(suite, tag)) for tag in tags}
+    streams = {tag: path_runs._ids(17, 512, path_runs._gen(suite, tag)) for tag in tags}
     assert len({tuple(v) for v in streams.values()}) == len(streams)
     assert not {tuple(v) for v in streams.values()} & {p.token_ids for p in suite.prompts}
-    assert streams["alone"] == paths._ids(17, 512, paths._gen(suite, "alone"))  # deterministic
+    assert streams["alone"] == path_runs._ids(17, 512, path_runs._gen(suite, "alone"))  # deterministic
 
 
 def test_coverage_needs_a_snapshot_and_keeps_the_outer_peaks(tiny):
     stats = dict(tiny.llm.engine.stats)
-    if any(stats[k] for k in paths.PEAKS):
+    if any(stats[k] for k in path_runs.PEAKS):
         with pytest.raises(ValueError, match="stats_snapshot"):
-            paths.coverage(stats, stats)
-    before = paths.stats_snapshot(tiny.llm)
+            path_runs.coverage(stats, stats)
+    before = path_runs.stats_snapshot(tiny.llm)
     greedy_batch(tiny.llm, [[1, 2, 3], [4, 5]], 3)
     outer = tiny.llm.engine.stats["max_position"]
-    with paths._window(tiny.llm) as inner:
+    with path_runs._window(tiny.llm) as inner:
         greedy_batch(tiny.llm, [[7]], 2)
     assert inner["max_position"] == 2 and inner["max_decode_batch"] == 1 and inner["lone_prefill_steps"] == 1
-    cov = paths.coverage(before, dict(tiny.llm.engine.stats))
+    cov = path_runs.coverage(before, dict(tiny.llm.engine.stats))
     assert cov["max_position"] == outer == 5 and cov["max_decode_batch"] == 2  # the window kept them
 
 
