@@ -28,10 +28,11 @@ class Settings:
 
     fp8_tuned: Path | None = None
     """METAINFER_FP8_TUNED: a JSON {"configs": {key: config}} whose keys override the committed
-    weight-streaming table (kernels/fp8_skinny_h200.json): a sweep's output, tried before it is committed."""
+    weight-streaming table (kernels/fp8_skinny_<gpu>.json, else _h200): a sweep's output, tried before it is
+    committed."""
 
     moe_tuned: Path | None = None
-    """METAINFER_MOE_TUNED: the same for the experts' table (kernels/moe_pair_h200.json)."""
+    """METAINFER_MOE_TUNED: the same for the experts' table (kernels/moe_pair_<gpu>.json, else _h200)."""
 
     triton_interpret: bool = False
     """TRITON_INTERPRET: Triton's own switch: kernels run on its CPU interpreter (tests, CPU runs)."""

@@ -3,6 +3,8 @@ interpreter switch, the SM count and the measured-config tables."""
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 import torch
@@ -35,18 +37,43 @@ def num_sms(device: torch.device) -> int:
     return _NUM_SMS[device]
 
 
-_TUNED: dict[tuple[str, Path | None], dict[str, dict]] = {}
+_TUNED: dict[tuple[str, Path | None, str | None], dict[str, dict]] = {}
+DEPLOYMENT_GPU = "h200"  # the committed tables' GPU, used on a GPU that has none of its own
 
 
-def load_tuned(committed: str, override: Path | None) -> dict[str, dict]:
-    """Measured kernel configs: the committed H200 table `committed` (next to this file), each key
-    overridden by the JSON file `override` (same format: {"configs": {key: config}}). Cached."""
-    key = (committed, override)
+def gpu_slug(name: str) -> str:
+    """A GPU's part of a tuned table's file name: its first two words without the vendor's,
+    lowercased ("NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100_80gb")."""
+    vendor = ("nvidia", "tesla", "geforce")
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in vendor]
+    return "_".join(words[:2]) or "gpu"
+
+
+def tuned_table_file(family: str, gpu: str | None) -> Path:
+    """The committed table of `family` (e.g. "fp8_skinny") for the GPU named `gpu`: its own table when one
+    is committed, else the deployment GPU's."""
+    here = Path(__file__).parent
+    own = here / f"{family}_{gpu_slug(gpu)}.json" if gpu else None
+    return own if own is not None and own.is_file() else here / f"{family}_{DEPLOYMENT_GPU}.json"
+
+
+@functools.cache
+def _gpu_name() -> str | None:
+    """This process's GPU (one engine, one GPU), asked once."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def load_tuned(family: str, override: Path | None) -> dict[str, dict]:
+    """Measured kernel configs: the committed table of `family` for this process's GPU
+    (`tuned_table_file`), each key overridden by the JSON file `override` (same format:
+    {"configs": {key: config}}). Cached."""
+    gpu = _gpu_name()
+    key = (family, override, gpu)
     if key not in _TUNED:
         import json
 
         table: dict[str, dict] = {}
-        for f in (Path(__file__).with_name(committed), override):
+        for f in (tuned_table_file(family, gpu), override):
             if f is not None and f.is_file():
                 table.update(json.loads(f.read_text()).get("configs", {}))
         _TUNED[key] = table

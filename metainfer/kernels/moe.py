@@ -233,11 +233,12 @@ def _routed_down_kernel(
 
 # ---- launchers -----------------------------------------------------------------------------------
 def pair_config(T: int, fp8: bool = False) -> dict:
-    """Tiles of the per-pair path: the H200 table's (moe_pair_h200.json, key "fp8,T" / "bf16,T"), else the
-    heuristic (8-row gate/up blocks up to 4 tokens, 16 past them). DOWN: "rows" = per-pair down programs +
-    combine (parallel over pairs), "fused" = one program per (token, H-block) looping over the slots;
-    DOWN_WARPS / PRELOAD_BLOCK_H: the routed down kernel's warps and rows a program."""
-    hit = load_tuned("moe_pair_h200.json", settings().moe_tuned).get(f"{'fp8' if fp8 else 'bf16'},{T}")
+    """Tiles of the per-pair path: the GPU's table's (moe_pair_<gpu>.json, else _h200; key "fp8,T" /
+    "bf16,T"), else the heuristic (8-row gate/up blocks up to 4 tokens, 16 past them). DOWN: "rows" =
+    per-pair down programs + combine (parallel over pairs), "fused" = one program per (token, H-block)
+    looping over the slots; DOWN_WARPS / PRELOAD_BLOCK_H: the routed down kernel's warps and rows a
+    program."""
+    hit = load_tuned("moe_pair", settings().moe_tuned).get(f"{'fp8' if fp8 else 'bf16'},{T}")
     if hit is not None:  # measured (benchmarks/sweep_decode_kernels.py); MMA = the tensor-core variant
         return dict(hit)
     return dict(BLOCK_I=8 if T <= 4 else 16, BLOCK_H=32, BLOCK_K=128, STAGES=4, num_warps=2, DOWN="rows")

@@ -280,7 +280,7 @@ def grouped_config(T: int, top_k: int, E: int, fp8: bool = False) -> dict:
     FP8)."""
     key = grouped_key(T, top_k, E, fp8)
     bm = int(key.rsplit(":", 1)[1])
-    hit = load_tuned("moe_pair_h200.json", settings().moe_tuned).get(key)
+    hit = load_tuned("moe_pair", settings().moe_tuned).get(key)
     if hit is not None:  # measured per M-block size (benchmarks/sweep_decode_kernels.py --grouped-tokens)
         return dict(hit)
     if bm == 16:

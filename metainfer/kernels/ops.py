@@ -38,6 +38,13 @@ def kernels_enabled() -> bool:
     return _ENABLED
 
 
+def gpu_slug(name: str) -> str:
+    """A GPU's part of a tuned table's file name (`kernels.common.gpu_slug`), for writers of tables."""
+    from metainfer.kernels import common
+
+    return common.gpu_slug(name)
+
+
 def has_kernel(name: str) -> bool:
     return _ENABLED and name in _KERNELS
 

@@ -303,7 +303,7 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
 def tuned_table() -> dict[str, dict]:
     """Weight-streaming configs: FP8 keyed "N,K,T", unquantised (`dense_linear`) "bf16:N,K,T"
     (benchmarks/sweep_decode_kernels.py)."""
-    return load_tuned("fp8_skinny_h200.json", settings().fp8_tuned)
+    return load_tuned("fp8_skinny", settings().fp8_tuned)
 
 
 def stream_config(T: int, N: int, K: int, fp8: bool, device: torch.device) -> dict | None:

@@ -9,7 +9,6 @@ metainfer/kernels/fp8_skinny_<gpu>.json, keyed "N,K,T" (the format `weight_strea
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 from pathlib import Path
 
@@ -17,9 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def gpu_slug(gpu: str) -> str:
-    """ "NVIDIA H200" -> "h200": the GPU part of a tuned table's file name."""
-    words = [w for w in re.split(r"[^a-z0-9]+", gpu.lower()) if w and w not in ("nvidia", "tesla", "geforce")]
-    return "_".join(words[:2]) or "gpu"
+    """ "NVIDIA H200" -> "h200": the GPU part of a tuned table's file name, as the kernels read it."""
+    from metainfer.kernels import ops
+
+    return ops.gpu_slug(gpu)
 
 
 class Fp8Skinny:

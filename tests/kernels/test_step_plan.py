@@ -6,6 +6,7 @@ of the registry's kernels)."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -394,3 +395,23 @@ def test_layers_of_a_kind_share_their_plan_weights():
         for layer in [*m.layers, *m.mtp.layers]:
             kinds.setdefault(layer.layer_type, set()).add(layer.plan_weights())
         assert all(len(v) == 1 for v in kinds.values()), kinds
+
+
+def test_tuned_tables_are_picked_by_gpu_name(tmp_path, monkeypatch):
+    """A GPU's own committed table when there is one, else the deployment GPU's (H200)."""
+    from metainfer.kernels import common
+
+    assert common.gpu_slug("NVIDIA H200") == ops.gpu_slug("NVIDIA H200") == "h200"
+    assert common.gpu_slug("NVIDIA H100 80GB HBM3") == "h100_80gb"
+    here = Path(common.__file__).parent
+    assert common.tuned_table_file("moe_pair", "NVIDIA H200") == here / "moe_pair_h200.json"
+    assert common.tuned_table_file("moe_pair", None) == here / "moe_pair_h200.json"
+    assert common.tuned_table_file("moe_pair", "NVIDIA B200") == here / "moe_pair_h200.json"  # no own
+    (tmp_path / "fam_b200.json").write_text('{"configs": {"k": {"X": 2}}}')
+    (tmp_path / "fam_h200.json").write_text('{"configs": {"k": {"X": 1}}}')
+    monkeypatch.setattr(common, "__file__", str(tmp_path / "common.py"))
+    assert common.tuned_table_file("fam", "NVIDIA B200") == tmp_path / "fam_b200.json"
+    monkeypatch.setattr(common, "_gpu_name", lambda: "NVIDIA B200")
+    assert common.load_tuned("fam", None) == {"k": {"X": 2}}
+    monkeypatch.setattr(common, "_gpu_name", lambda: "NVIDIA H200")
+    assert common.load_tuned("fam", None) == {"k": {"X": 1}}
