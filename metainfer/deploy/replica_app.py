@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from metainfer.deploy.spec import DeploySpec
@@ -36,6 +35,7 @@ def llm_app(spec: DeploySpec, cpus: float) -> ReplicaApp:
     from metainfer.engine.engine import LLMEngine
     from metainfer.engine.runner import resolve_device
     from metainfer.server.api import build_app, make_context
+    from metainfer.server.serving import generation_dir
 
     ecfg = EngineConfig(**spec.engine)
     cpu_threads = None
@@ -43,12 +43,7 @@ def llm_app(spec: DeploySpec, cpus: float) -> ReplicaApp:
         cpu_threads = max(1, int(cpus))
         torch.set_num_threads(1)
     engine = LLMEngine(ecfg, progress=False)
-    if spec.generation_config == "vllm":
-        gen_dir = None
-    elif spec.generation_config == "auto":
-        gen_dir = engine.source.config_path.parent
-    else:
-        gen_dir = Path(spec.generation_config).expanduser()
+    gen_dir = generation_dir(spec.generation_config, engine.source.config_path.parent)
     names = list(spec.served_model_names)
     ctx = make_context(engine, names, gen_dir, spec.max_logprobs, cpu_threads, spec.reasoning_parser)
     app = build_app(ctx, api_key=spec.api_key, shutdown_timeout=spec.shutdown_timeout)

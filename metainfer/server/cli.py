@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from metainfer.generate_cli import add_engine_args, engine_kwargs
@@ -93,14 +92,6 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return [args.model or "default"]
 
 
-def generation_dir(setting: str, model_dir: Path) -> Path | None:
-    if setting == "vllm":
-        return None
-    if setting == "auto":
-        return model_dir
-    return Path(setting).expanduser()
-
-
 def make_server(
     app: Any, engine: Any, host: str, port: int, shutdown_timeout: float, **uvicorn_kwargs: Any
 ) -> Any:
@@ -165,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     from metainfer.config import EngineConfig
     from metainfer.engine.engine import LLMEngine
     from metainfer.server.api import build_app, make_context
+    from metainfer.server.serving import generation_dir
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if args.model_tag:

@@ -31,6 +31,16 @@ LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
+def generation_dir(setting: str, model_dir: Path) -> Path | None:
+    """--generation-config: "auto" -> the model's folder, "vllm" -> None (vLLM's own defaults), else that
+    folder."""
+    if setting == "vllm":
+        return None
+    if setting == "auto":
+        return model_dir
+    return Path(setting).expanduser()
+
+
 def load_generation_defaults(model_dir: Path | None) -> dict[str, float]:
     """Sampling defaults from the model's generation_config.json (vLLM's `--generation-config auto`)."""
     if model_dir is None:

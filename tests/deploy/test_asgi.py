@@ -73,7 +73,7 @@ def test_a_consumer_that_leaves_aborts_its_requests() -> None:
         assert b"data: " in await gen.__anext__()
         assert ctx.engine.snapshot.num_inflight == 1
         await gen.aclose()
-        for _ in range(200):
+        for _ in range(750):  # up to 15 s on a loaded machine
             if ctx.engine.snapshot.num_inflight == 0 and not engine.has_unfinished():
                 break
             await asyncio.sleep(0.02)

@@ -19,9 +19,8 @@ import openai
 import pytest
 
 from metainfer.cli import build_parser
-from metainfer.server.cli import generation_dir
 from metainfer.server.protocol import CompletionRequest
-from metainfer.server.serving import ServingContext, load_generation_defaults
+from metainfer.server.serving import ServingContext, generation_dir, load_generation_defaults
 from tests.server.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
