@@ -19,6 +19,8 @@
 #      current one (H100: 216.8 -> 212.5 us, 282.8 -> 277.9 us a layer): the step's gap to its byte floor is in
 #      the launches between kernels (569 a step at batch 32), the dense FP8 GEMMs at M = 32 (cuBLAS, 1.05 ms of
 #      12.3) and the gate/up kernel's ~75 % of peak bandwidth; measure ideas there on an H100 (relative).
+#      The issue's table in one call: DTYPE=fp8 MORE_CONCS="8 64" POISSON_RATE=3 bash benchmarks/gpu_serve.sh
+#      (c = 1 / 8 / 32 / 64, idle TTFT, 256 Poisson arrivals; P99 ITL in each JSON), then DTYPE=bfloat16 (c = 32).
 #   6. structured outputs' cost: gpu_serve.sh's c=32 FP8 run, then the same with bench serve --extra-body
 #      '{"guided_json": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}'
 #      on the same warm card (target: <= 5 % output tok/s).
