@@ -93,6 +93,7 @@ def _check_tamper(it: dict, recs: dict, path: str) -> None:
     assert r.status == "reverted" and r.oracle["passed"] is None and path in r.lesson
 
 
+@pytest.mark.slow  # ~60 s on two cores; the issue sequence below (also slow) covers it too
 def test_fix_accepted_tamper_rejected_crash_logged(tmp_path, monkeypatch):
     state, recs, slow = _play(tmp_path, monkeypatch, [FIX, RELAX_GATE, CRASH])
     _check_fix(state, recs, slow)
