@@ -21,6 +21,10 @@
 #      12.3) and the gate/up kernel's ~75 % of peak bandwidth; measure ideas there on an H100 (relative).
 #      The issue's table in one call: DTYPE=fp8 MORE_CONCS="8 64" POISSON_RATE=3 bash benchmarks/gpu_serve.sh
 #      (c = 1 / 8 / 32 / 64, idle TTFT, 256 Poisson arrivals; P99 ITL in each JSON), then DTYPE=bfloat16 (c = 32).
+#      The server's share: with an instant scripted engine (CPU, 32 streams of 1,024 tokens) the event loop spends
+#      ~50 us of Python and one send syscall per streamed token (32 a step at c = 32), and Python's default 5 ms GIL
+#      switch interval can hold the engine thread's next launch behind it: TAG=si05 SWITCH_INTERVAL=0.0005
+#      bash benchmarks/gpu_serve.sh against the default on the same warm card (c = 32 output tok/s, P99 ITL).
 #   6. structured outputs' cost: gpu_serve.sh's c=32 FP8 run, then the same with bench serve --extra-body
 #      '{"guided_json": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}'
 #      on the same warm card (target: <= 5 % output tok/s).

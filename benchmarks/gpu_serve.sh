@@ -11,7 +11,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 DT=${DTYPE:-fp8}
 TG=$DT${TAG:-}
 CFG=metainfer/configs/qwen3.6-35b-a3b.json
-python -m metainfer.cli serve --model dummy:$CFG --dtype $DT --device cuda --port 8000 --max-num-seqs 64 \
+# SWITCH_INTERVAL: the server process's GIL switch interval (sys.setswitchinterval; Python's default 5 ms), an A/B
+SERVE=(python -m metainfer.cli)
+[[ -n ${SWITCH_INTERVAL:-} ]] && SERVE=(python -c "import sys; sys.setswitchinterval($SWITCH_INTERVAL); \
+from metainfer.cli import main; sys.exit(main(sys.argv[1:]))")
+"${SERVE[@]}" serve --model dummy:$CFG --dtype $DT --device cuda --port 8000 --max-num-seqs 64 \
   --max-model-len 4096 --served-model-name qwen3.6-35b-a3b ${SERVE_ARGS:-} > $OUT/server_$TG.log 2>&1 &
 SERVER=$!
 for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
