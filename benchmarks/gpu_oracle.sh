@@ -3,14 +3,25 @@
 # weights) for each precision of $PRECISIONS (default "fp8 bfloat16"), verdict JSON and log under $OUT,
 # then one summary line per precision (checks failed, noise ratios, worst layer, coverage, timing).
 #   PRECISIONS="fp8" bash benchmarks/gpu_oracle.sh          # OUT defaults to out/oracle
+#   HALF=1 SUITE=quick bash benchmarks/gpu_oracle.sh        # a 20-layer full-width config: fits an H100
 set -u
 OUT=${OUT:-out/oracle}
 MODEL=${MODEL:-dummy:metainfer/configs/qwen3.6-35b-a3b.json}
+if [[ -n ${HALF:-} ]]; then  # HALF=1: the first 20 of the 40 layers at full width (engine + reference fit an H100)
+  python - <<'EOF2'
+import json
+c = json.load(open("metainfer/configs/qwen3.6-35b-a3b.json"))
+t = c["text_config"]
+t["num_hidden_layers"], t["layer_types"] = 20, t["layer_types"][:20]
+json.dump(c, open("/tmp/half.json", "w"))
+EOF2
+  MODEL=dummy:/tmp/half.json
+fi
 LIMIT=${LIMIT:-280}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 for dt in ${PRECISIONS:-fp8 bfloat16}; do
-  timeout "$LIMIT" python -m metainfer.cli verify --model "$MODEL" --dtype "$dt" --device cuda --suite full \
+  timeout "$LIMIT" python -m metainfer.cli verify --model "$MODEL" --dtype "$dt" --device cuda --suite ${SUITE:-full} \
     --json "$OUT/verify_$dt.json" 2>&1 | grep -v "falling back" > "$OUT/verify_$dt.log"
   echo "[$dt] exit ${PIPESTATUS[0]}"
   tail -n 60 "$OUT/verify_$dt.log" | grep -E "FAIL|Traceback|Error|error:" | head -20

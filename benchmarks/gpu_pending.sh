@@ -2,7 +2,10 @@
 # On the H200: the switches built but not yet measured, and the judgement runs after them, in as few calls as
 # possible (OUT set; .whl carried). PHASES picks the parts, each well under the 10-minute call limit.
 #
-# FIRST, before any phase below (each needs an H200: run with needs_h200; the engine and its reference do not
+# FIRST (an H100 will do, ~3 min warm): HALF=1 SUITE=quick LIMIT=200 bash benchmarks/gpu_oracle.sh: the oracle's three
+# GPU fixes (the sampler's noise below 1, the layer hook on expert rows, the snapshot pool sized to the suite) on a
+# 20-layer full-width config in BF16 and FP8; its last run stopped at the device limit before a verdict.
+# THEN, before any phase below (each needs an H200: run with needs_h200; the engine and its reference do not
 # fit 80 GiB), one whole call each:
 #   1. PRECISIONS=fp8 LIMIT=560 bash benchmarks/gpu_oracle.sh       the hardened oracle has not yet completed on
 #   2. PRECISIONS=bfloat16 LIMIT=560 bash benchmarks/gpu_oracle.sh  the full model (at half depth on an H100 its
