@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from metainfer.config import EngineConfig
@@ -102,6 +103,18 @@ def live_server(engine: Any, **context: Any) -> Iterator[LiveServer]:
         srv.should_exit = True
         thread.join(30)
     assert not ctx.engine.alive
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    """The official client on the shared server (a test module may define its own)."""
+    c = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+    yield c
+    c.close()
+
+
+def n_tokens(server: LiveServer, text: str) -> int:
+    return len(server.engine.tokenizer.encode(text))
 
 
 @pytest.fixture

@@ -5,28 +5,16 @@ tokens in a stream, echo, user, usage in streams (include_usage, continuous_usag
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
 from metainfer.engine.request import SamplingParams
-from tests.server.conftest import MODEL_NAME, LiveServer
+from tests.server.conftest import MODEL_NAME, LiveServer, n_tokens
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 CHAT = [{"role": "user", "content": "Say hello."}]
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
-def n_tokens(server: LiveServer, text: str) -> int:
-    return len(server.engine.tokenizer.encode(text))
 
 
 def greedy_tokens(client: openai.OpenAI, prompt: str, n: int) -> tuple[str, list[int], list[str], list[int]]:

@@ -3,27 +3,14 @@ strings, seeds, n, logprobs, echo; plus /v1/models, /tokenize, /detokenize and /
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
-import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, n_tokens
 
 CHAT = [{"role": "user", "content": "Say hello."}]
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
-def n_tokens(server: LiveServer, text: str) -> int:
-    return len(server.engine.tokenizer.encode(text))
 
 
 def test_completion_usage_and_finish(client: openai.OpenAI, server: LiveServer) -> None:
