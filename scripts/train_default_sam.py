@@ -197,12 +197,16 @@ def main() -> None:
                 f"step {step} {time.time() - t0:.0f}s lr {lr:.2e} loss {loss.item():.3f} ({desc})", flush=True
             )
         if step % 500 == 0:
-            save_checkpoint(model, out)
+            save_checkpoint(model, out, torch.bfloat16)
             print(
                 f"eval at step {step}: {json.dumps(evaluate(model, tok, args.seed + 20_000, 40, SIZE))}",
                 flush=True,
             )
-    save_checkpoint(model, out)
+    save_checkpoint(model, out, torch.bfloat16)  # bf16 weights: half the bytes, the same held-out figures
+    with torch.no_grad():  # the evaluation sees the weights as shipped
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(t.bfloat16())
     result = evaluate(model, tok, args.seed + 10_000, args.eval_scenes, SIZE)
     result.update(steps=step, minutes=round((time.time() - t0) / 60, 1), seed=args.seed)
     print(json.dumps(result), flush=True)
